@@ -1,0 +1,29 @@
+# Two entry points: `make demo` (set up + run the main job on the embedded default)
+# and `make test` (set up + run the whole test suite). Both create their own venv.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench clean
+
+$(STAMP): pyproject.toml scripts/install_torch.sh
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	bash scripts/install_torch.sh $(BIN)/pip $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/fidelity demo --out reports
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+bench: $(STAMP)
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""fidelity package."""

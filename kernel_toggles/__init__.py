@@ -1,0 +1,1 @@
+"""kernel_toggles package."""

@@ -1,0 +1,356 @@
+"""The golden DeepSeek-V4 forward (research §5), one sequence at a time, layer by layer.
+
+`Model.extend(tokens, state)` runs any number of new tokens on top of `state` (prefill
+from empty, chunked prefill, or a one-token decode step): the same code path, so decode
+equals prefill by construction of the state, not by a second implementation. Memory is
+linear in context: queries are processed in chunks and attention only ever gathers the
+window plus the selected (CSA) or visible (HCA) compressed rows.
+
+Layer-major API for lockstep runners: `embed`, then `layer(i, ...)`, then `head`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import primitives as P
+from .config import ModelConfig
+from .numerics import Numerics
+from .taps import Taps
+from .weights import WeightSource
+
+
+class InputError(ValueError):
+    """Bad tokens or prompt length."""
+
+
+# ---- per-layer state ------------------------------------------------------------------
+@dataclass
+class CompressorState:
+    """Partial-window state of a compressor: rows of the unfinished group (score already
+    has `ape` added) and, for the overlapping ratio-4 compressor, the last complete group."""
+    pending_kv: torch.Tensor | None = None
+    pending_score: torch.Tensor | None = None
+    prev_kv: torch.Tensor | None = None
+    prev_score: torch.Tensor | None = None
+    n_groups: int = 0
+
+
+@dataclass
+class LayerState:
+    window_kv: torch.Tensor | None = None          # last (window-1) KV rows, oldest first
+    comp_kv: torch.Tensor | None = None            # compressed entries [n, head_dim]
+    comp: CompressorState = field(default_factory=CompressorState)
+    index_keys: torch.Tensor | None = None         # indexer keys [n, index_head_dim]
+    index_comp: CompressorState = field(default_factory=CompressorState)
+
+
+@dataclass
+class SequenceState:
+    layers: list[LayerState]
+    pos: int = 0                                   # tokens already processed
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig) -> "SequenceState":
+        return cls([LayerState() for _ in range(cfg.n_layers)])
+
+
+def _cat(a, b):
+    return b if a is None else torch.cat([a, b], 0)
+
+
+class Model:
+    def __init__(self, weights: WeightSource, numerics: Numerics | None = None,
+                 chunk_tokens: int = 2048, attn_budget: int = 1 << 25):
+        self.cfg = weights.cfg
+        self.weights = weights
+        self.nx = numerics or Numerics("reference")
+        self.chunk_tokens = chunk_tokens           # tokens per layer pass (chunked prefill)
+        self.attn_budget = attn_budget             # max elements gathered per attention step
+        self._rope_cache: dict = {}
+
+    # ---- public API ---------------------------------------------------------------------
+    def new_state(self) -> SequenceState:
+        return SequenceState.empty(self.cfg)
+
+    def check_tokens(self, tokens: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        if not isinstance(tokens, torch.Tensor):
+            tokens = torch.as_tensor(tokens)
+        if tokens.dim() != 1:
+            raise InputError(f"tokens must be a 1-D sequence of ids, got shape {tuple(tokens.shape)}")
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"tokens must be integer ids, got dtype {tokens.dtype}")
+        if tokens.numel() == 0:
+            raise InputError("empty token sequence")
+        bad = (tokens < 0) | (tokens >= self.cfg.vocab_size)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise InputError(f"token id {int(tokens[i])} at index {i} is out of range "
+                             f"[0, vocab_size={self.cfg.vocab_size})")
+        end = state.pos + tokens.numel()
+        if end > self.cfg.max_seq_len:
+            raise InputError(f"sequence of {end} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+        return tokens.long()
+
+    def extend(self, tokens, state: SequenceState | None = None, logits: str = "last",
+               taps: Taps | None = None, phase: str | None = None):
+        """Run new tokens; returns (logits, state). logits: 'last', 'all' or 'none'."""
+        state = state or self.new_state()
+        tokens = self.check_tokens(tokens, state)
+        if phase is None:
+            phase = "decode" if state.pos > 0 and tokens.numel() == 1 else "prefill"
+        H = self.embed(tokens, taps)
+        for i in range(self.cfg.n_layers):
+            H = self.layer(i, H, tokens, state, taps, phase)
+        out = None
+        if logits != "none":
+            out = self.head(H if logits == "all" else H[-1:], taps)
+        state.pos += tokens.numel()
+        return out, state
+
+    def prefill_logits(self, tokens, taps: Taps | None = None) -> torch.Tensor:
+        """Logits for every position of a prompt, from an empty state."""
+        return self.extend(tokens, None, "all", taps)[0]
+
+    # ---- layer-major pieces -------------------------------------------------------------
+    def embed(self, tokens, taps: Taps | None = None) -> torch.Tensor:
+        e = self.weights.global_weights()["embed.weight"][tokens]
+        H = self.nx.rs(e).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
+        if taps:
+            taps.put("embed", H[:, 0])
+        return H
+
+    def layer(self, i: int, H, tokens, state: SequenceState, taps: Taps | None = None,
+              phase: str = "prefill") -> torch.Tensor:
+        """Block i over the new tokens (positions state.pos ...); updates state.layers[i]."""
+        w = self.weights.layer_weights(i)
+        out = []
+        for a in range(0, H.shape[0], self.chunk_tokens):
+            b = min(a + self.chunk_tokens, H.shape[0])
+            out.append(self._block(i, w, H[a:b], tokens[a:b], state.layers[i], state.pos + a,
+                                   taps, phase))
+        H = torch.cat(out, 0)
+        if taps:
+            taps.put(f"layers.{i}.out", H)
+        return H
+
+    def head(self, H, taps: Taps | None = None) -> torch.Tensor:
+        g = self.weights.global_weights()
+        cfg, nx = self.cfg, self.nx
+        x = nx.hc_head(H, g["hc_head_fn"], g["hc_head_scale"], g["hc_head_base"], cfg)
+        x = nx.rms_norm(x, g["norm.weight"], cfg.norm_eps)
+        if taps:
+            taps.put("final_hidden", x)
+        logits = nx.lm_head(x, g["head.weight"])
+        if taps:
+            taps.put("logits", logits)
+        return logits
+
+    # ---- block ----------------------------------------------------------------------------
+    def _block(self, i, w, H, tokens, st: LayerState, pos0: int, taps, phase):
+        cfg, nx = self.cfg, self.nx
+        t = (lambda name, v: taps.put(f"layers.{i}.{name}", v)) if taps else None
+        x, post, comb = nx.hc_pre(H, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], cfg)
+        if t:
+            t("hc_attn.post", post), t("hc_attn.comb", comb)
+        x = nx.rms_norm(x, w["attn_norm.weight"], cfg.norm_eps)
+        a = self._attention(i, w, x, st, pos0, t, phase)
+        if t:
+            t("attn.out", a)
+        H = nx.hc_post(a, H, post, comb)
+        x, post, comb = nx.hc_pre(H, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], cfg)
+        if t:
+            t("hc_ffn.post", post), t("hc_ffn.comb", comb)
+        x = nx.rms_norm(x, w["ffn_norm.weight"], cfg.norm_eps)
+        f = self._moe(i, w, x, tokens, t)
+        if t:
+            t("ffn.out", f)
+        return nx.hc_post(f, H, post, comb)
+
+    # ---- attention ------------------------------------------------------------------------
+    def _rope(self, ratio: int, positions: torch.Tensor) -> torch.Tensor:
+        key = ratio != 0
+        if key not in self._rope_cache:
+            self._rope_cache[key] = self.nx.rope_inv_freq(self.cfg, ratio)
+        return P.rope_table(positions, self._rope_cache[key].to(positions.device))
+
+    def _rope_apply(self, x, table, inverse=False):
+        """RoPE on the tail of bf16 x computed in fp32, written back as bf16."""
+        return self.nx.rs(P.apply_rope(x, table, inverse))
+
+    def _attention(self, i, w, x, st: LayerState, pos0, t, phase):
+        cfg, nx = self.cfg, self.nx
+        n = x.shape[0]
+        ratio = cfg.compress_ratios[i]
+        pos = torch.arange(pos0, pos0 + n, device=x.device)
+        table = self._rope(ratio, pos)
+
+        qr = nx.rms_norm(nx.fp8_linear(x, w["attn.wq_a.weight"]), w["attn.q_norm.weight"], cfg.norm_eps)
+        q = nx.fp8_linear(qr, w["attn.wq_b.weight"]).view(n, cfg.n_heads, cfg.head_dim)
+        q = nx.q_head_rescale(q, cfg.norm_eps)
+        q = self._rope_apply(q, table)
+
+        kvn = P.rms_norm(nx.fp8_linear(x, w["attn.wkv.weight"]), w["attn.kv_norm.weight"],
+                         cfg.norm_eps, nx.cd)
+        nope = cfg.nope_head_dim
+        kv = torch.cat([nx.kv_store(kvn[:, :nope]),
+                        self._rope_apply(nx.rs(kvn[:, nope:]), table)], -1)
+        if t:
+            t("attn.q", q), t("attn.kv", kv)
+
+        topk = None
+        if ratio:
+            new = self._compress(x, w, "attn.compressor.", ratio, cfg.head_dim, st.comp, pos0,
+                                 kind="kv")
+            st.comp_kv = _cat(st.comp_kv, new) if new.shape[0] else (
+                st.comp_kv if st.comp_kv is not None else new)
+            if t and new.shape[0]:
+                t("attn.compressed_kv", new)
+        if ratio == 4:
+            topk = self._indexer(w, x, qr, st, pos0, table, t)
+
+        prev = st.window_kv
+        n_prev = 0 if prev is None else prev.shape[0]
+        rows = kv if prev is None else torch.cat([prev, kv], 0)
+        n_comp = 0 if st.comp_kv is None else st.comp_kv.shape[0]
+        if n_comp:
+            rows = torch.cat([rows, st.comp_kv], 0)
+        comp_off = n_prev + n
+        idx = self._attn_indices(pos, pos0, n_prev, comp_off, ratio, topk, n_comp)
+        o = torch.empty_like(q)
+        step = max(1, self.attn_budget // max(1, idx.shape[1] * cfg.head_dim))
+        scale = cfg.head_dim ** -0.5
+        for a in range(0, n, step):
+            o[a:a + step] = nx.sparse_attention(q[a:a + step], rows, w["attn.attn_sink"],
+                                                idx[a:a + step], scale, phase)
+        o = self._rope_apply(o, table, inverse=True)
+        # keep the last window-1 rows for the next chunk / decode step
+        keep = cfg.window_size - 1
+        allw = kv if prev is None else torch.cat([prev, kv], 0)
+        st.window_kv = allw[-keep:].clone() if keep > 0 else allw[:0]
+
+        g = cfg.o_groups
+        wo_a = w["attn.wo_a.weight"].view(g, cfg.o_lora_rank, -1)
+        u = nx.wo_a(o.reshape(n, g, -1), wo_a)
+        return nx.fp8_linear(u.reshape(n, -1), w["attn.wo_b.weight"])
+
+    def _attn_indices(self, pos, pos0, n_prev, comp_off, ratio, topk, n_comp):
+        """Row indices into [window rows | new rows | compressed rows] for each query;
+        -1 = empty. Window: positions t-W+1..t. CSA: the indexer's picks; HCA: all
+        compressed entries j < (t+1)//ratio."""
+        W = self.cfg.window_size
+        dev = pos.device
+        off = torch.arange(-(W - 1), 1, device=dev)                      # [W]
+        wpos = pos.unsqueeze(1) + off                                     # absolute positions
+        widx = wpos - (pos0 - n_prev)
+        widx = torch.where(wpos >= 0, widx, torch.full_like(widx, -1))
+        parts = [widx]
+        if ratio == 4 and topk is not None:
+            parts.append(torch.where(topk >= 0, topk + comp_off, topk))
+        elif ratio and n_comp:
+            j = torch.arange(n_comp, device=dev).unsqueeze(0)
+            vis = j < ((pos + 1) // ratio).unsqueeze(1)
+            parts.append(torch.where(vis, j + comp_off, torch.full_like(j, -1)).expand(len(pos), -1))
+        return torch.cat(parts, 1)
+
+    # ---- compressor -----------------------------------------------------------------------
+    def _compress(self, x, w, prefix, ratio, d, cs: CompressorState, pos0, kind):
+        """Feed new tokens to a compressor; returns the entries of groups completed now
+        (post-processed: norm, RoPE at the group's first position, then the kind's store)."""
+        cfg, nx = self.cfg, self.nx
+        n = x.shape[0]
+        kv, score = nx.compressor_proj(x, w[prefix + "wkv.weight"], w[prefix + "wgate.weight"])
+        ape = w[prefix + "ape"].to(nx.cd)
+        score = score + ape[(torch.arange(pos0, pos0 + n, device=x.device) % ratio)]
+        kv, score = nx.compress_state(kv, score)
+        kv, score = _cat(cs.pending_kv, kv), _cat(cs.pending_score, score)
+        g = kv.shape[0] // ratio
+        cs.pending_kv, cs.pending_score = kv[g * ratio:], score[g * ratio:]
+        if g == 0:
+            return kv.new_zeros(0, d)
+        gkv = kv[: g * ratio].view(g, ratio, -1)
+        gsc = score[: g * ratio].view(g, ratio, -1)
+        if ratio == 4:                       # overlapping: previous group's [0:d] + current [d:2d]
+            if cs.prev_kv is None:
+                pkv0 = gkv.new_zeros(1, ratio, 2 * d)
+                psc0 = gsc.new_full((1, ratio, 2 * d), float("-inf"))
+            else:
+                pkv0, psc0 = cs.prev_kv.unsqueeze(0), cs.prev_score.unsqueeze(0)
+            pkv = torch.cat([pkv0, gkv[:-1]], 0)
+            psc = torch.cat([psc0, gsc[:-1]], 0)
+            ckv = torch.cat([pkv[..., :d], gkv[..., d:]], 1)
+            csc = torch.cat([psc[..., :d], gsc[..., d:]], 1)
+            cs.prev_kv, cs.prev_score = gkv[-1], gsc[-1]
+        else:
+            ckv, csc = gkv, gsc
+        pooled = nx.compress_pool(ckv, csc)                                   # [g, d]
+        first = (cs.n_groups + torch.arange(g, device=x.device)) * ratio
+        cs.n_groups += g
+        normed = P.rms_norm(nx.rs(pooled), w[prefix + "norm.weight"], cfg.norm_eps, nx.cd)
+        table = self._rope(ratio, first)
+        r = cfg.rope_head_dim
+        if kind == "kv":
+            return torch.cat([nx.kv_store(normed[:, :-r]),
+                              self._rope_apply(nx.rs(normed[:, -r:]), table)], -1)
+        k = self._rope_apply(nx.rs(normed), table)
+        return nx.index_key_store(k)
+
+    # ---- lightning indexer ----------------------------------------------------------------
+    def _indexer(self, w, x, qr, st: LayerState, pos0, table, t):
+        cfg, nx = self.cfg, self.nx
+        n = x.shape[0]
+        h, d = cfg.index_n_heads, cfg.index_head_dim
+        q = nx.fp8_linear(qr, w["attn.indexer.wq_b.weight"]).view(n, h, d)
+        q = nx.index_query(self._rope_apply(q, table))
+        new = self._compress(x, w, "attn.indexer.compressor.", 4, d, st.index_comp, pos0, kind="index")
+        if new.shape[0]:
+            st.index_keys = _cat(st.index_keys, new)
+        wts = nx.bf16_linear(x, w["attn.indexer.weights_proj.weight"])
+        wts = nx.rs(wts * (d ** -0.5 * h ** -0.5))
+        keys = st.index_keys
+        n_keys = 0 if keys is None else keys.shape[0]
+        # fixed width index_topk (-1 padded) so picks of different chunks line up
+        out = torch.full((n, cfg.index_topk), -1, dtype=torch.long, device=x.device)
+        if n_keys == 0:
+            return out
+        pos = torch.arange(pos0, pos0 + n, device=x.device)
+        visible = (pos + 1) // 4
+        k = min(cfg.index_topk, n_keys)
+        step = max(1, self.attn_budget // max(1, h * n_keys))
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            s = nx.index_scores(q[a:b], keys, wts[a:b])
+            cols = torch.arange(n_keys, device=x.device)
+            s = s.masked_fill(cols.unsqueeze(0) >= visible[a:b].unsqueeze(1), float("-inf"))
+            out[a:b, :k] = nx.index_topk(s, k)
+        if t:
+            t("attn.index.topk", out)
+        return out
+
+    # ---- MoE ------------------------------------------------------------------------------
+    def _moe(self, i, w, x, tokens, t):
+        cfg, nx = self.cfg, self.nx
+        scores = nx.moe_gate(x, w["ffn.gate.weight"], cfg.score_func)
+        if cfg.is_hash_layer(i):
+            idx = w["ffn.gate.tid2eid"][tokens].long()
+        else:
+            idx = torch.topk(scores + w["ffn.gate.bias"].to(scores.dtype), cfg.n_activated_experts,
+                             dim=-1).indices
+        weights = nx.route_weights(scores.gather(-1, idx), cfg.route_scale,
+                                   renormalize=cfg.score_func != "softmax")
+        if t:
+            t("ffn.router.experts", idx), t("ffn.router.weights", weights)
+        y = torch.zeros(x.shape[0], cfg.dim, dtype=nx.cd, device=x.device)
+        for e in range(cfg.n_routed_experts):
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            p = f"ffn.experts.{e}."
+            y[tok] += nx.expert_ffn(x[tok], w[p + "w1.weight"], w[p + "w3.weight"],
+                                    w[p + "w2.weight"], weights[tok, slot], cfg.swiglu_limit)
+        shared = None
+        if cfg.n_shared_experts:
+            p = "ffn.shared_experts."
+            shared = nx.expert_ffn(x, w[p + "w1.weight"], w[p + "w3.weight"], w[p + "w2.weight"],
+                                   None, cfg.swiglu_limit)
+        return nx.moe_combine(y, shared)

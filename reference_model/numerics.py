@@ -1,0 +1,279 @@
+"""The kernel seam: every numerically sensitive step of the forward is a method here.
+
+`Numerics("reference")` is DeepSeek's reference semantics (research §4, §7): bf16 storage
+between ops, FP8 activation quantisation in front of FP8/FP4 GEMMs, FP8 KV grid on the
+nope dims, Hadamard + FP4 indexer, bf16 indexer scores. `Numerics("exact")` is the same
+math in fp32 (or fp64) with no simulated quantisation: the noise floor.
+
+Tensors travel between kernels in the compute dtype (fp32/fp64) holding values already
+rounded to the storage dtype (bf16 in `reference`), which equals what bf16 kernels with fp32
+accumulation produce, up to summation order. Engine toggles (kernel_toggles/) replace
+methods via `Numerics.with_kernels`, so one set of weights serves every arm."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from . import primitives as P
+from . import quant as Q
+
+# Names of the replaceable kernels (the seam). Toggles may only replace these.
+KERNELS = (
+    "fp8_linear", "bf16_linear", "rms_norm", "q_head_rescale", "rope_inv_freq",
+    "kv_store", "compressor_proj", "compress_state", "compress_pool",
+    "index_query", "index_key_store", "index_scores", "index_topk",
+    "sparse_attention", "wo_a", "hc_pre", "hc_post", "hc_head",
+    "moe_gate", "route_weights", "expert_ffn", "moe_combine", "lm_head",
+)
+
+PROFILES = ("reference", "exact")
+
+
+class Numerics:
+    def __init__(self, profile: str = "reference", exact_dtype: torch.dtype = torch.float32):
+        if profile not in PROFILES:
+            raise ValueError(f"unknown numerics profile {profile!r}; valid: {', '.join(PROFILES)}")
+        self.profile = profile
+        self.quant = profile == "reference"
+        self.cd = torch.float32 if profile == "reference" else exact_dtype
+        self.sd = torch.bfloat16 if profile == "reference" else exact_dtype
+        self.replaced: dict[str, str] = {}          # kernel -> name of the replacement
+
+    def __repr__(self):
+        extra = f", replaced={sorted(self.replaced)}" if self.replaced else ""
+        return f"Numerics({self.profile!r}, compute={self.cd}{extra})"
+
+    # ---- seam mechanics -----------------------------------------------------------------
+    def with_kernels(self, label: str = "custom", **fns) -> "Numerics":
+        """A copy where each named kernel is replaced by `fn(golden, *args, **kw)`;
+        `golden` is this (unreplaced-by-this-call) Numerics, so a replacement can fall back."""
+        unknown = sorted(set(fns) - set(KERNELS))
+        if unknown:
+            raise KeyError(f"unknown kernel(s) {unknown}; valid: {', '.join(KERNELS)}")
+        new = copy.copy(self)
+        new.replaced = dict(self.replaced)
+        base = self
+        for name, fn in fns.items():
+            def bound(*a, _fn=fn, **k):
+                return _fn(base, *a, **k)
+            setattr(new, name, bound)
+            new.replaced[name] = label
+        return new
+
+    def rs(self, x: torch.Tensor) -> torch.Tensor:
+        """Round to the storage dtype, return in compute dtype."""
+        if self.sd == self.cd:
+            return x.to(self.cd)
+        return x.to(self.sd).to(self.cd)
+
+    def c(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.cd)
+
+    # ---- GEMMs --------------------------------------------------------------------------
+    def fp8_linear(self, x, w):
+        """FP8/FP4-weight GEMM: FP8 act-quant (1×128, ue8m0) of the bf16 input, fp32
+        accumulate, bf16 output. `w` holds the dequantised weight values."""
+        if self.quant:
+            x = Q.fp8_qdq(x, 128)
+        return self.rs(self.c(x) @ self.c(w).T)
+
+    def bf16_linear(self, x, w):
+        """Plain bf16 GEMM (e.g. `weights_proj`): fp32 accumulate, bf16 out."""
+        return self.rs(self.c(x) @ self.c(w).T)
+
+    def rms_norm(self, x, w, eps):
+        """RMSNorm in fp32 with the fp32 weight, one cast at the end."""
+        return self.rs(P.rms_norm(x, w, eps, self.cd))
+
+    def q_head_rescale(self, q, eps):
+        """Per-head unweighted RMS rescale of q, done in bf16 tensor arithmetic."""
+        if not self.quant:
+            return q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)
+        r = self.rs
+        ms = r(r(q * q).mean(-1, keepdim=True))
+        return r(q * r(torch.rsqrt(r(ms + eps))))
+
+    def rope_inv_freq(self, cfg, ratio: int):
+        """Per-layer-type RoPE: window-only layers base `rope_theta` without YaRN; compressed
+        layers `compress_rope_theta` with YaRN."""
+        dt = torch.float32 if self.cd == torch.float32 else torch.float64
+        if ratio == 0:
+            return P.rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta, dtype=dt)
+        return P.rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.rope_factor,
+                               cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow, dtype=dt)
+
+    # ---- KV and compressor --------------------------------------------------------------
+    def kv_store(self, nope):
+        """Window/compressed KV latent, non-RoPE dims: bf16 then FP8 e4m3 round trip in 1×64
+        blocks with ue8m0 scales (QAT simulation of the current reference revision).
+        Input is the fp32 RMSNorm output before its bf16 cast."""
+        nope = self.rs(nope)
+        return Q.fp8_qdq(nope, 64).to(self.cd) if self.quant else nope
+
+    def compressor_proj(self, x, wkv, wgate):
+        """Compressor kv/score projections: fp32 GEMM of the bf16 input with fp32 weights."""
+        cd = self.cd
+        return x.to(cd) @ wkv.to(cd).T, x.to(cd) @ wgate.to(cd).T
+
+    def compress_state(self, kv, score):
+        """Rows as held in the compressor's partial-window state (fp32 in the reference)."""
+        return kv, score
+
+    def compress_pool(self, kv, score):
+        """Gated pooling: softmax over the candidate tokens per channel (fp32).
+        kv, score [groups, tokens, d] -> [groups, d]."""
+        w = torch.softmax(score, dim=1)
+        return (w * kv).sum(1)
+
+    # ---- lightning indexer --------------------------------------------------------------
+    def index_query(self, q):
+        """Indexer query after RoPE: Hadamard (bf16 out) then FP4 round trip (1×32, ue8m0)."""
+        if not self.quant:
+            return P.hadamard(q, self.cd)
+        return Q.fp4_qdq(self.rs(P.hadamard(q, self.cd)), 32)
+
+    def index_key_store(self, k):
+        """Indexer key after norm + RoPE: Hadamard then FP4 round trip, kept as bf16."""
+        return self.index_query(k)
+
+    def index_scores(self, q, keys, w):
+        """score[t, T] = Σ_h relu(q[t,h]·k[T]) · w[t,h]; every step rounded to bf16 in the
+        reference. q [c,h,d], keys [n,d], w [c,h] -> [c,n]."""
+        r = self.rs
+        s = r(torch.einsum("chd,nd->chn", self.c(q), self.c(keys)))
+        s = r(s.relu() * w.unsqueeze(-1))
+        return r(s.sum(1))
+
+    def index_topk(self, scores, k: int):
+        """Top-k of each row (-inf = not visible); ties broken by the lower index. Returns
+        indices [c, k] with -1 where fewer than k entries are visible."""
+        return topk_lowest_index_ties(scores, k)
+
+    # ---- attention ----------------------------------------------------------------------
+    def sparse_attention(self, q, kv, sink, idx, scale, phase="prefill"):
+        """One softmax over the gathered rows plus a per-head sink in the denominator.
+        q [c,H,D], kv [N,D] (K = V), sink [H], idx [c,k] (-1 = empty) -> [c,H,D].
+        Scores and softmax fp32; probabilities rounded to bf16 before P·V (fp32 accumulate);
+        the max is taken over the selected rows (the TileLang kernel's online rescaling only
+        changes where bf16 rounding of P happens)."""
+        valid = idx >= 0
+        rows = self.c(kv)[idx.clamp(min=0)]                                # [c,k,D]
+        s = torch.einsum("chd,ckd->chk", self.c(q), rows) * scale
+        s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        p = torch.exp(s - m)
+        denom = p.sum(-1, keepdim=True) + torch.exp(sink.to(self.cd).view(1, -1, 1) - m)
+        o = torch.einsum("chk,ckd->chd", self.rs(p), rows) / denom
+        return self.rs(o)
+
+    def wo_a(self, o, w):
+        """Grouped low-rank output projection, a bf16 einsum: o [c,g,in], w [g,r,in] -> [c,g,r]."""
+        return self.rs(torch.einsum("cgd,grd->cgr", self.c(o), self.c(w)))
+
+    # ---- mHC ----------------------------------------------------------------------------
+    def _hc_mixes(self, X, fn, eps):
+        Xc = self.c(X)
+        r = torch.rsqrt(Xc.square().mean(-1, keepdim=True) + eps)
+        return (Xc @ fn.to(self.cd).T) * r
+
+    def hc_pre(self, H, fn, scale, base, cfg):
+        """mHC pre: fp32 GEMM of the flattened stream, Sinkhorn, weighted collapse.
+        H [n,hc,d] -> (x [n,d], post [n,hc], comb [n,hc,hc])."""
+        n, hc, d = H.shape
+        mixes = self._hc_mixes(H.reshape(n, hc * d), fn, cfg.norm_eps)
+        pre, post, comb = sinkhorn_split(mixes, scale.to(self.cd), base.to(self.cd), hc,
+                                         cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        x = self.rs((pre.unsqueeze(-1) * self.c(H)).sum(1))
+        return x, post, comb
+
+    def hc_post(self, a, H, post, comb):
+        """H_new[k] = post_k·a + Σ_j comb[j,k]·H[j] in fp32, one bf16 cast."""
+        Hc = self.c(H)
+        mixed = torch.einsum("njk,njd->nkd", comb.to(self.cd), Hc)
+        return self.rs(post.to(self.cd).unsqueeze(-1) * self.c(a).unsqueeze(1) + mixed)
+
+    def hc_head(self, H, fn, scale, base, cfg):
+        """Final collapse of the stream: sigmoid pre-weights only (no Sinkhorn)."""
+        n, hc, d = H.shape
+        mixes = self._hc_mixes(H.reshape(n, hc * d), fn, cfg.norm_eps)
+        pre = torch.sigmoid(mixes * scale.to(self.cd) + base.to(self.cd)) + cfg.hc_eps
+        return self.rs((pre.unsqueeze(-1) * self.c(H)).sum(1))
+
+    # ---- MoE ----------------------------------------------------------------------------
+    def moe_gate(self, x, w, score_func):
+        """Router scores: fp32 logits of the bf16 input, then the score function."""
+        logits = self.c(x) @ w.to(self.cd).T
+        if score_func == "sqrtsoftplus":
+            return F.softplus(logits).sqrt()
+        if score_func == "sigmoid":
+            return logits.sigmoid()
+        return logits.softmax(-1)
+
+    def route_weights(self, picked_scores, route_scale, renormalize=True):
+        """Unbiased scores of the chosen experts, renormalised, times route_scale (fp32)."""
+        w = picked_scores
+        if renormalize:
+            w = w / w.sum(-1, keepdim=True)
+        return w * route_scale
+
+    def expert_ffn(self, x, w1, w3, w2, weight, limit):
+        """SwiGLU expert: asymmetric clamp (up in [-l,l], gate <= l), routing weight applied
+        to the fp32 intermediate before w2; bf16 output. `weight` [n] or None (shared)."""
+        g = self.fp8_linear(x, w1)
+        u = self.fp8_linear(x, w3)
+        if limit > 0:
+            u = u.clamp(-limit, limit)
+            g = g.clamp(max=limit)
+        h = F.silu(g) * u
+        if weight is not None:
+            h = weight.to(self.cd).unsqueeze(-1) * h
+        return self.fp8_linear(self.rs(h), w2)
+
+    def moe_combine(self, routed_sum, shared):
+        """Routed outputs were summed in fp32 (expert-index order); add the shared expert in
+        fp32, cast once."""
+        y = routed_sum if shared is None else routed_sum + shared
+        return self.rs(y)
+
+    # ---- head ---------------------------------------------------------------------------
+    def lm_head(self, x, w):
+        """fp32 logits: bf16 hidden times the fp32 head weight."""
+        cd = torch.float32 if self.cd == torch.float32 else self.cd
+        return x.to(cd) @ w.to(cd).T
+
+
+def sinkhorn_split(mixes, scale, base, hc: int, iters: int, eps: float):
+    """`hc_split_sinkhorn` (research §4.8): pre = sigmoid + eps, post = 2·sigmoid,
+    comb = softmax(rows) + eps, one column normalisation, then iters-1 row/column pairs.
+    comb[.., j, k]: j = source stream, k = destination."""
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    c = mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]
+    c = c.unflatten(-1, (hc, hc))
+    c = torch.softmax(c, dim=-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return pre, post, c
+
+
+def topk_lowest_index_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Deterministic top-k set per row: everything above the k-th value, then the
+    lowest-index entries equal to it. Indices come back in ascending position order (the
+    set is what matters to attention); -1 marks picks whose score is -inf (not visible)."""
+    n = scores.shape[-1]
+    k = min(k, n)
+    if k == 0:
+        return torch.empty(*scores.shape[:-1], 0, dtype=torch.long, device=scores.device)
+    cut = torch.topk(scores, k, dim=-1).values[..., -1:]
+    gt = scores > cut
+    eq = scores == cut
+    need = k - gt.sum(-1, keepdim=True)
+    sel = gt | (eq & (eq.cumsum(-1) <= need))
+    pos = torch.arange(n, device=scores.device).expand_as(scores)
+    idx = torch.masked_select(pos, sel).view(*scores.shape[:-1], k)
+    picked = torch.gather(scores, -1, idx)
+    return torch.where(torch.isneginf(picked), torch.full_like(idx, -1), idx)

@@ -1,0 +1,86 @@
+"""Small numerical primitives of the reference forward: RMSNorm in the reference's cast
+order, the normalised Walsh–Hadamard matrix, RoPE tables (per-layer-type theta, YaRN
+without amplitude factor) and interleaved partial RoPE with its inverse (research §4.4–4.6).
+
+Functions take a `round_fn` where the reference rounds to bf16, so the same code serves the
+`reference` profile (bf16 rounding) and the `exact` profile (identity)."""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+             compute_dtype=torch.float32) -> torch.Tensor:
+    """w · (x · rsqrt(mean(x²) + eps)), all in compute dtype; the caller casts once after.
+    (HF-style "cast the normalised x to bf16, then multiply by w" differs by one rounding.)"""
+    xf = x.to(compute_dtype)
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight.to(compute_dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard_cpu(n: int) -> torch.Tensor:
+    if n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:                                   # Sylvester construction
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def hadamard_matrix(n: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """Normalised Sylvester (natural-order) Walsh–Hadamard matrix, H·Hᵀ = I."""
+    return _hadamard_cpu(n).to(dtype=dtype, device=device)
+
+
+def hadamard(x: torch.Tensor, compute_dtype=torch.float32) -> torch.Tensor:
+    """`rotate_activation`: x @ H/sqrt(d) on the last dim (H is symmetric)."""
+    return x.to(compute_dtype) @ hadamard_matrix(x.shape[-1], compute_dtype, x.device)
+
+
+# ---- RoPE -----------------------------------------------------------------------------
+def rope_inv_freq(rope_dim: int, base: float, factor: float = 1.0, original_seq_len: int = 0,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0,
+                  dtype=torch.float32) -> torch.Tensor:
+    """Per-pair frequencies of `precompute_freqs_cis` (fp32 like the reference, or fp64 for
+    the exact profile); YaRN when original_seq_len > 0. YaRN here only re-mixes
+    frequencies: no mscale, amplitude stays exactly 1."""
+    i = torch.arange(0, rope_dim, 2, dtype=dtype)
+    freqs = 1.0 / (base ** (i / rope_dim))
+    if original_seq_len > 0:
+        def corr_dim(rot):
+            return rope_dim * math.log(original_seq_len / (rot * 2 * math.pi)) / (2 * math.log(base))
+        low = max(math.floor(corr_dim(beta_fast)), 0)
+        high = min(math.ceil(corr_dim(beta_slow)), rope_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(rope_dim // 2, dtype=dtype) - low) / (high - low)).clamp(0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / factor * (1 - smooth) + freqs * smooth
+    return freqs
+
+
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """complex [n, rope_dim/2]: polar(1, t·f), angles in inv_freq's dtype (fp32 in the reference)."""
+    ang = torch.outer(positions.to(inv_freq.dtype), inv_freq)
+    return torch.polar(torch.ones_like(ang), ang)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the LAST table.shape[-1]*2 dims of x as adjacent (interleaved) pairs.
+    x [..., n, (heads,) d]; table [n, r/2] broadcast over the head axis if x has one.
+    Returns a new tensor in x's dtype; the rotation itself is computed in fp32 (or fp64)."""
+    r = table.shape[-1] * 2
+    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    tail = x[..., -r:].to(cd)
+    t = table.to(torch.complex128 if cd == torch.float64 else torch.complex64)
+    if inverse:
+        t = t.conj()
+    while t.dim() < tail.dim():
+        t = t.unsqueeze(-2)
+    z = torch.view_as_complex(tail.unflatten(-1, (-1, 2)).contiguous()) * t
+    rot = torch.view_as_real(z).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-r], rot], dim=-1)

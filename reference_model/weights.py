@@ -1,0 +1,92 @@
+"""Weights as the forward consumes them, keyed by DeepSeek-native names.
+
+A weight source hands out the global tensors and one layer at a time (names with the
+`layers.{i}.` prefix stripped), so a streamed checkpoint and an in-memory dict look the
+same to the model. Quantised weights are held dequantised (bf16 is exact for e4m3 × 2^k
+and e2m1 × 2^k), everything else in its checkpoint dtype."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from . import quant as Q
+from .config import ModelConfig
+from .specs import BF16, F32, FP4, FP8, I64, all_specs, global_specs, layer_specs
+
+
+class WeightSource(Protocol):
+    cfg: ModelConfig
+
+    def global_weights(self) -> dict[str, torch.Tensor]: ...
+
+    def layer_weights(self, i: int) -> dict[str, torch.Tensor]: ...
+
+
+class InMemoryWeights:
+    """All weights in one dict of full native names."""
+
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+        self.cfg = cfg
+        self.tensors = tensors
+        self._globals = {s.name: tensors[s.name] for s in global_specs(cfg)}
+        self._layers = []
+        for i in range(cfg.n_layers):
+            p = f"layers.{i}."
+            self._layers.append({s.name[len(p):]: tensors[s.name] for s in layer_specs(cfg, i)})
+
+    def global_weights(self):
+        return self._globals
+
+    def layer_weights(self, i):
+        return self._layers[i]
+
+    def to(self, device) -> "InMemoryWeights":
+        return InMemoryWeights(self.cfg, {k: v.to(device) for k, v in self.tensors.items()})
+
+
+def _init_value(spec, g: torch.Generator, cfg: ModelConfig) -> torch.Tensor:
+    """Random values with a sane scale per tensor kind (so activations stay O(1))."""
+    name, shape = spec.name, spec.shape
+    if spec.fmt == I64:                                     # tid2eid: distinct experts per token
+        rows = [torch.randperm(cfg.n_routed_experts, generator=g)[: shape[1]] for _ in range(shape[0])]
+        return torch.stack(rows).to(torch.int64)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    if name.endswith("_scale"):
+        return 0.5 + torch.rand(shape, generator=g)
+    if name.endswith("_base"):
+        return 0.5 * torch.randn(shape, generator=g)
+    if name.endswith("_fn"):
+        return torch.randn(shape, generator=g) * (0.5 / shape[1] ** 0.5)
+    if name.endswith("attn_sink"):
+        return torch.randn(shape, generator=g)
+    if name.endswith("ape"):
+        return 0.5 * torch.randn(shape, generator=g)
+    if name.endswith("gate.bias"):
+        return 0.1 * torch.randn(shape, generator=g)
+    if name == "embed.weight":
+        return torch.randn(shape, generator=g)
+    return torch.randn(shape, generator=g) / shape[-1] ** 0.5     # linear [out, in]
+
+
+def to_grid(spec, w: torch.Tensor) -> torch.Tensor:
+    """Put a float tensor onto its checkpoint format's grid, as held in memory."""
+    if spec.fmt == FP8:
+        q, s = Q.quantize_fp8_weight(w)
+        return Q.dequant_fp8_weight(q, s).to(torch.bfloat16)
+    if spec.fmt == FP4:
+        q, s = Q.quantize_fp4_weight(w)
+        return (q * s.repeat_interleave(32, -1)).to(torch.bfloat16)
+    if spec.fmt == BF16:
+        return w.to(torch.bfloat16)
+    if spec.fmt == F32:
+        return w.to(torch.float32)
+    return w
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0) -> InMemoryWeights:
+    """Deterministic random weights for any config, already on the checkpoint grids."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {s.name: to_grid(s, _init_value(s, g, cfg)) for s in all_specs(cfg)}
+    return InMemoryWeights(cfg, tensors)
