@@ -23,7 +23,7 @@ from . import quant as Q
 KERNELS = (
     "fp8_linear", "bf16_linear", "rms_norm", "q_head_rescale", "rope_inv_freq",
     "kv_store", "compressor_proj", "compress_state", "compress_pool",
-    "index_query", "index_key_store", "index_scores", "index_topk",
+    "index_rotate", "index_query", "index_key_store", "index_scores", "index_topk",
     "sparse_attention", "wo_a", "hc_pre", "hc_post", "hc_head",
     "moe_gate", "route_weights", "expert_ffn", "moe_combine", "lm_head",
 )
@@ -32,13 +32,24 @@ PROFILES = ("reference", "exact")
 
 
 class Numerics:
-    def __init__(self, profile: str = "reference", exact_dtype: torch.dtype = torch.float32):
+    def __init__(self, profile: str = "reference", compute_dtype: torch.dtype | None = None):
+        """`reference`: bf16 storage, computed in fp64 by default ("wide accumulation": every
+        step the reference does in fp32 is done in fp64 and rounded to fp32 where the
+        reference stores fp32). This makes the golden deterministic and invariant to
+        chunking and batch shape (decode equals prefill bit for bit), which fp32 GEMMs with
+        shape-dependent blocking are not. `compute_dtype=torch.float32` gives the faster
+        fp32-accumulation variant. `exact`: no simulated quantisation, fp32 (default) or
+        fp64 throughout."""
         if profile not in PROFILES:
             raise ValueError(f"unknown numerics profile {profile!r}; valid: {', '.join(PROFILES)}")
         self.profile = profile
         self.quant = profile == "reference"
-        self.cd = torch.float32 if profile == "reference" else exact_dtype
-        self.sd = torch.bfloat16 if profile == "reference" else exact_dtype
+        if profile == "reference":
+            self.cd = compute_dtype or torch.float64
+            self.sd = torch.bfloat16
+        else:
+            self.cd = compute_dtype or torch.float32
+            self.sd = self.cd
         self.replaced: dict[str, str] = {}          # kernel -> name of the replacement
 
     def __repr__(self):
@@ -67,6 +78,12 @@ class Numerics:
         if self.sd == self.cd:
             return x.to(self.cd)
         return x.to(self.sd).to(self.cd)
+
+    def r32(self, x: torch.Tensor) -> torch.Tensor:
+        """Round to fp32 where the reference stores fp32 (a no-op in the exact profile)."""
+        if not self.quant or self.cd == torch.float32:
+            return x.to(self.cd)
+        return x.float().to(self.cd)
 
     def c(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.cd)
@@ -115,28 +132,36 @@ class Numerics:
     def compressor_proj(self, x, wkv, wgate):
         """Compressor kv/score projections: fp32 GEMM of the bf16 input with fp32 weights."""
         cd = self.cd
-        return x.to(cd) @ wkv.to(cd).T, x.to(cd) @ wgate.to(cd).T
+        return self.r32(x.to(cd) @ wkv.to(cd).T), self.r32(x.to(cd) @ wgate.to(cd).T)
 
     def compress_state(self, kv, score):
         """Rows as held in the compressor's partial-window state (fp32 in the reference)."""
-        return kv, score
+        return self.r32(kv), self.r32(score)
 
     def compress_pool(self, kv, score):
         """Gated pooling: softmax over the candidate tokens per channel (fp32).
         kv, score [groups, tokens, d] -> [groups, d]."""
         w = torch.softmax(score, dim=1)
-        return (w * kv).sum(1)
+        return self.r32((w * kv).sum(1))
 
     # ---- lightning indexer --------------------------------------------------------------
+    def index_rotate(self, x, kind: str):
+        """Hadamard rotation of the indexer query (kind 'q') or key ('k'), unrounded. Its
+        own kernel so engine toggles can drop it on one or both sides (vLLM #55459,
+        ROCm/ATOM #1507) while keeping their own quantiser."""
+        return P.hadamard(x, self.cd)
+
     def index_query(self, q):
         """Indexer query after RoPE: Hadamard (bf16 out) then FP4 round trip (1×32, ue8m0)."""
         if not self.quant:
-            return P.hadamard(q, self.cd)
-        return Q.fp4_qdq(self.rs(P.hadamard(q, self.cd)), 32)
+            return self.index_rotate(q, "q")
+        return Q.fp4_qdq(self.rs(self.index_rotate(q, "q")), 32)
 
     def index_key_store(self, k):
         """Indexer key after norm + RoPE: Hadamard then FP4 round trip, kept as bf16."""
-        return self.index_query(k)
+        if not self.quant:
+            return self.index_rotate(k, "k")
+        return Q.fp4_qdq(self.rs(self.index_rotate(k, "k")), 32)
 
     def index_scores(self, q, keys, w):
         """score[t, T] = Σ_h relu(q[t,h]·k[T]) · w[t,h]; every step rounded to bf16 in the
@@ -182,9 +207,9 @@ class Numerics:
         """mHC pre: fp32 GEMM of the flattened stream, Sinkhorn, weighted collapse.
         H [n,hc,d] -> (x [n,d], post [n,hc], comb [n,hc,hc])."""
         n, hc, d = H.shape
-        mixes = self._hc_mixes(H.reshape(n, hc * d), fn, cfg.norm_eps)
-        pre, post, comb = sinkhorn_split(mixes, scale.to(self.cd), base.to(self.cd), hc,
-                                         cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        mixes = self.r32(self._hc_mixes(H.reshape(n, hc * d), fn, cfg.norm_eps))
+        pre, post, comb = (self.r32(t) for t in sinkhorn_split(
+            mixes, scale.to(self.cd), base.to(self.cd), hc, cfg.hc_sinkhorn_iters, cfg.hc_eps))
         x = self.rs((pre.unsqueeze(-1) * self.c(H)).sum(1))
         return x, post, comb
 
@@ -197,26 +222,26 @@ class Numerics:
     def hc_head(self, H, fn, scale, base, cfg):
         """Final collapse of the stream: sigmoid pre-weights only (no Sinkhorn)."""
         n, hc, d = H.shape
-        mixes = self._hc_mixes(H.reshape(n, hc * d), fn, cfg.norm_eps)
-        pre = torch.sigmoid(mixes * scale.to(self.cd) + base.to(self.cd)) + cfg.hc_eps
+        mixes = self.r32(self._hc_mixes(H.reshape(n, hc * d), fn, cfg.norm_eps))
+        pre = self.r32(torch.sigmoid(mixes * scale.to(self.cd) + base.to(self.cd)) + cfg.hc_eps)
         return self.rs((pre.unsqueeze(-1) * self.c(H)).sum(1))
 
     # ---- MoE ----------------------------------------------------------------------------
     def moe_gate(self, x, w, score_func):
         """Router scores: fp32 logits of the bf16 input, then the score function."""
-        logits = self.c(x) @ w.to(self.cd).T
+        logits = self.r32(self.c(x) @ w.to(self.cd).T)
         if score_func == "sqrtsoftplus":
-            return F.softplus(logits).sqrt()
+            return self.r32(F.softplus(logits).sqrt())
         if score_func == "sigmoid":
-            return logits.sigmoid()
-        return logits.softmax(-1)
+            return self.r32(logits.sigmoid())
+        return self.r32(logits.softmax(-1))
 
     def route_weights(self, picked_scores, route_scale, renormalize=True):
         """Unbiased scores of the chosen experts, renormalised, times route_scale (fp32)."""
         w = picked_scores
         if renormalize:
             w = w / w.sum(-1, keepdim=True)
-        return w * route_scale
+        return self.r32(w * route_scale)
 
     def expert_ffn(self, x, w1, w3, w2, weight, limit):
         """SwiGLU expert: asymmetric clamp (up in [-l,l], gate <= l), routing weight applied
@@ -240,8 +265,8 @@ class Numerics:
     # ---- head ---------------------------------------------------------------------------
     def lm_head(self, x, w):
         """fp32 logits: bf16 hidden times the fp32 head weight."""
-        cd = torch.float32 if self.cd == torch.float32 else self.cd
-        return x.to(cd) @ w.to(cd).T
+        logits = self.c(x) @ w.to(self.cd).T
+        return logits.float() if self.quant else logits
 
 
 def sinkhorn_split(mixes, scale, base, hc: int, iters: int, eps: float):
@@ -264,6 +289,7 @@ def topk_lowest_index_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Deterministic top-k set per row: everything above the k-th value, then the
     lowest-index entries equal to it. Indices come back in ascending position order (the
     set is what matters to attention); -1 marks picks whose score is -inf (not visible)."""
+    scores = scores.nan_to_num(nan=float("-inf"))     # a NaN score can never be selected
     n = scores.shape[-1]
     k = min(k, n)
     if k == 0:

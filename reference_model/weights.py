@@ -90,3 +90,14 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> InMemoryWeights:
     g = torch.Generator().manual_seed(seed)
     tensors = {s.name: to_grid(s, _init_value(s, g, cfg)) for s in all_specs(cfg)}
     return InMemoryWeights(cfg, tensors)
+
+
+_MEM_DTYPE = {FP8: torch.bfloat16, FP4: torch.bfloat16, BF16: torch.bfloat16,
+              F32: torch.float32, I64: torch.int64}
+
+
+def meta_weights(cfg: ModelConfig) -> InMemoryWeights:
+    """Every tensor of the config on the meta device (shapes and dtypes, no storage):
+    builds the full 284B-parameter Flash model without memory."""
+    return InMemoryWeights(cfg, {s.name: torch.empty(s.shape, dtype=_MEM_DTYPE[s.fmt], device="meta")
+                                 for s in all_specs(cfg)})
