@@ -8,6 +8,8 @@ import sys
 
 # subcommand name -> module under fidelity.commands
 COMMANDS = {
+    "ab": "ab",
+    "check": "check",
     "demo": "demo",
 }
 

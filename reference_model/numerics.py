@@ -77,7 +77,8 @@ class Numerics:
         """Round to the storage dtype, return in compute dtype."""
         if self.sd == self.cd:
             return x.to(self.cd)
-        return x.to(self.sd).to(self.cd)
+        # via fp32, like the reference (fp32 result, then the bf16 cast); also the fast path
+        return x.float().to(self.sd).float().to(self.cd)
 
     def r32(self, x: torch.Tensor) -> torch.Tensor:
         """Round to fp32 where the reference stores fp32 (a no-op in the exact profile)."""
@@ -289,7 +290,9 @@ def topk_lowest_index_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Deterministic top-k set per row: everything above the k-th value, then the
     lowest-index entries equal to it. Indices come back in ascending position order (the
     set is what matters to attention); -1 marks picks whose score is -inf (not visible)."""
-    scores = scores.nan_to_num(nan=float("-inf"))     # a NaN score can never be selected
+    # a NaN score can never be selected; (nan_to_num alone would also turn -inf into the
+    # finite dtype minimum, and invisible picks would no longer come back as -1)
+    scores = scores.masked_fill(scores.isnan(), float("-inf"))
     n = scores.shape[-1]
     k = min(k, n)
     if k == 0:

@@ -1,0 +1,55 @@
+"""`fidelity ab`: the main command (golden vs engine numerics, drift report)."""
+from __future__ import annotations
+
+import sys
+
+HELP = "A/B: golden vs engine numerics layer by layer, attribution to toggles, report."
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"--lengths expects comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(p):
+    p.add_argument("--checkpoint", help="DeepSeek-native checkpoint dir (default: embedded tiny model)")
+    p.add_argument("--arms", action="append", metavar="ARM",
+                   help="an arm in DSV4_FIDELITY_ARM syntax, e.g. 'engine,routed_scaling_double' "
+                        "(repeatable; default: each optimization, engine, engine minus each)")
+    p.add_argument("--base", default="engine", help="arm whose leave-one-out is computed (default engine)")
+    p.add_argument("--mode", choices=("propagated", "isolated"), default="propagated")
+    p.add_argument("--lengths", type=_ints, default=(256, 1024), help="prompt lengths, e.g. 256,1024")
+    p.add_argument("--prompts-per-length", type=int, default=3)
+    p.add_argument("--decode-steps", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shapley-top", type=int, default=4,
+                   help="exact Shapley over this many most effective toggles (factorial stage; 0 = off)")
+    p.add_argument("--n-boot", type=int, default=1000)
+    p.add_argument("--floor-k", type=float, default=2.0, help="first divergence: drift > k × floor")
+    p.add_argument("--keep", action="append", default=[], metavar="TAP",
+                   help="also save these taps' full tensors (glob, e.g. 'layers.3.attn.*')")
+    p.add_argument("--out", default="reports", help="reports directory")
+    p.add_argument("--run-id", help="report folder name (default: ab-<timestamp>)")
+
+
+def run(args) -> int:
+    from fidelity.ab import ABSettings, run_ab
+    from fidelity.weights_source import load_weights
+
+    weights, label = load_weights(args.checkpoint)
+    settings = ABSettings(arms=args.arms, base=args.base, mode=args.mode, lengths=args.lengths,
+                          prompts_per_length=args.prompts_per_length, decode_steps=args.decode_steps,
+                          seed=args.seed, shapley_top=args.shapley_top, n_boot=args.n_boot,
+                          floor_k=args.floor_k, keep=tuple(args.keep), checkpoint=label)
+    try:
+        res = run_ab(weights, settings, args.out, args.run_id,
+                     progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except ValueError as e:              # unknown arm/toggle, bad parameters
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(res["verdict"]["sentence"])
+    print(res["summary"].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    print(f"report: {res['path']}")
+    return 0

@@ -1,0 +1,200 @@
+"""Lockstep runner: every arm runs layer i before any arm runs layer i+1, so each layer's
+weights are fetched once (a streamed checkpoint holds one layer at a time) and metrics
+for layer i are reduced against golden before its activations are dropped.
+
+Modes: `propagated` (each arm feeds itself: total drift) and `isolated` (each arm's layer
+i gets golden's input to layer i: that layer's own error). Prefill, then N teacher-forced
+decode steps on golden's greedy tokens, so decode-only kernels are measured too."""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from reference_model import Model, Numerics, Taps
+
+from . import metrics as M
+
+MODES = ("propagated", "isolated")
+
+# Taps compared by default: cheap enough for long contexts on a real checkpoint.
+DEFAULT_TAPS = ("layers.*.attn.kv", "layers.*.attn.index.topk", "layers.*.attn.out",
+                "layers.*.hc_attn.comb", "layers.*.ffn.router.experts", "layers.*.ffn.out",
+                "layers.*.out")
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    numerics: Numerics
+    toggles: frozenset = frozenset()
+    role: str = "arm"                   # "golden", "floor" or "arm"
+
+
+@dataclass
+class Prompt:
+    id: str
+    tokens: torch.Tensor
+    group: str = ""                     # e.g. the length bucket it was built for
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.numel())
+
+
+@dataclass
+class LockstepResult:
+    drift: list[dict] = field(default_factory=list)     # one row per tap/arm/layer/phase/bucket
+    kld: list[dict] = field(default_factory=list)       # final-logit KLD per position
+    events: list[dict] = field(default_factory=list)    # non-finite values, arm failures
+    kept: dict = field(default_factory=dict)            # (prompt, arm, tap) -> tensor
+
+
+def position_buckets(n: int, window: int) -> list[tuple[str, int, int]]:
+    """Context-position buckets: [0, window), then ×4 each: [window, 4w), [4w, 16w), ..."""
+    edges = [0, window]
+    while edges[-1] < n:
+        edges.append(edges[-1] * 4)
+    out = []
+    for a, b in zip(edges, edges[1:]):
+        if a < n:
+            out.append((f"{a}-{min(b, n) - 1}", a, min(b, n)))
+    return out
+
+
+def _layer_of(tap: str) -> int:
+    parts = tap.split(".")
+    return int(parts[1]) if parts[0] == "layers" else -1
+
+
+def _short(tap: str) -> str:
+    parts = tap.split(".")
+    return ".".join(parts[2:]) if parts[0] == "layers" else tap
+
+
+def compare_tap(tap: str, golden: torch.Tensor, arm: torch.Tensor) -> dict:
+    """Metrics appropriate to the tap's kind."""
+    if tap.endswith("index.topk"):
+        return M.set_metrics(golden, arm)
+    if tap.endswith("router.experts"):
+        return M.expert_agreement(golden, arm)
+    return M.tensor_metrics(golden, arm)
+
+
+class LockstepRunner:
+    def __init__(self, weights, arms: list[Arm], mode: str = "propagated", decode_steps: int = 4,
+                 taps=DEFAULT_TAPS, keep=(), progress: Callable[[str], None] | None = None,
+                 chunk_tokens: int = 2048):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+        if not arms or arms[0].role != "golden":
+            raise ValueError("the first arm must be the golden arm (role='golden')")
+        names = [a.name for a in arms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"arm names must be unique, got {names}")
+        self.weights = weights
+        self.cfg = weights.cfg
+        self.arms = arms
+        self.mode = mode
+        self.decode_steps = decode_steps
+        self.patterns = list(taps) + list(keep)
+        self.keep = list(keep)
+        self.progress = progress or (lambda msg: None)
+        self.models = {a.name: Model(weights, a.numerics, chunk_tokens=chunk_tokens) for a in arms}
+
+    # ------------------------------------------------------------------------------------
+    def run(self, prompts: list[Prompt]) -> LockstepResult:
+        res = LockstepResult()
+        for p in prompts:
+            self._run_prompt(p, res)
+        return res
+
+    def _run_prompt(self, prompt: Prompt, res: LockstepResult) -> None:
+        golden = self.arms[0].name
+        alive = [a.name for a in self.arms]
+        states = {a: self.models[a].new_state() for a in alive}
+        bad: set[str] = set()
+        tokens = prompt.tokens
+        self.progress(f"{prompt.id}: prefill {prompt.length} tokens")
+        H = {a: self.models[a].embed(tokens) for a in alive}
+        logits = self._layers(prompt, tokens, H, states, alive, "prefill", -1, res, bad, "all")
+        self._logit_rows(prompt, logits, alive, "prefill", -1, res)
+        nxt = int(logits[golden][-1].argmax())
+        for step in range(self.decode_steps):
+            self.progress(f"{prompt.id}: decode step {step + 1}/{self.decode_steps}")
+            tok = torch.tensor([nxt], device=tokens.device)
+            H = {a: self.models[a].embed(tok) for a in alive}
+            logits = self._layers(prompt, tok, H, states, alive, "decode", step, res, bad, "last")
+            self._logit_rows(prompt, logits, alive, "decode", step, res)
+            nxt = int(logits[golden][-1].argmax())
+
+    def _layers(self, prompt, tokens, H, states, alive, phase, step, res, bad, which):
+        golden = self.arms[0].name
+        for i in range(self.cfg.n_layers):
+            g_in = H[golden]
+            taps = {}
+            for a in list(alive):
+                taps[a] = Taps(self.patterns)
+                x_in = g_in if (self.mode == "isolated" and a != golden) else H[a]
+                try:
+                    H[a] = self.models[a].layer(i, x_in, tokens, states[a], taps[a], phase)
+                except Exception as e:                       # an arm must not kill the run
+                    if a == golden:
+                        raise
+                    res.events.append({"prompt": prompt.id, "arm": a, "phase": phase, "step": step,
+                                       "layer": i, "event": "error", "detail": f"{type(e).__name__}: {e}"})
+                    alive.remove(a)
+            self._tap_rows(prompt, taps, alive, phase, step, res, bad)
+        return {a: self.models[a].head(H[a] if which == "all" else H[a][-1:]) for a in alive}
+
+    def _tap_rows(self, prompt, taps, alive, phase, step, res, bad):
+        golden = self.arms[0].name
+        gt = taps[golden]
+        for a in alive:
+            for name in gt.names():
+                if name not in taps[a]:
+                    continue
+                ga, aa = gt[name], taps[a][name]
+                if any(fnmatch.fnmatchcase(name, k) for k in self.keep):
+                    res.kept[(prompt.id, a, phase, step, name)] = aa
+                if a == golden:
+                    continue
+                if aa.is_floating_point() and a not in bad and not bool(torch.isfinite(aa).all()):
+                    bad.add(a)
+                    res.events.append({"prompt": prompt.id, "arm": a, "phase": phase, "step": step,
+                                       "layer": _layer_of(name), "event": "non-finite",
+                                       "detail": f"first non-finite value at tap {name}"})
+                for label, lo, hi in self._buckets(name, ga, phase, prompt):
+                    m = compare_tap(name, ga[lo:hi], aa[lo:hi])
+                    res.drift.append({"prompt": prompt.id, "group": prompt.group,
+                                      "length": prompt.length, "arm": a, "phase": phase,
+                                      "step": step, "layer": _layer_of(name), "tap": _short(name),
+                                      "bucket": label, **m})
+
+    def _buckets(self, name, t, phase, prompt):
+        per_token = phase == "prefill" and t.dim() >= 1 and t.shape[0] == prompt.length
+        rows = [("all", 0, t.shape[0])]
+        if per_token:
+            rows += position_buckets(prompt.length, self.cfg.window_size)
+        return rows
+
+    def _logit_rows(self, prompt, logits, alive, phase, step, res):
+        golden = self.arms[0].name
+        g = logits[golden]
+        pos0 = 0 if phase == "prefill" else prompt.length + step
+        for a in alive:
+            if a == golden:
+                continue
+            kl = M.kld_per_position(g, logits[a])
+            for j, v in enumerate(kl.tolist()):
+                res.kld.append({"prompt": prompt.id, "group": prompt.group, "length": prompt.length,
+                                "arm": a, "phase": phase, "step": step, "position": pos0 + j,
+                                "kld": v if math.isfinite(v) else math.inf})
+            for label, lo, hi in self._buckets("logits", g, phase, prompt):
+                m = M.logits_metrics(g[lo:hi], logits[a][lo:hi])
+                res.drift.append({"prompt": prompt.id, "group": prompt.group, "length": prompt.length,
+                                  "arm": a, "phase": phase, "step": step, "layer": self.cfg.n_layers,
+                                  "tap": "logits", "bucket": label, **m})

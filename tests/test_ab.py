@@ -1,0 +1,127 @@
+"""The A/B harness end to end on the tiny model: planted bugs are found, the null test
+names no culprit, the report is complete and atomic, `fidelity check` gates, the notebook
+runs on the result."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from fidelity.ab import ABSettings, run_ab
+from fidelity.lockstep import Arm, LockstepRunner, Prompt
+from reference_model import Numerics, random_weights, tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_weights(tiny(), 0)
+
+
+def _settings(**kw):
+    base = dict(lengths=(96,), prompts_per_length=3, decode_steps=1, n_boot=200, shapley_top=0)
+    base.update(kw)
+    return ABSettings(**base)
+
+
+@pytest.fixture(scope="module")
+def small_report(weights, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reports")
+    res = run_ab(weights, _settings(arms=["routed_scaling_double", "lm_head_bf16",
+                                          "routed_scaling_double,lm_head_bf16"],
+                                    base="routed_scaling_double,lm_head_bf16", shapley_top=2),
+                 out, "run1", progress=lambda m: None)
+    return out, res
+
+
+def test_planted_bug_ranked_first_with_ci_above_floor(small_report):
+    _, res = small_report
+    attr = res["attribution"]
+    shap = attr[attr.method == "shapley"].sort_values("value", ascending=False)
+    assert shap.iloc[0].toggle == "routed_scaling_double"
+    assert shap.iloc[0].lo > res["noise_floor"]["hi"]
+    assert res["verdict"]["culprit"] == "routed_scaling_double"
+    fd = {f["arm"]: f for f in res["first_divergence"]}
+    # routed scaling acts in the first MoE of layer 0: first divergent tap is its FFN output
+    assert (fd["routed_scaling_double"]["layer"], fd["routed_scaling_double"]["tap"]) == (0, "ffn.out")
+
+
+def test_null_golden_vs_golden_names_no_culprit(weights, tmp_path):
+    res = run_ab(weights, _settings(arms=["lm_head_bf16"], base="lm_head_bf16", seed=7),
+                 None, progress=lambda m: None)
+    assert res["verdict"]["culprit"] is None
+    assert "No toggle stands out" in res["verdict"]["sentence"]
+
+
+def test_report_files_and_manifest(small_report):
+    out, res = small_report
+    d = out / "run1"
+    for f in ("drift.csv", "kld.csv", "attribution.csv", "summary.csv", "manifest.json",
+              "summary.md", "index.html", "drift_vs_layer.png", "attribution.png",
+              "kld_distribution.png", "topk_recall.png", "decode_drift.png"):
+        assert (d / f).exists(), f
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["schema_version"] == 1 and m["manifest"]["config_hash"] == tiny().config_hash()
+    assert (out / "latest").resolve() == d.resolve()
+    assert "data:image/png;base64," in (d / "index.html").read_text()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]       # no temp leftovers
+
+
+def test_check_gate(small_report):
+    out, _ = small_report
+    cmd = [sys.executable, "-m", "fidelity.cli", "check", str(out / "run1")]
+    ok = subprocess.run(cmd + ["--arm", "lm_head_bf16", "--max-kld", "0.01"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    bad = subprocess.run(cmd + ["--max-kld", "0.01"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "routed_scaling_double: kld_mean" in bad.stdout
+    missing = subprocess.run(cmd + ["--arm", "nope", "--max-kld", "1"], capture_output=True, text=True)
+    assert missing.returncode == 2 and "not in the report" in missing.stderr
+
+
+def test_nan_arm_is_reported_not_fatal(weights):
+    def nan_wo_a(golden, o, w):
+        y = golden.wo_a(o, w)
+        return y * float("nan") if o.shape[0] > 1 else y
+    arms = [Arm("golden", Numerics(), role="golden"),
+            Arm("nan", Numerics().with_kernels("nan", wo_a=nan_wo_a))]
+    res = LockstepRunner(weights, arms, decode_steps=1).run([Prompt("p", torch.arange(2, 66))])
+    ev = [e for e in res.events if e["arm"] == "nan"]
+    assert ev and ev[0]["event"] == "non-finite" and "layers.0.attn.out" in ev[0]["detail"]
+    df = pd.DataFrame(res.drift)
+    assert not df[(df.arm == "nan") & (df.tap == "logits")].finite.any()
+
+
+def test_unknown_arm_is_an_error_listing_valid_names(weights):
+    with pytest.raises(ValueError, match="valid"):
+        run_ab(weights, _settings(arms=["no_such_toggle"]), None, progress=lambda m: None)
+
+
+def test_interrupted_report_leaves_nothing(weights, tmp_path, monkeypatch):
+    import fidelity.ab as ab
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ab.plots, "decode_drift", boom)
+    with pytest.raises(KeyboardInterrupt):
+        run_ab(weights, _settings(arms=["lm_head_bf16"], base="lm_head_bf16"), tmp_path, "r",
+               progress=lambda m: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_notebook_executes_on_a_report(small_report):
+    nbclient = pytest.importorskip("nbclient")
+    import nbformat
+    out, _ = small_report
+    nb = nbformat.read(ROOT / "notebooks" / "layer_drift.ipynb", as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "outputs must be stripped"
+    os.environ["DSV4_REPORT"] = str(out / "run1")
+    try:
+        nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    finally:
+        del os.environ["DSV4_REPORT"]
