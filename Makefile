@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/fidelity demo --out reports
+	$(BIN)/fidelity ab --out reports --run-id example
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests

@@ -234,9 +234,11 @@ def write_report(out_dir, run_id, drift, kld, attr, per_length, summary, result,
         arm_names = list(sets)
         singles = [a for a in arm_names if len(sets[a]) == 1]
         fhi = result["noise_floor"]["hi"]
-        w.figure(plots.drift_vs_layer(drift, FLOOR, [FLOOR, FLOOR_ORDER] + arm_names), "drift_vs_layer",
+        base = [a for a in arm_names if len(sets[a]) > 1 and not any(sets[a] < sets[b] for b in arm_names)]
+        w.figure(plots.drift_vs_layer(drift, FLOOR, [FLOOR, FLOOR_ORDER] + singles + base), "drift_vs_layer",
                  "Drift vs layer", "Relative L2 of the residual stream after each layer vs golden "
-                 "(prefill, mean over prompts); grey band: reference-vs-exact noise floor.")
+                 "(prefill, mean over prompts) for each single toggle and the full arm(s); grey "
+                 "band: reference-vs-exact noise floor; other arms are in drift.csv.")
         if singles:
             w.figure(plots.toggle_layer_heatmap(drift, singles), "toggle_layer_heatmap",
                      "Toggle × layer", "log10 relative L2 of each single-toggle arm per layer.")

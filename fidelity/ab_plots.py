@@ -30,6 +30,7 @@ def drift_vs_layer(drift: pd.DataFrame, floor_arm: str, arms: list[str], tap="ou
             ax.plot(s.index, s.values, marker="o", ms=3, lw=1.3, color=cmap(j % 20), label=a)
     ax.set_yscale("log")
     ax.set_xlabel("layer")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel(f"relative L2 of `{tap}` vs golden")
     ax.grid(alpha=.3, which="both")
     ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1))
@@ -72,7 +73,7 @@ def kld_distribution(kld: pd.DataFrame, arms: list[str], phase="prefill"):
     d = kld[(kld.phase == phase) & kld.arm.isin(arms)]
     data = [np.log10(d[d.arm == a].kld.to_numpy().clip(1e-12)) for a in arms]
     fig, ax = plt.subplots(figsize=(9, 0.9 + 0.33 * len(arms)))
-    ax.boxplot(data, vert=False, whis=(1, 99), showfliers=False)
+    ax.boxplot(data, orientation="horizontal", whis=(1, 99), showfliers=False)
     ax.set_yticks(range(1, len(arms) + 1), arms, fontsize=8)
     ax.set_xlabel("log10 KLD(golden ‖ arm) per position (box: quartiles, whiskers: p1–p99)")
     ax.grid(alpha=.3, axis="x")

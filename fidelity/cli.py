@@ -11,6 +11,7 @@ COMMANDS = {
     "ab": "ab",
     "check": "check",
     "demo": "demo",
+    "toggles": "toggles",
 }
 
 

@@ -306,7 +306,7 @@ class Model:
         if new.shape[0]:
             st.index_keys = _cat(st.index_keys, new)
         wts = nx.bf16_linear(x, w["attn.indexer.weights_proj.weight"])
-        wts = nx.rs(wts * (d ** -0.5 * h ** -0.5))
+        wts = nx.index_weights(wts, d ** -0.5 * h ** -0.5)
         keys = st.index_keys
         n_keys = 0 if keys is None else keys.shape[0]
         # fixed width index_topk (-1 padded) so picks of different chunks line up

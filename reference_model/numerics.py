@@ -23,7 +23,8 @@ from . import quant as Q
 KERNELS = (
     "fp8_linear", "bf16_linear", "rms_norm", "q_head_rescale", "rope_inv_freq",
     "kv_store", "compressor_proj", "compress_state", "compress_pool",
-    "index_rotate", "index_query", "index_key_store", "index_scores", "index_topk",
+    "index_rotate", "index_query", "index_key_store", "index_weights", "index_scores",
+    "index_topk",
     "sparse_attention", "wo_a", "hc_pre", "hc_post", "hc_head",
     "moe_gate", "route_weights", "expert_ffn", "moe_combine", "lm_head",
 )
@@ -163,6 +164,12 @@ class Numerics:
         if not self.quant:
             return self.index_rotate(k, "k")
         return Q.fp4_qdq(self.rs(self.index_rotate(k, "k")), 32)
+
+    def index_weights(self, w, scale: float):
+        """Per-head indexer weights: the bf16 `weights_proj` output times
+        softmax_scale·n_heads^-0.5, a bf16 tensor op in the reference (engines fold it, and
+        the fp8 query scale, in fp32)."""
+        return self.rs(w * scale)
 
     def index_scores(self, q, keys, w):
         """score[t, T] = Σ_h relu(q[t,h]·k[T]) · w[t,h]; every step rounded to bf16 in the

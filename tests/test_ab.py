@@ -125,3 +125,26 @@ def test_notebook_executes_on_a_report(small_report):
                                 resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
     finally:
         del os.environ["DSV4_REPORT"]
+
+
+def test_lockstep_propagated_equals_standalone_and_isolated_feeds_golden(weights):
+    """Propagated: an arm's numbers equal its own standalone forward bit for bit.
+    Isolated: layer 0 sees the same input either way, later layers see golden's input,
+    so an arm that only changes the lm head has zero drift at every layer."""
+    toks = torch.arange(2, 90)
+    f32 = Numerics("reference", torch.float32)
+    arms = [Arm("golden", Numerics(), role="golden"), Arm("fp32", f32)]
+    keep = ("layers.4.out",)
+    res = LockstepRunner(weights, arms, "propagated", 0, keep=keep).run([Prompt("p", toks)])
+    from reference_model import Model, Taps
+    t = Taps(list(keep))
+    Model(weights, f32).prefill_logits(toks, t)
+    assert torch.equal(res.kept[("p", "fp32", "prefill", -1, "layers.4.out")], t["layers.4.out"])
+
+    def lm_bf16(golden, x, w):
+        return golden.rs(golden.lm_head(x, w))
+    arms = [Arm("golden", Numerics(), role="golden"), Arm("lm", Numerics().with_kernels("lm", lm_head=lm_bf16))]
+    iso = pd.DataFrame(LockstepRunner(weights, arms, "isolated", 1).run([Prompt("p", toks)]).drift)
+    layers = iso[(iso.arm == "lm") & (iso.tap == "out")]
+    assert (layers.rel_l2 == 0).all()
+    assert (iso[(iso.arm == "lm") & (iso.tap == "logits")].kld_mean > 0).all()

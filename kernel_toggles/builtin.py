@@ -1,0 +1,380 @@
+"""Built-in toggles: the engines' DeepSeek-V4 numerics, one per optimization or known bug.
+
+Rule: a toggle rounds explicitly only where its engine differs; roundings the reference
+also does go through golden.rs / golden.r32, so they follow the chosen profile.
+
+Every fact here comes from ../shared/research/engine-divergences.md (§1–§3, §5) and
+dsv4-architecture.md (§4, §7, §8); provenance strings cite the section's sources.
+Registration order is the canonical order (roughly the order of the forward); where two
+toggles touch the same kernel and may be combined, the one registered later wraps the
+earlier (e.g. `index_keys_fp8` uses whatever rotation `index_no_hadamard` left)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from reference_model import primitives as P
+from reference_model import quant as Q
+
+from . import emulate as E
+from .registry import Param, Provenance, toggle
+
+_B = dict(_builtin=True)
+
+
+# ---- RoPE ---------------------------------------------------------------------------------
+@toggle("yarn_on_swa_layers", kernel="rope_inv_freq", category="known-bug", **_B,
+        params=(Param("theta", str, "swa", "base of the window-only layers' table: their own "
+                      "rope_theta ('swa') or the compressed layers' ('compressed')",
+                      choices=("swa", "compressed")),),
+        provenance=Provenance(("sglang", "vllm", "mlx-lm"),
+                              ("sglang builds between #25144 and the fix",),
+                              ("sglang #25144", "sglang PR #34788", "vLLM PR #54815",
+                               "mlx-lm PR #1189")),
+        description="YaRN frequency re-mixing applied on window-only (compress ratio 0) "
+                    "layers too. The reference uses base rope_theta without YaRN there and "
+                    "YaRN only on compressed layers; SGLang regression #25144 made YaRN "
+                    "unconditional (fixed by PR #34788), vLLM had the same bug class (PR "
+                    "#54815), and mlx-lm used the wrong per-layer theta (collapse after ~210 "
+                    "tokens). theta='compressed' gives window-only layers the compressed "
+                    "layers' whole table.")
+def _yarn_on_swa(golden, cfg, ratio, *, theta):
+    if ratio != 0:
+        return golden.rope_inv_freq(cfg, ratio)
+    dt = golden.rope_inv_freq(cfg, ratio).dtype
+    base = cfg.rope_theta if theta == "swa" else cfg.compress_rope_theta
+    return P.rope_inv_freq(cfg.rope_head_dim, base, cfg.rope_factor, cfg.original_seq_len,
+                           cfg.beta_fast, cfg.beta_slow, dtype=dt)
+
+
+# ---- KV cache ---------------------------------------------------------------------------
+@toggle("kv_fp8_from_fp32", kernel="kv_store", group="kv_cache", **_B,
+        provenance=Provenance(("sglang",), ("SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE=0 (default)",),
+                              ("sglang PR #31086", "store.cuh fused_store_flashmla_cache")),
+        description="SGLang's fused FlashMLA cache store quantises the 448 nope dims of the "
+                    "window/compressed KV to e4m3 (1x64 blocks, power-of-two scale "
+                    "max(1e-4, amax)/448 rounded up: the reference grid) straight from the "
+                    "fp32 RMSNorm output in registers, while the reference first rounds to "
+                    "bf16 and quantises the bf16 values. About 4% of elements land in an "
+                    "adjacent fp8 bin (PR #31086, which adds "
+                    "SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE=1 to match the reference).")
+def _kv_fp8_from_fp32(golden, nope):
+    return Q.fp8_qdq(E.f32(nope), 64).to(golden.cd)
+
+
+@toggle("kv_bf16", kernel="kv_store", group="kv_cache", **_B,
+        provenance=Provenance(("sglang", "vllm"),
+                              ("sglang SGLANG_DSV4_BF16_KV=1 (open PR #33413) / "
+                               "--kv-cache-dtype bfloat16",
+                               "vllm --attention-backend FLASHINFER_MLA_SPARSE_DSV4 "
+                               "--kv-cache-dtype auto"),
+                              ("sglang PR #33413",)),
+        description="KV latent stored as plain bf16 with no FP8 round trip of the nope dims. "
+                    "The reference simulates its fp8 KV cache (QAT) on exactly those dims, so "
+                    "keeping more precision is a divergence too: SGLang's open PR #33413 "
+                    "(SGLANG_DSV4_BF16_KV), bfloat16 KV on NPU, and vLLM's FlashInfer DSV4 "
+                    "backend with kv-cache-dtype auto/bfloat16.")
+def _kv_bf16(golden, nope):
+    return golden.rs(nope)
+
+
+# ---- compressor ---------------------------------------------------------------------------
+@toggle("compress_state_bf16", kernel="compress_state", **_B,
+        provenance=Provenance(("sglang",), ("SGLANG_DSV4_COMPRESS_STATE_DTYPE=bf16",),
+                              ("sglang PR #28620 (SM89 recipes)",),
+                              "whether prefill rows also pass through the state buffer"),
+        description="Compressor kv/score rows (score with the position bias ape added) held "
+                    "in a bf16 state buffer instead of fp32 before gated pooling, as SM89 "
+                    "recipes set with SGLANG_DSV4_COMPRESS_STATE_DTYPE=bf16. Applied to every "
+                    "projected row, i.e. assuming the engine pools from its state buffer in "
+                    "prefill as well as decode.")
+def _compress_state_bf16(golden, kv, score):
+    return E.bf16(kv, golden.cd), E.bf16(score, golden.cd)
+
+
+# ---- lightning indexer --------------------------------------------------------------------
+@toggle("index_no_hadamard", kernel="index_rotate", group="index_rotation",
+        category="known-bug", **_B,
+        provenance=Provenance(("vllm",), ("default FP8 and MXFP4 indexer",),
+                              ("vLLM PR #55459 (fix, open)",)),
+        description="Indexer q and k quantised without the Hadamard rotation. vLLM's fused "
+                    "indexer kernels never apply it (the `rotate` argument is stored but "
+                    "unread), so the FP4/FP8 grids see unrotated, outlier-heavy vectors; the "
+                    "dot product is unchanged in exact arithmetic but the quantisation error "
+                    "is ~4-5x larger (PR #55459). Combine with index_keys_fp8(scale=pow2) for "
+                    "vLLM's default FP8 indexer.")
+def _no_hadamard(golden, x, kind):
+    return x.to(golden.cd)
+
+
+@toggle("index_hadamard_q_only", kernel="index_rotate", group="index_rotation",
+        category="known-bug", **_B,
+        provenance=Provenance(("atom",), (), ("ROCm/ATOM #1507",)),
+        description="Hadamard applied to the indexer query but not to the compressed keys, so "
+                    "scores are (Hq)·k instead of (Hq)·(Hk) = q·k: the indexer no longer "
+                    "measures query-key similarity. ROCm/ATOM #1507: an index_topk=1024 "
+                    "indexer could not recall verbatim lines from ~18k-token prompts.")
+def _hadamard_q_only(golden, x, kind):
+    return x.to(golden.cd) if kind == "k" else golden.index_rotate(x, kind)
+
+
+@toggle("index_scores_fp32", kernel="index_scores", **_B,
+        provenance=Provenance(("sglang", "vllm"), ("DeepGEMM fp8_paged_mqa_logits (default)",),
+                              ("vLLM PR #52696",)),
+        description="Indexer logits computed and kept in fp32 (per-head dot products, ReLU, "
+                    "head weights, head sum) instead of the reference's bf16 rounding at each "
+                    "step. Every engine reader (DeepGEMM MQA logits, TileLang, Triton) emits "
+                    "fp32; it removes the many exact bf16 ties near the top-k cut and so "
+                    "changes which compressed entries are selected.")
+def _index_scores_fp32(golden, q, keys, w):
+    cd = golden.cd
+    r32 = golden.r32
+    dots = r32(torch.einsum("chd,nd->chn", q.to(cd), keys.to(cd)))
+    per_head = r32(dots.relu() * w.to(cd).unsqueeze(-1))
+    return r32(per_head.sum(1))
+
+
+@toggle("index_keys_fp8", kernels=("index_query", "index_key_store", "index_weights",
+                                   "index_scores"),
+        group="index_key_format", **_B,
+        params=(Param("scale", str, "fp32", "per-token scale format: plain fp32 amax/448 "
+                      "(SGLang) or rounded up to a power of two (vLLM)", choices=("fp32", "pow2")),),
+        provenance=Provenance(("sglang", "vllm"),
+                              ("sglang default (no --enable-deepseek-v4-fp4-indexer)",
+                               "vllm default (no use_fp4_indexer_cache)"),
+                              ("sglang store.cuh fused_store_indexer_cache", "sglang PR #26209",
+                               "vllm fused_compress_quant_cache.py"),
+                              "SGLang K-scale format after April 2026"),
+        description="FP8 indexer (SGLang's default): after the Hadamard rotation the key is "
+                    "rounded to bf16 and stored as 128 e4m3 codes plus one fp32 scale per "
+                    "token (block 128 = the whole head, scale max(1e-4, amax)/448, not a "
+                    "power of two); the query is quantised the same way per (token, head) and "
+                    "its scale folded into the head weights in fp32 (the weights_proj output "
+                    "times softmax_scale·n_heads^-0.5 is kept fp32, not rounded to bf16); "
+                    "logits are fp32: per head "
+                    "relu(q8·K8) times the folded weight, summed over heads, times the key "
+                    "scale. The reference uses a finer-grained FP4 grid (1x32, ue8m0) and bf16 "
+                    "scores. scale='pow2' gives vLLM's variant.")
+def _index_keys_fp8(scale):
+    def index_query(golden, q):
+        codes, s = E.fp8_token_quant(golden.rs(golden.index_rotate(q, "q")), scale)
+        return E.pack_codes(codes, s, golden.cd)                          # [c,h,d+1]
+
+    def index_key_store(golden, k):
+        codes, s = E.fp8_token_quant(golden.rs(golden.index_rotate(k, "k")), scale)
+        return E.pack_codes(codes, s, golden.cd)                          # [n,d+1]
+
+    def index_weights(golden, w, c):
+        return E.f32(w.to(golden.cd) * c)
+
+    def index_scores(golden, q, keys, w):
+        qc, qs = E.unpack_codes(q)
+        kc, ks = E.unpack_codes(keys)
+        return E.fp8_index_logits(qc, qs, kc, ks, w, golden.cd)
+
+    return {"index_query": index_query, "index_key_store": index_key_store,
+            "index_weights": index_weights, "index_scores": index_scores}
+
+
+@toggle("index_keys_bf16", kernels=("index_query", "index_key_store"),
+        group="index_key_format", **_B,
+        params=(Param("query", bool, False, "also keep the query in bf16 (no FP4 QDQ)"),),
+        provenance=Provenance(("mini-sglang",), ("flat bf16 indexer cache (default)",
+                                                 "MINISGL_DSV4_SM80_INDEXER_BF16"),
+                              ("MINI target07_fp8_cache_indexer_precision",),
+                              "whether the port simulates FP4 anywhere"),
+        description="Indexer keys kept in bf16 after the Hadamard rotation, with no FP4 e2m1 "
+                    "round trip: more precision than the reference, whose QAT expects the "
+                    "1x32 ue8m0 FP4 grid, and therefore a different top-k near ties "
+                    "(Mini-SGLang's default flat bf16 indexer cache). query=true also skips "
+                    "the query's FP4 round trip.")
+def _index_keys_bf16(query):
+    def index_query(golden, q):
+        if not query:
+            return golden.index_query(q)
+        return golden.rs(golden.index_rotate(q, "q"))
+
+    def index_key_store(golden, k):
+        return golden.rs(golden.index_rotate(k, "k"))
+
+    return {"index_query": index_query, "index_key_store": index_key_store}
+
+
+# ---- attention ---------------------------------------------------------------------------
+@toggle("splitk_decode", kernel="sparse_attention", phase="decode", **_B,
+        params=(Param("splits", int, 4, "number of key splits", min=1),
+                Param("partials", str, "bf16", "dtype the per-split outputs are stored in",
+                      choices=("bf16", "fp32"))),
+        provenance=Provenance(("sglang", "vllm", "mini-sglang"),
+                              ("sglang SGLANG_HACK_FLASHMLA_BACKEND (FlashMLA split KV)",
+                               "vllm VLLM_TRITON_MLA_SPARSE (two-subset merge)",
+                               "MINISGL_DSV4_SM80_SPARSE_SPLITK_BF16"),
+                              ("MINI target07_bf16_sparse_decode_splitk",),
+                              "partial-output dtype of FlashMLA/TileLang and vLLM's merge buffer"),
+        description="Split-K sparse decode attention: the selected rows are cut into `splits` "
+                    "chunks; each chunk computes fp32 scores, its own running max, bf16 "
+                    "probabilities times V with fp32 accumulation, and a normalised partial "
+                    "output stored in bf16 (partials=fp32 keeps it fp32) with its "
+                    "log-sum-exp; partials are merged in fp32 with the attention sink added "
+                    "once to the merged denominator. The reference does one pass over all "
+                    "rows. Decode steps only; prefill falls back to the golden kernel.")
+def _splitk_decode(golden, q, kv, sink, idx, scale, phase="prefill", *, splits, partials):
+    if phase != "decode":
+        return golden.sparse_attention(q, kv, sink, idx, scale, phase)
+    cd = golden.cd
+    return E.splitk_attention(q, kv, sink, idx, scale, splits, cd, round_p=golden.rs,
+                              round_partial=E.bf16 if partials == "bf16" else golden.r32,
+                              round_out=golden.rs)
+
+
+@toggle("wo_a_fp8", kernel="wo_a", **_B,
+        params=(Param("pow2", bool, True, "power-of-two (ue8m0) activation scales"),),
+        provenance=Provenance(("sglang", "vllm"),
+                              ("SGLANG_OPT_FP8_WO_A_GEMM=1 (default since mid 2026)",
+                               "vllm DeepGEMM fp8_einsum (default)"),
+                              ("sglang #39193",),
+                              "activation scale format per architecture"),
+        description="The grouped wo_a projection run as an FP8 GEMM: the attention output is "
+                    "quantised per token in 1x128 groups to e4m3 and multiplied with the fp8 "
+                    "checkpoint weight (DeepGEMM fp8_einsum, fp32 accumulate, bf16 out). The "
+                    "reference dequantises wo_a and runs a bf16 einsum with no activation "
+                    "quantisation. pow2=false uses plain fp32 activation scales.")
+def _wo_a_fp8(golden, o, w, *, pow2):
+    cd = golden.cd
+    oq = Q.fp8_qdq(o, 128, pow2=pow2)
+    return golden.rs(torch.einsum("cgd,grd->cgr", oq.to(cd), w.to(cd)))
+
+
+# ---- mHC ---------------------------------------------------------------------------------
+@toggle("mhc_tf32", kernels=("hc_pre", "hc_head"), group="mhc", **_B,
+        params=(Param("rounding", str, "truncate", "how fp32 weights become TF32",
+                      choices=("truncate", "nearest")),),
+        provenance=Provenance(("sglang", "vllm"),
+                              ("SGLANG_OPT_DEEPGEMM_HC_PRENORM=1 (default)",
+                               "vllm TileLang mHC (TF32)"),
+                              ("DeepGEMM tf32_hc_prenorm_gemm", "SM120 RUN.md"),
+                              "whether hc_head uses the same GEMM"),
+        description="mHC mixing GEMM with the fp32 mixing weights truncated to TF32 (10 "
+                    "mantissa bits), as DeepGEMM's tf32_hc_prenorm_gemm does (bf16 stream "
+                    "input, exact in TF32; fp32 accumulate and square-sum). The reference "
+                    "runs a true fp32 GEMM. Applied to the block mixes and the head's "
+                    "collapse mix; Sinkhorn, post and comb stay fp32.")
+def _mhc_tf32(rounding):
+    def hc_pre(golden, H, fn, scale, base, cfg):
+        return golden.hc_pre(H, E.tf32(fn, rounding), scale, base, cfg)
+
+    def hc_head(golden, H, fn, scale, base, cfg):
+        return golden.hc_head(H, E.tf32(fn, rounding), scale, base, cfg)
+
+    return {"hc_pre": hc_pre, "hc_head": hc_head}
+
+
+@toggle("mhc_bf16", kernels=("hc_pre", "hc_head"), group="mhc", **_B,
+        provenance=Provenance(("mini-sglang",), ("MINISGL_DSV4_SM80_HC",),
+                              ("MINI target07_hc_elementwise_graph_cleanup", "Mirage PR #677")),
+        description="mHC pre GEMM with bf16-cached mixing weights (bf16 x bf16, fp32 "
+                    "accumulate: linear_bf16_fp32) and the post/comb mixing coefficients kept "
+                    "in bf16 after Sinkhorn, where the reference and vLLM use fp32 weights and "
+                    "fp32 post/comb. The head's collapse mix uses the bf16 weights too.")
+def _mhc_bf16():
+    def hc_pre(golden, H, fn, scale, base, cfg):
+        x, post, comb = golden.hc_pre(H, fn.to(torch.bfloat16), scale, base, cfg)
+        return x, E.bf16(post), E.bf16(comb)
+
+    def hc_head(golden, H, fn, scale, base, cfg):
+        return golden.hc_head(H, fn.to(torch.bfloat16), scale, base, cfg)
+
+    return {"hc_pre": hc_pre, "hc_head": hc_head}
+
+
+# ---- MoE ---------------------------------------------------------------------------------
+@toggle("moe_weight_after_w2", kernel="expert_ffn", **_B,
+        provenance=Provenance(("sglang", "vllm"), ("fused MoE kernels (mul_routed_weight on the "
+                                                   "down GEMM)",), (),
+                              "per MoE backend (research §2.7, §8)"),
+        description="Routing weight applied to the fp32 accumulator of the down projection "
+                    "(w2) before its bf16 store, as fused MoE kernels do, instead of to the "
+                    "SwiGLU intermediate before w2's FP8 activation quantisation as in the "
+                    "reference: the FP8 quantiser then sees the unweighted intermediate. "
+                    "The shared expert is unaffected.")
+def _moe_weight_after_w2(golden, x, w1, w3, w2, weight, limit):
+    if weight is None:
+        return golden.expert_ffn(x, w1, w3, w2, None, limit)
+    cd = golden.cd
+    g = golden.fp8_linear(x, w1)
+    u = golden.fp8_linear(x, w3)
+    if limit > 0:
+        u = u.clamp(-limit, limit)
+        g = g.clamp(max=limit)
+    h = golden.rs(F.silu(g) * u)
+    if golden.quant:
+        h = Q.fp8_qdq(h, 128).to(cd)
+    acc = golden.r32(h @ w2.to(cd).T)
+    return golden.rs(acc * golden.r32(weight.to(cd)).unsqueeze(-1))
+
+
+def _rsf_recorder(box, route_scale_in_weights: bool):
+    def route_weights(golden, picked_scores, route_scale, renormalize=True):
+        box["rsf"] = route_scale
+        return golden.route_weights(picked_scores, route_scale if route_scale_in_weights else 1.0,
+                                    renormalize)
+    return route_weights
+
+
+def _rsf(box):
+    if "rsf" not in box:
+        raise RuntimeError("moe_combine ran before route_weights: routed scaling factor unknown")
+    return box["rsf"]
+
+
+@toggle("routed_scaling_output_bf16", kernels=("route_weights", "moe_combine"), **_B,
+        params=(Param("mode", str, "mul_then_add", "bf16 epilogue: routed *= rsf then += "
+                      "shared, or shared.add_(routed, alpha=rsf)",
+                      choices=("mul_then_add", "fused_add")),),
+        provenance=Provenance(("sglang",), ("default when rsf is not fused into top-k",
+                                            "SGLANG_OPT_MXFP4_FUSE_RSF_SHARED_ADD=1 -> fused_add"),
+                              ("sglang deepseek_v2.py forward_normal",)),
+        description="Routed scaling factor (1.5) taken out of the fp32 routing weights and "
+                    "applied after the expert combine in bf16: the routed sum is stored in "
+                    "bf16, multiplied by rsf in bf16 and added to the shared expert in bf16 "
+                    "(mode=fused_add: shared.add_(routed, alpha=rsf), one rounding). The "
+                    "reference multiplies rsf into the fp32 weights before w2 and adds the "
+                    "shared expert in fp32 with a single cast.")
+def _routed_scaling_output_bf16(mode):
+    box = {}
+
+    def moe_combine(golden, routed_sum, shared):
+        return E.rsf_on_output(routed_sum, shared, _rsf(box), mode, golden.cd)
+
+    return {"route_weights": _rsf_recorder(box, False), "moe_combine": moe_combine}
+
+
+@toggle("routed_scaling_double", kernels=("route_weights", "moe_combine"),
+        category="known-bug", **_B,
+        provenance=Provenance(("sglang",), ("two-batch overlap epilogue", "KT-EP MXFP4 experts"),
+                              ("kvcache-ai/sglang PR #86", "sglang PR #35152",
+                               "vllm #24119 (V3)")),
+        description="Routed scaling factor applied twice: once in the routing weights and "
+                    "again on the routed output (1.5 x 1.5 = 2.25x the routed experts' "
+                    "contribution). kvcache-ai/sglang PR #86 (KT-EP MXFP4 experts scaled "
+                    "2.25x), sglang PR #35152 (two-batch-overlap epilogue re-applies rsf), "
+                    "vLLM #24119 for V3 (GSM8K 0.66 -> 0.95 after the fix).")
+def _routed_scaling_double():
+    box = {}
+
+    def moe_combine(golden, routed_sum, shared):
+        return golden.moe_combine(routed_sum * _rsf(box), shared)
+
+    return {"route_weights": _rsf_recorder(box, True), "moe_combine": moe_combine}
+
+
+# ---- head ---------------------------------------------------------------------------------
+@toggle("lm_head_bf16", kernel="lm_head", **_B,
+        provenance=Provenance(("sglang", "vllm"), ("sglang default (no --enable-fp32-lm-head)",),
+                              (), "vLLM: no fp32 lm_head flag found"),
+        description="LM head as a bf16 GEMM (bf16 weight, fp32 accumulate) whose logits are "
+                    "stored in bf16 and upcast later, instead of the reference's fp32 head "
+                    "with fp32 logits; SGLang's default unless --enable-fp32-lm-head.")
+def _lm_head_bf16(golden, x, w):
+    out = golden.lm_head(x[:0], w)                       # golden's logits dtype, no compute
+    return E.bf16(x.to(golden.cd) @ w.to(golden.cd).T).to(out.dtype)

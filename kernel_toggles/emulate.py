@@ -1,0 +1,135 @@
+"""Engine kernel numerics as plain functions of tensors (no model, no registry), so each
+can be checked on small hand-made inputs.
+
+Convention (same as reference_model.numerics): math runs in a compute dtype `cd` (fp64 or
+fp32) and values are rounded explicitly where the engine stores them: `bf16(x)` for bf16
+buffers, `f32(x)` for fp32 buffers/registers. An engine's fp32 accumulation is therefore
+emulated as a wide sum rounded once to fp32 (summation order is not modelled)."""
+from __future__ import annotations
+
+import torch
+
+from reference_model import quant as Q
+
+FP8_MAX = Q.FP8_MAX
+FP8_AMAX_FLOOR = Q.FP8_AMAX_FLOOR
+
+
+def bf16(x: torch.Tensor, cd=None) -> torch.Tensor:
+    """Round to bf16, return in `cd` (default: x's dtype)."""
+    return x.to(torch.bfloat16).to(cd or x.dtype)
+
+
+def f32(x: torch.Tensor, cd=None) -> torch.Tensor:
+    """Round to fp32, return in `cd` (default: x's dtype)."""
+    return x.float().to(cd or x.dtype)
+
+
+def tf32(w: torch.Tensor, rounding: str = "truncate") -> torch.Tensor:
+    """fp32 values on the TF32 grid (10 explicit mantissa bits), as fp32. 'truncate' drops
+    the low 13 bits (what tensor cores do with raw fp32 operands); 'nearest' rounds to
+    nearest, ties to even."""
+    b = w.float().contiguous().view(torch.int32)
+    if rounding == "nearest":
+        lsb = (b >> 13) & 1
+        b = b + 0x0FFF + lsb
+    elif rounding != "truncate":
+        raise ValueError(f"tf32 rounding must be 'truncate' or 'nearest', got {rounding!r}")
+    return (b & ~0x1FFF).view(torch.float32)
+
+
+# ---- FP8 per-token (indexer cache) --------------------------------------------------------
+def fp8_token_quant(x: torch.Tensor, scale_fmt: str = "fp32"):
+    """One e4m3 block per row (the whole last dim): amax floored at 1e-4, scale =
+    amax/448 as a plain fp32 number ('fp32', SGLang's "use normal fp32 scale") or rounded
+    up to a power of two ('pow2', vLLM). Returns (codes as fp32 values, scale [..., 1])."""
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True).clamp_min(FP8_AMAX_FLOOR)
+    s = amax / FP8_MAX
+    if scale_fmt == "pow2":
+        s = Q.pow2_ceil(s)
+    elif scale_fmt != "fp32":
+        raise ValueError(f"scale_fmt must be 'fp32' or 'pow2', got {scale_fmt!r}")
+    codes = (xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return codes, s
+
+
+def pack_codes(codes: torch.Tensor, scale: torch.Tensor, cd) -> torch.Tensor:
+    """[..., d] codes + [..., 1] scale -> [..., d+1]: the engines' "d fp8 bytes + one fp32
+    scale per token" cache row, carried through the model as one tensor."""
+    return torch.cat([codes, scale], -1).to(cd)
+
+
+def unpack_codes(packed: torch.Tensor):
+    return packed[..., :-1], packed[..., -1:]
+
+
+def fp8_index_logits(q_codes, q_scale, k_codes, k_scale, w, cd=torch.float64):
+    """The FP8 MQA-logits contract (DeepGEMM `fp8_paged_mqa_logits`, SGLang's torch
+    reference): the query scale is folded into the head weights (fp32), then per head
+    relu(q8·K8) × folded weight, summed over heads, times the key's scale; fp32 out.
+    q_codes [c,h,d], q_scale [c,h,1], k_codes [n,d], k_scale [n,1], w [c,h] -> [c,n]."""
+    wf = f32(w.to(cd) * q_scale.to(cd).squeeze(-1))                       # [c,h]
+    dots = f32(torch.einsum("chd,nd->chn", q_codes.to(cd), k_codes.to(cd)))
+    per_head = f32(dots.relu() * wf.unsqueeze(-1))
+    s = f32(per_head.sum(1))                                              # [c,n]
+    return f32(s * k_scale.to(cd).squeeze(-1).unsqueeze(0))
+
+
+# ---- split-K decode attention -------------------------------------------------------------
+def splitk_attention(q, kv, sink, idx, scale, splits: int, cd=torch.float64,
+                     round_p=bf16, round_partial=bf16, round_out=bf16):
+    """Split-K sparse attention with a log-sum-exp merge.
+
+    The k selected rows are cut into `splits` contiguous chunks (in index order). Per
+    chunk: fp32 scores, local max m_s, p = exp(s - m_s), l_s = Σp, acc_s = round_p(p)·V
+    (wide accumulate), partial o_s = round_partial(acc_s / l_s), lse_s = m_s + log l_s.
+    Merge in `cd`: M = max(max_s lse_s, sink), o = Σ e^(lse_s-M) o_s / (Σ e^(lse_s-M) +
+    e^(sink-M)) — the sink is added once, here. Empty chunks have lse = -inf.
+    Pass None for a rounding to skip it (then, in fp64, this equals the single pass).
+    q [c,H,D], kv [N,D], sink [H], idx [c,k] (-1 = empty) -> [c,H,D]."""
+    ident = (lambda t: t)
+    round_p, round_partial, round_out = (r or ident for r in (round_p, round_partial, round_out))
+    c, H, D = q.shape
+    k = idx.shape[1]
+    qc = q.to(cd)
+    step = -(-k // splits) if k else 1
+    los, lses = [], []
+    for a in range(0, max(k, 1), step):
+        ix = idx[:, a:a + step]
+        valid = (ix >= 0).unsqueeze(1)                                    # [c,1,ks]
+        rows = kv.to(cd)[ix.clamp(min=0)]                                 # [c,ks,D]
+        s = torch.einsum("chd,ckd->chk", qc, rows) * scale
+        s = s.masked_fill(~valid, float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(s - m_safe)                                         # 0 where masked
+        l = p.sum(-1, keepdim=True)
+        acc = torch.einsum("chk,ckd->chd", round_p(p), rows)
+        o = round_partial(torch.where(l > 0, acc / l.clamp_min(1e-300), torch.zeros_like(acc)))
+        lse = torch.where(l > 0, m_safe + torch.log(l.clamp_min(1e-300)),
+                          torch.full_like(l, float("-inf")))
+        los.append(o)
+        lses.append(lse)
+    O = torch.stack(los, 0)                                               # [S,c,H,D]
+    L = torch.stack(lses, 0)                                              # [S,c,H,1]
+    sk = sink.to(cd).view(1, H, 1)
+    M = torch.maximum(L.amax(0), sk)
+    wts = torch.exp(L - M)                                                # 0 for empty
+    num = (wts * O).sum(0)
+    den = wts.sum(0) + torch.exp(sk - M)
+    return round_out(num / den)
+
+
+# ---- MoE epilogues ------------------------------------------------------------------------
+def rsf_on_output(routed_sum, shared, rsf: float, mode: str, cd):
+    """SGLang's routed-scaling epilogue on bf16 tensors. 'mul_then_add':
+    routed = bf16(routed); routed *= rsf (bf16); out = bf16(routed + shared).
+    'fused_add': shared.add_(routed, alpha=rsf) — one rounding of shared + rsf·routed."""
+    r = bf16(routed_sum.to(cd))
+    if mode == "mul_then_add":
+        r = bf16(r * rsf)
+        return r if shared is None else bf16(r + shared.to(cd))
+    if mode == "fused_add":
+        return bf16(r * rsf) if shared is None else bf16(shared.to(cd) + rsf * r)
+    raise ValueError(f"mode must be 'mul_then_add' or 'fused_add', got {mode!r}")

@@ -1,0 +1,126 @@
+"""Engine profiles: which SGLang / vLLM settings turn each toggle on or off
+(engine_profiles.json, from research engine-divergences.md §2–§3).
+
+Used to build an engine's default arm and, for an engine launcher, to translate an arm
+into env vars and flags — with the toggles that no known setting can realise listed
+instead of silently dropped."""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import registry as R
+from .registry import ToggleError
+
+PATH = Path(__file__).with_name("engine_profiles.json")
+ENGINES = ("sglang", "vllm")
+
+
+@functools.lru_cache(maxsize=4)
+def load(path: str | None = None) -> dict:
+    """The profile file, validated against the registry."""
+    p = Path(path) if path else PATH
+    data = json.loads(p.read_text())
+    errors = validate(data)
+    if errors:
+        raise ToggleError(f"{p}: " + "; ".join(errors))
+    return data
+
+
+def validate(data: dict) -> list[str]:
+    errs = []
+    toggles = data.get("toggles", {})
+    for name in toggles:
+        if name not in R.names():
+            errs.append(f"unknown toggle {name!r}")
+    for t in R.all_toggles():
+        if not t.builtin:
+            continue
+        if t.name not in toggles:
+            errs.append(f"toggle {t.name} has no profile entry")
+            continue
+        for eng in ENGINES:
+            e = toggles[t.name].get(eng)
+            if e is None:
+                errs.append(f"{t.name}: no {eng} entry")
+                continue
+            for key in ("default", "params", "on", "off", "unconfirmed", "note"):
+                if key not in e:
+                    errs.append(f"{t.name}.{eng}: missing {key!r}")
+            try:
+                t.resolve(e.get("params", {}))
+            except ToggleError as ex:
+                errs.append(f"{t.name}.{eng}: {ex}")
+            for side in ("on", "off"):
+                s = e.get(side)
+                if s is not None and set(s) - {"env", "flags"}:
+                    errs.append(f"{t.name}.{eng}.{side}: only 'env' and 'flags' allowed")
+    return errs
+
+
+def entry(toggle: str, engine: str) -> dict:
+    _check_engine(engine)
+    R.get(toggle)
+    try:
+        return load()["toggles"][toggle][engine]
+    except KeyError:
+        raise ToggleError(f"no {engine} profile for toggle {toggle}") from None
+
+
+def _check_engine(engine: str):
+    if engine not in ENGINES:
+        raise ToggleError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
+
+
+def default_arm(engine: str):
+    """The arm reproducing the engine's default numerics (entries with default: true)."""
+    from .arms import ToggleSet
+    _check_engine(engine)
+    items = []
+    for name, per in load()["toggles"].items():
+        e = per[engine]
+        if e["default"] is True:
+            items.append((name, e["params"]))
+    return ToggleSet(items)
+
+
+@dataclass
+class LaunchSettings:
+    env: dict = field(default_factory=dict)
+    flags: list = field(default_factory=list)
+    unrealisable: list = field(default_factory=list)     # (toggle, reason)
+    unconfirmed: list = field(default_factory=list)      # toggles whose mapping is unconfirmed
+
+
+def launch_settings(arm, engine: str) -> LaunchSettings:
+    """Env vars and flags that move `engine` from its defaults to `arm`, as far as known.
+    Only built-in toggles with a profile entry are considered."""
+    _check_engine(engine)
+    out = LaunchSettings()
+    for name, per in load()["toggles"].items():
+        e = per[engine]
+        want = name in arm
+        default = e["default"]
+        if default is want:
+            need = None
+        else:
+            need = e["on"] if want else e["off"]
+            if need is None:
+                out.unrealisable.append((name, f"no known {engine} setting turns it "
+                                               f"{'on' if want else 'off'}"))
+                continue
+        if want and dict(R.get(name).resolve(e["params"])) != arm[name].kwargs():
+            out.unrealisable.append((name, f"{engine} behaves as "
+                                           f"{name}{_fmt(e['params'])}, arm asks {arm[name]}"))
+        if need:
+            out.env.update(need.get("env", {}))
+            out.flags += need.get("flags", [])
+        if e["unconfirmed"] and (want or default is not False):
+            out.unconfirmed.append(name)
+    return out
+
+
+def _fmt(params: dict) -> str:
+    return "(" + ",".join(f"{k}={v}" for k, v in params.items()) + ")" if params else ""
