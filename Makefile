@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/fidelity ab --out reports --run-id example
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py

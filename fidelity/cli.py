@@ -12,6 +12,9 @@ COMMANDS = {
     "check": "check",
     "demo": "demo",
     "toggles": "toggles",
+    "inspect": "inspect",
+    "needle": "needle",
+    "serve": "serve",
 }
 
 

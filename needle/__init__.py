@@ -1,1 +1,12 @@
-"""needle package."""
+"""Needle-in-a-haystack recall sweeps (RULER-style haystacks sized exactly in the target
+tokenizer), in-process over reference-model arms and over any OpenAI-compatible server.
+
+    haystack   needle kinds, values, filler, exact-length prompt building
+    inprocess  runner on a reference-model arm, plus the indexer mechanism per CSA layer
+    http       httpx async runner: bounded concurrency, timeouts, retries, /tokenize counting
+    sweep      lengths x depths x reps over arms, append-only JSONL with resume
+    scoring    substring scoring and the failure taxonomy
+    stats      Wilson intervals, McNemar
+    tables     tidy result tables;  report  the report directory
+    stub       a deterministic (optionally misbehaving) OpenAI-compatible stub server
+"""

@@ -68,6 +68,19 @@ class Model:
         self.chunk_tokens = chunk_tokens           # tokens per layer pass (chunked prefill)
         self.attn_budget = attn_budget             # max elements gathered per attention step
         self._rope_cache: dict = {}
+        self._wcache: dict = {}                    # resident weights, converted once
+
+    def _weights(self, i: int | None) -> dict:
+        """Layer i's weights (None = globals) in the compute dtype. Resident (in-memory)
+        weights are converted once and kept; streamed ones are converted per use, so a
+        streamed checkpoint still holds one layer at a time."""
+        src = self.weights.global_weights() if i is None else self.weights.layer_weights(i)
+        if not getattr(self.weights, "resident", False):
+            return src
+        if i not in self._wcache:
+            cd = self.nx.cd
+            self._wcache[i] = {k: v.to(cd) if v.is_floating_point() else v for k, v in src.items()}
+        return self._wcache[i]
 
     # ---- public API ---------------------------------------------------------------------
     def new_state(self) -> SequenceState:
@@ -114,7 +127,7 @@ class Model:
 
     # ---- layer-major pieces -------------------------------------------------------------
     def embed(self, tokens, taps: Taps | None = None) -> torch.Tensor:
-        e = self.weights.global_weights()["embed.weight"][tokens]
+        e = self.weights.global_weights()["embed.weight"][tokens]      # rows only: no conversion
         H = self.nx.rs(e).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
         if taps:
             taps.put("embed", H[:, 0])
@@ -123,7 +136,7 @@ class Model:
     def layer(self, i: int, H, tokens, state: SequenceState, taps: Taps | None = None,
               phase: str = "prefill") -> torch.Tensor:
         """Block i over the new tokens (positions state.pos ...); updates state.layers[i]."""
-        w = self.weights.layer_weights(i)
+        w = self._weights(i)
         out = []
         for a in range(0, H.shape[0], self.chunk_tokens):
             b = min(a + self.chunk_tokens, H.shape[0])
@@ -135,7 +148,7 @@ class Model:
         return H
 
     def head(self, H, taps: Taps | None = None) -> torch.Tensor:
-        g = self.weights.global_weights()
+        g = self._weights(None)
         cfg, nx = self.cfg, self.nx
         x = nx.hc_head(H, g["hc_head_fn"], g["hc_head_scale"], g["hc_head_base"], cfg)
         x = nx.rms_norm(x, g["norm.weight"], cfg.norm_eps)

@@ -26,6 +26,8 @@ class WeightSource(Protocol):
 class InMemoryWeights:
     """All weights in one dict of full native names."""
 
+    resident = True        # models may keep converted copies (see Model._weights)
+
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
         self.cfg = cfg
         self.tensors = tensors

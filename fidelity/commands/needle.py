@@ -1,0 +1,167 @@
+"""`fidelity needle`: needle-in-a-haystack recall sweeps over in-process arms of the
+reference model and/or live OpenAI-compatible endpoints, with a paired A/B report."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HELP = "Needle-in-a-haystack recall sweep (in-process arms and/or --endpoint servers) + report."
+
+# residues 3,0,1,2,3 mod 4 and 127,0,1,2,127 mod 128; with 5 depths and golden + engine,
+# 50 trials: about two minutes on 2 cores (shared) with the embedded tiny model
+DEFAULT_INPROCESS_LENGTHS = [383, 384, 513, 642, 1023]
+DEFAULT_ENDPOINT_LENGTHS = [2047, 4096, 8193, 16386, 32767]
+
+
+def _csv(text, typ):
+    return [typ(x) for x in text.split(",") if x.strip()] if text else None
+
+
+def add_arguments(p):
+    g = p.add_argument_group("what to run")
+    g.add_argument("--arm", action="append", default=None, metavar="[NAME=]ARM",
+                   help="in-process arm (repeatable), e.g. golden, engine, "
+                        "'fp8=index_keys_fp8'; default: golden and engine")
+    g.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
+                   help="OpenAI-compatible server as an arm (repeatable), e.g. "
+                        "sglang=http://127.0.0.1:30000/v1")
+    g.add_argument("--checkpoint", help="DeepSeek-native checkpoint for in-process arms")
+    g.add_argument("--tokenizer", help="tokenizer.json for in-process arms")
+    g = p.add_argument_group("grid")
+    g.add_argument("--lengths", help="comma-separated token counts (default: in-process "
+                   f"{DEFAULT_INPROCESS_LENGTHS}, endpoints {DEFAULT_ENDPOINT_LENGTHS})")
+    g.add_argument("--depths", default="0,25,50,75,100", help="comma-separated depth percents")
+    g.add_argument("--reps", type=int, default=1, help="trials per cell (different needles)")
+    g.add_argument("--kind", default="single", choices=("single", "multikey", "multivalue"))
+    g.add_argument("--value-type", default="number", choices=("number", "word", "uuid"))
+    g.add_argument("--filler", default="essay", choices=("essay", "noise"))
+    g.add_argument("--seed", type=int, default=0, help="sweep seed (needles, filler start)")
+    g = p.add_argument_group("requests")
+    g.add_argument("--api", default="chat", choices=("chat", "completions"),
+                   help="chat (DeepSeek-V4 chat encoding) or raw completions with an answer prefix")
+    g.add_argument("--thinking", action="store_true", help="thinking mode (<think>)")
+    g.add_argument("--reasoning-effort", default=None)
+    g.add_argument("--temperature", type=float, default=None,
+                   help="default: 0 (greedy) in-process, 1.0 for endpoints (DeepSeek's recommendation)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="default: answer length + slack in-process; 128 (8192 thinking) for endpoints")
+    g.add_argument("--no-seed", action="store_true", help="do not send per-trial seeds to endpoints")
+    g.add_argument("--model", default=None, help="model name on the endpoints (default: first listed)")
+    g.add_argument("--chat-template-kwargs", default=None,
+                   help='JSON object sent as chat_template_kwargs, replacing the default '
+                        '{"thinking": <--thinking>}; \'{}\' sends none')
+    g.add_argument("--concurrency", type=int, default=4, help="requests in flight per endpoint")
+    g.add_argument("--timeout", type=float, default=300.0, help="seconds per request attempt")
+    g.add_argument("--retries", type=int, default=4, help="retries on connection errors/5xx/429")
+    g.add_argument("--api-key-env", default="OPENAI_API_KEY",
+                   help="environment variable holding the API key (never written anywhere)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default="reports",
+                   help="writes <out>/needle/results.jsonl and <out>/needle/<run-id>/ (+ latest link)")
+    g.add_argument("--run-id", default=None, help="report folder name (default needle-<timestamp>)")
+    g.add_argument("--results", default=None, help="results JSONL (default <out>/needle/results.jsonl)")
+    g.add_argument("--fresh", action="store_true", help="discard existing results instead of resuming")
+    g.add_argument("--report-only", action="store_true", help="only rebuild the report from results")
+    g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--quiet", action="store_true")
+
+
+def _named(spec: str, default_name: str) -> tuple[str, str]:
+    name, sep, rest = spec.partition("=")
+    if sep and name and "(" not in name and "," not in name:
+        return name.strip(), rest.strip()
+    return default_name, spec.strip()
+
+
+def _runners(args):
+    from fidelity.arms import ArmError, engine_arm, parse_arm
+    from needle.http import HttpRunner, RetryPolicy, Sampling
+
+    notes, runners = [], []
+    arm_specs = args.arm
+    if arm_specs is None and not args.endpoint:
+        arm_specs = ["golden"]
+        if engine_arm() is not None:
+            arm_specs.append("engine")
+        else:
+            notes.append("kernel_toggles is not available: golden arm only")
+    if arm_specs:
+        from fidelity.target import load_target
+        from needle.inprocess import InProcessRunner
+        target = load_target(args.checkpoint, args.tokenizer)
+        notes.append(f"in-process model: {target.description}")
+        temp = 0.0 if args.temperature is None else args.temperature
+        for s in arm_specs:
+            name, text = _named(s, s)
+            try:
+                arm = parse_arm(text)
+            except ArmError as e:
+                raise SystemExit(f"error: --arm {s!r}: {e}")
+            runners.append(InProcessRunner(name, target, arm,
+                                           temperature=temp, top_p=args.top_p,
+                                           max_tokens=args.max_tokens))
+    kw = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
+    for s in args.endpoint:
+        name, url = _named(s, "")
+        if not name or not url.startswith(("http://", "https://")):
+            raise SystemExit(f"error: --endpoint must be NAME=URL with an http(s) URL, got {s!r}")
+        sampling = Sampling(temperature=1.0 if args.temperature is None else args.temperature,
+                            top_p=args.top_p, max_tokens=args.max_tokens, seed=not args.no_seed,
+                            reasoning_effort=args.reasoning_effort, chat_template_kwargs=kw)
+        runners.append(HttpRunner(name, url, args.api, args.model, sampling,
+                                  RetryPolicy(retries=args.retries, timeout=args.timeout),
+                                  args.concurrency, args.api_key_env))
+    return runners, notes
+
+
+def run(args) -> int:
+    from needle.haystack import HaystackError, HaystackSpec, PromptFormat
+    from needle.report import write_report
+    from needle.results import ResultsError, latest, read_rows
+    from needle.sweep import SweepConfig, run_sweep
+    from needle.tables import by_arm, pairs
+
+    out = Path(args.out) / "needle"
+    results = Path(args.results) if args.results else out / "results.jsonl"
+    meta = {"results": str(results)}
+    if args.report_only:
+        header, rows = read_rows(results)
+        if header is None:
+            print(f"error: no results at {results}", file=sys.stderr)
+            return 2
+        order = {a["name"]: i for i, a in enumerate(header.get("arms") or [])}
+        rows = sorted(latest(rows), key=lambda r: order.get(r["arm"], len(order)))
+        meta.update({"trials": header.get("trials"), "arms": header.get("arms")})
+    else:
+        runners, notes = _runners(args)
+        lengths = _csv(args.lengths, int) or (DEFAULT_ENDPOINT_LENGTHS if args.endpoint and args.arm is None
+                                              else DEFAULT_INPROCESS_LENGTHS)
+        try:
+            cfg = SweepConfig(lengths=lengths, depths=_csv(args.depths, float), reps=args.reps,
+                              spec=HaystackSpec(args.kind, args.value_type, args.filler),
+                              fmt=PromptFormat("chat" if args.api == "chat" else "completion",
+                                               args.thinking, args.reasoning_effort),
+                              seed=args.seed)
+            for n in notes:
+                print(n, file=sys.stderr)
+            rows = run_sweep(cfg, runners, results, fresh=args.fresh, quiet=args.quiet)
+        except (HaystackError, ResultsError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        meta.update({"notes": notes, "lengths": lengths, "depths": cfg.depths, "reps": cfg.reps,
+                     "trials": {"spec": cfg.spec.to_dict(), "format": cfg.fmt.to_dict(),
+                                "seed": cfg.seed},
+                     "arms": [r.describe() for r in runners]})
+    path = write_report(rows, out, meta, run_id=args.run_id, with_plots=not args.no_plots)
+    for a in by_arm(rows):
+        rec = "-" if a["recall"] is None else f"{a['recall']:.3f} [{a['ci_low']:.3f}, {a['ci_high']:.3f}]"
+        print(f"{a['arm']:>16}: recall {rec} over {a['n_scored']} scored trials; "
+              f"truncated {a['truncated']}, server errors {a['server_error']}")
+    for p in pairs(rows):
+        if p["scope"] == "all":
+            print(f"{p['arm_a']} - {p['arm_b']}: {p['delta']:+.3f} over {p['n_pairs']} pairs, "
+                  f"McNemar p={p['p_value']:.3g} ({p['test']})")
+    print(f"report: {path}")
+    return 0

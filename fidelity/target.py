@@ -1,0 +1,49 @@
+"""What the in-process needle runner and `fidelity serve` run: weights plus tokenizer.
+
+The embedded default is whatever `fidelity.weights_source.load_weights(None)` gives (the
+same model `fidelity ab` uses: today the tiny config with seeded random weights, so needle
+recall is ~0 by construction) with the shipped tiny tokenizer. A checkpoint directory is
+loaded into memory (generation revisits every layer per token, so streaming from disk
+would reread the checkpoint at each step); its tokenizer.json is used if present."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Target:
+    name: str
+    weights: object                     # reference_model WeightSource
+    tokenizer: object                   # reference_model.tokenizer.ChatTokenizer
+    description: str
+
+    @property
+    def cfg(self):
+        return self.weights.cfg
+
+
+def load_target(checkpoint: str | Path | None = None, tokenizer: str | Path | None = None) -> Target:
+    from reference_model.tokenizer import load_tokenizer
+
+    if checkpoint is None:
+        from fidelity.weights_source import load_weights
+        weights, label = load_weights(None)
+        name = label.split(":", 1)[-1].split("(")[0]
+        desc = f"embedded default {label}"
+        if name == "tiny-random":
+            desc += " (untrained: needle recall near 0 is expected)"
+        tok = load_tokenizer(tokenizer)
+    else:
+        root = Path(checkpoint)
+        if not root.exists():
+            raise SystemExit(f"error: checkpoint not found: {root}")
+        from reference_model.checkpoint import load_checkpoint
+        weights, name, desc = load_checkpoint(root), root.name, f"checkpoint {root}"
+        if tokenizer is None and (root / "tokenizer.json").is_file():
+            tokenizer = root / "tokenizer.json"
+        tok = load_tokenizer(tokenizer)
+    if tok.vocab_size > weights.cfg.vocab_size:
+        raise SystemExit(f"error: tokenizer {tok.name} has {tok.vocab_size} tokens but the model's "
+                         f"vocab_size is {weights.cfg.vocab_size}; pass --tokenizer")
+    return Target(name, weights, tok, desc)

@@ -1,0 +1,328 @@
+"""Haystacks after RULER (tooling-anchors §4b): needle kinds single / multikey (distractor
+needles with other keys) / multivalue (one key, several values), values as 7-digit
+numbers, words or UUIDs, filler from the shipped corpus (`essay`) or RULER's repeated
+noise sentences (`noise`). The needle goes at the sentence boundary nearest the requested
+depth, and the prompt -- as the model sees it, chat encoding included -- is sized to the
+exact token count in the target tokenizer by searching over filler words (then characters
+of the next word) with whatever `Counter` the runner provides."""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from reference_model.tokenizer import BOS, CORPUS_PATH, render_chat
+
+from .words import ADJECTIVES, NOUNS
+
+KINDS = ("single", "multikey", "multivalue")
+VALUE_TYPES = ("number", "word", "uuid")
+FILLERS = ("essay", "noise")
+MODES = ("chat", "completion")
+TYPE_NAMES = {"number": ("number", "numbers"), "word": ("word", "words"), "uuid": ("uuid", "uuids")}
+NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+         "There and back again.")
+
+
+class HaystackError(ValueError):
+    """A spec or length that cannot be built."""
+
+
+@dataclass(frozen=True)
+class Template:
+    """RULER's wording; `{type}`/`{types}` are the value type's names."""
+    header: str = ("Some special magic {types} are hidden within the following text. "
+                   "Make sure to memorize them. I will quiz you about the {types} afterwards.\n")
+    needle: str = "One of the special magic {types} for {key} is: {value}."
+    question: str = "\nWhat is the special magic {type} for {key} mentioned in the provided text?"
+    question_multi: str = ("\nWhat are all the special magic {types} for {key} mentioned in "
+                           "the provided text?")
+    answer_prefix: str = " The special magic {type} for {key} mentioned in the provided text is"
+    answer_prefix_multi: str = (" The special magic {types} for {key} mentioned in the provided "
+                                "text are")
+
+
+@dataclass(frozen=True)
+class HaystackSpec:
+    kind: str = "single"
+    value_type: str = "number"
+    filler: str = "essay"
+    n_keys: int = 4                 # multikey: the queried key + n_keys-1 distractors
+    n_values: int = 4               # multivalue: values for the one key
+    template: Template = field(default_factory=Template)
+
+    def __post_init__(self):
+        for name, val, ok in (("kind", self.kind, KINDS), ("value_type", self.value_type, VALUE_TYPES),
+                              ("filler", self.filler, FILLERS)):
+            if val not in ok:
+                raise HaystackError(f"{name} must be one of {', '.join(ok)}, got {val!r}")
+        if self.n_keys < 2 or self.n_values < 2:
+            raise HaystackError("n_keys and n_values must be >= 2")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How the user text becomes what the model sees: DeepSeek-V4 chat encoding, or a raw
+    completion prompt (BOS + text + RULER's answer prefix)."""
+    mode: str = "chat"
+    thinking: bool = False
+    reasoning_effort: str | None = None
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise HaystackError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+
+    def wrap(self, user: str, answer_prefix: str = "") -> tuple[str, int]:
+        """(full text, offset of `user` in it)."""
+        if self.mode == "completion":
+            return BOS + user + answer_prefix, len(BOS)
+        text = render_chat([{"role": "user", "content": user}], self.thinking, self.reasoning_effort)
+        before = render_chat([{"role": "user", "content": "\x00"}], self.thinking,
+                             self.reasoning_effort).index("\x00")
+        return text, before
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Counter(Protocol):
+    """Token count of a prompt in the target tokenizer. `exact` is False when the count
+    is an estimate (calibrated from usage.prompt_tokens)."""
+    exact: bool
+    source: str
+
+    def count(self, prompt: "Prompt") -> int: ...
+
+
+@dataclass
+class Prompt:
+    user: str                       # user message content (chat) / text before the answer prefix
+    text: str                       # full prompt as the model sees it (our DeepSeek-V4 rendering)
+    answer_prefix: str
+    fmt: PromptFormat
+    key: str
+    expected: list[str]
+    distractors: list[str]
+    value_spans: list[tuple[int, int]]   # char spans of the expected values in `text`
+    depth_chars: float              # queried needle start / context length (chars)
+    n_tokens: int = -1
+    target_tokens: int = -1
+    exact: bool = False
+    count_source: str = ""
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+    def messages(self) -> list[dict]:
+        return [{"role": "user", "content": self.user}]
+
+
+# ---- values and needles -------------------------------------------------------------------
+def _value(kind: str, rng: random.Random) -> str:
+    if kind == "number":
+        return str(rng.randint(1_000_000, 9_999_999))
+    if kind == "word":
+        return rng.choice(ADJECTIVES) + "-" + rng.choice(NOUNS)
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def _draw(spec: HaystackSpec, rng: random.Random):
+    """(queried key, [(key, value, queried)], distractor values)."""
+    n_keys = spec.n_keys if spec.kind == "multikey" else 1
+    keys: list[str] = []
+    while len(keys) < n_keys:
+        k = rng.choice(ADJECTIVES) + "-" + rng.choice(NOUNS)
+        if k not in keys:
+            keys.append(k)
+    n_vals = spec.n_values if spec.kind == "multivalue" else 1
+    values: list[str] = []
+    while len(values) < n_vals + n_keys - 1:
+        v = _value(spec.value_type, rng)
+        if v not in values and v not in keys:
+            values.append(v)
+    needles = [(keys[0], v, True) for v in values[:n_vals]]
+    needles += [(k, v, False) for k, v in zip(keys[1:], values[n_vals:])]
+    return keys[0], needles, values[n_vals:]
+
+
+# ---- filler -------------------------------------------------------------------------------
+_SENT = re.compile(r"(?<=[.!?])\s+")
+
+
+def _sentences(filler: str) -> list[str]:
+    if filler == "noise":
+        return _SENT.split(NOISE)
+    text = " ".join(CORPUS_PATH.read_text(encoding="utf-8").split())
+    return [s for s in _SENT.split(text) if s]
+
+
+class FillerWords:
+    """An endless word stream: the filler's sentences in order from a seeded start,
+    cycling. Words ending a sentence keep their full stop."""
+
+    def __init__(self, filler: str, rng: random.Random):
+        self.sents = _sentences(filler)
+        self.start = rng.randrange(len(self.sents))
+        self.words: list[str] = []
+        self._next = self.start
+
+    def upto(self, n: int) -> list[str]:
+        while len(self.words) < n:
+            self.words += self.sents[self._next % len(self.sents)].split()
+            self._next += 1
+        return self.words[:n]
+
+
+def _ends_sentence(w: str) -> bool:
+    return w[-1] in ".!?"
+
+
+# ---- building -----------------------------------------------------------------------------
+class _Builder:
+    def __init__(self, spec: HaystackSpec, fmt: PromptFormat, depth: float, seed: int):
+        if not 0 <= depth <= 100:
+            raise HaystackError(f"depth must be in [0, 100], got {depth}")
+        self.spec, self.fmt, self.depth = spec, fmt, depth / 100.0
+        rng = random.Random(seed)
+        self.key, needles, self.distractors = _draw(spec, rng)
+        tn, tns = TYPE_NAMES[spec.value_type]
+        t = spec.template
+        # the first queried needle goes at `depth`; the others at seeded fractions
+        self.needles = [(t.needle.format(type=tn, types=tns, key=k, value=v), v, q,
+                         None if i == 0 else rng.random()) for i, (k, v, q) in enumerate(needles)]
+        multi = spec.kind == "multivalue"
+        self.header = t.header.format(type=tn, types=tns)
+        self.question = (t.question_multi if multi else t.question).format(type=tn, types=tns, key=self.key)
+        self.answer_prefix = ((t.answer_prefix_multi if multi else t.answer_prefix)
+                              .format(type=tn, types=tns, key=self.key)
+                              if fmt.mode == "completion" else "")
+        self.expected = [v for _, v, q, _ in self.needles if q]
+        self.words = FillerWords(spec.filler, rng)
+
+    def render(self, w: int, c: int = 0, stop: bool = True, pad: int = 0) -> Prompt:
+        """w filler words plus c characters of the next one; `stop` closes an unfinished
+        last sentence with a full stop (without it the context ends mid-sentence); `pad`
+        trailing spaces end the context (the last resort of the length search)."""
+        words = list(self.words.upto(w + 1))
+        tail = words[w][:c] if c else None
+        words = words[:w] + ([tail] if tail else [])
+        if stop and words and not _ends_sentence(words[-1]):
+            words[-1] = words[-1] + "."
+        # sentence boundaries (word indices) and their char positions in the bare context
+        bounds, pos, at = [0], [0], 0
+        for i, wd in enumerate(words):
+            at += len(wd) + (1 if i else 0)
+            if _ends_sentence(wd):
+                bounds.append(i + 1)
+                pos.append(at)
+        total = max(at, 1)
+
+        def nearest(frac):
+            return min(range(len(bounds)), key=lambda j: (abs(pos[j] - frac * total), j))
+
+        slots: dict[int, list] = {}
+        for n in self.needles:
+            frac = self.depth if n[3] is None else n[3]
+            slots.setdefault(bounds[nearest(frac)], []).append(n)
+        pieces: list[tuple[str, str | None, bool]] = []       # (text, value, queried)
+        for i in range(len(words) + 1):
+            for text, v, q, _ in slots.get(i, []):
+                pieces.append((text, v, q))
+            if i < len(words):
+                pieces.append((words[i], None, False))
+        context = " ".join(p[0] for p in pieces) + " " * pad
+        user = self.header + context + self.question
+        full, off = self.fmt.wrap(user, self.answer_prefix)
+        spans, depth_chars, cur = [], 0.0, off + len(self.header)
+        first = True
+        for text, v, q in pieces:
+            if v is not None and q:
+                s = cur + text.rindex(v)
+                spans.append((s, s + len(v)))
+                if first:
+                    depth_chars = (cur - off - len(self.header)) / max(len(context), 1)
+                    first = False
+            cur += len(text) + 1
+        return Prompt(user=user, text=full, answer_prefix=self.answer_prefix, fmt=self.fmt,
+                      key=self.key, expected=list(self.expected),
+                      distractors=list(self.distractors), value_spans=spans,
+                      depth_chars=round(depth_chars, 6))
+
+
+def build_prompt(spec: HaystackSpec, fmt: PromptFormat, counter: Counter, target_tokens: int,
+                 depth: float, seed: int) -> Prompt:
+    """The prompt with `target_tokens` tokens exactly (by `counter`), needle at `depth` %.
+    Search: largest word count w with count <= target (binary search; the count is
+    monotone in w up to merge effects at the tail), then characters of the next word for
+    w and its neighbours, with and without a closing full stop, then the same with one or
+    two trailing spaces; if nothing hits, the closest prompt below target (exact=False)."""
+    b = _Builder(spec, fmt, depth, seed)
+    memo: dict[tuple, tuple[int, Prompt]] = {}
+
+    def f(w: int, c: int = 0, stop: bool = True, pad: int = 0) -> int:
+        if (w, c, stop, pad) not in memo:
+            p = b.render(w, c, stop, pad)
+            memo[(w, c, stop, pad)] = (counter.count(p), p)
+        return memo[(w, c, stop, pad)][0]
+
+    def done(key, exact):
+        n, p = memo[key]
+        p.n_tokens, p.target_tokens = n, target_tokens
+        p.exact, p.count_source = exact and counter.exact, counter.source
+        return p
+
+    if f(0) > target_tokens:
+        raise HaystackError(f"{target_tokens} tokens is below this template's minimum "
+                            f"({f(0)} tokens with no filler)")
+    lo, hi = 0, 16
+    while f(hi) <= target_tokens:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if f(mid) <= target_tokens else (lo, mid)
+    w = lo
+    if f(w) == target_tokens:
+        return done((w, 0, True, 0), True)
+    for pad in (0, 1, 2):
+        for stop in (True, False):
+            for ww in (w, w - 1, w + 1, w - 2, w + 2, w - 3, w + 3):
+                if ww < 0:
+                    continue
+                for c in range(0, len(b.words.upto(ww + 1)[ww])):
+                    if f(ww, c, stop, pad) == target_tokens:
+                        return done((ww, c, stop, pad), True)
+    best = max((k for k in memo if memo[k][0] <= target_tokens), key=lambda k: memo[k][0])
+    return done(best, False)
+
+
+def trial_seed(*parts) -> int:
+    """A stable 63-bit seed from any JSON-able parts."""
+    h = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).digest()
+    return int.from_bytes(h[:8], "big") >> 1
+
+
+class LocalCounter:
+    """Counts with an in-process tokenizer (exact)."""
+    exact = True
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.source = f"tokenizer:{tokenizer.fingerprint}"
+
+    def count(self, prompt: Prompt) -> int:
+        return self.tok.count(prompt.text)
+
+
+def probe_prompts(spec: HaystackSpec, fmt: PromptFormat, seed: int = 0,
+                  words: int = 800) -> tuple[Prompt, Prompt]:
+    """A prompt with no filler and one with `words` filler words (for calibration)."""
+    b = _Builder(spec, fmt, 50, seed)
+    return b.render(0), b.render(words)

@@ -1,0 +1,134 @@
+"""In-process runner: one arm of the reference model, greedy or sampled, plus the
+mechanism behind a hit or a miss.
+
+Mechanism, per CSA layer, at the question's last position (the last prompt token): which
+compressed entries hold the needle value, whether the indexer picked one of them, and
+its rank among the visible entries. Entry j pools tokens 4j..4j+3 and, in half of its
+channels, the previous group 4j-4..4j-1 (overlapping ratio-4 compressor), so the entries
+holding the value are {t//4} and {t//4 + 1} over the value's tokens t. The picks come from
+the `layers.{i}.attn.index.topk` tap; the rank needs the scores, which no tap exposes,
+so the last prompt token is run through a copy of the arm's Numerics whose
+`index_scores` kernel records what the arm's own kernel returns (same values the arm's
+top-k sees; rank = 1 + #visible entries scoring higher + #lower-index ties, i.e. the
+golden top-k's tie rule). The prompt is prefilled as tokens[:-1] and then the last token
+(still in prefill phase): chunked prefill, which the golden forward treats identically."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import torch
+
+from fidelity.arms import as_arm
+from reference_model import Model, Taps
+from reference_model.generate import generate
+
+from .haystack import LocalCounter, Prompt
+
+_COMPUTE = threading.Lock()          # one model computation at a time on this machine
+
+
+class InProcessRunner:
+    kind = "inprocess"
+    concurrency = 1
+
+    def __init__(self, name: str, target, arm, temperature: float = 0.0, top_p: float = 1.0,
+                 max_tokens: int | None = None, profile: str = "reference",
+                 mechanism: bool = True):
+        self.name, self.target, self.arm = name, target, as_arm(arm)
+        self.temperature, self.top_p, self.max_tokens = temperature, top_p, max_tokens
+        self.mechanism = mechanism
+        self.model = Model(target.weights, self.arm.numerics(profile))
+        self._scores: list[torch.Tensor] = []
+        rec = self.model.nx.with_kernels("index-score-recorder", index_scores=self._record)
+        self.model_rec = Model(target.weights, rec)
+
+    def _record(self, golden, q, keys, w):
+        s = golden.index_scores(q, keys, w)
+        self._scores.append(s.detach().cpu())
+        return s
+
+    def counter(self):
+        return LocalCounter(self.target.tokenizer)
+
+    @property
+    def detail(self) -> str:
+        return self.arm.name
+
+    def describe(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "arm": self.arm.name,
+                "model": self.target.name, "temperature": self.temperature, "top_p": self.top_p}
+
+    async def aopen(self):
+        return None
+
+    async def aclose(self):
+        return None
+
+    async def arun(self, prompt: Prompt, seed: int) -> dict:
+        return await asyncio.to_thread(self._locked_run, prompt, seed)
+
+    def _locked_run(self, prompt, seed):
+        with _COMPUTE:
+            return self.run(prompt, seed)
+
+    def _budget(self, prompt: Prompt) -> int:
+        if self.max_tokens is not None:
+            return self.max_tokens
+        tok = self.target.tokenizer
+        answer = sum(tok.count(" " + v) + 2 for v in prompt.expected) + 4
+        return answer + (256 if prompt.fmt.thinking else 0)
+
+    def run(self, prompt: Prompt, seed: int) -> dict:
+        tok, cfg = self.target.tokenizer, self.target.cfg
+        ids, offsets = tok.encode_with_offsets(prompt.text)
+        value_tok = [j for j, (a, b) in enumerate(offsets)
+                     if any(a < e and b > s for s, e in prompt.value_spans)]
+        taps = Taps(["layers.*.attn.index.topk"])
+        self._scores.clear()
+
+        def prefill(model, t, all_logits):
+            st = None
+            if len(t) > 1:
+                _, st = self.model.extend(t[:-1], None, "none")
+            return self.model_rec.extend(t[-1:], st, "last", taps if self.mechanism else None,
+                                         phase="prefill")
+
+        t0 = time.perf_counter()
+        try:
+            gen = generate(self.model, ids, self._budget(prompt), self.temperature, self.top_p,
+                           seed=seed % (2**63), stop_ids={tok.eos_id}, prefill=prefill)
+        except (ValueError, RuntimeError) as e:
+            return {"error": f"{type(e).__name__}: {e}", "attempts": 1,
+                    "latency_s": time.perf_counter() - t0, "prompt_tokens": len(ids)}
+        reasoning, content = tok.split_reasoning(gen.tokens, prompt.fmt.thinking)
+        row = {"response": content, "reasoning_content": reasoning,
+               "finish_reason": gen.finish_reason, "completion_tokens": len(gen.tokens),
+               "prompt_tokens": len(ids), "latency_s": time.perf_counter() - t0,
+               "attempts": 1, "error": None, "value_token_positions": value_tok}
+        if self.mechanism:
+            row["mechanism"] = mechanism(cfg, taps, self._scores, value_tok, len(ids) - 1)
+        return row
+
+
+def mechanism(cfg, taps: Taps, scores: list[torch.Tensor], value_tok: list[int], pos: int) -> list[dict]:
+    """Per CSA layer: entries holding the value, picked or not, best rank (see module doc)."""
+    layers = [i for i, r in enumerate(cfg.compress_ratios)
+              if r == 4 and f"layers.{i}.attn.index.topk" in taps]
+    if len(layers) != len(scores):
+        raise RuntimeError(f"recorded {len(scores)} index_scores calls for {len(layers)} CSA layers")
+    visible = (pos + 1) // 4
+    own = {t // 4 for t in value_tok}
+    held = sorted(j for j in own | {j + 1 for j in own} if j < visible)
+    in_window = any(t > pos - cfg.window_size for t in value_tok)
+    out = []
+    for i, s in zip(layers, scores):
+        s = s[-1, :visible].double()
+        picks = {int(j) for j in taps[f"layers.{i}.attn.index.topk"][-1] if j >= 0}
+        ranks = {j: 1 + int((s > s[j]).sum()) + int((s[:j] == s[j]).sum()) for j in held}
+        best = min(ranks.values()) if ranks else None
+        out.append({"layer": i, "entries": held, "n_visible": visible, "topk": cfg.index_topk,
+                    "in_topk": any(j in picks for j in held) if held else None,
+                    "best_rank": best, "in_window": in_window, "picks": sorted(picks)})
+    return out

@@ -1,0 +1,202 @@
+"""The needle report, in the same format as `fidelity ab` (fidelity.report_io.ReportWriter):
+tables as CSV, summary.json with schema_version, summary.md, a self-contained index.html
+with the PNGs embedded, written to a temporary directory and renamed into place, with a
+`latest` link beside it.
+
+Plots (matplotlib, Agg): depth x length recall heatmap per arm (NIAH/RULER style), A-B
+delta heatmap per arm pair with McNemar-significant cells marked, recall vs length with
+Wilson intervals, outcome-taxonomy stacked bars, indexer in-top-k rate per CSA layer."""
+from __future__ import annotations
+
+import math
+import re
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from fidelity.report_io import ReportWriter, df_to_html, df_to_markdown
+
+from .scoring import OUTCOMES
+from .tables import ALPHA, all_tables
+
+OUTCOME_COLORS = {"correct": "#2ca02c", "partial": "#98df8a", "wrong": "#d62728",
+                  "refused": "#ff9896", "other": "#9467bd", "empty": "#c5b0d5",
+                  "truncated": "#ff7f0e", "server_error": "#7f7f7f"}
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", s)[:60] or "arm"
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _axes(cells):
+    return sorted({c["length"] for c in cells}), sorted({c["depth"] for c in cells})
+
+
+def _heatmap(plt, Ls, Ds, m, title, cmap, vmin, vmax, marks=None, fmt="{:.2f}"):
+    fig, ax = plt.subplots(figsize=(1.1 + 0.85 * len(Ls), 1.0 + 0.55 * len(Ds)))
+    im = ax.imshow(m, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", origin="upper")
+    ax.set_xticks(range(len(Ls)), [str(x) for x in Ls], rotation=45)
+    ax.set_yticks(range(len(Ds)), [f"{d:g}%" for d in Ds])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(title, fontsize=10)
+    for i in range(len(Ds)):
+        for j in range(len(Ls)):
+            v = m[i][j]
+            if math.isnan(v):
+                ax.text(j, i, "n/a", ha="center", va="center", fontsize=7, color="#888")
+            else:
+                star = "*" if marks and marks[i][j] else ""
+                ax.text(j, i, fmt.format(v) + star, ha="center", va="center", fontsize=8,
+                        fontweight="bold" if star else "normal")
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    fig.tight_layout()
+    return fig
+
+
+def figures(t: dict, arms: list[str]):
+    """(figure, file stem, title, caption) for each plot."""
+    plt = _plt()
+    cells = t["cells"]
+    Ls, Ds = _axes(cells)
+    for a in arms:
+        m = [[math.nan] * len(Ls) for _ in Ds]
+        for c in cells:
+            if c["arm"] == a and c["recall"] is not None:
+                m[Ds.index(c["depth"])][Ls.index(c["length"])] = c["recall"]
+        yield (_heatmap(plt, Ls, Ds, m, f"recall: {a}", "RdYlGn", 0, 1), f"heatmap_{_slug(a)}",
+               f"Recall, {a}", "Depth x context length; mean recall over the cell's scored trials "
+               "(n/a: none scored, e.g. all truncated).")
+    for b in arms[1:]:
+        m = [[math.nan] * len(Ls) for _ in Ds]
+        marks = [[False] * len(Ls) for _ in Ds]
+        for p in t["pairs"]:
+            if p["scope"] == "cell" and p["arm_b"] == b:
+                i, j = Ds.index(p["depth"]), Ls.index(p["length"])
+                m[i][j], marks[i][j] = p["delta"], p["significant"]
+        yield (_heatmap(plt, Ls, Ds, m, f"recall {arms[0]} - {b}  (* McNemar p<{ALPHA})", "RdBu_r",
+                        -1, 1, marks, fmt="{:+.2f}"), f"delta_{_slug(arms[0])}_vs_{_slug(b)}",
+               f"{arms[0]} − {b}", "Paired recall difference per cell (trials both arms scored); "
+               f"* = McNemar p < {ALPHA}, per cell, uncorrected.")
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for a in arms:
+        rs = [r for r in t["lengths"] if r["arm"] == a and r["recall"] is not None]
+        if rs:
+            ax.errorbar([r["length"] for r in rs], [r["recall"] for r in rs],
+                        yerr=[[max(0.0, r["recall"] - r["ci_low"]) for r in rs],
+                              [max(0.0, r["ci_high"] - r["recall"]) for r in rs]],
+                        marker="o", capsize=3, label=a)
+    if Ls and max(Ls) >= 4 * min(Ls):
+        ax.set_xscale("log", base=2)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no scored trials", ha="center", va="center", transform=ax.transAxes)
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("recall (95% Wilson)")
+    fig.tight_layout()
+    yield fig, "recall_vs_length", "Recall vs context length", "All depths pooled; 95% Wilson intervals."
+    fig, axes = plt.subplots(1, len(arms), figsize=(3.2 * len(arms) + 1.5, 3.6), squeeze=False)
+    for ax, a in zip(axes[0], arms):
+        rs = [r for r in t["lengths"] if r["arm"] == a]
+        bottom = [0.0] * len(rs)
+        for o in OUTCOMES:
+            h = [r[o] / r["n"] if r["n"] else 0 for r in rs]
+            ax.bar(range(len(rs)), h, bottom=bottom, color=OUTCOME_COLORS[o], label=o)
+            bottom = [x + v for x, v in zip(bottom, h)]
+        ax.set_xticks(range(len(rs)), [str(r["length"]) for r in rs], rotation=45)
+        ax.set_title(a, fontsize=9)
+        ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel("fraction of trials")
+    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
+    fig.tight_layout()
+    yield fig, "outcomes", "Outcomes by length", ("Failure taxonomy: truncated (max_tokens) and "
+                                                  "server errors are not recall misses.")
+    if t["mechanism"]:
+        fig, ax = plt.subplots(figsize=(6.4, 3.4))
+        layers = sorted({m["layer"] for m in t["mechanism"]})
+        w = 0.8 / max(1, len(arms))
+        for k, a in enumerate(arms):
+            ms = {m["layer"]: m for m in t["mechanism"] if m["arm"] == a}
+            ax.bar([i + k * w for i, L in enumerate(layers) if L in ms],
+                   [ms[L]["in_topk_rate"] for L in layers if L in ms], width=w, label=a)
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(layers))], [f"layer {L}" for L in layers])
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("needle entry in indexer top-k")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        yield fig, "mechanism", "Mechanism (CSA layers)", (
+            "Share of trials where a compressed entry holding the needle value was in the "
+            "indexer's top-k at the question position (needle outside the window).")
+
+
+SECTIONS = [
+    ("Arms", "arms", ["arm", "n", "n_scored", "recall", "ci_low", "ci_high", "correct", "partial",
+                      "wrong", "refused", "other", "empty", "truncated", "server_error",
+                      "exact_length_rate", "residual_max_abs", "latency_median_s", "retried_rows"]),
+    ("Recall by length (all depths)", "lengths", ["arm", "length", "n_scored", "recall", "ci_low",
+                                                   "ci_high", "truncated", "server_error"]),
+    ("Paired comparison (McNemar)", "pairs", ["arm_a", "arm_b", "scope", "length", "depth", "n_pairs",
+                                              "a_only", "b_only", "recall_a", "recall_b", "delta",
+                                              "p_value", "test", "significant"]),
+    ("Mechanism: indexer top-k at the question position", "mechanism",
+     ["arm", "layer", "n", "in_topk_rate", "ci_low", "ci_high", "median_rank", "topk",
+      "in_topk_rate_correct", "in_topk_rate_missed"]),
+    ("Mechanism, paired: indexer picks vs the first arm", "mechanism_pairs",
+     ["arm_a", "arm_b", "layer", "n", "picks_jaccard_mean", "identical_picks", "a_only", "b_only",
+      "p_value", "test"]),
+    ("Cells", "cells", ["arm", "length", "depth", "n", "n_scored", "recall", "ci_low", "ci_high",
+                        "correct", "wrong", "truncated", "server_error"]),
+    ("Server errors", "errors", ["arm", "error", "count"]),
+]
+
+INTRO = ("Recall counts correct (1) and partial (found fraction) over scored trials; truncated "
+         "(finish_reason length) and server errors are reported beside it, never as misses. "
+         "Intervals: 95% Wilson. Pairs: the first arm against each other one on identical "
+         "prompts, McNemar (exact binomial below 25 discordant pairs).")
+
+
+def _frame(rows: list[dict], cols: list[str]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=cols) if rows else pd.DataFrame(columns=cols)
+
+
+def write_report(rows: list[dict], root: str | Path, meta: dict | None = None,
+                 run_id: str | None = None, with_plots: bool = True) -> Path:
+    """Write the report for `rows` (latest row per arm and trial, baseline arm first) to
+    root/<run_id> and point root/latest at it; returns the report directory."""
+    meta = dict(meta or {})
+    t = all_tables(rows)
+    arms = [a["arm"] for a in t["arms"]]
+    w = ReportWriter(root, run_id or time.strftime("needle-%Y%m%d-%H%M%S"))
+    try:
+        cols = {key: c for _, key, c in SECTIONS}
+        for key, tab in t.items():
+            w.table(key, pd.DataFrame(tab) if tab else pd.DataFrame(columns=cols.get(key, [])))
+        w.json("summary", {"meta": meta, "tables": t})
+        if with_plots and rows:
+            import matplotlib.pyplot as plt
+            for fig, stem, title, cap in figures(t, arms):
+                w.figure(fig, stem, title, cap)
+                plt.close(fig)
+        md = ["# Needle-in-a-haystack recall", "", INTRO, ""]
+        md += [f"- **{k}**: {v}" for k, v in meta.items() if not isinstance(v, (dict, list))]
+        for title, key, cols in SECTIONS:
+            md += ["", f"## {title}", "", df_to_markdown(_frame(t[key], cols)) if t[key] else "(none)"]
+        md += ["", "## Plots", ""] + [f"![{title}]({f})" for f, title, _ in w.figures] + [""]
+        w.text("summary.md", "\n".join(md))
+        w.html("Needle-in-a-haystack recall", f"<p>{INTRO}</p>",
+               [(title, df_to_html(_frame(t[key], cols)) if t[key] else "<p>none</p>")
+                for title, key, cols in SECTIONS])
+        return w.commit()
+    except BaseException:
+        w.abort()
+        raise

@@ -1,0 +1,177 @@
+"""A deterministic OpenAI-compatible stub server, optionally misbehaving, for testing and
+benchmarking HTTP clients without a model.
+
+It answers a needle question by reading the needle back out of the prompt (so a client's
+whole path -- request, parsing, scoring -- is exercised with known outcomes); a fixed
+hash-chosen share of prompts gets a wrong number. Faults are consumed one per generation
+request, in order: "500", "429", "400", "malformed" (200 with a broken JSON body),
+"drop" (connection closed without a response), "timeout" (no answer for `hang` seconds),
+"ok". Written on raw asyncio streams so that drops and half-answers are real.
+Loopback only."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import threading
+
+_Q = re.compile(r"special magic \w+ for ([a-z]+-[a-z]+) mentioned")
+
+
+class StubServer:
+    def __init__(self, faults=(), delay: float = 0.0, hang: float = 5.0, wrong_every: int = 3,
+                 tokenizer=None, tokenize: bool = True):
+        self.faults = list(faults)
+        self.has_tokenize = tokenize            # False: /tokenize is 404 (like OpenAI's API)
+        self.delay, self.hang, self.wrong_every = delay, hang, wrong_every
+        self.tok = tokenizer
+        self.requests = 0                     # generation requests received
+        self.auth_sha256: set[str] = set()    # hashes of Authorization headers seen
+        self.port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    # ---- answers ------------------------------------------------------------------------
+    def _count(self, text: str) -> int:
+        return self.tok.count(text) if self.tok is not None else max(1, len(text) // 4)
+
+    def answer(self, text: str) -> str:
+        m = _Q.search(text)
+        if not m:
+            return "I do not know."
+        vals = re.findall(r"for " + re.escape(m.group(1)) + r" is: ([0-9A-Za-z-]+)\.", text)
+        h = int(hashlib.sha256(text.encode()).hexdigest(), 16)
+        if not vals or (self.wrong_every and h % self.wrong_every == 0):
+            return "The special magic number is 1234567."
+        return "The answer is: " + ", ".join(vals) + "."
+
+    def _generate(self, path: str, body: dict) -> dict:
+        if path.endswith("/chat/completions"):
+            from reference_model.tokenizer import render_chat
+            kw = body.get("chat_template_kwargs") or {}
+            text = render_chat(body["messages"], bool(kw.get("thinking")))
+            out = self.answer(body["messages"][-1]["content"])
+            choice = {"index": 0, "message": {"role": "assistant", "content": out},
+                      "finish_reason": "stop"}
+        else:
+            text = body["prompt"]
+            out = " " + self.answer(text)
+            choice = {"index": 0, "text": out, "finish_reason": "stop"}
+        n = self._count(text)
+        return {"id": "stub", "object": "x", "model": "stub", "choices": [choice],
+                "usage": {"prompt_tokens": n, "completion_tokens": len(out.split()),
+                          "total_tokens": n + len(out.split())}}
+
+    def _tokenize(self, body: dict) -> dict:
+        if "messages" in body:
+            from reference_model.tokenizer import render_chat
+            kw = body.get("chat_template_kwargs") or {}
+            text = render_chat(body["messages"], bool(kw.get("thinking")))
+        else:
+            text = body.get("prompt", "")
+        ids = self.tok.encode(text) if self.tok is not None else list(range(self._count(text)))
+        return {"count": len(ids), "tokens": ids, "max_model_len": 1 << 20}
+
+    # ---- HTTP ---------------------------------------------------------------------------
+    @staticmethod
+    def _response(status: int, body: bytes, ctype="application/json") -> bytes:
+        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests",
+                  500: "Internal Server Error"}.get(status, "X")
+        return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    return
+                method, path, _ = line.decode("latin-1").split(" ", 2)
+                headers = {}
+                while True:
+                    h = await reader.readline()
+                    if h in (b"\r\n", b"\n", b""):
+                        break
+                    k, _, v = h.decode("latin-1").partition(":")
+                    headers[k.strip().lower()] = v.strip()
+                n = int(headers.get("content-length", 0))
+                raw = await reader.readexactly(n) if n else b""
+                if "authorization" in headers:
+                    self.auth_sha256.add(hashlib.sha256(headers["authorization"].encode()).hexdigest())
+                status, payload = 200, None
+                if method == "GET" and path.endswith("/models"):
+                    payload = {"object": "list", "data": [{"id": "stub", "object": "model"}]}
+                elif method == "GET" and path == "/health":
+                    payload = {"status": "ok"}
+                elif method == "POST" and path.endswith("/tokenize") and self.has_tokenize:
+                    payload = self._tokenize(json.loads(raw or b"{}"))
+                elif method == "POST" and path.endswith("completions"):
+                    self.requests += 1
+                    fault = self.faults.pop(0) if self.faults else "ok"
+                    if fault == "drop":
+                        writer.transport.abort()
+                        return
+                    if fault == "timeout":
+                        await asyncio.sleep(self.hang)
+                        writer.transport.abort()
+                        return
+                    if fault == "malformed":
+                        writer.write(self._response(200, b'{"choices": [{"message": '))
+                        await writer.drain()
+                        continue
+                    if fault in ("500", "429", "400"):
+                        status, payload = int(fault), {"error": {"message": f"injected {fault}"}}
+                    else:
+                        if self.delay:
+                            await asyncio.sleep(self.delay)
+                        payload = self._generate(path, json.loads(raw))
+                else:
+                    status, payload = 404, {"error": {"message": "not found"}}
+                writer.write(self._response(status, json.dumps(payload).encode()))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            return                           # cancelled at shutdown: end quietly
+        finally:
+            if not writer.transport.is_closing():
+                writer.close()
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> "StubServer":
+        ready = threading.Event()
+
+        def main():
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            self._server = self._loop.run_until_complete(
+                asyncio.start_server(self._handle, "127.0.0.1", 0))
+            self.port = self._server.sockets[0].getsockname()[1]
+            ready.set()
+            self._loop.run_forever()
+            self._server.close()
+            tasks = asyncio.all_tasks(self._loop)
+            for t in tasks:
+                t.cancel()
+            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self._loop.close()
+
+        self._thread = threading.Thread(target=main, daemon=True)
+        self._thread.start()
+        ready.wait(10)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,169 @@
+"""A sweep: lengths x depths x repetitions, every trial run on every arm with the same
+prompt (so arms pair up), rows appended to the results log as they finish, finished
+(arm, trial) pairs skipped on resume.
+
+Prompts are sized by the first arm's counter (in-process tokenizer, or the first
+endpoint's /tokenize, or a calibration against it); all arms then get identical text."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+from . import haystack as H
+from .results import ResultsLog, latest
+from .scoring import contains_value, score
+
+
+def residue_lengths(base: list[int]) -> list[int]:
+    """Lengths around powers of two that cover every residue mod 4 and sit on both sides
+    of a 128 boundary: for each b, b-1 (3 mod 4, 127 mod 128 if b % 128 == 0), b, b+1, b+2."""
+    out = []
+    for b in base:
+        out += [b - 1, b, b + 1, b + 2]
+    return sorted(set(out))
+
+
+@dataclass(frozen=True)
+class Trial:
+    length: int
+    depth: float
+    rep: int
+    trial_id: str
+    seed: int
+
+
+@dataclass
+class SweepConfig:
+    lengths: list[int]
+    depths: list[float]
+    reps: int = 1
+    spec: H.HaystackSpec = field(default_factory=H.HaystackSpec)
+    fmt: H.PromptFormat = field(default_factory=H.PromptFormat)
+    seed: int = 0
+
+    def trial_settings(self, count_source: str) -> dict:
+        """What makes trials comparable across runs (checked on resume)."""
+        return {"spec": self.spec.to_dict(), "format": self.fmt.to_dict(), "seed": self.seed,
+                "count_source": count_source}
+
+    def plan(self) -> list[Trial]:
+        out = []
+        for L in self.lengths:
+            for d in self.depths:
+                for r in range(self.reps):
+                    key = [self.spec.to_dict(), self.fmt.to_dict(), self.seed, L, float(d), r]
+                    tid = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+                    out.append(Trial(L, float(d), r, tid, H.trial_seed(key)))
+        return out
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def build_prompts(cfg: SweepConfig, trials: list[Trial], counter, quiet=False) -> dict[str, H.Prompt]:
+    if getattr(counter, "a", 0) is None:                      # CalibratedCounter, not yet fitted
+        counter.calibrate(*H.probe_prompts(cfg.spec, cfg.fmt, cfg.seed))
+        _log(f"token counts calibrated from usage.prompt_tokens: {counter.a:.1f} + "
+             f"{counter.b:.4f} * chars (not exact; residuals are reported)", quiet)
+    out = {}
+    for t in trials:
+        out[t.trial_id] = H.build_prompt(cfg.spec, cfg.fmt, counter, t.length, t.depth, t.seed)
+    return out
+
+
+def make_row(trial: Trial, prompt: H.Prompt, runner, res: dict, cfg: SweepConfig) -> dict:
+    sc = score(prompt.expected, res.get("response"), res.get("finish_reason"), res.get("error"),
+               prompt.distractors, cfg.spec.value_type, prompt.key)
+    reported = res.get("prompt_tokens")
+    row = {
+        "trial_id": trial.trial_id, "arm": runner.name, "runner": runner.kind,
+        "arm_detail": runner.detail,
+        "length": trial.length, "depth": trial.depth, "rep": trial.rep,
+        "kind": cfg.spec.kind, "value_type": cfg.spec.value_type, "filler": cfg.spec.filler,
+        "mode": cfg.fmt.mode, "thinking": cfg.fmt.thinking,
+        "n_tokens": prompt.n_tokens, "exact_length": prompt.exact,
+        "count_source": prompt.count_source, "prompt_tokens_reported": reported,
+        "token_residual": (reported - trial.length) if isinstance(reported, int) else None,
+        "depth_chars": prompt.depth_chars, "prompt_sha256": prompt.sha256, "key": prompt.key,
+        "expected": prompt.expected, "distractors": prompt.distractors,
+        "outcome": sc.outcome, "found": sc.found, "recall": sc.recall,
+        "value_in_reasoning": bool(res.get("reasoning_content")) and any(
+            contains_value(res["reasoning_content"], v) for v in prompt.expected),
+    }
+    for k in ("response", "reasoning_content", "finish_reason", "completion_tokens", "latency_s",
+              "attempts", "error", "error_status", "errors", "mechanism", "value_token_positions"):
+        if k in res:
+            row[k] = res[k]
+    return row
+
+
+async def _execute(cfg, jobs, prompts, runners, log: ResultsLog, quiet: bool):
+    total, done = len(jobs), 0
+    queues = {r.name: asyncio.Queue() for r in runners}
+    for t, r in jobs:
+        queues[r.name].put_nowait((t, r))
+
+    async def worker(q):
+        nonlocal done
+        while True:
+            try:
+                t, r = q.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            res = await r.arun(prompts[t.trial_id], t.seed)
+            row = make_row(t, prompts[t.trial_id], r, res, cfg)
+            log.append(row)
+            done += 1
+            _log(f"[{done}/{total}] {r.name:>12} L={t.length} depth={t.depth:g} rep={t.rep}: "
+                 f"{row['outcome']} ({row.get('latency_s', 0):.2f}s"
+                 f"{', ' + str(row['attempts']) + ' attempts' if row.get('attempts', 1) > 1 else ''})",
+                 quiet)
+
+    for r in runners:
+        await r.aopen()
+    try:
+        await asyncio.gather(*(worker(queues[r.name]) for r in runners
+                               for _ in range(r.concurrency)))
+    finally:
+        for r in runners:
+            await r.aclose()
+
+
+def run_sweep(cfg: SweepConfig, runners: list, results_path, fresh: bool = False,
+              quiet: bool = False) -> list[dict]:
+    """Run every pending (trial, arm); returns the latest row of every (arm, trial) in the
+    log (including rows from earlier runs)."""
+    names = [r.name for r in runners]
+    if len(set(names)) != len(names):
+        raise ValueError(f"arm names must be unique, got {names}")
+    counter = runners[0].counter()
+    try:
+        header = {"trials": cfg.trial_settings(counter.source),
+                  "arms": [r.describe() for r in runners]}
+        log = ResultsLog(results_path, header, fresh=fresh)
+        plan = cfg.plan()
+        finished = log.done()
+        jobs = [(t, r) for t in plan for r in runners if (r.name, t.trial_id) not in finished]
+        skipped = len(plan) * len(runners) - len(jobs)
+        _log(f"sweep: {len(plan)} trials x {len(runners)} arms; {skipped} already done, "
+             f"{len(jobs)} to run -> {results_path}", quiet)
+        if jobs:
+            need = {t.trial_id: t for t, _ in jobs}
+            t0 = time.perf_counter()
+            prompts = build_prompts(cfg, list(need.values()), counter, quiet)
+            _log(f"built {len(prompts)} prompts ({counter.source}) in "
+                 f"{time.perf_counter() - t0:.1f}s", quiet)
+    finally:
+        getattr(counter, "close", lambda: None)()
+    if jobs:
+        asyncio.run(_execute(cfg, jobs, prompts, runners, log, quiet))
+    order = {n: i for i, n in enumerate(names)}
+    pos = {t.trial_id: i for i, t in enumerate(plan)}
+    return sorted(latest(log.rows), key=lambda r: (order.get(r["arm"], len(order)),
+                                                   pos.get(r["trial_id"], len(pos)), r["trial_id"]))

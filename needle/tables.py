@@ -1,0 +1,174 @@
+"""Tidy tables from result rows: recall per cell with Wilson intervals, outcome counts,
+paired McNemar between arms, token-count residuals and the indexer mechanism.
+
+Recall trials are the scored outcomes (see scoring.SCORED); truncated and server-error
+rows are counted beside them. Pairs for McNemar are trials where both arms produced a
+scored outcome; "correct" is the paired binary variable."""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+from .scoring import OUTCOMES, SCORED
+from .stats import mcnemar, wilson
+
+ALPHA = 0.05
+
+
+def _arms(rows) -> list[str]:
+    """Arms in row order: the sweep returns rows in runner order, so the first arm is the
+    baseline (A) of every paired comparison."""
+    seen: list[str] = []
+    for r in rows:
+        if r["arm"] not in seen:
+            seen.append(r["arm"])
+    return seen
+
+
+def _summ(rs: list[dict]) -> dict:
+    scored = [r for r in rs if r["outcome"] in SCORED]
+    k = sum(r["recall"] for r in scored)
+    n = len(scored)
+    lo, hi = wilson(k, n)
+    d = {"n": len(rs), "n_scored": n, "recall": (k / n) if n else None,
+         "ci_low": lo if n else None, "ci_high": hi if n else None}
+    for o in OUTCOMES:
+        d[o] = sum(1 for r in rs if r["outcome"] == o)
+    return d
+
+
+def cells(rows) -> list[dict]:
+    g = defaultdict(list)
+    for r in rows:
+        g[(r["arm"], r["length"], r["depth"])].append(r)
+    order = {a: i for i, a in enumerate(_arms(rows))}
+    return [{"arm": a, "length": L, "depth": d, **_summ(rs)}
+            for (a, L, d), rs in sorted(g.items(), key=lambda kv: (order[kv[0][0]], kv[0][1], kv[0][2]))]
+
+
+def by_length(rows) -> list[dict]:
+    g = defaultdict(list)
+    for r in rows:
+        g[(r["arm"], r["length"])].append(r)
+    order = {a: i for i, a in enumerate(_arms(rows))}
+    return [{"arm": a, "length": L, **_summ(rs)}
+            for (a, L), rs in sorted(g.items(), key=lambda kv: (order[kv[0][0]], kv[0][1]))]
+
+
+def by_arm(rows) -> list[dict]:
+    out = []
+    for a in _arms(rows):
+        rs = [r for r in rows if r["arm"] == a]
+        res = [r["token_residual"] for r in rs if isinstance(r.get("token_residual"), int)]
+        lat = [r["latency_s"] for r in rs if isinstance(r.get("latency_s"), (int, float))]
+        out.append({"arm": a, **_summ(rs),
+                    "exact_length_rate": sum(1 for r in rs if r.get("exact_length")) / len(rs),
+                    "residual_max_abs": max((abs(x) for x in res), default=None),
+                    "residual_mean": statistics.fmean(res) if res else None,
+                    "latency_median_s": statistics.median(lat) if lat else None,
+                    "retried_rows": sum(1 for r in rs if (r.get("attempts") or 1) > 1)})
+    return out
+
+
+def pairs(rows) -> list[dict]:
+    """McNemar of the first arm (A) against each other arm (B): per cell, per length, all."""
+    arms = _arms(rows)
+    if len(arms) < 2:
+        return []
+    idx = {(r["arm"], r["trial_id"]): r for r in rows}
+    a = arms[0]
+    out = []
+    for b in arms[1:]:
+        groups = defaultdict(list)
+        for r in rows:
+            if r["arm"] != a or (b, r["trial_id"]) not in idx:
+                continue
+            rb = idx[(b, r["trial_id"])]
+            if r["outcome"] not in SCORED or rb["outcome"] not in SCORED:
+                continue
+            pair = (r["outcome"] == "correct", rb["outcome"] == "correct")
+            groups[("cell", r["length"], r["depth"])].append(pair)
+            groups[("length", r["length"], None)].append(pair)
+            groups[("all", None, None)].append(pair)
+        for (scope, L, d), ps in sorted(groups.items(), key=lambda kv: (
+                ("cell", "length", "all").index(kv[0][0]), kv[0][1] or 0, kv[0][2] or 0)):
+            m = mcnemar([x for x, _ in ps], [y for _, y in ps])
+            out.append({"arm_a": a, "arm_b": b, "scope": scope, "length": L, "depth": d,
+                        "n_pairs": m.n, "a_only": m.a_only, "b_only": m.b_only,
+                        "recall_a": sum(x for x, _ in ps) / m.n, "recall_b": sum(y for _, y in ps) / m.n,
+                        "delta": m.delta, "p_value": m.p_value, "test": m.test,
+                        "significant": m.p_value < ALPHA})
+    return out
+
+
+def mechanism(rows) -> list[dict]:
+    """Per arm and CSA layer: how often the indexer kept an entry holding the needle in
+    its top-k at the question position (trials where the needle is outside the window and
+    already compressed), overall and split by correct vs not."""
+    g = defaultdict(list)
+    for r in rows:
+        for m in r.get("mechanism") or []:
+            if m.get("in_topk") is None or m.get("in_window"):
+                continue
+            g[(r["arm"], m["layer"])].append((m, r["outcome"] == "correct"))
+    order = {a: i for i, a in enumerate(_arms(rows))}
+    out = []
+    for (a, layer), ms in sorted(g.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
+        hit = [m["in_topk"] for m, _ in ms]
+        ranks = [m["best_rank"] for m, _ in ms if m["best_rank"] is not None]
+        ok = [m["in_topk"] for m, c in ms if c]
+        bad = [m["in_topk"] for m, c in ms if not c]
+        lo, hi = wilson(sum(hit), len(hit))
+        out.append({"arm": a, "layer": layer, "n": len(ms), "in_topk_rate": sum(hit) / len(hit),
+                    "ci_low": lo, "ci_high": hi, "median_rank": statistics.median(ranks) if ranks else None,
+                    "topk": ms[0][0]["topk"],
+                    "in_topk_rate_correct": sum(ok) / len(ok) if ok else None,
+                    "in_topk_rate_missed": sum(bad) / len(bad) if bad else None})
+    return out
+
+
+def mechanism_pairs(rows) -> list[dict]:
+    """First arm (A) against each other arm (B), per CSA layer, on the same trials: mean
+    Jaccard of the indexer's picks at the question position, and McNemar on "an entry
+    holding the needle is in top-k" (a_only: A kept the needle, B lost it)."""
+    arms = [a for a in _arms(rows) if any(r.get("mechanism") for r in rows if r["arm"] == a)]
+    if len(arms) < 2:
+        return []
+    mech = {(r["arm"], r["trial_id"]): {m["layer"]: m for m in r["mechanism"]}
+            for r in rows if r.get("mechanism")}
+    a = arms[0]
+    out = []
+    for b in arms[1:]:
+        per = defaultdict(list)
+        for (arm, tid), ma in mech.items():
+            if arm != a or (b, tid) not in mech:
+                continue
+            for layer, x in ma.items():
+                y = mech[(b, tid)].get(layer)
+                if y is None or x.get("in_topk") is None or x.get("in_window"):
+                    continue
+                pa, pb = set(x.get("picks", [])), set(y.get("picks", []))
+                jac = len(pa & pb) / len(pa | pb) if pa | pb else 1.0
+                per[layer].append((x["in_topk"], y["in_topk"], jac))
+        for layer, v in sorted(per.items()):
+            m = mcnemar([p[0] for p in v], [p[1] for p in v])
+            out.append({"arm_a": a, "arm_b": b, "layer": layer, "n": m.n,
+                        "picks_jaccard_mean": statistics.fmean(p[2] for p in v),
+                        "identical_picks": sum(1 for p in v if p[2] == 1.0),
+                        "a_only": m.a_only, "b_only": m.b_only, "p_value": m.p_value, "test": m.test})
+    return out
+
+
+def errors(rows) -> list[dict]:
+    g = defaultdict(int)
+    for r in rows:
+        if r["outcome"] == "server_error":
+            msg = (r.get("error") or "").split(":")[0][:60]
+            g[(r["arm"], msg)] += 1
+    return [{"arm": a, "error": e, "count": n} for (a, e), n in sorted(g.items())]
+
+
+def all_tables(rows) -> dict[str, list[dict]]:
+    return {"arms": by_arm(rows), "cells": cells(rows), "lengths": by_length(rows),
+            "pairs": pairs(rows), "mechanism": mechanism(rows),
+            "mechanism_pairs": mechanism_pairs(rows), "errors": errors(rows)}

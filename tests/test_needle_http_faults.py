@@ -1,0 +1,111 @@
+"""HTTP runner against a local misbehaving server: 500s, 429, timeouts, malformed JSON and
+dropped connections are retried and, when retries run out, counted as server errors --
+never as recall misses; 4xx is not retried; the API key is sent but never written."""
+import asyncio
+import hashlib
+
+import pytest
+
+from needle.haystack import HaystackSpec, PromptFormat, build_prompt
+from needle.http import HttpRunner, RetryPolicy, Sampling, redact_url
+from needle.report import write_report
+from needle.stub import StubServer
+from needle.sweep import SweepConfig, run_sweep
+from needle.tables import by_arm
+from reference_model.tokenizer import load_tokenizer
+
+FAST = dict(timeout=0.5, connect_timeout=0.5, backoff=0.01, backoff_max=0.05)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+def _one(stub, tok, retries, api="chat"):
+    r = HttpRunner("stub", stub.url, api=api, policy=RetryPolicy(retries=retries, **FAST))
+    p = build_prompt(HaystackSpec(), PromptFormat("chat" if api == "chat" else "completion"),
+                     r.counter(), 400, 50, 3)
+
+    async def go():
+        await r.aopen()
+        try:
+            return await r.arun(p, 1)
+        finally:
+            await r.aclose()
+    return asyncio.run(go()), p
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_every_fault_is_retried_then_succeeds(tok, api):
+    faults = ["500", "malformed", "drop", "timeout", "429"]
+    with StubServer(faults=faults, hang=2, tokenizer=tok, wrong_every=0) as s:
+        res, p = _one(s, tok, retries=5, api=api)
+        assert s.requests == 6
+    assert res["error"] is None and res["attempts"] == 6
+    assert p.expected[0] in res["response"]
+    kinds = " | ".join(res["errors"])
+    for frag in ("HTTP 500", "malformed", "RemoteProtocolError", "timeout", "HTTP 429"):
+        assert frag in kinds
+
+
+def test_exhausted_retries_are_server_errors(tok):
+    with StubServer(faults=["500"] * 10, tokenizer=tok) as s:
+        res, _ = _one(s, tok, retries=2)
+        assert s.requests == 3
+    assert res["attempts"] == 3 and res["error"].startswith("HTTP 500") and res["error_status"] == 500
+
+
+def test_4xx_is_not_retried(tok):
+    with StubServer(faults=["400", "ok"], tokenizer=tok) as s:
+        res, _ = _one(s, tok, retries=4)
+        assert s.requests == 1
+    assert res["attempts"] == 1 and res["error_status"] == 400
+
+
+def test_sweep_counts_faults_as_errors_not_misses(tok, tmp_path, monkeypatch):
+    secret = "sk-test-" + "9" * 20
+    monkeypatch.setenv("NEEDLE_TEST_KEY", secret)
+    # 6 trials, 1 request each when healthy; the first two trials exhaust their retries
+    faults = ["500", "500", "drop", "drop", "ok", "malformed"] + ["ok"] * 10
+    with StubServer(faults=faults, tokenizer=tok, wrong_every=2) as s:
+        r = HttpRunner("stub", s.url + "/", sampling=Sampling(), concurrency=1,
+                       policy=RetryPolicy(retries=1, **FAST), api_key_env="NEEDLE_TEST_KEY")
+        cfg = SweepConfig(lengths=[300, 420], depths=[0, 50, 100])
+        rows = run_sweep(cfg, [r], tmp_path / "res.jsonl", quiet=True)
+        assert s.auth_sha256 == {hashlib.sha256(f"Bearer {secret}".encode()).hexdigest()}
+    out = [r["outcome"] for r in rows]
+    assert out.count("server_error") == 2 and len(rows) == 6
+    assert set(out) <= {"server_error", "correct", "wrong"}
+    retried = [r for r in rows if r["outcome"] != "server_error" and r["attempts"] > 1]
+    assert len(retried) == 1 and "malformed" in retried[0]["errors"][0]
+    (arm,) = by_arm(rows)
+    assert arm["server_error"] == 2 and arm["n_scored"] == 4     # errors are not recall trials
+    assert arm["recall"] == out.count("correct") / 4
+    rep = write_report(rows, tmp_path / "rep", {"results": "x"}, with_plots=False)
+    for f in [tmp_path / "res.jsonl", *rep.iterdir()]:
+        assert secret not in f.read_text()
+    # resume: server errors are retried on the next run, finished trials are not
+    with StubServer(tokenizer=tok, wrong_every=2) as s:
+        r = HttpRunner("stub", s.url, concurrency=2, policy=RetryPolicy(**FAST),
+                       api_key_env="NEEDLE_TEST_KEY")
+        rows = run_sweep(cfg, [r], tmp_path / "res.jsonl", quiet=True)
+        assert s.requests == 2
+    assert [r["outcome"] for r in rows].count("server_error") == 0 and len(rows) == 6
+
+
+def test_redact_url():
+    assert redact_url("http://user:pw@127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1"
+
+
+def test_no_tokenize_endpoint_calibrates_and_reports_residuals(tok, tmp_path):
+    with StubServer(tokenizer=tok, tokenize=False, wrong_every=0) as s:
+        r = HttpRunner("stub", s.url, policy=RetryPolicy(retries=0, **FAST))
+        rows = run_sweep(SweepConfig(lengths=[400, 800], depths=[0, 100]), [r],
+                         tmp_path / "r.jsonl", quiet=True)
+    assert all(not x["exact_length"] and x["count_source"].startswith("calibrated:") for x in rows)
+    # the server's own count is recorded; a linear chars->tokens fit lands within a few %
+    for x in rows:
+        assert x["prompt_tokens_reported"] == x["length"] + x["token_residual"]
+        assert abs(x["token_residual"]) <= 0.05 * x["length"]
+    assert {x["outcome"] for x in rows} == {"correct"}

@@ -1,0 +1,43 @@
+"""A two-arm HTTP sweep with known outcomes (one server always right, one always wrong)
+through tables, McNemar and the report files."""
+import json
+
+from needle.haystack import HaystackSpec
+from needle.http import HttpRunner, RetryPolicy
+from needle.report import write_report
+from needle.stub import StubServer
+from needle.sweep import SweepConfig, run_sweep
+from reference_model.tokenizer import load_tokenizer
+
+
+def test_two_arm_report(tmp_path):
+    tok = load_tokenizer()
+    with StubServer(tokenizer=tok, wrong_every=0) as good, StubServer(tokenizer=tok, wrong_every=1) as bad:
+        runners = [HttpRunner("good", good.url, policy=RetryPolicy(retries=0)),
+                   HttpRunner("bad", bad.url, policy=RetryPolicy(retries=0))]
+        cfg = SweepConfig(lengths=[300, 400, 511], depths=[0, 50, 100], reps=2,
+                          spec=HaystackSpec(kind="multikey"))
+        rows = run_sweep(cfg, runners, tmp_path / "r.jsonl", quiet=True)
+    assert len(rows) == 36
+    assert {r["outcome"] for r in rows if r["arm"] == "good"} == {"correct"}
+    assert {r["outcome"] for r in rows if r["arm"] == "bad"} == {"wrong"}
+    assert all(r["token_residual"] == 0 and r["exact_length"] for r in rows)
+    out = write_report(rows, tmp_path / "rep", {"what": "test"})
+    t = json.loads((out / "summary.json").read_text())["tables"]
+    (allp,) = [p for p in t["pairs"] if p["scope"] == "all"]
+    # 18 discordant pairs all one way: exact two-sided p = 2 / 2^18
+    assert (allp["n_pairs"], allp["a_only"], allp["b_only"], allp["test"]) == (18, 18, 0, "exact")
+    assert allp["p_value"] == 2 / 2 ** 18 and allp["delta"] == 1.0 and allp["significant"]
+    cellp = [p for p in t["pairs"] if p["scope"] == "cell"]
+    assert len(cellp) == 9 and all(p["p_value"] == 0.5 for p in cellp)   # 2 pairs per cell
+    good = [c for c in t["cells"] if c["arm"] == "good"]
+    assert all(c["recall"] == 1.0 and abs(c["ci_low"] - 0.3424) < 1e-3 for c in good)  # Wilson 2/2
+    names = {p.name for p in out.iterdir()}
+    assert {"heatmap_good.png", "heatmap_bad.png", "delta_good_vs_bad.png", "recall_vs_length.png",
+            "outcomes.png", "index.html", "summary.md", "cells.csv", "pairs.csv"} <= names
+    for n in names:
+        if n.endswith(".png"):
+            assert (out / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    html = (out / "index.html").read_text()
+    assert html.count("data:image/png;base64,") == sum(n.endswith(".png") for n in names)
+    assert "| good | bad | all |" in (out / "summary.md").read_text()
