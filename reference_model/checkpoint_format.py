@@ -1,0 +1,159 @@
+"""On-disk layout of a DeepSeek-native checkpoint (research §3): which safetensors entries
+each TensorSpec becomes, reading shard headers without touching tensor data, and the one
+error type that lists every problem at once (so a bad 46-shard checkpoint is fixed in one
+pass, not one error per run)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ModelConfig
+from .specs import BF16, F32, FP4, FP8, I64, TensorSpec, all_specs
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+FP8_BLOCK = 128          # 128×128 weight blocks, one E8M0 scale each
+FP4_BLOCK = 32           # 1×32 blocks along the input dim
+SKIP_PREFIXES = ("mtp.",)   # MTP layer / DSpark drafter stages: not part of the main forward
+
+# safetensors dtype string -> bytes per element
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+               "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
+               "I64": 8, "U64": 8, "F64": 8}
+_PLAIN = {BF16: "BF16", F32: "F32", I64: "I64"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or a model being written as one) is invalid; `problems` lists every
+    offending tensor, shard or config field, one line each."""
+
+    def __init__(self, where: str, problems: list[str]):
+        self.where = where
+        self.problems = list(problems)
+        n = len(self.problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{where}: {n} problem{'s' if n != 1 else ''}:\n{lines}")
+
+
+@dataclass(frozen=True)
+class DiskEntry:
+    """One safetensors entry a spec needs: its name, dtype string and on-disk shape."""
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    role: str            # "weight" (quantised payload), "scale" or "plain"
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def scale_name(weight_name: str) -> str:
+    """`x.weight` -> `x.scale` (DeepSeek names scales `.scale`, not `weight_scale_inv`)."""
+    assert weight_name.endswith(".weight"), weight_name
+    return weight_name[: -len(".weight")] + ".scale"
+
+
+def disk_entries(spec: TensorSpec) -> list[DiskEntry]:
+    """The entries of one logical tensor: FP8 = F8_E4M3 [out,in] + F8_E8M0 scale on the
+    ceil(out/128)×ceil(in/128) grid; FP4 = I8 [out,in/2] (two e2m1 per byte) + F8_E8M0
+    scale [out, ceil(in/32)]; bf16 / f32 / i64 stored as is."""
+    if spec.fmt == FP8:
+        out, inp = spec.shape
+        return [DiskEntry(spec.name, "F8_E4M3", (out, inp), "weight"),
+                DiskEntry(scale_name(spec.name), "F8_E8M0",
+                          (_ceil(out, FP8_BLOCK), _ceil(inp, FP8_BLOCK)), "scale")]
+    if spec.fmt == FP4:
+        out, inp = spec.shape
+        if inp % 2:
+            raise ValueError(f"{spec.name}: FP4 input dim {inp} must be even (two per byte)")
+        return [DiskEntry(spec.name, "I8", (out, inp // 2), "weight"),
+                DiskEntry(scale_name(spec.name), "F8_E8M0", (out, _ceil(inp, FP4_BLOCK)), "scale")]
+    return [DiskEntry(spec.name, _PLAIN[spec.fmt], tuple(spec.shape), "plain")]
+
+
+def expected_entries(cfg: ModelConfig) -> dict[str, DiskEntry]:
+    """Every safetensors entry of the main model for `cfg` (no tensor is allocated)."""
+    out = {}
+    for s in all_specs(cfg):
+        for e in disk_entries(s):
+            out[e.name] = e
+    return out
+
+
+def natural_key(name: str):
+    """Sort `layers.10` after `layers.9`."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def is_skipped(name: str) -> bool:
+    return name.startswith(SKIP_PREFIXES)
+
+
+# ---- shard headers ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorHeader:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str            # shard file name (relative to the checkpoint dir)
+    nbytes: int
+
+
+class ShardError(Exception):
+    """Why a shard file is unreadable (message is completed with the file name)."""
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorHeader], dict]:
+    """Parse a safetensors header without reading tensor data; checks that the file is
+    exactly as long as the header says, so a truncated download is caught here."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise ShardError(f"file is {size} bytes, too short for a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ShardError(f"header length {n} exceeds file size {size} (truncated or "
+                                 "not a safetensors file)")
+            raw = fh.read(n)
+    except OSError as e:
+        raise ShardError(f"cannot read: {e}") from None
+    try:
+        hdr = json.loads(raw)
+        if not isinstance(hdr, dict):
+            raise ValueError("header is not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ShardError(f"header is not valid JSON ({e})") from None
+    meta = hdr.pop("__metadata__", None) or {}
+    out, end = {}, 0
+    for name, h in hdr.items():
+        try:
+            dtype, shape, (a, b) = h["dtype"], tuple(int(d) for d in h["shape"]), h["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ShardError(f"malformed header entry for {name!r}") from None
+        if dtype not in DTYPE_BYTES:
+            raise ShardError(f"unknown dtype {dtype!r} for {name}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if b - a != numel * DTYPE_BYTES[dtype] or a < 0:
+            raise ShardError(f"data offsets of {name} ({a}..{b}) do not match its dtype/shape")
+        end = max(end, b)
+        out[name] = TensorHeader(name, dtype, shape, path.name, b - a)
+    if size != 8 + n + end:
+        what = "truncated" if size < 8 + n + end else "has trailing bytes"
+        raise ShardError(f"{what}: header describes {8 + n + end} bytes, file has {size}")
+    return out, meta
