@@ -148,6 +148,8 @@ class LockstepRunner:
                                        "layer": i, "event": "error", "detail": f"{type(e).__name__}: {e}"})
                     alive.remove(a)
             self._tap_rows(prompt, taps, alive, phase, step, res, bad)
+        for a in alive:
+            states[a].pos += tokens.numel()          # as Model.extend does after its layers
         return {a: self.models[a].head(H[a] if which == "all" else H[a][-1:]) for a in alive}
 
     def _tap_rows(self, prompt, taps, alive, phase, step, res, bad):

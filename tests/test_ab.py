@@ -135,11 +135,25 @@ def test_lockstep_propagated_equals_standalone_and_isolated_feeds_golden(weights
     f32 = Numerics("reference", torch.float32)
     arms = [Arm("golden", Numerics(), role="golden"), Arm("fp32", f32)]
     keep = ("layers.4.out",)
-    res = LockstepRunner(weights, arms, "propagated", 0, keep=keep).run([Prompt("p", toks)])
+    res = LockstepRunner(weights, arms, "propagated", 2, keep=keep).run([Prompt("p", toks)])
     from reference_model import Model, Taps
+    from fidelity.metrics import kld_per_position
     t = Taps(list(keep))
-    Model(weights, f32).prefill_logits(toks, t)
+    golden, arm = Model(weights, Numerics()), Model(weights, f32)
+    lg_arm, st = arm.extend(toks, logits="all", taps=t)
     assert torch.equal(res.kept[("p", "fp32", "prefill", -1, "layers.4.out")], t["layers.4.out"])
+    # teacher-forced decode on golden's greedy tokens, positions advancing like extend()
+    lg_gold, gst = golden.extend(toks, logits="last")
+    kl = pd.DataFrame(res.kld)
+    for step in range(2):
+        nxt = torch.tensor([int(lg_gold[-1].argmax())])
+        t = Taps(list(keep))
+        lg_arm, st = arm.extend(nxt, st, taps=t)
+        lg_gold, gst = golden.extend(nxt, gst)
+        assert torch.equal(res.kept[("p", "fp32", "decode", step, "layers.4.out")], t["layers.4.out"])
+        row = kl[(kl.arm == "fp32") & (kl.phase == "decode") & (kl.step == step)]
+        assert row.position.item() == len(toks) + step
+        assert row.kld.item() == pytest.approx(float(kld_per_position(lg_gold, lg_arm)[0]), rel=1e-12)
 
     def lm_bf16(golden, x, w):
         return golden.rs(golden.lm_head(x, w))
