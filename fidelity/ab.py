@@ -34,11 +34,11 @@ class ABSettings:
     arms: list[str] | None = None          # extra/explicit arms (ToggleSet syntax); None = default design
     base: str = "engine"                   # arm whose leave-one-out is computed
     mode: str = "propagated"
-    lengths: tuple[int, ...] = (256, 1024)
+    lengths: tuple[int, ...] = (250, 767)     # residues 2 and 3 mod 4: partial compressor groups
     prompts_per_length: int = 3
     decode_steps: int = 4
     seed: int = 0
-    shapley_top: int = 4                   # factorial stage over this many toggles (0 = off)
+    shapley_top: int = 3                   # factorial stage over this many toggles (0 = off)
     n_boot: int = 1000
     floor_k: float = 2.0
     taps: tuple[str, ...] = DEFAULT_TAPS

@@ -10,7 +10,6 @@ import sys
 COMMANDS = {
     "ab": "ab",
     "check": "check",
-    "demo": "demo",
     "toggles": "toggles",
     "inspect": "inspect",
     "needle": "needle",
@@ -29,8 +28,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _set_threads() -> None:
+    """One torch CPU thread unless OMP_NUM_THREADS says otherwise: the tiny model's ops are
+    small, and two spinning OpenMP threads on a busy 2-core machine were measured 20x
+    slower than one (bench/results)."""
+    import os
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+        torch.set_num_threads(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _set_threads()
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:

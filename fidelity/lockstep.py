@@ -75,13 +75,14 @@ def _short(tap: str) -> str:
     return ".".join(parts[2:]) if parts[0] == "layers" else tap
 
 
-def compare_tap(tap: str, golden: torch.Tensor, arm: torch.Tensor) -> dict:
-    """Metrics appropriate to the tap's kind."""
+def compare_tap(tap: str, golden: torch.Tensor, arm: torch.Tensor,
+                spans: list[tuple[int, int]]) -> list[dict]:
+    """Metrics appropriate to the tap's kind, for each row span."""
     if tap.endswith("index.topk"):
-        return M.set_metrics(golden, arm)
+        return M.set_metrics_rows(golden, arm, spans)
     if tap.endswith("router.experts"):
-        return M.expert_agreement(golden, arm)
-    return M.tensor_metrics(golden, arm)
+        return M.expert_agreement_rows(golden, arm, spans)
+    return M.tensor_metrics_rows(golden, arm, spans)
 
 
 class LockstepRunner:
@@ -169,8 +170,9 @@ class LockstepRunner:
                     res.events.append({"prompt": prompt.id, "arm": a, "phase": phase, "step": step,
                                        "layer": _layer_of(name), "event": "non-finite",
                                        "detail": f"first non-finite value at tap {name}"})
-                for label, lo, hi in self._buckets(name, ga, phase, prompt):
-                    m = compare_tap(name, ga[lo:hi], aa[lo:hi])
+                buckets = self._buckets(name, ga, phase, prompt)
+                mets = compare_tap(name, ga, aa, [(lo, hi) for _, lo, hi in buckets])
+                for (label, _, _), m in zip(buckets, mets):
                     res.drift.append({"prompt": prompt.id, "group": prompt.group,
                                       "length": prompt.length, "arm": a, "phase": phase,
                                       "step": step, "layer": _layer_of(name), "tap": _short(name),

@@ -19,51 +19,77 @@ def _f64(x: torch.Tensor) -> torch.Tensor:
 
 def tensor_metrics(golden: torch.Tensor, arm: torch.Tensor) -> dict:
     """Per-tensor drift of `arm` against `golden` (same shape)."""
+    return tensor_metrics_rows(golden, arm, [(0, golden.shape[0] if golden.dim() else 1)])[0]
+
+
+def tensor_metrics_rows(golden: torch.Tensor, arm: torch.Tensor,
+                        spans: list[tuple[int, int]]) -> list[dict]:
+    """`tensor_metrics` of several row spans (e.g. context-position buckets) in one pass:
+    per-row sums in fp64, then summed per span."""
     if golden.shape != arm.shape:
         raise ValueError(f"shape mismatch: golden {tuple(golden.shape)} vs arm {tuple(arm.shape)}")
     g, a = _f64(golden), _f64(arm)
-    finite = bool(torch.isfinite(a).all())
-    d = a - g
-    gn2, an2, dn2 = float((g * g).sum()), float((a * a).sum()), float((d * d).sum())
-    dot = float((g * a).sum())
-    out = {
-        "rel_l2": math.sqrt(dn2) / max(math.sqrt(gn2), _EPS) if finite else math.inf,
-        "cosine": dot / max(math.sqrt(gn2 * an2), _EPS) if finite else math.nan,
-        "sqnr_db": (10 * math.log10(gn2 / dn2) if dn2 > 0 else math.inf) if finite else -math.inf,
-        "deepgemm_diff": (1 - 2 * dot / max(gn2 + an2, _EPS)) if finite else math.inf,
-        "finite": finite,
-    }
-    if d.numel():
-        ad = d.abs().nan_to_num(nan=math.inf)
-        flat = int(ad.argmax())
-        out["max_abs"] = float(ad.flatten()[flat])
-        out["max_abs_at"] = list(torch.unravel_index(torch.tensor(flat), d.shape)) if d.dim() else []
-        out["max_abs_at"] = [int(i) for i in out["max_abs_at"]]
-    else:
-        out["max_abs"], out["max_abs_at"] = 0.0, []
+    if g.dim() == 0:
+        g, a = g.reshape(1), a.reshape(1)
+    g2, a2 = g.reshape(g.shape[0], -1), a.reshape(a.shape[0], -1)
+    d2 = a2 - g2
+    gg, aa, dd, ga = ((g2 * g2).sum(1), (a2 * a2).sum(1), (d2 * d2).sum(1), (g2 * a2).sum(1))
+    fin = torch.isfinite(a2).all(1)
+    ad = d2.abs().nan_to_num(nan=math.inf)
+    rmax, rarg = (ad.max(1) if ad.shape[1] else (torch.zeros(len(ad), dtype=ad.dtype),
+                                                  torch.zeros(len(ad), dtype=torch.long)))
+    out = []
+    for lo, hi in spans:
+        finite = bool(fin[lo:hi].all())
+        gn2, an2, dn2, dot = (float(t[lo:hi].sum()) for t in (gg, aa, dd, ga))
+        m = {
+            "rel_l2": math.sqrt(dn2) / max(math.sqrt(gn2), _EPS) if finite else math.inf,
+            "cosine": dot / max(math.sqrt(gn2 * an2), _EPS) if finite else math.nan,
+            "sqnr_db": (10 * math.log10(gn2 / dn2) if dn2 > 0 else math.inf) if finite else -math.inf,
+            "deepgemm_diff": (1 - 2 * dot / max(gn2 + an2, _EPS)) if finite else math.inf,
+            "finite": finite,
+            "max_abs": 0.0, "max_abs_at": [],
+        }
+        if hi > lo and d2.shape[1]:
+            r = lo + int(rmax[lo:hi].argmax())
+            m["max_abs"] = float(rmax[r])
+            flat = r * d2.shape[1] + int(rarg[r])
+            m["max_abs_at"] = [int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(golden.shape))] \
+                if golden.dim() else []
+        out.append(m)
     return out
 
 
 def set_metrics(golden_idx: torch.Tensor, arm_idx: torch.Tensor) -> dict:
     """Row-wise top-k set comparison ([rows, k], -1 = empty). recall = |G∩A|/|G|,
     jaccard = |G∩A|/|G∪A|, lost = golden picks missing from the arm (summed)."""
+    return set_metrics_rows(golden_idx, arm_idx, [(0, golden_idx.shape[0])])[0]
+
+
+def set_metrics_rows(golden_idx: torch.Tensor, arm_idx: torch.Tensor,
+                     spans: list[tuple[int, int]]) -> list[dict]:
+    """`set_metrics` per row span, vectorised (entries within a row are distinct)."""
     if golden_idx.shape[0] != arm_idx.shape[0]:
         raise ValueError("row count mismatch")
-    recalls, jacc, lost, rows = [], [], 0, 0
-    for g, a in zip(golden_idx.tolist(), arm_idx.tolist()):
-        gs = {i for i in g if i >= 0}
-        as_ = {i for i in a if i >= 0}
-        if not gs and not as_:
-            continue
-        inter = len(gs & as_)
-        rows += 1
-        recalls.append(inter / len(gs) if gs else 1.0)
-        jacc.append(inter / len(gs | as_))
-        lost += len(gs - as_)
-    n = max(rows, 1)
-    return {"recall": sum(recalls) / n if rows else 1.0, "jaccard": sum(jacc) / n if rows else 1.0,
-            "lost": lost, "rows": rows,
-            "rows_identical": sum(r == 1.0 for r in jacc)}
+    g, a = golden_idx.long(), arm_idx.long()
+    gv, av = g >= 0, a >= 0
+    hit = ((g.unsqueeze(2) == a.unsqueeze(1)) & gv.unsqueeze(2) & av.unsqueeze(1)).any(2)
+    inter = hit.sum(1).double()
+    ng, na = gv.sum(1).double(), av.sum(1).double()
+    union = ng + na - inter
+    used = union > 0
+    recall = torch.where(ng > 0, inter / ng.clamp_min(1), torch.ones_like(ng))
+    jacc = inter / union.clamp_min(1)
+    lost = ng - inter
+    out = []
+    for lo, hi in spans:
+        u = used[lo:hi]
+        rows = int(u.sum())
+        out.append({"recall": float(recall[lo:hi][u].mean()) if rows else 1.0,
+                    "jaccard": float(jacc[lo:hi][u].mean()) if rows else 1.0,
+                    "lost": int(lost[lo:hi][u].sum()), "rows": rows,
+                    "rows_identical": int((jacc[lo:hi][u] == 1).sum())})
+    return out
 
 
 def kld_per_position(golden_logits: torch.Tensor, arm_logits: torch.Tensor) -> torch.Tensor:
@@ -102,6 +128,9 @@ def logits_metrics(golden_logits: torch.Tensor, arm_logits: torch.Tensor) -> dic
 
 def expert_agreement(golden_experts: torch.Tensor, arm_experts: torch.Tensor) -> dict:
     """Routing: fraction of tokens whose expert SET is identical, and mean overlap."""
-    s = set_metrics(golden_experts, arm_experts)
-    return {"expert_set_same": s["rows_identical"] / max(s["rows"], 1),
-            "expert_overlap": s["recall"]}
+    return expert_agreement_rows(golden_experts, arm_experts, [(0, golden_experts.shape[0])])[0]
+
+
+def expert_agreement_rows(golden_experts, arm_experts, spans) -> list[dict]:
+    return [{"expert_set_same": s["rows_identical"] / max(s["rows"], 1), "expert_overlap": s["recall"]}
+            for s in set_metrics_rows(golden_experts, arm_experts, spans)]

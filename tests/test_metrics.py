@@ -102,3 +102,27 @@ def test_bootstrap_mean_ci():
     x = np.arange(100, dtype=float)
     m, lo, hi = A.bootstrap_mean_ci(x, n_boot=500)
     assert m == 49.5 and lo < 49.5 < hi and hi - lo < 20
+
+
+def test_span_metrics_equal_metrics_of_slices():
+    g = torch.randn(20, 3, 5, dtype=torch.float64)
+    a = g + 0.01 * torch.randn(20, 3, 5, dtype=torch.float64)
+    spans = [(0, 20), (0, 7), (7, 20)]
+    for (lo, hi), m in zip(spans, M.tensor_metrics_rows(g, a, spans)):
+        ref = M.tensor_metrics(g[lo:hi], a[lo:hi])
+        for k in ("rel_l2", "cosine", "sqnr_db", "deepgemm_diff", "max_abs"):
+            assert m[k] == pytest.approx(ref[k], rel=1e-12)
+        assert m["max_abs_at"][0] == ref["max_abs_at"][0] + lo and m["max_abs_at"][1:] == ref["max_abs_at"][1:]
+    gen = torch.Generator().manual_seed(0)
+
+    def rows():        # distinct picks per row, some slots empty (-1), like the indexer's
+        r = torch.stack([torch.randperm(12, generator=gen)[:6] for _ in range(12)])
+        return torch.where(torch.rand(12, 6, generator=gen) < 0.2, -1, r)
+    gi, ai = rows(), rows()
+    for (lo, hi), m in zip([(0, 12), (3, 9)], M.set_metrics_rows(gi, ai, [(0, 12), (3, 9)])):
+        rows = [(set(x for x in g if x >= 0), set(x for x in y if x >= 0))
+                for g, y in zip(gi[lo:hi].tolist(), ai[lo:hi].tolist())]
+        rows = [(G, A_) for G, A_ in rows if G or A_]
+        assert m["rows"] == len(rows)
+        assert m["lost"] == sum(len(G - A_) for G, A_ in rows)
+        assert m["jaccard"] == pytest.approx(sum(len(G & A_) / len(G | A_) for G, A_ in rows) / len(rows))

@@ -20,11 +20,11 @@ def add_arguments(p):
                         "(repeatable; default: each optimization, engine, engine minus each)")
     p.add_argument("--base", default="engine", help="arm whose leave-one-out is computed (default engine)")
     p.add_argument("--mode", choices=("propagated", "isolated"), default="propagated")
-    p.add_argument("--lengths", type=_ints, default=(256, 1024), help="prompt lengths, e.g. 256,1024")
+    p.add_argument("--lengths", type=_ints, default=(250, 767), help="prompt lengths, e.g. 250,767")
     p.add_argument("--prompts-per-length", type=int, default=3)
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shapley-top", type=int, default=4,
+    p.add_argument("--shapley-top", type=int, default=3,
                    help="exact Shapley over this many most effective toggles (factorial stage; 0 = off)")
     p.add_argument("--n-boot", type=int, default=1000)
     p.add_argument("--floor-k", type=float, default=2.0, help="first divergence: drift > k × floor")
