@@ -247,7 +247,7 @@ def write_report(out_dir, run_id, drift, kld, attr, per_length, summary, result,
                      "Bars: point estimate; whiskers: 95% bootstrap CI over prompts; red: clears the floor.")
         w.figure(plots.kld_distribution(kld, [FLOOR] + arm_names), "kld_distribution",
                  "KLD distribution per arm", "Per-position KLD(golden ‖ arm) of the final logits, prefill.")
-        w.figure(plots.topk_recall_vs_position(drift, arm_names), "topk_recall",
+        w.figure(plots.topk_recall_vs_position(drift, [FLOOR, FLOOR_ORDER] + singles + base), "topk_recall",
                  "Indexer top-k recall vs context position", "Fraction of golden's selected compressed "
                  "entries the arm also selects, by query position bucket.")
         w.figure(plots.decode_drift(kld, [FLOOR] + arm_names), "decode_drift", "Decode-step drift",

@@ -71,15 +71,16 @@ class Model:
         self._wcache: dict = {}                    # resident weights, converted once
 
     def _weights(self, i: int | None) -> dict:
-        """Layer i's weights (None = globals) in the compute dtype. Resident (in-memory)
-        weights are converted once and kept; streamed ones are converted per use, so a
-        streamed checkpoint still holds one layer at a time."""
+        """Layer i's weights (None = globals) in the compute dtype. Globals and resident
+        (in-memory) layers are converted once and kept; streamed layers are converted per
+        use, so a streamed checkpoint still holds one layer at a time."""
         src = self.weights.global_weights() if i is None else self.weights.layer_weights(i)
-        if not getattr(self.weights, "resident", False):
+        if i is not None and not getattr(self.weights, "resident", False):
             return src
         if i not in self._wcache:
             cd = self.nx.cd
-            self._wcache[i] = {k: v.to(cd) if v.is_floating_point() else v for k, v in src.items()}
+            self._wcache[i] = {k: v.to(cd) if v.is_floating_point() and k != "embed.weight" else v
+                               for k, v in src.items()}          # embed: rows are gathered
         return self._wcache[i]
 
     # ---- public API ---------------------------------------------------------------------
