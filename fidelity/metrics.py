@@ -54,10 +54,18 @@ def tensor_metrics_rows(golden: torch.Tensor, arm: torch.Tensor,
             r = lo + int(rmax[lo:hi].argmax())
             m["max_abs"] = float(rmax[r])
             flat = r * d2.shape[1] + int(rarg[r])
-            m["max_abs_at"] = [int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(golden.shape))] \
-                if golden.dim() else []
+            m["max_abs_at"] = _unravel(flat, tuple(golden.shape))
         out.append(m)
     return out
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
+    """Flat index -> coordinates (torch.unravel_index costs ~1 ms a call)."""
+    out = []
+    for d in reversed(shape):
+        flat, r = divmod(flat, d)
+        out.append(r)
+    return out[::-1]
 
 
 def set_metrics(golden_idx: torch.Tensor, arm_idx: torch.Tensor) -> dict:
