@@ -48,16 +48,30 @@ class ABSettings:
 
 
 def builtin_prompts(cfg, lengths, per_length: int, seed: int, tokenizer=None) -> list[Prompt]:
-    """Deterministic prompts at each length (random token ids until a tokenizer-backed
-    text set is provided). Lengths should include ones where compressed entries exceed
-    index_topk (length/4 > index_topk)."""
+    """Deterministic prompts at each length. With a tokenizer: needle haystacks (the task
+    the embedded model was trained on) of exactly that many tokens, needle depths spread
+    over the context; without one (an untrained model): random token ids. Lengths should
+    include ones where compressed entries exceed index_topk (length/4 > index_topk)."""
     out = []
     for L in lengths:
         for j in range(per_length):
-            g = torch.Generator().manual_seed(seed * 1_000_003 + L * 101 + j)
-            toks = torch.randint(2, cfg.vocab_size, (L,), generator=g)
+            if tokenizer is None:
+                g = torch.Generator().manual_seed(seed * 1_000_003 + L * 101 + j)
+                toks = torch.randint(2, cfg.vocab_size, (L,), generator=g)
+            else:
+                toks = torch.tensor(_haystack_ids(tokenizer, L, (j + 0.5) / per_length * 100,
+                                                  seed * 1_000_003 + L * 101 + j))
             out.append(Prompt(f"L{L}-{j}", toks, group=f"L{L}"))
     return out
+
+
+def _haystack_ids(tokenizer, length: int, depth: float, seed: int) -> list[int]:
+    from needle.haystack import HaystackSpec, LocalCounter, PromptFormat, build_prompt
+    p = build_prompt(HaystackSpec(), PromptFormat(), LocalCounter(tokenizer), length, depth, seed)
+    ids = tokenizer.encode(p.text)
+    if len(ids) != length:
+        raise ValueError(f"could not build a {length}-token haystack (got {len(ids)})")
+    return ids
 
 
 def _toggle_api():
@@ -89,10 +103,11 @@ def _mk_arms(label_sets: dict, profile="reference") -> list[Arm]:
 
 
 def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None = None,
-           progress=print) -> dict:
+           progress=print, tokenizer=None) -> dict:
     t_start = time.time()
     cfg = weights.cfg
-    prompts = builtin_prompts(cfg, settings.lengths, settings.prompts_per_length, settings.seed)
+    prompts = builtin_prompts(cfg, settings.lengths, settings.prompts_per_length, settings.seed,
+                              tokenizer)
     label_sets, toggles = design(settings)
     golden = Arm(GOLDEN, Numerics("reference"), frozenset(), role="golden")
     floors = [Arm(FLOOR, Numerics("exact"), frozenset(), role="floor"),

@@ -1,8 +1,9 @@
 """What the in-process needle runner and `fidelity serve` run: weights plus tokenizer.
 
 The embedded default is whatever `fidelity.weights_source.load_weights(None)` gives (the
-same model `fidelity ab` uses: today the tiny config with seeded random weights, so needle
-recall is ~0 by construction) with the shipped tiny tokenizer. A checkpoint directory is
+same model `fidelity ab` uses: the trained tiny model in models/tiny-needle with its
+tokenizer, or seeded random tiny weights when that folder is absent, where needle recall
+is ~0 by construction). A checkpoint directory is
 loaded into memory (generation revisits every layer per token, so streaming from disk
 would reread the checkpoint at each step); its tokenizer.json is used if present."""
 from __future__ import annotations
@@ -33,6 +34,9 @@ def load_target(checkpoint: str | Path | None = None, tokenizer: str | Path | No
         desc = f"embedded default {label}"
         if name == "tiny-random":
             desc += " (untrained: needle recall near 0 is expected)"
+        from fidelity.weights_source import EMBEDDED
+        if tokenizer is None and (EMBEDDED / "tokenizer.json").is_file():
+            tokenizer = EMBEDDED / "tokenizer.json"
         tok = load_tokenizer(tokenizer)
     else:
         root = Path(checkpoint)

@@ -162,3 +162,14 @@ def test_lockstep_propagated_equals_standalone_and_isolated_feeds_golden(weights
     layers = iso[(iso.arm == "lm") & (iso.tap == "out")]
     assert (layers.rel_l2 == 0).all()
     assert (iso[(iso.arm == "lm") & (iso.tap == "logits")].kld_mean > 0).all()
+
+
+def test_builtin_prompts_with_a_tokenizer_are_exact_length_haystacks():
+    from fidelity.ab import builtin_prompts
+    from reference_model.tokenizer import load_tokenizer
+    tok = load_tokenizer(None)
+    ps = builtin_prompts(tiny(), (250, 301), 2, seed=0, tokenizer=tok)
+    assert [p.length for p in ps] == [250, 250, 301, 301]
+    text = tok.decode(ps[0].tokens.tolist())
+    assert "special magic" in text
+    assert not torch.equal(ps[0].tokens, ps[1].tokens)

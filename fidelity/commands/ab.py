@@ -36,16 +36,17 @@ def add_arguments(p):
 
 def run(args) -> int:
     from fidelity.ab import ABSettings, run_ab
-    from fidelity.weights_source import load_weights
+    from fidelity.weights_source import load_tokenizer_for, load_weights
 
     weights, label = load_weights(args.checkpoint)
+    tokenizer = load_tokenizer_for(args.checkpoint)
     settings = ABSettings(arms=args.arms, base=args.base, mode=args.mode, lengths=args.lengths,
                           prompts_per_length=args.prompts_per_length, decode_steps=args.decode_steps,
                           seed=args.seed, shapley_top=args.shapley_top, n_boot=args.n_boot,
                           floor_k=args.floor_k, keep=tuple(args.keep), checkpoint=label)
     try:
         res = run_ab(weights, settings, args.out, args.run_id,
-                     progress=lambda m: print(m, file=sys.stderr, flush=True))
+                     progress=lambda m: print(m, file=sys.stderr, flush=True), tokenizer=tokenizer)
     except ValueError as e:              # unknown arm/toggle, bad parameters
         print(f"error: {e}", file=sys.stderr)
         return 2
