@@ -60,19 +60,22 @@ def main():
     ap.add_argument("--hf-lengths", default="1024,8192")
     ap.add_argument("--timeout", type=int, default=3600)
     a = ap.parse_args()
-    rows = []
-    for L in map(int, a.lengths.split(",")):
-        for kind in ("golden:reference", "golden:exact"):
-            rows.append(run_point(kind, L, a.timeout))
-            print(rows[-1], flush=True)
-    for L in map(int, a.hf_lengths.split(",")):
-        rows.append(run_point("transformers:eager-fp32", L, a.timeout))
-        print(rows[-1], flush=True)
+    store = ROOT / "bench" / "results" / "prefill.json"
+    points = {(r["kind"], r["length"]): r for r in (json.loads(store.read_text()) if store.exists() else [])}
+    todo = [(k, L) for L in map(int, a.lengths.split(",")) if a.lengths
+            for k in ("golden:reference", "golden:exact")]
+    todo += [("transformers:eager-fp32", L) for L in map(int, a.hf_lengths.split(",")) if a.hf_lengths]
+    for kind, L in todo:
+        r = run_point(kind, L, a.timeout)
+        print(r, flush=True)
+        points[(kind, L)] = r
+        store.write_text(json.dumps(sorted(points.values(), key=lambda r: (r["kind"], r["length"])), indent=1))
     lines = ["# Prefill benchmark (tiny preset, random weights)", "",
-             f"Machine: {platform.processor() or platform.machine()}, torch threads default, "
-             f"python {platform.python_version()}. One fresh process per point; peak RSS = VmHWM.", "",
+             f"Machine: {platform.machine()}, 2 cores, 1 torch thread, python {platform.python_version()}. "
+             "One fresh process per point; peak RSS = VmHWM (includes ~0.3 GB of python + torch). "
+             "Points are kept in prefill.json; a run updates the points it measures.", "",
              "| model | tokens | seconds | peak RSS (MB) |", "|---|---:|---:|---:|"]
-    for r in rows:
+    for r in sorted(points.values(), key=lambda r: (r["length"], r["kind"])):
         if "error" in r:
             lines.append(f"| {r['kind']} | {r['length']} | {r['error']} | |")
         else:

@@ -129,7 +129,7 @@ class Model:
     # ---- layer-major pieces -------------------------------------------------------------
     def embed(self, tokens, taps: Taps | None = None) -> torch.Tensor:
         e = self.weights.global_weights()["embed.weight"][tokens]      # rows only: no conversion
-        H = self.nx.rs(e).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
+        H = self.nx.rs(e).to(self.nx.sd).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
         if taps:
             taps.put("embed", H[:, 0])
         return H
@@ -141,8 +141,10 @@ class Model:
         out = []
         for a in range(0, H.shape[0], self.chunk_tokens):
             b = min(a + self.chunk_tokens, H.shape[0])
+            # the stream is stored in the storage dtype between layers (bf16 in the reference,
+            # lossless: hc_post already rounded it), halving memory at long context
             out.append(self._block(i, w, H[a:b], tokens[a:b], state.layers[i], state.pos + a,
-                                   taps, phase))
+                                   taps, phase).to(self.nx.sd))
         H = torch.cat(out, 0)
         if taps:
             taps.put(f"layers.{i}.out", H)
