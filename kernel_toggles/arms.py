@@ -139,12 +139,17 @@ class ToggleSet:
         text = (text or "").strip()
         if text in ("", GOLDEN):
             return cls()
-        if text == "engine" or text.startswith("engine:"):
-            return engine(text.split(":", 1)[1].strip() if ":" in text else None)
         items = _split_top(text)
         if any(not i.strip() for i in items):
             raise ToggleError(f"empty toggle name in arm {text!r}; valid: {', '.join(R.names())}")
-        return cls(parse_spec(i) for i in items)
+        specs: list[ToggleSpec] = []
+        for i in items:                      # `engine` / `engine:NAME` expand in place
+            i = i.strip()
+            if i == "engine" or i.startswith("engine:"):
+                specs += list(engine(i.split(":", 1)[1].strip() if ":" in i else None))
+            else:
+                specs.append(parse_spec(i))
+        return cls(specs)
 
     @classmethod
     def from_env(cls, environ=None, var: str = ENV_VAR) -> "ToggleSet":
