@@ -62,9 +62,9 @@ def main():
     a = ap.parse_args()
     store = ROOT / "bench" / "results" / "prefill.json"
     points = {(r["kind"], r["length"]): r for r in (json.loads(store.read_text()) if store.exists() else [])}
-    todo = [(k, L) for L in map(int, a.lengths.split(",")) if a.lengths
-            for k in ("golden:reference", "golden:exact")]
-    todo += [("transformers:eager-fp32", L) for L in map(int, a.hf_lengths.split(",")) if a.hf_lengths]
+    ints = lambda text: [int(x) for x in text.split(",") if x.strip()]   # noqa: E731
+    todo = [(k, L) for L in ints(a.lengths) for k in ("golden:reference", "golden:exact")]
+    todo += [("transformers:eager-fp32", L) for L in ints(a.hf_lengths)]
     for kind, L in todo:
         r = run_point(kind, L, a.timeout)
         print(r, flush=True)

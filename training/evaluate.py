@@ -1,0 +1,77 @@
+"""Recall of a trained checkpoint, measured with the toolkit's own needle sweep (in-process
+runner, golden arm, `reference` numerics unless told otherwise): lengths × depths ×
+repetitions, greedy decoding, substring scoring, Wilson intervals, and the indexer
+mechanism (was the needle's compressed entry in the golden top-k at the question).
+
+    python -m training.evaluate models/tiny-needle --lengths 384,513 --depths 0,50,100 \
+        --reps 10 --results /tmp/sweep.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+SWEEP_SEED = 0
+
+
+def load_target(checkpoint):
+    from fidelity.target import Target
+    from reference_model.checkpoint import load_checkpoint
+    from reference_model.tokenizer import load_tokenizer
+    root = Path(checkpoint)
+    return Target(root.name, load_checkpoint(root), load_tokenizer(root / "tokenizer.json"),
+                  f"checkpoint {root}")
+
+
+def golden_arm(compute_dtype=None):
+    import torch  # noqa: F401
+    from fidelity.arms import Arm
+    from reference_model import Numerics
+    return Arm("golden", lambda profile="reference": Numerics(profile, compute_dtype))
+
+
+def sweep(target, lengths, depths, reps, results, seed: int = SWEEP_SEED, profile="reference",
+          compute_dtype=None, quiet=True, fresh=False) -> list[dict]:
+    from needle.haystack import HaystackSpec, PromptFormat
+    from needle.inprocess import InProcessRunner
+    from needle.sweep import SweepConfig, run_sweep
+    cfg = SweepConfig(lengths=list(lengths), depths=[float(d) for d in depths], reps=reps,
+                      spec=HaystackSpec(), fmt=PromptFormat("chat"), seed=seed)
+    runner = InProcessRunner("golden", target, golden_arm(compute_dtype), profile=profile)
+    return run_sweep(cfg, [runner], results, fresh=fresh, quiet=quiet)
+
+
+def summary(rows) -> dict:
+    from needle.tables import by_length, cells, mechanism
+    return {"cells": cells(rows), "by_length": by_length(rows), "mechanism": mechanism(rows)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint")
+    p.add_argument("--lengths", required=True)
+    p.add_argument("--depths", default="0,25,50,75,100")
+    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--results", required=True)
+    p.add_argument("--seed", type=int, default=SWEEP_SEED)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--fresh", action="store_true")
+    a = p.parse_args(argv)
+    import torch
+    torch.set_num_threads(a.threads)
+    rows = sweep(load_target(a.checkpoint), [int(x) for x in a.lengths.split(",")],
+                 [float(x) for x in a.depths.split(",")], a.reps, a.results, a.seed,
+                 quiet=False, fresh=a.fresh)
+    s = summary(rows)
+    for r in s["by_length"]:
+        print(f"L={r['length']}: recall {r['recall']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] "
+              f"n={r['n_scored']}")
+    for m in s["mechanism"]:
+        print(json.dumps(m))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Write models/tiny-needle/MODEL_CARD.md from the training log and the sweep results:
+loss curve PNG, recall by length × depth with Wilson intervals, recall by length, the
+indexer mechanism rate by CSA layer, and eval/smoke.json (the cell the smoke test re-runs).
+
+    python -m training.model_card models/tiny-needle --sweeps a.jsonl,b.jsonl \
+        --train-lengths 256,384,513,642 --smoke-length 384
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _rows(paths):
+    from needle.results import latest, read_rows
+    out = []
+    for p in paths:
+        _, rows = read_rows(p)
+        out += latest(rows)
+    return out
+
+
+def loss_curve(log: list[dict], path: Path, smooth: int = 25):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def ema(v):
+        out, m = [], None
+        for x in v:
+            m = x if m is None else m + (x - m) / smooth
+            out.append(m)
+        return out
+
+    steps = [r["step"] for r in log]
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+    for key, lab in (("answer_ce", "answer CE"), ("lm_ce", "other tokens CE (weight 0.1)"),
+                     ("index_kl", "indexer KL")):
+        ax[0].plot(steps, ema([r[key] for r in log]), label=lab)
+    ax[0].set_yscale("log")
+    ax[0].set_xlabel("step")
+    ax[0].set_title(f"losses (EMA over {smooth} steps)")
+    ax[0].legend()
+    ax[1].plot(steps, ema([r["seq_acc"] for r in log]), label="all answer tokens right (teacher-forced)")
+    for layer in sorted({k for r in log for k in r.get("hits", {})}, key=int):
+        ax[1].plot(steps, ema([r["hits"].get(layer, float("nan")) for r in log]),
+                   label=f"layer {layer}: needle entry in indexer top-k")
+    ax[1].set_ylim(0, 1.02)
+    ax[1].set_xlabel("step")
+    ax[1].set_title("training batches")
+    ax[1].legend(loc="lower right", fontsize=8)
+    for a in ax:
+        for r0, r1 in zip(log, log[1:]):
+            if r0["phase"] != r1["phase"]:
+                a.axvline(r1["step"], color="grey", lw=0.8, ls="--")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _ci(r):
+    if r["recall"] is None:
+        return "-"
+    return f"{r['recall']:.3f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] (n={r['n_scored']})"
+
+
+def tables(rows, train_lengths) -> dict:
+    from needle.stats import wilson
+    from needle.tables import by_length, cells, mechanism
+    c, bl, mech = cells(rows), by_length(rows), mechanism(rows)
+    tr = [r for r in rows if r["length"] in train_lengths and r["outcome"] in
+          ("correct", "partial", "wrong", "refused", "other", "empty")]
+    k = sum(r["recall"] for r in tr)
+    lo, hi = wilson(k, len(tr))
+    pooled = {"n": len(tr), "recall": k / len(tr) if tr else None, "ci_low": lo, "ci_high": hi}
+    return {"cells": c, "by_length": bl, "mechanism": mech, "train_pooled": pooled}
+
+
+def markdown_tables(t, train_lengths) -> list[str]:
+    lengths = sorted({r["length"] for r in t["cells"]})
+    depths = sorted({r["depth"] for r in t["cells"]})
+    get = {(r["length"], r["depth"]): r for r in t["cells"]}
+    md = ["| length | " + " | ".join(f"depth {d:g}%" for d in depths) + " | all depths |",
+          "|---|" + "---|" * (len(depths) + 1)]
+    bl = {r["length"]: r for r in t["by_length"]}
+    for L in lengths:
+        tag = " (train)" if L in train_lengths else ""
+        cells = []
+        for d in depths:
+            r = get.get((L, d))
+            cells.append("-" if r is None or r["recall"] is None else
+                         f"{r['recall']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] n={r['n_scored']}")
+        md.append(f"| {L}{tag} | " + " | ".join(cells) + f" | **{_ci(bl[L])}** |")
+    p = t["train_pooled"]
+    md += ["", f"Pooled over the training lengths: recall **{p['recall']:.3f}**, Wilson 95% "
+           f"interval [{p['ci_low']:.3f}, {p['ci_high']:.3f}] over {p['n']} trials."]
+    return md
+
+
+def mechanism_md(t) -> list[str]:
+    md = ["| CSA layer | needle entry in top-k: correct trials | all trials [Wilson] | "
+          "missed trials | median rank (all) |", "|---|---|---|---|---|"]
+    for m in t["mechanism"]:
+        f = (lambda v: "-" if v is None else f"{v:.3f}")
+        md.append(f"| {m['layer']} | {f(m['in_topk_rate_correct'])} | "
+                  f"{m['in_topk_rate']:.3f} [{m['ci_low']:.2f}, {m['ci_high']:.2f}] n={m['n']} | "
+                  f"{f(m['in_topk_rate_missed'])} | {m['median_rank']} |")
+    return md
+
+
+def mechanism_by_length(rows) -> list[str]:
+    """in-top-k rate among correct trials, per CSA layer and length."""
+    from collections import defaultdict
+    g = defaultdict(list)
+    for r in rows:
+        if r["outcome"] != "correct":
+            continue
+        for m in r.get("mechanism") or []:
+            if m.get("in_topk") is not None and not m.get("in_window"):
+                g[(m["layer"], r["length"])].append(m["in_topk"])
+    layers = sorted({k[0] for k in g})
+    lengths = sorted({k[1] for k in g})
+    md = ["| length | " + " | ".join(f"layer {i}" for i in layers) + " |",
+          "|---|" + "---|" * len(layers)]
+    for L in lengths:
+        md.append(f"| {L} | " + " | ".join(
+            f"{sum(g[(i, L)]) / len(g[(i, L)]):.2f} (n={len(g[(i, L)])})" if g[(i, L)] else "-"
+            for i in layers) + " |")
+    return md
+
+
+def smoke_cell(rows, length, reps, depths, seed) -> dict:
+    """The cell the smoke test re-runs: the first `reps` repetitions at `length` (same trial
+    ids as in the card's sweep, so the same haystacks)."""
+    from needle.stats import wilson
+    rs = [r for r in rows if r["length"] == length and r["rep"] < reps and r["depth"] in depths]
+    k = sum(r["recall"] for r in rs)
+    lo, hi = wilson(k, len(rs))
+    return {"length": length, "depths": depths, "reps": reps, "seed": seed, "n": len(rs),
+            "recall": k / len(rs), "ci_low": lo, "ci_high": hi}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("model")
+    p.add_argument("--sweeps", required=True)
+    p.add_argument("--train-lengths", required=True)
+    p.add_argument("--smoke-length", type=int, required=True)
+    p.add_argument("--smoke-reps", type=int, default=3)
+    p.add_argument("--smoke-depths", default="0,25,50,75,100")
+    p.add_argument("--notes", default=None, help="Markdown file with the hand-written sections")
+    a = p.parse_args(argv)
+    root = Path(a.model)
+    (root / "eval").mkdir(exist_ok=True)
+    log = [json.loads(line) for line in (root / "training_log.jsonl").read_text().splitlines()]
+    run = json.loads((root / "training_run.json").read_text())
+    loss_curve(log, root / "loss_curve.png")
+    rows = _rows([Path(x) for x in a.sweeps.split(",")])
+    train_lengths = [int(x) for x in a.train_lengths.split(",")]
+    t = tables(rows, train_lengths)
+    (root / "eval" / "summary.json").write_text(json.dumps(t, indent=1) + "\n")
+    seed = 0
+    smoke = smoke_cell(rows, a.smoke_length, a.smoke_reps, [float(x) for x in a.smoke_depths.split(",")], seed)
+    (root / "eval" / "smoke.json").write_text(json.dumps(smoke, indent=1) + "\n")
+    notes = Path(a.notes or Path(__file__).with_name("card_notes.md")).read_text()
+    md = notes.replace("{{RECALL_TABLE}}", "\n".join(markdown_tables(t, train_lengths)))
+    md = md.replace("{{MECHANISM_TABLE}}", "\n".join(mechanism_md(t)))
+    md = md.replace("{{MECHANISM_BY_LENGTH}}", "\n".join(mechanism_by_length(rows)))
+    md = md.replace("{{TRAIN_SECONDS}}", f"{run['train_seconds']:.0f}")
+    md = md.replace("{{SMOKE}}", json.dumps(smoke))
+    (root / "MODEL_CARD.md").write_text(md)
+    print(f"wrote {root / 'MODEL_CARD.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+"""Train the tiny DeepSeek-V4-architecture model on synthetic needle retrieval, then write
+it as a DeepSeek-native checkpoint.
+
+    python -m training.train_tiny --out models/tiny-needle          # the shipped run
+    python -m training.train_tiny --steps 3 --dense-steps 1 --qat-act-steps 1 --procs 1 \
+        --out /tmp/x                                             # smoke
+
+Recipe (defaults = the shipped run; details in models/tiny-needle/MODEL_CARD.md):
+1. steps 0-599, dense warm-up: CSA layers attend to every visible compressed entry; the
+   lightning indexer learns to predict that attention by a KL loss (inputs detached);
+2. steps 600-679, sparse: CSA layers attend to the indexer's top-k only, as at inference
+   (indexer KL on the selected entries), with the `reference` activation numerics (bf16,
+   FP8 act/KV, FP4 indexer) simulated under straight-through gradients; AdamW restarts at
+   step 600 (so `--resume` from the step-600 snapshot is the same computation).
+Weights are always seen on their checkpoint grids (FP8 128×128 / FP4 1×32 / bf16) with
+straight-through gradients. Everything is seeded; same seed, same thread count, same
+weights."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from reference_model import InMemoryWeights, Numerics
+from reference_model.config import ModelConfig
+from reference_model.specs import F32, FP4, FP8, I64, all_specs
+from reference_model.tokenizer import DEFAULT_PATH as TOKENIZER_PATH
+from reference_model.tokenizer import load_tokenizer
+
+from .data import HaystackSampler
+from .forward import TrainForward
+from .qat import effective_weights, qat_numerics, to_grid
+from .tiny_config import tiny_needle
+
+
+# ---- init --------------------------------------------------------------------------------
+def init_params(cfg: ModelConfig, seed: int):
+    """Master weights (fp32 leaves) and fixed buffers (hash routing table), keyed by native
+    name. Residual-friendly: mHC starts as 'average the streams in, add the block output to
+    every stream, keep each stream' (mixing GEMMs near zero), output projections small."""
+    g = torch.Generator().manual_seed(seed)
+    hc = cfg.hc_mult
+    params, buffers = {}, {}
+    for s in all_specs(cfg):
+        n, shape = s.name, s.shape
+        if s.fmt == I64:                                    # tid2eid: distinct experts per token
+            rows = [torch.randperm(cfg.n_routed_experts, generator=g)[: shape[1]] for _ in range(shape[0])]
+            buffers[n] = torch.stack(rows).long()
+            continue
+        if n.endswith("norm.weight"):
+            t = torch.ones(shape)
+        elif n.endswith("_fn"):
+            t = torch.randn(shape, generator=g) * (0.02 / math.sqrt(shape[1]))
+        elif n.endswith("_scale"):
+            t = torch.ones(shape)
+        elif n.endswith("hc_head_base"):
+            t = torch.zeros(shape)
+        elif n.endswith("_base"):
+            t = torch.zeros(shape)
+            t[:hc] = math.log(1 / (hc - 1))                  # sigmoid = 1/hc: mean of the streams
+            t[2 * hc:] = 4.0 * torch.eye(hc).flatten()        # comb ~ identity
+        elif n.endswith(("attn_sink", "ape", "gate.bias")):
+            t = torch.zeros(shape)
+        elif n == "embed.weight":
+            t = torch.randn(shape, generator=g)
+        else:                                               # linear [out, in]
+            t = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+            if n.endswith(("wo_b.weight", "w2.weight")):
+                t = t / math.sqrt(2 * cfg.n_layers)
+        params[n] = t.float().requires_grad_(True)
+    return params, buffers
+
+
+def grid_weights(cfg, params, buffers) -> InMemoryWeights:
+    """The shipped weights: masters snapped onto the checkpoint grids, in the in-memory
+    dtypes of the reader (bf16 for FP8/FP4/bf16 tensors, fp32, int64)."""
+    specs = {s.name: s for s in all_specs(cfg)}
+    t = dict(buffers)
+    for n, w in params.items():
+        v = to_grid(specs[n], w)
+        t[n] = v.float() if specs[n].fmt == F32 else v.to(torch.bfloat16)
+    return InMemoryWeights(cfg, t)
+
+
+def needle_hits(topk: dict, exs) -> dict[int, float]:
+    """Per CSA layer: fraction of examples whose first question position has a compressed
+    entry holding the queried value among the indexer's top-k (entry j pools tokens
+    4j..4j+3 and, in half its channels, 4j-4..4j-1)."""
+    res = {}
+    for i, sel in topk.items():
+        hits = []
+        for b, e in enumerate(exs):
+            q = e.n_prompt - 1
+            own = {t // 4 for t in e.value_tokens}
+            held = {j for j in own | {j + 1 for j in own} if j < (q + 1) // 4}
+            hits.append(bool(held & set(sel[b, q].tolist())))
+        res[i] = sum(hits) / len(hits)
+    return res
+
+
+# ---- schedule ----------------------------------------------------------------------------
+def lr_at(step, total, peak, warmup, steps=None, cooldown=0):
+    """Linear warm-up, cosine to 10% at `total`, then (optional) a linear cool-down to 10%
+    of that over the last `cooldown` of `steps`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    p = min(1.0, (step - warmup) / max(1, total - warmup))
+    lr = peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+    if cooldown and steps is not None and step >= steps - cooldown:
+        lr *= 1 - 0.9 * (step - (steps - cooldown) + 1) / cooldown
+    return lr
+
+
+def length_at(step, a, rng):
+    """Training length of a batch: uniform in the phase's range."""
+    lo, hi = a.dense_len if step < a.dense_steps else a.sparse_len
+    return rng.randint(lo, hi)
+
+
+# ---- main loop ---------------------------------------------------------------------------
+class _Sync:
+    """Gradient / statistics averaging over data-parallel ranks (gloo on loopback); a
+    no-op for one process. Both ranks then take the same optimizer step, so they hold
+    identical weights without broadcasting them."""
+
+    def __init__(self, world: int):
+        self.world = world
+
+    def mean_(self, tensors: list[torch.Tensor]):
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+        flat = torch.cat([t.flatten() for t in tensors])
+        dist.all_reduce(flat)
+        flat /= self.world
+        i = 0
+        for t in tensors:
+            t.copy_(flat[i:i + t.numel()].view_as(t))
+            i += t.numel()
+
+
+def train(a, rank: int = 0, world: int = 1) -> dict:
+    torch.manual_seed(a.seed)
+    torch.set_num_threads(a.threads)
+    sync = _Sync(world)
+    cfg = tiny_needle()
+    tok = load_tokenizer()
+    params, buffers = init_params(cfg, a.seed)
+    specs = {s.name: s for s in all_specs(cfg)}
+    trained = {n: w for n, w in params.items() if not n.endswith("gate.bias")}   # bias: balancing rule
+    decay = [w for n, w in trained.items() if specs[n].fmt != F32 and w.dim() == 2]
+    nodecay = [w for n, w in trained.items() if not (specs[n].fmt != F32 and w.dim() == 2)]
+
+    def new_opt():
+        return torch.optim.AdamW([{"params": decay, "weight_decay": a.wd},
+                                  {"params": nodecay, "weight_decay": 0.0}],
+                                 lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = new_opt()
+    sampler = HaystackSampler(tok, seed=a.seed * 1000 + rank)
+    rng = random.Random(a.seed + 1)                    # same lengths on every rank
+    fwd_exact = TrainForward(cfg, Numerics("exact"))
+    fwd_qat = TrainForward(cfg, qat_numerics())
+    plist = list(trained.values())
+    log, t0, c0 = [], time.time(), time.process_time()
+    logf = open(a.log, "w") if (a.log and rank == 0) else None
+    first = 0
+    if a.resume:
+        # continue from a phase-end snapshot: same weights, and the data streams fast-
+        # forwarded to the same place; the optimizer restarts, as --reset-opt-at does
+        snap = torch.load(a.resume)
+        with torch.no_grad():
+            for n, w in params.items():
+                w.copy_(snap[n])
+        first = a.reset_opt_at
+        for step in range(first):
+            sampler.batch(a.batch // world, length_at(step, a, rng), a.answer_kl_boost)
+        if a.resume_log:
+            log = [json.loads(x) for x in Path(a.resume_log).read_text().splitlines()][:first]
+            t0 -= log[-1]["elapsed_s"]
+            c0 -= log[-1]["cpu_s"]
+    for step in range(first, a.steps):
+        if world > 1 and os.getppid() == 1:         # launcher gone: do not train on as an orphan
+            raise SystemExit("training launcher exited; stopping this worker")
+        if step == a.reset_opt_at and step > 0 and not (a.resume and step == first):
+            opt = new_opt()
+        lr = lr_at(step, a.lr_total or a.steps, a.lr, a.warmup, a.steps, a.cooldown)
+        for gr in opt.param_groups:
+            gr["lr"] = lr
+        L = length_at(step, a, rng)
+        sparse = step >= a.dense_steps
+        qat_act = step >= a.steps - a.qat_act_steps
+        tokens, lw, kw, exs = sampler.batch(a.batch // world, L, a.answer_kl_boost)
+        w = effective_weights(params, specs, buffers)
+        out = (fwd_qat if qat_act else fwd_exact)(w, tokens, sparse=sparse, kl_weight=kw)
+        logits = out.logits[:, :-1].float()
+        tgt = tokens[:, 1:]
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
+                             reduction="none").view_as(tgt)
+        aw = lw[:, :-1]
+        ans = (ce * aw).sum() / aw.sum()
+        real = (kw[:, :-1] > 0).float() * (1 - aw)
+        lm = (ce * real).sum() / real.sum()
+        kl = sum(out.index_kl.values()) / max(1, len(out.index_kl))
+        loss = ans + a.lm_weight * lm + a.kl_weight * kl
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        for p in plist:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        sync.mean_([p.grad for p in plist])
+        gn = torch.nn.utils.clip_grad_norm_(plist, a.clip)
+        opt.step()
+        with torch.no_grad():
+            hit = (logits.argmax(-1) == tgt).float()
+            hits = needle_hits(out.topk, exs)
+            stats = torch.tensor([float(loss), float(ans), float(lm), float(kl),
+                                  float((hit * aw).sum() / aw.sum()),
+                                  float((((hit * aw).sum(1) == aw.sum(1)).float()).mean())]
+                                 + [hits.get(i, 0.0) for i in (1, 3)])
+            loads = {i: v.float() for i, v in out.expert_load.items()}
+            sync.mean_([stats] + list(loads.values()))
+            for i, load in loads.items():              # aux-loss-free balancing (DeepSeek-V3)
+                b = params[f"layers.{i}.ffn.gate.bias"]
+                b += a.bias_rate * torch.sign(load.mean() - load)
+        rec = {"step": step, "len": L, "tokens": int(tokens.shape[1]),
+               "phase": ("sparse" if sparse else "dense") + ("+qat" if qat_act else ""), "lr": lr,
+               "loss": float(stats[0]), "answer_ce": float(stats[1]), "lm_ce": float(stats[2]),
+               "index_kl": float(stats[3]), "tok_acc": float(stats[4]), "seq_acc": float(stats[5]),
+               "grad_norm": float(gn), "elapsed_s": time.time() - t0,
+               "cpu_s": time.process_time() - c0,
+               "hits": {str(i): float(stats[6 + j]) for j, i in enumerate((1, 3)) if i in hits}}
+        log.append(rec)
+        if logf:
+            logf.write(json.dumps(rec) + "\n")
+            logf.flush()
+        if rank == 0 and a.snapshot_dir and (step + 1 in (a.dense_steps, a.steps - a.qat_act_steps)):
+            Path(a.snapshot_dir).mkdir(parents=True, exist_ok=True)
+            torch.save({n: w.detach() for n, w in params.items()} | buffers,
+                       Path(a.snapshot_dir) / f"step{step + 1}.pt")
+        if rank == 0 and (step % a.print_every == 0 or step == a.steps - 1):
+            print(f"{step:5d} L={L:4d} {rec['phase']:11s} ans {rec['answer_ce']:.3f} "
+                  f"lm {rec['lm_ce']:.3f} kl {rec['index_kl']:.3f} acc {rec['tok_acc']:.3f}/"
+                  f"{rec['seq_acc']:.2f} gn {gn:.2f} hit "
+                  f"{'/'.join(f'{v:.2f}' for v in rec['hits'].values())} "
+                  f"{rec['elapsed_s']:.0f}s", flush=True)
+    return {"cfg": cfg, "params": params, "buffers": buffers, "log": log,
+            "train_seconds": time.time() - t0, "world": world}
+
+
+def _worker(rank: int, world: int, port: int, a):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        res = train(a, rank, world)
+        if rank == 0:
+            print(f"trained {a.steps} steps in {res['train_seconds']:.0f}s on {world} processes",
+                  flush=True)
+            if not a.no_save:
+                print(f"wrote {save(res, Path(a.out), a)}", flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def save(result, out_dir: Path, args) -> Path:
+    from reference_model.checkpoint import save_checkpoint
+    w = grid_weights(result["cfg"], result["params"], result["buffers"])
+    path = save_checkpoint(w, out_dir, overwrite=True)
+    shutil.copyfile(TOKENIZER_PATH, path / "tokenizer.json")
+    (path / "training_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in result["log"]))
+    meta = {"args": vars(args), "train_seconds": result["train_seconds"],
+            "processes": result["world"], "threads_per_process": args.threads,
+            "torch": torch.__version__}
+    (path / "training_run.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return path
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="models/tiny-needle")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--procs", type=int, default=2,
+                   help="data-parallel processes (one thread each by default); the batch is split")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--steps", type=int, default=680)
+    p.add_argument("--dense-steps", type=int, default=600)
+    p.add_argument("--qat-act-steps", type=int, default=80)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--dense-len", type=int, nargs=2, default=(200, 448),
+                   help="first-turn prompt tokens, dense warm-up (min ~180: template + needles)")
+    p.add_argument("--sparse-len", type=int, nargs=2, default=(320, 704),
+                   help="first-turn prompt tokens, sparse phase = the training lengths")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--wd", type=float, default=0.01)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--lm-weight", type=float, default=0.1)
+    p.add_argument("--kl-weight", type=float, default=1.0)
+    p.add_argument("--answer-kl-boost", type=float, default=20.0)
+    p.add_argument("--bias-rate", type=float, default=1e-3)
+    p.add_argument("--print-every", type=int, default=25)
+    p.add_argument("--log", default=None, help="JSONL training log while running")
+    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--snapshot-dir", default=None, help="master weights at phase ends (.pt)")
+    p.add_argument("--lr-total", type=int, default=1060, help="cosine horizon (steps)")
+    p.add_argument("--cooldown", type=int, default=60, help="final linear LR cool-down steps")
+    p.add_argument("--reset-opt-at", type=int, default=600,
+                   help="restart AdamW (fresh moments) at this step (0: never)")
+    p.add_argument("--resume", default=None,
+                   help="snapshot written at step --reset-opt-at (equivalent to training from scratch)")
+    p.add_argument("--resume-log", default=None, help="training log of the run that wrote the snapshot")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.procs > 1:
+        import socket
+        import torch.multiprocessing as mp
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        mp.spawn(_worker, args=(a.procs, port, a), nprocs=a.procs, join=True)
+        return 0
+    res = train(a)
+    print(f"trained {a.steps} steps in {res['train_seconds']:.0f}s", flush=True)
+    if not a.no_save:
+        print(f"wrote {save(res, Path(a.out), a)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
