@@ -34,7 +34,7 @@ class ABSettings:
     arms: list[str] | None = None          # extra/explicit arms (ToggleSet syntax); None = default design
     base: str = "engine"                   # arm whose leave-one-out is computed
     mode: str = "propagated"
-    lengths: tuple[int, ...] = (250, 767)     # residues 2 and 3 mod 4: partial compressor groups
+    lengths: tuple[int, ...] = (250, 511)     # residues 2 and 3 mod 4: partial compressor groups
     prompts_per_length: int = 3
     decode_steps: int = 4
     seed: int = 0
@@ -234,8 +234,8 @@ def _summary_table(drift, kld, sets) -> pd.DataFrame:
 def write_report(out_dir, run_id, drift, kld, attr, per_length, summary, result, sets, res):
     w = ReportWriter(out_dir, run_id)
     try:
-        w.table("drift", drift)
-        w.table("kld", kld)
+        w.table("drift", drift, gzip=True)
+        w.table("kld", kld, gzip=True)
         w.table("attribution", attr)
         w.table("attribution_by_length", per_length)
         w.table("summary", summary)
@@ -253,7 +253,7 @@ def write_report(out_dir, run_id, drift, kld, attr, per_length, summary, result,
         w.figure(plots.drift_vs_layer(drift, FLOOR, [FLOOR, FLOOR_ORDER] + singles + base), "drift_vs_layer",
                  "Drift vs layer", "Relative L2 of the residual stream after each layer vs golden "
                  "(prefill, mean over prompts) for each single toggle and the full arm(s); grey "
-                 "band: reference-vs-exact noise floor; other arms are in drift.csv.")
+                 "band: reference-vs-exact noise floor; other arms are in drift.csv.gz.")
         if singles:
             w.figure(plots.toggle_layer_heatmap(drift, singles), "toggle_layer_heatmap",
                      "Toggle × layer", "log10 relative L2 of each single-toggle arm per layer.")
@@ -305,5 +305,5 @@ def _markdown(result, summary, attr) -> str:
     lines += [df_to_markdown(pd.DataFrame(fd)) if fd else "No arm exceeds the floor anywhere.", ""]
     if result["events"]:
         lines += ["## Events", "", df_to_markdown(pd.DataFrame(result["events"])), ""]
-    lines += ["Plots and full tables: `index.html`, `*.png`, `drift.csv`, `kld.csv`, `attribution.csv`.", ""]
+    lines += ["Plots and full tables: `index.html`, `*.png`, `drift.csv.gz`, `kld.csv.gz`, `attribution.csv`.", ""]
     return "\n".join(lines)

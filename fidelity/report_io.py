@@ -25,10 +25,12 @@ class ReportWriter:
         self.root.mkdir(parents=True, exist_ok=True)
         self.run_id = run_id
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{run_id}-", dir=self.root))
+        self.tmp.chmod(0o755)            # mkdtemp makes 0700; results are meant to be shared
         self.figures: list[tuple[str, str, str]] = []       # (file, title, caption)
 
-    def table(self, name: str, df: pd.DataFrame) -> None:
-        df.to_csv(self.tmp / f"{name}.csv", index=False)
+    def table(self, name: str, df: pd.DataFrame, gzip: bool = False) -> None:
+        """CSV; `gzip` for the big per-row tables (pandas reads .csv.gz transparently)."""
+        df.to_csv(self.tmp / f"{name}.csv{'.gz' if gzip else ''}", index=False)
 
     def json(self, name: str, obj) -> None:
         payload = {"schema_version": SCHEMA_VERSION, **obj}

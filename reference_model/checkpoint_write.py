@@ -160,6 +160,7 @@ class CheckpointWriter:
         self.cfg, self.max_shard = cfg, max_shard_bytes
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        self.tmp.chmod(0o755)            # mkdtemp makes 0700; results are meant to be shared
         self.overwrite = overwrite
         self._buf: dict[str, torch.Tensor] = {}
         self._buf_bytes = 0

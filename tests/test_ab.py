@@ -82,7 +82,7 @@ def test_null_golden_vs_golden_names_no_culprit(weights, tmp_path):
 def test_report_files_and_manifest(small_report):
     out, res = small_report
     d = out / "run1"
-    for f in ("drift.csv", "kld.csv", "attribution.csv", "summary.csv", "manifest.json",
+    for f in ("drift.csv.gz", "kld.csv.gz", "attribution.csv", "summary.csv", "manifest.json",
               "summary.md", "index.html", "drift_vs_layer.png", "attribution.png",
               "kld_distribution.png", "topk_recall.png", "decode_drift.png"):
         assert (d / f).exists(), f

@@ -8,10 +8,14 @@ import torch
 
 from needle.haystack import HaystackSpec, PromptFormat, build_prompt
 from needle.http import HttpRunner, TokenizeCounter
-from reference_model import Model, Numerics, random_weights, tiny
+from fidelity.target import load_target
+from reference_model import Model, Numerics
 from reference_model.tokenizer import load_tokenizer, render_chat
 
 from needle_util import served
+
+
+DEFAULT = load_target(None)          # what `fidelity serve` serves with no --checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -32,20 +36,20 @@ def tok():
 
 def test_models(client):
     (m,) = client.models.list().data
-    assert m.id == "tiny-random" and m.model_extra["arm"] == "golden"
+    assert m.id == DEFAULT.name and m.model_extra["arm"] == "golden"
 
 
 def test_completions_echo_logprobs_match_in_process_forward(client, tok):
     prompt = "The river keeps talking"
     ids = tok.encode(prompt)
-    r = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=1, temperature=0,
+    r = client.completions.create(model=DEFAULT.name, prompt=prompt, max_tokens=1, temperature=0,
                                   logprobs=3, echo=True)
     ch = r.choices[0]
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 1
     assert ch.text.startswith(prompt) and ch.finish_reason == "length"
     lp = ch.logprobs
     assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    logits = Model(random_weights(tiny(), 0), Numerics("reference")).prefill_logits(torch.tensor(ids))
+    logits = Model(DEFAULT.weights, Numerics("reference")).prefill_logits(torch.tensor(ids))
     ref = torch.log_softmax(logits.double(), -1)
     for j in range(1, len(ids)):
         assert lp.token_logprobs[j] == pytest.approx(float(ref[j - 1, ids[j]]), abs=1e-9)
@@ -58,13 +62,13 @@ def test_completions_echo_logprobs_match_in_process_forward(client, tok):
 
 def test_chat_plain_and_thinking(client, tok):
     msgs = [{"role": "user", "content": "Where does the river run?"}]
-    r = client.chat.completions.create(model="tiny-random", messages=msgs, max_tokens=2,
+    r = client.chat.completions.create(model=DEFAULT.name, messages=msgs, max_tokens=2,
                                        temperature=0, seed=3, logprobs=True, top_logprobs=2)
     m = r.choices[0].message
     assert isinstance(m.content, str) and (m.model_extra or {}).get("reasoning_content") is None
     assert r.usage.prompt_tokens == len(tok.encode(render_chat(msgs)))
     assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
-    r = client.chat.completions.create(model="tiny-random", messages=msgs, max_tokens=2, temperature=0,
+    r = client.chat.completions.create(model=DEFAULT.name, messages=msgs, max_tokens=2, temperature=0,
                                        extra_body={"chat_template_kwargs": {"thinking": True}})
     m = r.choices[0].message
     assert isinstance(m.model_extra["reasoning_content"], str)   # no </think> yet: all reasoning
@@ -95,7 +99,7 @@ def test_prompts_exact_via_tokenize(url, tok):
     ({"messages": "x"}, "messages"),
 ])
 def test_bad_requests_are_400(url, body, frag):
-    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny-random", **body}, timeout=60)
+    r = httpx.post(url + "/v1/chat/completions", json={"model": DEFAULT.name, **body}, timeout=60)
     assert r.status_code == 400 and frag in r.json()["error"]["message"]
 
 
@@ -104,4 +108,4 @@ def test_bad_json_and_openai_error(url, client):
                    headers={"content-type": "application/json"})
     assert r.status_code == 400
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="tiny-random", prompt=[10 ** 6], max_tokens=1)
+        client.completions.create(model=DEFAULT.name, prompt=[10 ** 6], max_tokens=1)

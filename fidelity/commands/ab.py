@@ -20,7 +20,7 @@ def add_arguments(p):
                         "(repeatable; default: each optimization, engine, engine minus each)")
     p.add_argument("--base", default="engine", help="arm whose leave-one-out is computed (default engine)")
     p.add_argument("--mode", choices=("propagated", "isolated"), default="propagated")
-    p.add_argument("--lengths", type=_ints, default=(250, 767), help="prompt lengths, e.g. 250,767")
+    p.add_argument("--lengths", type=_ints, default=(250, 511), help="prompt lengths, e.g. 250,511")
     p.add_argument("--prompts-per-length", type=int, default=3)
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)

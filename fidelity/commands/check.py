@@ -56,7 +56,7 @@ def run(args) -> int:
             if bad:
                 failures.append(f"{arm}: {col} = {v:.4g} {'>' if kind == 'max' else '<'} {limit:g}")
     if args.min_topk_recall is not None:
-        drift = pd.read_csv(summary_csv.parent / "drift.csv")
+        drift = pd.read_csv(summary_csv.parent / "drift.csv.gz")
         d = drift[(drift.tap == "attn.index.topk") & (drift.bucket == "all") & (drift.phase == "prefill")]
         for arm in arms:
             worst = d[d.arm == arm].groupby("layer")["recall"].mean()
