@@ -356,17 +356,23 @@ class Model:
                                    renormalize=cfg.score_func != "softmax")
         if t:
             t("ffn.router.experts", idx), t("ffn.router.weights", weights)
-        y = torch.zeros(x.shape[0], cfg.dim, dtype=nx.cd, device=x.device)
-        for e in range(cfg.n_routed_experts):
-            tok, slot = (idx == e).nonzero(as_tuple=True)
-            if tok.numel() == 0:
-                continue
-            p = f"ffn.experts.{e}."
-            y[tok] += nx.expert_ffn(x[tok], w[p + "w1.weight"], w[p + "w3.weight"],
-                                    w[p + "w2.weight"], weights[tok, slot], cfg.swiglu_limit)
-        shared = None
-        if cfg.n_shared_experts:
-            p = "ffn.shared_experts."
-            shared = nx.expert_ffn(x, w[p + "w1.weight"], w[p + "w3.weight"], w[p + "w2.weight"],
-                                   None, cfg.swiglu_limit)
-        return nx.moe_combine(y, shared)
+        return moe_experts(nx, cfg, w, x, idx, weights)
+
+
+def moe_experts(nx: Numerics, cfg: ModelConfig, w: dict, x, idx, weights):
+    """Routed experts summed in fp32 in expert-index order (out-of-place, so autograd can
+    train through it), plus the shared expert, combined. idx/weights [n, top-k]."""
+    y = torch.zeros(x.shape[0], cfg.dim, dtype=nx.cd, device=x.device)
+    for e in range(cfg.n_routed_experts):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        p = f"ffn.experts.{e}."
+        y = y.index_add(0, tok, nx.expert_ffn(x[tok], w[p + "w1.weight"], w[p + "w3.weight"],
+                                              w[p + "w2.weight"], weights[tok, slot], cfg.swiglu_limit))
+    shared = None
+    if cfg.n_shared_experts:
+        p = "ffn.shared_experts."
+        shared = nx.expert_ffn(x, w[p + "w1.weight"], w[p + "w3.weight"], w[p + "w2.weight"],
+                               None, cfg.swiglu_limit)
+    return nx.moe_combine(y, shared)

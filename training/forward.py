@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from reference_model import primitives as P
 from reference_model.config import ModelConfig
+from reference_model.model import moe_experts
 from reference_model.numerics import Numerics
 
 
@@ -233,17 +234,4 @@ class TrainForward:
             out.expert_load[i] = torch.bincount(idx.flatten(), minlength=cfg.n_routed_experts)
         weights = nx.route_weights(scores.gather(-1, idx), cfg.route_scale,
                                    renormalize=cfg.score_func != "softmax")
-        y = x.new_zeros(x.shape[0], cfg.dim, dtype=nx.cd)
-        for e in range(cfg.n_routed_experts):
-            tok, slot = (idx == e).nonzero(as_tuple=True)
-            if tok.numel() == 0:
-                continue
-            p = f"ffn.experts.{e}."
-            y = y.index_add(0, tok, nx.expert_ffn(x[tok], w[p + "w1.weight"], w[p + "w3.weight"],
-                                                   w[p + "w2.weight"], weights[tok, slot], cfg.swiglu_limit))
-        shared = None
-        if cfg.n_shared_experts:
-            p = "ffn.shared_experts."
-            shared = nx.expert_ffn(x, w[p + "w1.weight"], w[p + "w3.weight"], w[p + "w2.weight"],
-                                   None, cfg.swiglu_limit)
-        return nx.moe_combine(y, shared)
+        return moe_experts(nx, cfg, w, x, idx, weights)
