@@ -34,6 +34,12 @@ def is_bf16(t):
     return torch.equal(t.double(), bf(t.double()))
 
 
+def assert_bf16_close(y, ref):
+    """A bf16 result within one bf16 rounding of the fp64 reference (rel 2^-8, abs 1e-6)."""
+    assert is_bf16(y)
+    assert ((y.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-6).all()
+
+
 # ---- sparse attention (§4.7) --------------------------------------------------------------
 def attn_ref(q, kv, sink, idx, scale):
     """Brute force: per query and head, softmax over the valid gathered rows with exp(sink)
@@ -286,9 +292,8 @@ def test_bf16_linear_and_wo_a_vs_fp64(nm):
     if nm is EXACT:
         assert torch.allclose(y, ref.double(), atol=1e-12) and torch.allclose(ya, refa, atol=1e-12)
     else:
-        assert is_bf16(y) and is_bf16(ya)
-        assert ((y - ref).abs() <= 2 ** -8 * ref.abs() + 1e-6).all()
-        assert ((ya - refa).abs() <= 2 ** -8 * refa.abs() + 1e-6).all()
+        assert_bf16_close(y, ref)
+        assert_bf16_close(ya, refa)
 
 
 @pytest.mark.parametrize("nm", ALL)
@@ -379,8 +384,7 @@ def test_hc_post_vs_fp64(nm):
     if nm is EXACT:
         assert torch.allclose(y, ref, atol=1e-12)
     else:
-        assert is_bf16(y)
-        assert ((y.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-6).all()
+        assert_bf16_close(y, ref)
 
 
 @pytest.mark.parametrize("nm", ALL)
@@ -393,8 +397,7 @@ def test_hc_head_vs_fp64(nm):
     if nm is EXACT:
         assert torch.allclose(y, ref, atol=1e-12)
     else:
-        assert is_bf16(y)
-        assert ((y.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-6).all()
+        assert_bf16_close(y, ref)
 
 
 # ---- MoE (§5.6) ---------------------------------------------------------------------------

@@ -77,33 +77,26 @@ def fp8_scale_ref(block_vals, pow2=True) -> float:
     return pow2_ceil_exact(s) if pow2 else s
 
 
-def fp8_qdq_ref(x: torch.Tensor, block: int, pow2=True) -> torch.Tensor:
+def _blockwise_ref(x: torch.Tensor, block: int, qdq_block) -> torch.Tensor:
+    """Apply `qdq_block(list of floats) -> list` to each 1×block block of each row."""
     rows = x.double().reshape(-1, x.shape[-1]).tolist()
-    out = []
-    for row in rows:
-        o = []
-        for b in range(0, len(row), block):
-            blk = row[b:b + block]
-            s = fp8_scale_ref(blk, pow2)
-            for v in blk:
-                q = f32(v / s)       # torch divides in fp32
-                o.append(round_grid(q, E4M3, Fraction(448)) * s)
-        out.append(o)
+    out = [[v for b in range(0, len(row), block) for v in qdq_block(row[b:b + block])] for row in rows]
     return torch.tensor(out, dtype=torch.float64).reshape(x.shape)
+
+
+def fp8_qdq_ref(x: torch.Tensor, block: int, pow2=True) -> torch.Tensor:
+    def qdq(blk):
+        s = fp8_scale_ref(blk, pow2)
+        return [round_grid(f32(v / s), E4M3, Fraction(448)) * s for v in blk]   # torch divides in fp32
+    return _blockwise_ref(x, block, qdq)
 
 
 def fp4_qdq_ref(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    rows = x.double().reshape(-1, x.shape[-1]).tolist()
-    out = []
-    for row in rows:
-        o = []
-        for b in range(0, len(row), block):
-            blk = row[b:b + block]
-            amax = max(max(abs(v) for v in blk), f32(6.0 * 2.0 ** -126))
-            s = pow2_ceil_exact(f32(np.float32(amax) * np.float32(1.0 / 6.0)))
-            o += [round_grid(f32(v / s), E2M1, Fraction(6)) * s for v in blk]
-        out.append(o)
-    return torch.tensor(out, dtype=torch.float64).reshape(x.shape)
+    def qdq(blk):
+        amax = max(max(abs(v) for v in blk), f32(6.0 * 2.0 ** -126))
+        s = pow2_ceil_exact(f32(np.float32(amax) * np.float32(1.0 / 6.0)))
+        return [round_grid(f32(v / s), E2M1, Fraction(6)) * s for v in blk]
+    return _blockwise_ref(x, block, qdq)
 
 
 # ---- grid sanity (of the test's own enumeration, so a typo cannot hide a bug) -------------
