@@ -171,13 +171,8 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
 
 
 def _run(weights, arms, prompts, settings, progress) -> LockstepResult:
-    runner = LockstepRunner(weights, arms, settings.mode, settings.decode_steps, settings.taps,
-                            settings.keep, progress=lambda m: None)
-    res = LockstepResult()
-    for k, p in enumerate(prompts):
-        progress(f"  prompt {k + 1}/{len(prompts)} ({p.id}, {p.length} tokens)")
-        runner._run_prompt(p, res)
-    return res
+    return LockstepRunner(weights, arms, settings.mode, settings.decode_steps, settings.taps,
+                          settings.keep, progress=progress).run(prompts)
 
 
 def _top_toggles(toggles, table, m):

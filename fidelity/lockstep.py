@@ -109,7 +109,8 @@ class LockstepRunner:
     # ------------------------------------------------------------------------------------
     def run(self, prompts: list[Prompt]) -> LockstepResult:
         res = LockstepResult()
-        for p in prompts:
+        for k, p in enumerate(prompts):
+            self.progress(f"  prompt {k + 1}/{len(prompts)} ({p.id}, {p.length} tokens)")
             self._run_prompt(p, res)
         return res
 
@@ -119,13 +120,11 @@ class LockstepRunner:
         states = {a: self.models[a].new_state() for a in alive}
         bad: set[str] = set()
         tokens = prompt.tokens
-        self.progress(f"{prompt.id}: prefill {prompt.length} tokens")
         H = {a: self.models[a].embed(tokens) for a in alive}
         logits = self._layers(prompt, tokens, H, states, alive, "prefill", -1, res, bad, "all")
         self._logit_rows(prompt, logits, alive, "prefill", -1, res)
         nxt = int(logits[golden][-1].argmax())
         for step in range(self.decode_steps):
-            self.progress(f"{prompt.id}: decode step {step + 1}/{self.decode_steps}")
             tok = torch.tensor([nxt], device=tokens.device)
             H = {a: self.models[a].embed(tok) for a in alive}
             logits = self._layers(prompt, tok, H, states, alive, "decode", step, res, bad, "last")

@@ -26,7 +26,6 @@ def load_target(checkpoint):
 
 
 def golden_arm(compute_dtype=None):
-    import torch  # noqa: F401
     from fidelity.arms import Arm
     from reference_model import Numerics
     return Arm("golden", lambda profile="reference": Numerics(profile, compute_dtype))

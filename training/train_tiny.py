@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from reference_model import InMemoryWeights, Numerics
 from reference_model.config import ModelConfig
-from reference_model.specs import F32, FP4, FP8, I64, all_specs
+from reference_model.specs import F32, I64, all_specs
 from reference_model.tokenizer import DEFAULT_PATH as TOKENIZER_PATH
 from reference_model.tokenizer import load_tokenizer
 
