@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-slow bench clean
 
 $(STAMP): pyproject.toml scripts/install_torch.sh
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile tests
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m slow tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py

@@ -1,9 +1,11 @@
 """`fidelity ab`: golden vs engine numerics, layer by layer, with attribution.
 
-Design of arms (default): golden, the exact-profile noise floor, every optimization alone,
-the engine (all optimizations) and the engine minus each. Stage two runs the full
-factorial over the few toggles with the largest effects, so Shapley values are exact
-there. Everything is computed from one tidy drift table and one per-position KLD table."""
+Design of arms (default): golden, three noise floors (QAT: reference vs exact; reduction
+order: fp32 vs fp64 accumulation; indexer tie order: top-k ties broken towards the higher
+index), every optimization alone, the engine (all optimizations) and the engine minus
+each. Stage two runs the full factorial over the few toggles with the largest effects, so
+Shapley values are exact there. The verdict reads several signals (fidelity/signals.py),
+each against its own floors. Everything is computed from tidy tables."""
 from __future__ import annotations
 
 import itertools
@@ -20,6 +22,7 @@ from reference_model import Numerics
 
 from . import ab_plots as plots
 from . import analysis as A
+from . import signals as S
 from .attribution import attribute, bootstrap_mean_ci
 from .lockstep import DEFAULT_TAPS, Arm, LockstepResult, LockstepRunner, Prompt
 from .report_io import ReportWriter, df_to_html, df_to_markdown
@@ -27,6 +30,9 @@ from .report_io import ReportWriter, df_to_html, df_to_markdown
 GOLDEN = "golden"
 FLOOR = "floor:exact"              # reference vs exact: the QAT noise floor (verdict, attribution)
 FLOOR_ORDER = "floor:fp32-accum"   # fp32 instead of fp64 accumulation: reduction-order noise
+FLOOR_TIES = "floor:tie-order"     # indexer top-k ties broken the other way (torch.topk leaves it open)
+FLOORS = (FLOOR, FLOOR_ORDER, FLOOR_TIES)
+LONG_LENGTHS = (250, 511, 2047)    # --long: 2047 tokens = 511 CSA entries = 32x the tiny index_topk
 
 
 @dataclass
@@ -41,6 +47,7 @@ class ABSettings:
     shapley_top: int = 3                   # factorial stage over this many toggles (0 = off)
     n_boot: int = 1000
     floor_k: float = 2.0
+    vs: str | None = None                  # first divergence also against this arm
     taps: tuple[str, ...] = DEFAULT_TAPS
     keep: tuple[str, ...] = ()
     checkpoint: str = "embedded:tiny-random(seed=0)"
@@ -58,20 +65,25 @@ def builtin_prompts(cfg, lengths, per_length: int, seed: int, tokenizer=None) ->
             if tokenizer is None:
                 g = torch.Generator().manual_seed(seed * 1_000_003 + L * 101 + j)
                 toks = torch.randint(2, cfg.vocab_size, (L,), generator=g)
+                needle = ()
             else:
-                toks = torch.tensor(_haystack_ids(tokenizer, L, (j + 0.5) / per_length * 100,
-                                                  seed * 1_000_003 + L * 101 + j))
-            out.append(Prompt(f"L{L}-{j}", toks, group=f"L{L}"))
+                ids, needle = _haystack_ids(tokenizer, L, (j + 0.5) / per_length * 100,
+                                            seed * 1_000_003 + L * 101 + j)
+                toks = torch.tensor(ids)
+            out.append(Prompt(f"L{L}-{j}", toks, group=f"L{L}", needle_tokens=needle))
     return out
 
 
-def _haystack_ids(tokenizer, length: int, depth: float, seed: int) -> list[int]:
+def _haystack_ids(tokenizer, length: int, depth: float, seed: int) -> tuple[list[int], tuple[int, ...]]:
+    """Token ids of an exact-length haystack and the positions of the needle value's tokens."""
     from needle.haystack import HaystackSpec, LocalCounter, PromptFormat, build_prompt
     p = build_prompt(HaystackSpec(), PromptFormat(), LocalCounter(tokenizer), length, depth, seed)
-    ids = tokenizer.encode(p.text)
+    ids, offsets = tokenizer.encode_with_offsets(p.text)
     if len(ids) != length:
         raise ValueError(f"could not build a {length}-token haystack (got {len(ids)})")
-    return ids
+    needle = tuple(j for j, (a, b) in enumerate(offsets)
+                   if any(a < e and b > s for s, e in p.value_spans))
+    return ids, needle
 
 
 def _toggle_api():
@@ -88,18 +100,41 @@ def design(settings: ABSettings) -> tuple[dict[str, object], list[str]]:
         for s in K.one_at_a_time(base):
             arms[str(s)] = s
         arms[settings.base] = base
-        for drop in base.names:
-            arms[f"{settings.base}−{drop}"] = base.without(drop)
+        named_base = K.is_engine_spelling(settings.base)
+        for drop in base.names:               # ASCII names that parse back: engine-x
+            arms[f"{settings.base}-{drop}" if named_base else str(base.without(drop))] = base.without(drop)
     else:
         for text in settings.arms:
             ts = K.ToggleSet.parse(text)
             arms[text if text in ("engine",) or text.startswith("engine") else str(ts)] = ts
     arms.pop(GOLDEN, None)
-    return arms, list(base.names)
+    singles = [n for ts in arms.values() if len(ts) == 1 for n in ts.names]
+    return arms, list(dict.fromkeys([*base.names, *singles]))
 
 
 def _mk_arms(label_sets: dict, profile="reference") -> list[Arm]:
     return [Arm(label, ts.numerics(profile), frozenset(ts.names)) for label, ts in label_sets.items()]
+
+
+def floor_arms() -> list[Arm]:
+    """The three noise floors (see the module docstring)."""
+    from reference_model.numerics import topk_highest_index_ties
+    ties = Numerics("reference").with_kernels(
+        "tie-order", index_topk=lambda golden, scores, k: topk_highest_index_ties(scores, k))
+    return [Arm(FLOOR, Numerics("exact"), frozenset(), role="floor"),
+            Arm(FLOOR_ORDER, Numerics("reference", torch.float32), frozenset(), role="floor"),
+            Arm(FLOOR_TIES, ties, frozenset(), role="floor")]
+
+
+def _pairs(settings, label_sets) -> dict[str, str]:
+    """Arms compared directly with the --vs arm: those that contain all its toggles."""
+    if not settings.vs or settings.vs == GOLDEN:
+        return {}
+    if settings.vs not in label_sets:
+        raise ValueError(f"--vs {settings.vs!r} is not one of the arms: {', '.join(label_sets)}")
+    ref = frozenset(label_sets[settings.vs].names)
+    return {a: settings.vs for a, ts in label_sets.items()
+            if a != settings.vs and frozenset(ts.names) > ref}
 
 
 def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None = None,
@@ -109,12 +144,11 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
     prompts = builtin_prompts(cfg, settings.lengths, settings.prompts_per_length, settings.seed,
                               tokenizer)
     label_sets, toggles = design(settings)
+    pairs = _pairs(settings, label_sets)
     golden = Arm(GOLDEN, Numerics("reference"), frozenset(), role="golden")
-    floors = [Arm(FLOOR, Numerics("exact"), frozenset(), role="floor"),
-              Arm(FLOOR_ORDER, Numerics("reference", torch.float32), frozenset(), role="floor")]
-    arms = [golden] + floors + _mk_arms(label_sets)
+    arms = [golden] + floor_arms() + _mk_arms(label_sets)
     progress(f"stage 1: {len(arms)} arms × {len(prompts)} prompts, mode {settings.mode}")
-    res = _run(weights, arms, prompts, settings, progress)
+    res = _run(weights, arms, prompts, settings, progress, pairs)
 
     sets = {a.name: a.toggles for a in arms if a.role == "arm"}
     longest = f"L{max(settings.lengths)}"
@@ -135,9 +169,8 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
         if new:
             progress(f"stage 2: factorial over {', '.join(top)} ({len(new)} more arms)")
             extra = _run(weights, [golden] + _mk_arms(new), prompts, settings, progress)
-            res.drift += extra.drift
-            res.kld += extra.kld
-            res.events += extra.events
+            extra.needle = [r for r in extra.needle if r["arm"] != GOLDEN]   # already in stage 1
+            res.extend(extra)
             sets.update({k: frozenset(v.names) for k, v in new.items()})
             outcomes = A.prompt_outcomes(pd.DataFrame(res.kld), group=longest)
             table = A.outcome_matrix(outcomes, sets, GOLDEN)
@@ -147,32 +180,56 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
     attr = _attribution(toggles, top, table, settings)
     floor_vals = outcomes[outcomes.arm == FLOOR].sort_values("prompt").kld.to_numpy()
     fmean, flo, fhi = bootstrap_mean_ci(floor_vals, settings.n_boot, settings.seed)
-    verdict = A.verdict(attr, fhi, "noise floor (reference vs exact)")
+    needle = pd.DataFrame(res.needle)
+    sig = S.with_longest(S.prompt_signals(drift, kld, needle, cfg.window_size),
+                         {p.id: p.group for p in prompts}, longest)
+    sig_summary = S.signal_summary(sig, settings.n_boot, settings.seed)
+    floors = S.floor_levels(sig_summary, list(FLOORS))
+    base_set = frozenset(_toggle_api().ToggleSet.parse(settings.base).names)
+    sig_attr = S.attribute_signals(sig, sets, toggles, GOLDEN, settings.n_boot, settings.seed, base_set)
+    verdict, verdict_table = S.verdict(sig_attr, floors)
     per_length = _per_length_attr(kld, sets, toggles, settings)
-    firsts = [f for a in sets if (f := A.first_divergence(drift, a, FLOOR_ORDER, settings.floor_k))]
-    summary = _summary_table(drift, kld, sets)
+    pair_df = pd.DataFrame(res.pairs)
+    firsts = _first_divergences(drift, pair_df, sets, pairs, settings.floor_k)
+    summary = _summary_table(drift, kld, sig_summary, sets)
     manifest = {
         "run_id": run_id, "config": cfg.to_dict(), "config_hash": cfg.config_hash(),
         "checkpoint": settings.checkpoint, "settings": asdict(settings),
         "arms": {k: sorted(v) for k, v in sets.items()}, "golden": GOLDEN, "floor": FLOOR,
+        "floors": list(FLOORS), "vs": settings.vs,
         "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in prompts],
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "numpy": np.__version__, "pandas": pd.__version__},
         "seconds": round(time.time() - t_start, 1),
     }
     result = {"manifest": manifest, "verdict": verdict, "noise_floor": {"mean": fmean, "lo": flo, "hi": fhi},
-              "first_divergence": firsts, "events": res.events}
+              "floors": floors.to_dict("records"), "first_divergence": firsts, "events": res.events}
+    tables = {"drift": drift, "kld": kld, "attribution": attr, "attribution_by_length": per_length,
+              "summary": summary, "signals": sig, "signal_summary": sig_summary,
+              "signal_attribution": verdict_table, "pairs": pair_df, "needle": needle}
     if out_dir is not None:
-        path = write_report(out_dir, run_id or time.strftime("ab-%Y%m%d-%H%M%S"), drift, kld, attr,
-                            per_length, summary, result, sets, res)
+        path = write_report(out_dir, run_id or time.strftime("ab-%Y%m%d-%H%M%S"), tables, result,
+                            sets, res)
         result["path"] = str(path)
-    result.update(drift=drift, kld=kld, attribution=attr, summary=summary)
+    result.update(tables)
     return result
 
 
-def _run(weights, arms, prompts, settings, progress) -> LockstepResult:
+def _run(weights, arms, prompts, settings, progress, pairs=None) -> LockstepResult:
     return LockstepRunner(weights, arms, settings.mode, settings.decode_steps, settings.taps,
-                          settings.keep, progress=progress).run(prompts)
+                          settings.keep, progress=progress, pairs=pairs).run(prompts)
+
+
+def _first_divergences(drift, pair_df, sets, pairs, k) -> list[dict]:
+    """Per arm: first divergence from golden and, for arms with a --vs arm, from it; both
+    thresholds are k × the reduction-order floor."""
+    out = []
+    for a in sets:
+        for vs in (None, pairs.get(a)) if a in pairs else (None,):
+            f = A.first_divergence(drift, a, FLOOR_ORDER, k, pair_df, vs)
+            if f:
+                out.append(f)
+    return out
 
 
 def _top_toggles(toggles, table, m):
@@ -210,42 +267,51 @@ def _per_length_attr(kld, sets, toggles, settings) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _summary_table(drift, kld, sets) -> pd.DataFrame:
-    """Per arm: final-logit KLD summary (prefill, all buckets) and decode KLD."""
+def _summary_table(drift, kld, sig_summary, sets) -> pd.DataFrame:
+    """Per arm: final-logit KLD summary (prefill, all buckets), decode KLD, and the worst
+    place of each verdict signal (answer KLD, top-k recall, needle entry, experts)."""
     d = drift[(drift.tap == "logits") & (drift.bucket == "all")]
     rows = []
-    for arm in [FLOOR, FLOOR_ORDER] + list(sets):
+    for arm in list(FLOORS) + list(sets):
         p = d[(d.arm == arm) & (d.phase == "prefill")]
         dec = kld[(kld.arm == arm) & (kld.phase == "decode")]
         if p.empty:
             continue
+        ss = sig_summary[sig_summary.arm == arm].groupby("signal")["mean"].max()
         rows.append({"arm": arm, "kld_mean": p.kld_mean.mean(), "kld_p99": p.kld_p99.mean(),
                      "kld_max": p.kld_max.max(), "same_top1": p.same_top1.mean(),
                      "dp_mean": p.dp_mean.mean(),
-                     "decode_kld_mean": dec.kld.mean() if len(dec) else np.nan})
+                     "decode_kld_mean": dec.kld.mean() if len(dec) else np.nan,
+                     "answer_kld": ss.get("answer_kld", np.nan),
+                     "late_kld_excess": ss.get("late_kld_excess", np.nan),
+                     "topk_recall_min": 1 - ss.get("topk_loss", np.nan),
+                     "needle_lost_max": ss.get("needle_lost", np.nan),
+                     "expert_same_min": 1 - ss.get("expert_disagree", np.nan)})
     return pd.DataFrame(rows)
 
 
-def write_report(out_dir, run_id, drift, kld, attr, per_length, summary, result, sets, res):
+def write_report(out_dir, run_id, tables: dict, result, sets, res):
     w = ReportWriter(out_dir, run_id)
+    drift, kld, attr, summary = tables["drift"], tables["kld"], tables["attribution"], tables["summary"]
     try:
-        w.table("drift", drift, gzip=True)
-        w.table("kld", kld, gzip=True)
-        w.table("attribution", attr)
-        w.table("attribution_by_length", per_length)
-        w.table("summary", summary)
+        for name, df in tables.items():
+            w.table(name, df, gzip=name in ("drift", "kld", "signals", "pairs"))
         w.table("events", pd.DataFrame(res.events, columns=["prompt", "arm", "phase", "step", "layer",
                                                             "event", "detail"]))
-        w.json("manifest", {"manifest": result["manifest"], "verdict": result["verdict"],
-                            "noise_floor": result["noise_floor"],
-                            "first_divergence": result["first_divergence"]})
+        w.json("manifest", {k: result[k] for k in ("manifest", "verdict", "noise_floor", "floors",
+                                                    "first_divergence")})
         if res.kept:
             torch.save({"|".join(map(str, k)): v for k, v in res.kept.items()}, w.tmp / "kept_taps.pt")
         arm_names = list(sets)
         singles = [a for a in arm_names if len(sets[a]) == 1]
         fhi = result["noise_floor"]["hi"]
         base = [a for a in arm_names if len(sets[a]) > 1 and not any(sets[a] < sets[b] for b in arm_names)]
-        w.figure(plots.drift_vs_layer(drift, FLOOR, [FLOOR, FLOOR_ORDER] + singles + base), "drift_vs_layer",
+        w.figure(plots.signal_board(tables["signal_summary"], tables["signal_attribution"], list(FLOORS) + arm_names),
+                 "signals", "Verdict signals vs their floors",
+                 "Each arm's mean of each signal divided by the highest floor's upper 95% bound for "
+                 "that signal and place (log scale); > 1 (red) is above every floor. Signals: "
+                 + "; ".join(f"{k}: {v}" for k, v in S.SIGNALS.items()) + ".")
+        w.figure(plots.drift_vs_layer(drift, FLOOR, list(FLOORS) + singles + base), "drift_vs_layer",
                  "Drift vs layer", "Relative L2 of the residual stream after each layer vs golden "
                  "(prefill, mean over prompts) for each single toggle and the full arm(s); grey "
                  "band: reference-vs-exact noise floor; other arms are in drift.csv.gz.")
@@ -257,15 +323,18 @@ def write_report(out_dir, run_id, drift, kld, attr, per_length, summary, result,
                      "Bars: point estimate; whiskers: 95% bootstrap CI over prompts; red: clears the floor.")
         w.figure(plots.kld_distribution(kld, [FLOOR] + arm_names), "kld_distribution",
                  "KLD distribution per arm", "Per-position KLD(golden ‖ arm) of the final logits, prefill.")
-        w.figure(plots.topk_recall_vs_position(drift, [FLOOR, FLOOR_ORDER] + singles + base), "topk_recall",
+        w.figure(plots.topk_recall_vs_position(drift, list(FLOORS) + singles + base), "topk_recall",
                  "Indexer top-k recall vs context position", "Fraction of golden's selected compressed "
                  "entries the arm also selects, by query position bucket.")
         w.figure(plots.decode_drift(kld, [FLOOR] + arm_names), "decode_drift", "Decode-step drift",
                  "Teacher-forced decode on golden's greedy tokens.")
-        md = _markdown(result, summary, attr)
-        w.text("summary.md", md)
+        w.text("summary.md", _markdown(result, summary, attr))
+        named = pd.DataFrame(result["verdict"].get("named", []))
         w.html("dsv4-fidelity A/B report", f"<p class='verdict'>{result['verdict']['sentence']}</p>",
-               [("Arms", df_to_html(summary)), ("Attribution", df_to_html(attr)),
+               [("Arms", df_to_html(summary)),
+                ("Named by the verdict", df_to_html(named) if len(named) else "<p>none</p>"),
+                ("Floors per signal", df_to_html(pd.DataFrame(result["floors"]))),
+                ("Attribution of mean final-logit KLD", df_to_html(attr)),
                 ("First divergence", df_to_html(pd.DataFrame(result["first_divergence"]))),
                 ("Events", df_to_html(pd.DataFrame(res.events)) if res.events else "<p>none</p>"),
                 ("Run", f"<pre>{_manifest_text(result['manifest'])}</pre>")])
@@ -289,13 +358,24 @@ def _markdown(result, summary, attr) -> str:
              f"Model config `{m['config_hash']}` ({m['checkpoint']}), mode `{m['settings']['mode']}`, "
              f"{len(m['prompts'])} prompts at lengths {sorted({p['length'] for p in m['prompts']})}, "
              f"{m['settings']['decode_steps']} decode steps, seed {m['settings']['seed']}. "
-             f"Noise floor (reference vs exact, mean final-logit KLD at the longest length): "
+             f"QAT noise floor (reference vs exact, mean final-logit KLD at the longest length): "
              f"{nf['mean']:.3g} [{nf['lo']:.3g}, {nf['hi']:.3g}].", "",
-             "## Arms", "", df_to_markdown(summary), "", "## Attribution (Δ mean final-logit KLD)", "",
-             df_to_markdown(attr), "", "## First divergent layer", "",
-             f"First tap, in forward order, where an arm's drift exceeds "
-             f"{m['settings']['floor_k']}× the reduction-order floor ({FLOOR_ORDER}: the same "
-             f"reference numerics with fp32 instead of fp64 accumulation).", ""]
+             "## Arms", "", df_to_markdown(summary), "",
+             "## Named by the verdict", "",
+             "A toggle is named when, for some signal, its one-at-a-time / leave-one-out / Shapley "
+             "interval (95% paired bootstrap over prompts) lies wholly above the highest of the "
+             f"three floors ({', '.join(FLOORS)}) for that signal and place.", ""]
+    named = result["verdict"].get("named", [])
+    lines += [df_to_markdown(pd.DataFrame(named)) if named else "None.", "",
+              "## Floors per signal (upper 95% bound of the highest floor)", "",
+              df_to_markdown(pd.DataFrame(result["floors"])), "",
+              "## Attribution (Δ mean final-logit KLD at the longest length)", "",
+              df_to_markdown(attr), "", "## First divergent layer", "",
+              f"First place, in forward order (prefill, then decode), where an arm departs from "
+              f"`vs` (golden, or the --vs arm) by more than {m['settings']['floor_k']}× the "
+              f"reduction-order floor ({FLOOR_ORDER}: reference numerics with fp32 instead of fp64 "
+              f"accumulation). Departure: rel L2 (tensors), 1 − recall (indexer picks), "
+              f"1 − same expert set (routing).", ""]
     fd = result["first_divergence"]
     lines += [df_to_markdown(pd.DataFrame(fd)) if fd else "No arm exceeds the floor anywhere.", ""]
     if result["events"]:

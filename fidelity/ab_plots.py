@@ -113,3 +113,22 @@ def decode_drift(kld: pd.DataFrame, arms: list[str]):
     ax.grid(alpha=.3, which="both")
     ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
+
+
+def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[str]):
+    """Arm × (signal, place) heat map of mean / highest floor's upper bound (log10)."""
+    fl = verdict.drop_duplicates(["signal", "where"]).set_index(["signal", "where"])["floor_hi"] \
+        if len(verdict) else pd.Series(dtype=float)
+    d = sig_summary[sig_summary.arm.isin(arms)].copy()
+    d["col"] = d.signal + " @ " + d["where"].str.replace("final logits", "logits")
+    floor = d.set_index(["signal", "where"]).index.map(lambda k: fl.get(k, np.nan))
+    d["ratio"] = d["mean"].to_numpy() / np.maximum(np.asarray(floor, float), 1e-12)
+    piv = d.pivot_table(index="arm", columns="col", values="ratio", aggfunc="first")
+    piv = piv.reindex([a for a in arms if a in piv.index])
+    z = np.log10(piv.to_numpy(dtype=float).clip(1e-3, 1e4))
+    fig, ax = plt.subplots(figsize=(2 + 0.45 * piv.shape[1], 1.2 + 0.3 * len(piv)))
+    im = ax.imshow(z, aspect="auto", cmap="RdBu_r", vmin=-2, vmax=2)
+    ax.set_yticks(range(len(piv)), piv.index, fontsize=7)
+    ax.set_xticks(range(piv.shape[1]), piv.columns, rotation=60, ha="right", fontsize=7)
+    fig.colorbar(im, ax=ax, label="log10(mean / highest floor's upper bound)")
+    return fig

@@ -9,6 +9,8 @@ import pandas as pd
 TAP_ORDER = ("hc_attn.comb", "attn.kv", "attn.index.topk", "attn.out", "hc_ffn.comb",
              "ffn.router.experts", "ffn.out", "out")
 TENSOR_TAPS = ("hc_attn.comb", "attn.kv", "attn.out", "hc_ffn.comb", "ffn.out", "out")
+# taps first divergence walks through (the final logits count as the layer after the last)
+DIVERGENCE_TAPS = TAP_ORDER + ("logits",)
 KEYS = ["prompt", "phase", "step", "layer", "tap", "bucket"]
 
 
@@ -28,20 +30,43 @@ def layer_profile(drift: pd.DataFrame, tap: str = "out", phase: str = "prefill")
     return d.groupby(["arm", "layer"], as_index=False)["rel_l2"].mean()
 
 
-def first_divergence(drift: pd.DataFrame, arm: str, reference_arm: str, k: float = 2.0,
-                     phase: str = "prefill") -> dict | None:
-    """First (layer, tap), in forward order, where the arm's mean rel_l2 exceeds k × the
-    reference arm's (the noise floor, or e.g. the engine arm for engine+bug). A
-    non-finite value diverges by definition."""
-    d = drift[(drift.phase == phase) & (drift.bucket == "all") & drift.tap.isin(TENSOR_TAPS)]
-    a = d[d.arm == arm].groupby(["layer", "tap"])["rel_l2"].mean()
-    r = d[d.arm == reference_arm].groupby(["layer", "tap"])["rel_l2"].mean()
-    order = sorted(a.index, key=lambda lt: (lt[0], TAP_ORDER.index(lt[1])))
-    for lt in order:
-        va, vr = float(a[lt]), float(r.get(lt, np.nan))
-        if not np.isfinite(va) or (np.isfinite(vr) and va > k * max(vr, 1e-12)):
-            return {"arm": arm, "layer": int(lt[0]), "tap": lt[1], "rel_l2": va,
-                    "reference_rel_l2": vr, "ratio": va / max(vr, 1e-12) if np.isfinite(va) else np.inf}
+# per tap kind: the column that measures departure (larger = further away)
+def _departure(d: pd.DataFrame) -> pd.Series:
+    v = d["rel_l2"].astype(float) if "rel_l2" in d else pd.Series(np.nan, index=d.index)
+    if "recall" in d:
+        v = v.where(d.tap != "attn.index.topk", 1 - d["recall"])
+    if "expert_set_same" in d:
+        v = v.where(d.tap != "ffn.router.experts", 1 - d["expert_set_same"])
+    return v
+
+
+def first_divergence(drift: pd.DataFrame, arm: str, floor_arm: str, k: float = 2.0,
+                     pairs: pd.DataFrame | None = None, vs: str | None = None) -> dict | None:
+    """First place, in forward order (prefill first, then decode steps), where the arm
+    departs from `vs` (golden when None; another arm through the `pairs` table) by more
+    than k × the floor arm's departure from golden there. Departure is rel L2 for tensors,
+    1 - recall for indexer picks, 1 - same-expert-set for routing. Non-finite diverges."""
+    for phase in ("prefill", "decode"):
+        d = drift[(drift.phase == phase) & (drift.bucket == "all") & drift.tap.isin(DIVERGENCE_TAPS)]
+        if vs is None or vs == "golden":
+            a = d[d.arm == arm]
+        else:
+            if pairs is None or pairs.empty:
+                return None
+            a = pairs[(pairs.arm == arm) & (pairs.vs == vs) & (pairs.phase == phase)
+                      & pairs.tap.isin(DIVERGENCE_TAPS)]
+        if a.empty:
+            continue
+        av = _departure(a).groupby([a.layer, a.tap]).mean()
+        f = d[d.arm == floor_arm]
+        fv = _departure(f).groupby([f.layer, f.tap]).mean()
+        for lt in sorted(av.index, key=lambda lt: (lt[0], DIVERGENCE_TAPS.index(lt[1]))):
+            va, vr = float(av[lt]), float(fv.get(lt, np.nan))
+            vr = vr if np.isfinite(vr) else 0.0
+            if not np.isfinite(va) or (va > k * vr and va > 0):
+                return {"arm": arm, "vs": vs or "golden", "phase": phase, "layer": int(lt[0]),
+                        "tap": lt[1], "departure": va, "floor": vr,
+                        "ratio": va / vr if vr > 0 and np.isfinite(va) else np.inf}
     return None
 
 
@@ -65,25 +90,3 @@ def outcome_matrix(outcomes: pd.DataFrame, arms_to_sets: dict[str, frozenset],
         if v.notna().all():
             table[frozenset(s)] = v.to_numpy(dtype=float)
     return table
-
-
-def verdict(attr: pd.DataFrame, floor_hi: float, floor_name: str = "noise floor") -> dict:
-    """Name a culprit only when its attribution interval lies wholly above the floor."""
-    if attr.empty:
-        return {"culprit": None, "sentence": "No attribution was computed (need at least one "
-                                             "toggle arm besides golden)."}
-    method = next(m for m in ("shapley", "one_at_a_time", "leave_one_out") if m in set(attr.method))
-    a = attr[attr.method == method].sort_values("value", ascending=False)
-    top = a.iloc[0]
-    clears = a[a.lo > floor_hi]
-    if clears.empty:
-        return {"culprit": None, "method": method, "sentence":
-                f"No toggle stands out: no {method.replace('_', '-')} interval clears the "
-                f"{floor_name} ({floor_hi:.3g} mean KLD); largest is {top.toggle} "
-                f"({top.value:.3g} [{top.lo:.3g}, {top.hi:.3g}])."}
-    c = clears.iloc[0]
-    return {"culprit": c.toggle, "method": method, "value": float(c.value), "lo": float(c.lo),
-            "hi": float(c.hi), "sentence":
-            f"{c.toggle} breaks coherence: its {method.replace('_', '-')} share of the final-logit "
-            f"KLD is {c.value:.3g} (95% CI [{c.lo:.3g}, {c.hi:.3g}]), "
-            f"{c.value / max(floor_hi, 1e-12):.1f}× the {floor_name} ({floor_hi:.3g})."}

@@ -75,16 +75,19 @@ def leave_one_out(names, value) -> dict[str, float]:
 def attribute(names: list[str], per_prompt: Mapping[frozenset, np.ndarray], n_boot: int = 1000,
               seed: int = 0, n_perm: int | None = None, ci: float = 0.95) -> list[dict]:
     """All three attributions with bootstrap CIs. `per_prompt[subset]` is the outcome per
-    prompt (same prompt order for every subset). Methods whose arms are missing from
-    `per_prompt` are skipped. Returns tidy rows {toggle, method, value, lo, hi}."""
+    prompt (same prompt order for every subset). One-at-a-time and leave-one-out cover the
+    toggles whose arms are present; Shapley needs its whole design. Returns tidy rows
+    {toggle, method, value, lo, hi}."""
     arrays = {k: np.asarray(v, dtype=np.float64) for k, v in per_prompt.items()}
     n_prompts = len(next(iter(arrays.values())))
     full = frozenset(names)
     methods: dict[str, Callable] = {}
-    if frozenset() in arrays and all(frozenset({i}) in arrays for i in names):
-        methods["one_at_a_time"] = lambda v: one_at_a_time(names, v)
-    if full in arrays and all(full - {i} in arrays for i in names):
-        methods["leave_one_out"] = lambda v: leave_one_out(names, v)
+    oat = [i for i in names if frozenset({i}) in arrays]
+    if frozenset() in arrays and oat:
+        methods["one_at_a_time"] = lambda v: one_at_a_time(oat, v)
+    loo = [i for i in names if full - {i} in arrays]
+    if full in arrays and loo:
+        methods["leave_one_out"] = lambda v: {i: v(full) - v(full - {i}) for i in loo}
     if len(names) <= 6 and all(frozenset(s) in arrays for r in range(len(names) + 1)
                                for s in itertools.combinations(names, r)):
         methods["shapley"] = lambda v: shapley_exact(names, v)
@@ -101,7 +104,7 @@ def attribute(names: list[str], per_prompt: Mapping[frozenset, np.ndarray], n_bo
     a = (1 - ci) / 2
     rows = []
     for m in methods:
-        for i in names:
+        for i in point[m]:
             samples = np.array([b[m][i] for b in boots])
             rows.append({"toggle": i, "method": m, "value": point[m][i],
                          "lo": float(np.quantile(samples, a)), "hi": float(np.quantile(samples, 1 - a))})

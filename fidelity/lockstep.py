@@ -4,7 +4,12 @@ for layer i are reduced against golden before its activations are dropped.
 
 Modes: `propagated` (each arm feeds itself: total drift) and `isolated` (each arm's layer
 i gets golden's input to layer i: that layer's own error). Prefill, then N teacher-forced
-decode steps on golden's greedy tokens, so decode-only kernels are measured too."""
+decode steps on golden's greedy tokens, so decode-only kernels are measured too.
+
+Besides every arm against golden, `pairs` compares chosen arms directly with another arm
+(e.g. engine + bug against engine): the two are bit-identical until the bug first acts,
+so that comparison places it exactly. For needle prompts the indexer's picks at the
+question (the last prompt token) are checked for the needle's compressed entries."""
 from __future__ import annotations
 
 import fnmatch
@@ -39,6 +44,7 @@ class Prompt:
     id: str
     tokens: torch.Tensor
     group: str = ""                     # e.g. the length bucket it was built for
+    needle_tokens: tuple[int, ...] = ()  # positions of the needle value's tokens (if any)
 
     @property
     def length(self) -> int:
@@ -51,6 +57,20 @@ class LockstepResult:
     kld: list[dict] = field(default_factory=list)       # final-logit KLD per position
     events: list[dict] = field(default_factory=list)    # non-finite values, arm failures
     kept: dict = field(default_factory=dict)            # (prompt, arm, tap) -> tensor
+    pairs: list[dict] = field(default_factory=list)     # drift of an arm vs another arm
+    needle: list[dict] = field(default_factory=list)    # needle entry picked at the question
+
+    def extend(self, other: "LockstepResult") -> None:
+        for name in ("drift", "kld", "events", "pairs", "needle"):
+            getattr(self, name).extend(getattr(other, name))
+        self.kept.update(other.kept)
+
+
+def needle_entries(needle_tokens, pos: int, ratio: int = 4) -> list[int]:
+    """Compressed entries (ratio 4, overlapping) holding a needle token and visible to the
+    query at `pos`: entry j pools tokens 4j..4j+3 and, in half its channels, 4j-4..4j-1."""
+    own = {t // ratio for t in needle_tokens}
+    return sorted(j for j in own | {j + 1 for j in own} if j < (pos + 1) // ratio)
 
 
 def position_buckets(n: int, window: int) -> list[tuple[str, int, int]]:
@@ -88,7 +108,7 @@ def compare_tap(tap: str, golden: torch.Tensor, arm: torch.Tensor,
 class LockstepRunner:
     def __init__(self, weights, arms: list[Arm], mode: str = "propagated", decode_steps: int = 4,
                  taps=DEFAULT_TAPS, keep=(), progress: Callable[[str], None] | None = None,
-                 chunk_tokens: int = 2048):
+                 chunk_tokens: int = 2048, pairs: dict[str, str] | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
         if not arms or arms[0].role != "golden":
@@ -96,6 +116,10 @@ class LockstepRunner:
         names = [a.name for a in arms]
         if len(set(names)) != len(names):
             raise ValueError(f"arm names must be unique, got {names}")
+        unknown = sorted({*(pairs or {}), *(pairs or {}).values()} - set(names))
+        if unknown:
+            raise ValueError(f"pairs name arms that are not in the run: {unknown}")
+        self.pairs = dict(pairs or {})
         self.weights = weights
         self.cfg = weights.cfg
         self.arms = arms
@@ -148,6 +172,9 @@ class LockstepRunner:
                                        "layer": i, "event": "error", "detail": f"{type(e).__name__}: {e}"})
                     alive.remove(a)
             self._tap_rows(prompt, taps, alive, phase, step, res, bad)
+            self._pair_rows(prompt, taps, alive, phase, step, res)
+            if phase == "prefill" and prompt.needle_tokens:
+                self._needle_rows(prompt, i, taps, alive, res)
         for a in alive:
             states[a].pos += tokens.numel()          # as Model.extend does after its layers
         return {a: self.models[a].head(H[a] if which == "all" else H[a][-1:]) for a in alive}
@@ -177,6 +204,34 @@ class LockstepRunner:
                                       "step": step, "layer": _layer_of(name), "tap": _short(name),
                                       "bucket": label, **m})
 
+    def _pair_rows(self, prompt, taps, alive, phase, step, res):
+        for a, ref in self.pairs.items():
+            if a not in alive or ref not in alive:
+                continue
+            for name in taps[ref].names():
+                if name in taps[a]:
+                    m = compare_tap(name, taps[ref][name], taps[a][name], [(0, taps[ref][name].shape[0])])[0]
+                    res.pairs.append({"prompt": prompt.id, "group": prompt.group, "arm": a, "vs": ref,
+                                      "phase": phase, "step": step, "layer": _layer_of(name),
+                                      "tap": _short(name), **m})
+
+    def _needle_rows(self, prompt, i, taps, alive, res):
+        """Was one of the needle's compressed entries among layer i's picks at the question?"""
+        name = f"layers.{i}.attn.index.topk"
+        golden = self.arms[0].name
+        if name not in taps[golden]:
+            return
+        held = needle_entries(prompt.needle_tokens, prompt.length - 1)
+        if not held:
+            return
+        g = set(taps[golden][name][-1].tolist())
+        for a in alive:
+            if name in taps[a]:
+                picks = set(taps[a][name][-1].tolist())
+                res.needle.append({"prompt": prompt.id, "group": prompt.group, "arm": a, "layer": i,
+                                   "golden_picked": bool(g & set(held)),
+                                   "picked": bool(picks & set(held)), "entries": len(held)})
+
     def _buckets(self, name, t, phase, prompt):
         per_token = phase == "prefill" and t.dim() >= 1 and t.shape[0] == prompt.length
         rows = [("all", 0, t.shape[0])]
@@ -196,8 +251,16 @@ class LockstepRunner:
                 res.kld.append({"prompt": prompt.id, "group": prompt.group, "length": prompt.length,
                                 "arm": a, "phase": phase, "step": step, "position": pos0 + j,
                                 "kld": v if math.isfinite(v) else math.inf})
-            for label, lo, hi in self._buckets("logits", g, phase, prompt):
+            spans = self._buckets("logits", g, phase, prompt)
+            rel = M.tensor_metrics_rows(g, logits[a], [(lo, hi) for _, lo, hi in spans])
+            for (label, lo, hi), r in zip(spans, rel):
                 m = M.logits_metrics(g[lo:hi], logits[a][lo:hi])
                 res.drift.append({"prompt": prompt.id, "group": prompt.group, "length": prompt.length,
                                   "arm": a, "phase": phase, "step": step, "layer": self.cfg.n_layers,
-                                  "tap": "logits", "bucket": label, **m})
+                                  "tap": "logits", "bucket": label, "rel_l2": r["rel_l2"], **m})
+        for a, ref in self.pairs.items():
+            if a in alive and ref in alive:
+                m = M.tensor_metrics(logits[ref], logits[a])
+                res.pairs.append({"prompt": prompt.id, "group": prompt.group, "arm": a, "vs": ref,
+                                  "phase": phase, "step": step, "layer": self.cfg.n_layers,
+                                  "tap": "logits", **m})

@@ -4,7 +4,7 @@ Syntax (also the value of DSV4_FIDELITY_ARM): comma-separated toggles, each opti
 with parameters, e.g. `index_keys_fp8,splitk_decode(splits=8)`; positional values are
 allowed in declaration order (`splitk_decode(8)`). `golden` (or empty) is the empty arm,
 `engine` all optimizations, `engine:sglang` / `engine:vllm` the engine's default numerics
-from engine_profiles.json. Printing gives one canonical spelling: toggles in registry
+from engine_profiles.json, and `engine-x-y` (ASCII minus) the engine arm without x and y. Printing gives one canonical spelling: toggles in registry
 order, parameters in declaration order, parameters at their default left out."""
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from .registry import ToggleError
 
 ENV_VAR = "DSV4_FIDELITY_ARM"
 GOLDEN = "golden"
+# `engine`, `engine:sglang`, `engine-kv_bf16-wo_a_fp8` (the engine arm minus those toggles)
+_ENGINE_RE = re.compile(r"^engine(?::([a-z0-9_]+))?((?:-[a-z][a-z0-9_]*)*)$")
 _ITEM_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:\((.*)\))?\s*$", re.S)
 
 
@@ -128,6 +130,7 @@ class ToggleSet:
                                   f"({', '.join(s.toggle.kernels)}); pick one")
             if g:
                 groups[g] = s.name
+        _check_composition(specs)
         object.__setattr__(self, "_specs", specs)
 
     def __setattr__(self, *_):
@@ -143,10 +146,13 @@ class ToggleSet:
         if any(not i.strip() for i in items):
             raise ToggleError(f"empty toggle name in arm {text!r}; valid: {', '.join(R.names())}")
         specs: list[ToggleSpec] = []
-        for i in items:                      # `engine` / `engine:NAME` expand in place
+        for i in items:                      # `engine[:NAME][-t1-t2...]` expand in place
             i = i.strip()
-            if i == "engine" or i.startswith("engine:"):
-                specs += list(engine(i.split(":", 1)[1].strip() if ":" in i else None))
+            m = _ENGINE_RE.match(i)
+            if m:
+                base = engine(m.group(1))
+                drops = [d for d in (m.group(2) or "").split("-") if d]
+                specs += list(base.without(*drops) if drops else base)
             else:
                 specs.append(parse_spec(i))
         return cls(specs)
@@ -232,9 +238,37 @@ class ToggleSet:
         applied in canonical order; each toggle sees the previous ones as its golden."""
         from reference_model.numerics import Numerics
         nx = base if base is not None else Numerics(profile, **numerics_kwargs)
+        top: list = []                     # filled with the finished arm (see with_kernels)
         for s in self._specs:
-            nx = nx.with_kernels(str(s), **s.toggle.build(s.params))
+            nx = nx.with_kernels(str(s), _top=top, **s.toggle.build(s.params))
+        top.append(nx)
         return nx
+
+
+def is_engine_spelling(text: str) -> bool:
+    """True for `engine`, `engine:NAME` and `engine[:NAME]-x-y`: names to which `-t` can be
+    appended and still parse (leave-one-out labels)."""
+    return bool(_ENGINE_RE.match(text.strip()))
+
+
+def _check_composition(specs) -> None:
+    """Two toggles may replace the same kernel only if the later one (canonical order)
+    wraps it, i.e. calls golden.<kernel> and so builds on the earlier one. Anything else
+    would let one silently shadow the other, so the arm is refused, naming both."""
+    owner: dict[str, str] = {}
+    for s in specs:
+        t = s.toggle
+        for other in t.subsumes:
+            if other in (x.name for x in specs):
+                raise ToggleError(f"toggles {other} and {t.name} cannot be combined: {t.name} "
+                                  f"already includes {other}'s behaviour; drop {other}")
+        for k in t.kernels:
+            if k in owner and k not in t.wraps:
+                raise ToggleError(f"toggles {owner[k]} and {t.name} both replace kernel {k} and "
+                                  f"{t.name} does not wrap it, so it would silently shadow "
+                                  f"{owner[k]}; use one of them (or register {t.name} with "
+                                  f"wraps=({k!r},) if it calls golden.{k})")
+            owner[k] = t.name
 
 
 # ---- standard designs ---------------------------------------------------------------------
@@ -254,8 +288,10 @@ def engine(name: str | None = None) -> ToggleSet:
         return profiles.default_arm(name)
     taken: set[str] = set()
     out = []
-    for t in R.all_toggles("optimization"):
-        if t.group and t.group in taken:
+    opts = R.all_toggles("optimization")
+    subsumed = {n for t in opts for n in t.subsumes}
+    for t in opts:
+        if (t.group and t.group in taken) or t.name in subsumed:
             continue
         if t.group:
             taken.add(t.group)

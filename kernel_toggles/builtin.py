@@ -11,7 +11,6 @@ earlier (e.g. `index_keys_fp8` uses whatever rotation `index_no_hadamard` left).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from reference_model import primitives as P
 from reference_model import quant as Q
@@ -136,7 +135,7 @@ def _index_scores_fp32(golden, q, keys, w):
 
 @toggle("index_keys_fp8", kernels=("index_query", "index_key_store", "index_weights",
                                    "index_scores"),
-        group="index_key_format", **_B,
+        group="index_key_format", subsumes=("index_scores_fp32",), **_B,
         params=(Param("scale", str, "fp32", "per-token scale format: plain fp32 amax/448 "
                       "(SGLang) or rounded up to a power of two (vLLM)", choices=("fp32", "pow2")),),
         provenance=Provenance(("sglang", "vllm"),
@@ -154,7 +153,8 @@ def _index_scores_fp32(golden, q, keys, w):
                     "logits are fp32: per head "
                     "relu(q8·K8) times the folded weight, summed over heads, times the key "
                     "scale. The reference uses a finer-grained FP4 grid (1x32, ue8m0) and bf16 "
-                    "scores. scale='pow2' gives vLLM's variant.")
+                    "scores. scale='pow2' gives vLLM's variant. Its logits are fp32, so it "
+                    "includes index_scores_fp32.")
 def _index_keys_fp8(scale):
     def index_query(golden, q):
         codes, s = E.fp8_token_quant(golden.rs(golden.index_rotate(q, "q")), scale)
@@ -246,7 +246,7 @@ def _wo_a_fp8(golden, o, w, *, pow2):
 
 
 # ---- mHC ---------------------------------------------------------------------------------
-@toggle("mhc_tf32", kernels=("hc_pre", "hc_head"), group="mhc", **_B,
+@toggle("mhc_tf32", kernels=("hc_pre", "hc_head"), group="mhc", wraps=True, **_B,
         params=(Param("rounding", str, "truncate", "how fp32 weights become TF32",
                       choices=("truncate", "nearest")),),
         provenance=Provenance(("sglang", "vllm"),
@@ -269,7 +269,7 @@ def _mhc_tf32(rounding):
     return {"hc_pre": hc_pre, "hc_head": hc_head}
 
 
-@toggle("mhc_bf16", kernels=("hc_pre", "hc_head"), group="mhc", **_B,
+@toggle("mhc_bf16", kernels=("hc_pre", "hc_head"), group="mhc", wraps=True, **_B,
         provenance=Provenance(("mini-sglang",), ("MINISGL_DSV4_SM80_HC",),
                               ("MINI target07_hc_elementwise_graph_cleanup", "Mirage PR #677")),
         description="mHC pre GEMM with bf16-cached mixing weights (bf16 x bf16, fp32 "
@@ -301,12 +301,7 @@ def _moe_weight_after_w2(golden, x, w1, w3, w2, weight, limit):
     if weight is None:
         return golden.expert_ffn(x, w1, w3, w2, None, limit)
     cd = golden.cd
-    g = golden.fp8_linear(x, w1)
-    u = golden.fp8_linear(x, w3)
-    if limit > 0:
-        u = u.clamp(-limit, limit)
-        g = g.clamp(max=limit)
-    h = golden.rs(F.silu(g) * u)
+    h = golden.rs(golden.swiglu(golden.fp8_linear(x, w1), golden.fp8_linear(x, w3), limit))
     if golden.quant:
         h = Q.fp8_qdq(h, 128).to(cd)
     acc = golden.r32(h @ w2.to(cd).T)
@@ -314,10 +309,10 @@ def _moe_weight_after_w2(golden, x, w1, w3, w2, weight, limit):
 
 
 def _rsf_recorder(box, route_scale_in_weights: bool):
-    def route_weights(golden, picked_scores, route_scale, renormalize=True):
+    def route_weights(golden, scores, idx, bias, route_scale, renormalize=True):
         box["rsf"] = route_scale
-        return golden.route_weights(picked_scores, route_scale if route_scale_in_weights else 1.0,
-                                    renormalize)
+        return golden.route_weights(scores, idx, bias,
+                                    route_scale if route_scale_in_weights else 1.0, renormalize)
     return route_weights
 
 
@@ -327,7 +322,8 @@ def _rsf(box):
     return box["rsf"]
 
 
-@toggle("routed_scaling_output_bf16", kernels=("route_weights", "moe_combine"), **_B,
+@toggle("routed_scaling_output_bf16", kernels=("route_weights", "moe_combine"),
+        wraps=("route_weights",), **_B,
         params=(Param("mode", str, "mul_then_add", "bf16 epilogue: routed *= rsf then += "
                       "shared, or shared.add_(routed, alpha=rsf)",
                       choices=("mul_then_add", "fused_add")),),
@@ -350,7 +346,7 @@ def _routed_scaling_output_bf16(mode):
 
 
 @toggle("routed_scaling_double", kernels=("route_weights", "moe_combine"),
-        category="known-bug", **_B,
+        category="known-bug", wraps=True, **_B,
         provenance=Provenance(("sglang",), ("two-batch overlap epilogue", "KT-EP MXFP4 experts"),
                               ("kvcache-ai/sglang PR #86", "sglang PR #35152",
                                "vllm #24119 (V3)")),

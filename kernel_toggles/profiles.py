@@ -78,12 +78,13 @@ def default_arm(engine: str):
     """The arm reproducing the engine's default numerics (entries with default: true)."""
     from .arms import ToggleSet
     _check_engine(engine)
-    items = []
+    items = {}
     for name, per in load()["toggles"].items():
         e = per[engine]
         if e["default"] is True:
-            items.append((name, e["params"]))
-    return ToggleSet(items)
+            items[name] = e["params"]
+    subsumed = {n for name in items for n in R.get(name).subsumes}
+    return ToggleSet((n, p) for n, p in items.items() if n not in subsumed)
 
 
 @dataclass
@@ -101,7 +102,7 @@ def launch_settings(arm, engine: str) -> LaunchSettings:
     out = LaunchSettings()
     for name, per in load()["toggles"].items():
         e = per[engine]
-        want = name in arm
+        want = name in arm or any(name in R.get(t).subsumes for t in arm.names)
         default = e["default"]
         if default is want:
             need = None
@@ -111,7 +112,7 @@ def launch_settings(arm, engine: str) -> LaunchSettings:
                 out.unrealisable.append((name, f"no known {engine} setting turns it "
                                                f"{'on' if want else 'off'}"))
                 continue
-        if want and dict(R.get(name).resolve(e["params"])) != arm[name].kwargs():
+        if name in arm and dict(R.get(name).resolve(e["params"])) != arm[name].kwargs():
             out.unrealisable.append((name, f"{engine} behaves as "
                                            f"{name}{_fmt(e['params'])}, arm asks {arm[name]}"))
         if need:

@@ -123,6 +123,8 @@ class Toggle:
     factory: Callable[..., dict]
     group: str | None = None            # toggles sharing a group are mutually exclusive
     phase: str = "all"                  # 'all' or 'decode' (acts on decode steps only)
+    wraps: tuple[str, ...] = ()         # kernels whose replacement calls golden.<kernel>
+    subsumes: tuple[str, ...] = ()      # toggles whose behaviour this one already includes
     builtin: bool = False
     order: int = field(default=0, compare=False)
 
@@ -160,7 +162,7 @@ _REGISTRY: dict[str, Toggle] = {}
 _counter = [0]
 
 
-def _validate(name, kernels, category, params, phase):
+def _validate(name, kernels, category, params, phase, wraps=()):
     if not _NAME_RE.match(name):
         raise ToggleError(f"toggle name {name!r} must match {_NAME_RE.pattern}")
     bad = [k for k in kernels if k not in KERNELS]
@@ -169,6 +171,9 @@ def _validate(name, kernels, category, params, phase):
                           f"valid: {', '.join(KERNELS)}")
     if category not in CATEGORIES:
         raise ToggleError(f"toggle {name}: category must be one of {', '.join(CATEGORIES)}")
+    if set(wraps) - set(kernels):
+        raise ToggleError(f"toggle {name}: wraps={sorted(set(wraps) - set(kernels))} are not among "
+                          f"the kernels it replaces ({', '.join(kernels)})")
     if phase not in ("all", "decode"):
         raise ToggleError(f"toggle {name}: phase must be 'all' or 'decode'")
     names = [p.name for p in params]
@@ -184,24 +189,44 @@ def _as_params(params) -> tuple[Param, ...]:
 
 
 def toggle(name: str, *, kernel: str | None = None, kernels: tuple[str, ...] | None = None,
-           description: str = "", category: str = "optimization",
+           description: str = "", category: str | None = None,
            provenance: Provenance | None = None, params=(), group: str | None = None,
-           phase: str = "all", replace: bool = False, _builtin: bool = False):
+           phase: str = "all", wraps: tuple[str, ...] | bool = (), subsumes: tuple[str, ...] = (),
+           replace: bool = False, _builtin: bool = False):
     """Register a kernel replacement as a toggle usable in arms (ToggleSet) by `name`.
 
     Single kernel: decorate `fn(golden, *kernel_args, <param>=..., **kw)`; the toggle's
     parameters arrive as keyword arguments. Several kernels: pass `kernels=(...)` and
     decorate a factory `f(**params) -> {kernel: fn(golden, *args, **kw)}`.
     `golden` is the Numerics the toggle is applied on (golden plus any toggles earlier in
-    the canonical order), so a replacement can fall back to it or call its other kernels."""
+    the canonical order), so a replacement can fall back to it or call its other kernels.
+
+    `category` ('optimization' or 'known-bug') must be given for user toggles: only
+    optimizations join the `engine` arm. `wraps` lists the kernels whose replacement calls
+    `golden.<kernel>` (True = all of them): only then may an earlier toggle in the same arm
+    replace that kernel too (they compose); otherwise the arm is refused rather than one
+    toggle silently shadowing the other. `subsumes` names toggles whose behaviour this one
+    already includes (the `engine` arm then leaves them out)."""
     if (kernel is None) == (kernels is None):
         raise ToggleError("give exactly one of kernel= or kernels=")
     ks = (kernel,) if kernel else tuple(kernels)
+    if category is None:
+        if not _builtin:
+            raise ToggleError(f"toggle {name}: give category= explicitly ('optimization' joins "
+                              f"every `engine` arm, 'known-bug' does not)")
+        category = "optimization"
+    wr = ks if wraps is True else tuple(wraps or ())
     ps = _as_params(params)
-    _validate(name, ks, category, ps, phase)
+    _validate(name, ks, category, ps, phase, wr)
 
     def deco(fn):
-        if name in _REGISTRY and not replace:
+        if not _builtin:
+            _ensure_builtins()                     # so a clash with a built-in is seen
+        prev = _REGISTRY.get(name)
+        if prev is not None and prev.builtin:
+            raise ToggleError(f"toggle {name!r} clashes with the built-in toggle of that name; "
+                              f"choose another name")
+        if prev is not None and not replace:
             raise ToggleError(f"toggle {name!r} is already registered (pass replace=True)")
         if kernel is not None:
             def factory(**pv):
@@ -219,7 +244,7 @@ def toggle(name: str, *, kernel: str | None = None, kernels: tuple[str, ...] | N
         _counter[0] += 1
         _REGISTRY[name] = Toggle(name=name, kernels=ks, category=category, description=doc,
                                  provenance=prov, params=ps, factory=factory, group=group,
-                                 phase=phase, builtin=_builtin,
+                                 phase=phase, wraps=wr, subsumes=tuple(subsumes), builtin=_builtin,
                                  order=old.order if old else _counter[0])
         return fn
     return deco

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import primitives as P
 from .config import ModelConfig
 from .numerics import Numerics
 from .taps import Taps
@@ -67,7 +66,7 @@ class Model:
         self.nx = numerics or Numerics("reference")
         self.chunk_tokens = chunk_tokens           # tokens per layer pass (chunked prefill)
         self.attn_budget = attn_budget             # max elements gathered per attention step
-        self._rope_cache: dict = {}
+        self._inv_cache: dict = {}
         self._wcache: dict = {}                    # resident weights, converted once
 
     def _weights(self, i: int | None) -> dict:
@@ -184,46 +183,44 @@ class Model:
         return nx.hc_post(f, H, post, comb)
 
     # ---- attention ------------------------------------------------------------------------
-    def _rope(self, ratio: int, positions: torch.Tensor) -> torch.Tensor:
+    def _inv_freq(self, ratio: int) -> torch.Tensor:
+        """The layer type's RoPE frequencies (window-only vs compressed), computed once."""
         key = ratio != 0
-        if key not in self._rope_cache:
-            self._rope_cache[key] = self.nx.rope_inv_freq(self.cfg, ratio)
-        return P.rope_table(positions, self._rope_cache[key].to(positions.device))
-
-    def _rope_apply(self, x, table, inverse=False):
-        """RoPE on the tail of bf16 x computed in fp32, written back as bf16."""
-        return self.nx.rs(P.apply_rope(x, table, inverse))
+        if key not in self._inv_cache:
+            self._inv_cache[key] = self.nx.rope_inv_freq(self.cfg, ratio)
+        return self._inv_cache[key]
 
     def _attention(self, i, w, x, st: LayerState, pos0, t, phase):
         cfg, nx = self.cfg, self.nx
         n = x.shape[0]
         ratio = cfg.compress_ratios[i]
         pos = torch.arange(pos0, pos0 + n, device=x.device)
-        table = self._rope(ratio, pos)
+        inv = self._inv_freq(ratio)
+
+        def rope(v, site, inverse=False):
+            return nx.rope_apply(v, inv, pos, site, inverse, phase)
 
         qr = nx.rms_norm(nx.fp8_linear(x, w["attn.wq_a.weight"]), w["attn.q_norm.weight"], cfg.norm_eps)
         q = nx.fp8_linear(qr, w["attn.wq_b.weight"]).view(n, cfg.n_heads, cfg.head_dim)
-        q = nx.q_head_rescale(q, cfg.norm_eps)
-        q = self._rope_apply(q, table)
+        q = rope(nx.q_head_rescale(q, cfg.norm_eps), "q")
 
-        kvn = P.rms_norm(nx.fp8_linear(x, w["attn.wkv.weight"]), w["attn.kv_norm.weight"],
-                         cfg.norm_eps, nx.cd)
+        kvn = nx.rms_norm(nx.fp8_linear(x, w["attn.wkv.weight"]), w["attn.kv_norm.weight"],
+                          cfg.norm_eps, round_out=False)
         nope = cfg.nope_head_dim
-        kv = torch.cat([nx.kv_store(kvn[:, :nope]),
-                        self._rope_apply(nx.rs(kvn[:, nope:]), table)], -1)
+        kv = torch.cat([nx.kv_store(kvn[:, :nope]), rope(nx.rs(kvn[:, nope:]), "kv")], -1)
         if t:
             t("attn.q", q), t("attn.kv", kv)
 
         topk = None
         if ratio:
             new = self._compress(x, w, "attn.compressor.", ratio, cfg.head_dim, st.comp, pos0,
-                                 kind="kv")
+                                 kind="kv", phase=phase)
             st.comp_kv = _cat(st.comp_kv, new) if new.shape[0] else (
                 st.comp_kv if st.comp_kv is not None else new)
             if t and new.shape[0]:
                 t("attn.compressed_kv", new)
         if ratio == 4:
-            topk = self._indexer(w, x, qr, st, pos0, table, t)
+            topk = self._indexer(w, x, qr, st, pos, rope, t, phase)
 
         prev = st.window_kv
         n_prev = 0 if prev is None else prev.shape[0]
@@ -239,7 +236,7 @@ class Model:
         for a in range(0, n, step):
             o[a:a + step] = nx.sparse_attention(q[a:a + step], rows, w["attn.attn_sink"],
                                                 idx[a:a + step], scale, phase)
-        o = self._rope_apply(o, table, inverse=True)
+        o = rope(o, "output", inverse=True)
         # keep the last window-1 rows for the next chunk / decode step
         keep = cfg.window_size - 1
         allw = kv if prev is None else torch.cat([prev, kv], 0)
@@ -258,26 +255,29 @@ class Model:
         dev = pos.device
         off = torch.arange(-(W - 1), 1, device=dev)                      # [W]
         wpos = pos.unsqueeze(1) + off                                     # absolute positions
+        first = self.nx.window_first(pos, W).unsqueeze(1)
         widx = wpos - (pos0 - n_prev)
-        widx = torch.where(wpos >= 0, widx, torch.full_like(widx, -1))
+        # rows the state no longer holds (first < t-W+1 asks for them) stay invisible
+        ok = (wpos >= first) & (wpos >= 0) & (widx >= 0)
+        widx = torch.where(ok, widx, torch.full_like(widx, -1))
         parts = [widx]
         if ratio == 4 and topk is not None:
             parts.append(torch.where(topk >= 0, topk + comp_off, topk))
         elif ratio and n_comp:
             j = torch.arange(n_comp, device=dev).unsqueeze(0)
-            vis = j < ((pos + 1) // ratio).unsqueeze(1)
+            vis = j < self.nx.compressed_visible(pos, ratio).unsqueeze(1)
             parts.append(torch.where(vis, j + comp_off, torch.full_like(j, -1)).expand(len(pos), -1))
         return torch.cat(parts, 1)
 
     # ---- compressor -----------------------------------------------------------------------
-    def _compress(self, x, w, prefix, ratio, d, cs: CompressorState, pos0, kind):
+    def _compress(self, x, w, prefix, ratio, d, cs: CompressorState, pos0, kind, phase):
         """Feed new tokens to a compressor; returns the entries of groups completed now
         (post-processed: norm, RoPE at the group's first position, then the kind's store)."""
         cfg, nx = self.cfg, self.nx
         n = x.shape[0]
         kv, score = nx.compressor_proj(x, w[prefix + "wkv.weight"], w[prefix + "wgate.weight"])
-        ape = w[prefix + "ape"].to(nx.cd)
-        score = score + ape[(torch.arange(pos0, pos0 + n, device=x.device) % ratio)]
+        score = nx.compress_score_bias(score, w[prefix + "ape"], torch.arange(pos0, pos0 + n,
+                                       device=x.device), ratio)
         kv, score = nx.compress_state(kv, score)
         kv, score = _cat(cs.pending_kv, kv), _cat(cs.pending_score, score)
         g = kv.shape[0] // ratio
@@ -300,25 +300,28 @@ class Model:
         else:
             ckv, csc = gkv, gsc
         pooled = nx.compress_pool(ckv, csc)                                   # [g, d]
-        first = (cs.n_groups + torch.arange(g, device=x.device)) * ratio
+        first = nx.compressed_positions(cs.n_groups + torch.arange(g, device=x.device), ratio)
         cs.n_groups += g
-        normed = P.rms_norm(nx.rs(pooled), w[prefix + "norm.weight"], cfg.norm_eps, nx.cd)
-        table = self._rope(ratio, first)
+        normed = nx.rms_norm(nx.rs(pooled), w[prefix + "norm.weight"], cfg.norm_eps, round_out=False)
+        inv = self._inv_freq(ratio)
         r = cfg.rope_head_dim
         if kind == "kv":
             return torch.cat([nx.kv_store(normed[:, :-r]),
-                              self._rope_apply(nx.rs(normed[:, -r:]), table)], -1)
-        k = self._rope_apply(nx.rs(normed), table)
+                              nx.rope_apply(nx.rs(normed[:, -r:]), inv, first, "compressed_kv",
+                                            phase=phase)], -1)
+        k = nx.rope_apply(nx.rs(normed), inv, first, "index_k", phase=phase)
         return nx.index_key_store(k)
 
     # ---- lightning indexer ----------------------------------------------------------------
-    def _indexer(self, w, x, qr, st: LayerState, pos0, table, t):
+    def _indexer(self, w, x, qr, st: LayerState, pos, rope, t, phase):
         cfg, nx = self.cfg, self.nx
         n = x.shape[0]
+        pos0 = int(pos[0])
         h, d = cfg.index_n_heads, cfg.index_head_dim
         q = nx.fp8_linear(qr, w["attn.indexer.wq_b.weight"]).view(n, h, d)
-        q = nx.index_query(self._rope_apply(q, table))
-        new = self._compress(x, w, "attn.indexer.compressor.", 4, d, st.index_comp, pos0, kind="index")
+        q = nx.index_query(rope(q, "index_q"))
+        new = self._compress(x, w, "attn.indexer.compressor.", 4, d, st.index_comp, pos0,
+                             kind="index", phase=phase)
         if new.shape[0]:
             st.index_keys = _cat(st.index_keys, new)
         wts = nx.bf16_linear(x, w["attn.indexer.weights_proj.weight"])
@@ -329,8 +332,7 @@ class Model:
         out = torch.full((n, cfg.index_topk), -1, dtype=torch.long, device=x.device)
         if n_keys == 0:
             return out
-        pos = torch.arange(pos0, pos0 + n, device=x.device)
-        visible = (pos + 1) // 4
+        visible = nx.compressed_visible(pos, 4)
         k = min(cfg.index_topk, n_keys)
         step = max(1, self.attn_budget // max(1, h * n_keys))
         for a in range(0, n, step):
@@ -347,12 +349,11 @@ class Model:
     def _moe(self, i, w, x, tokens, t):
         cfg, nx = self.cfg, self.nx
         scores = nx.moe_gate(x, w["ffn.gate.weight"], cfg.score_func)
-        if cfg.is_hash_layer(i):
-            idx = w["ffn.gate.tid2eid"][tokens].long()
-        else:
-            idx = torch.topk(scores + w["ffn.gate.bias"].to(scores.dtype), cfg.n_activated_experts,
-                             dim=-1).indices
-        weights = nx.route_weights(scores.gather(-1, idx), cfg.route_scale,
+        hashed = cfg.is_hash_layer(i)
+        bias = None if hashed else w["ffn.gate.bias"]
+        idx = nx.moe_select(scores, bias, tokens, w.get("ffn.gate.tid2eid"),
+                            cfg.n_activated_experts, i, hashed)
+        weights = nx.route_weights(scores, idx, bias, cfg.route_scale,
                                    renormalize=cfg.score_func != "softmax")
         if t:
             t("ffn.router.experts", idx), t("ffn.router.weights", weights)

@@ -21,13 +21,18 @@ from . import quant as Q
 
 # Names of the replaceable kernels (the seam). Toggles may only replace these.
 KERNELS = (
-    "fp8_linear", "bf16_linear", "rms_norm", "q_head_rescale", "rope_inv_freq",
-    "kv_store", "compressor_proj", "compress_state", "compress_pool",
+    "fp8_linear", "bf16_linear", "rms_norm", "q_head_rescale", "rope_inv_freq", "rope_apply",
+    "window_first", "kv_store", "compressor_proj", "compress_score_bias", "compress_state",
+    "compress_pool", "compressed_positions", "compressed_visible",
     "index_rotate", "index_query", "index_key_store", "index_weights", "index_scores",
     "index_topk",
     "sparse_attention", "wo_a", "hc_pre", "hc_post", "hc_head",
-    "moe_gate", "route_weights", "expert_ffn", "moe_combine", "lm_head",
+    "moe_gate", "moe_select", "route_weights", "swiglu", "expert_ffn", "moe_combine", "lm_head",
 )
+
+# Where rope_apply is called (its `site` argument): main query, window KV latent, compressed
+# KV entries, indexer query, indexer keys, and the inverse rotation of the attention output.
+ROPE_SITES = ("q", "kv", "compressed_kv", "index_q", "index_k", "output")
 
 PROFILES = ("reference", "exact")
 
@@ -58,18 +63,23 @@ class Numerics:
         return f"Numerics({self.profile!r}, compute={self.cd}{extra})"
 
     # ---- seam mechanics -----------------------------------------------------------------
-    def with_kernels(self, label: str = "custom", **fns) -> "Numerics":
-        """A copy where each named kernel is replaced by `fn(golden, *args, **kw)`;
-        `golden` is this (unreplaced-by-this-call) Numerics, so a replacement can fall back."""
+    def with_kernels(self, label: str = "custom", _top: list | None = None, **fns) -> "Numerics":
+        """A copy where each named kernel is replaced by `fn(golden, *args, **kw)`.
+        `golden` gives the previous implementation of the kernels this call replaces (so a
+        replacement can fall back or build on it) and the arm's final implementation of
+        every other kernel, so a toggle on e.g. `swiglu` also acts inside another toggle's
+        `expert_ffn`. `_top` is a one-element list the caller fills with the final
+        Numerics once all toggles are applied (ToggleSet.numerics); default: this copy."""
         unknown = sorted(set(fns) - set(KERNELS))
         if unknown:
             raise KeyError(f"unknown kernel(s) {unknown}; valid: {', '.join(KERNELS)}")
         new = copy.copy(self)
         new.replaced = dict(self.replaced)
-        base = self
+        top = _top if _top is not None else [new]
+        below = _Below(self, top, frozenset(fns))
         for name, fn in fns.items():
             def bound(*a, _fn=fn, **k):
-                return _fn(base, *a, **k)
+                return _fn(below, *a, **k)
             setattr(new, name, bound)
             new.replaced[name] = label
         return new
@@ -102,9 +112,11 @@ class Numerics:
         """Plain bf16 GEMM (e.g. `weights_proj`): fp32 accumulate, bf16 out."""
         return self.rs(self.c(x) @ self.c(w).T)
 
-    def rms_norm(self, x, w, eps):
-        """RMSNorm in fp32 with the fp32 weight, one cast at the end."""
-        return self.rs(P.rms_norm(x, w, eps, self.cd))
+    def rms_norm(self, x, w, eps, round_out: bool = True):
+        """RMSNorm in fp32 with the fp32 weight, one cast at the end (round_out=False: the
+        fp32 result, which the KV and compressor paths quantise or split themselves)."""
+        y = P.rms_norm(x, w, eps, self.cd)
+        return self.rs(y) if round_out else y
 
     def q_head_rescale(self, q, eps):
         """Per-head unweighted RMS rescale of q, done in bf16 tensor arithmetic."""
@@ -123,6 +135,20 @@ class Numerics:
         return P.rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.rope_factor,
                                cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow, dtype=dt)
 
+    def rope_apply(self, x, inv_freq, positions, site: str, inverse: bool = False,
+                   phase: str = "prefill"):
+        """RoPE on the last 2·len(inv_freq) dims of x as adjacent (interleaved) pairs at
+        `positions` (one per row of x), fp32 rotation written back in the storage dtype.
+        `site` is one of ROPE_SITES; `inverse` rotates back (the attention output, whose V
+        rows carry rotated dims). The same layout and table at every site in V4."""
+        table = P.rope_table(positions, inv_freq.to(positions.device))
+        return self.rs(P.apply_rope(x, table, inverse))
+
+    def window_first(self, positions, window: int):
+        """First absolute position each query sees in its sliding window: t - W + 1
+        (the window includes the query itself)."""
+        return positions - (window - 1)
+
     # ---- KV and compressor --------------------------------------------------------------
     def kv_store(self, nope):
         """Window/compressed KV latent, non-RoPE dims: bf16 then FP8 e4m3 round trip in 1×64
@@ -135,6 +161,19 @@ class Numerics:
         """Compressor kv/score projections: fp32 GEMM of the bf16 input with fp32 weights."""
         cd = self.cd
         return self.r32(x.to(cd) @ wkv.to(cd).T), self.r32(x.to(cd) @ wgate.to(cd).T)
+
+    def compress_score_bias(self, score, ape, positions, ratio: int):
+        """Adds the learned position bias ape[t mod ratio] to each token's score row."""
+        return score + ape.to(score.dtype)[positions % ratio]
+
+    def compressed_positions(self, groups, ratio: int):
+        """RoPE position of compressed entry j: its group's first token, j·ratio."""
+        return groups * ratio
+
+    def compressed_visible(self, positions, ratio: int):
+        """How many compressed entries query t may see: (t+1)//ratio (a group is visible
+        once it is complete, including t itself)."""
+        return (positions + 1) // ratio
 
     def compress_state(self, kv, score):
         """Rows as held in the compressor's partial-window state (fp32 in the reference)."""
@@ -244,22 +283,34 @@ class Numerics:
             return self.r32(logits.sigmoid())
         return self.r32(logits.softmax(-1))
 
-    def route_weights(self, picked_scores, route_scale, renormalize=True):
-        """Unbiased scores of the chosen experts, renormalised, times route_scale (fp32)."""
-        w = picked_scores
+    def moe_select(self, scores, bias, tokens, tid2eid, k: int, layer: int, hash_layer: bool):
+        """Experts per token: hash layers take tid2eid[token id] (no scores, no bias); the
+        others top-k of score + bias (the bias only steers selection)."""
+        if hash_layer:
+            return tid2eid[tokens].long()
+        return torch.topk(scores + bias.to(scores.dtype), k, dim=-1).indices
+
+    def route_weights(self, scores, idx, bias, route_scale, renormalize=True):
+        """Unbiased scores of the chosen experts (also on hash layers), renormalised, times
+        route_scale (fp32). scores [n, E], idx [n, k]; `bias` (None on hash layers) is
+        not used by the reference: it is here for engines that get this wrong."""
+        w = scores.gather(-1, idx)
         if renormalize:
             w = w / w.sum(-1, keepdim=True)
         return self.r32(w * route_scale)
 
-    def expert_ffn(self, x, w1, w3, w2, weight, limit):
-        """SwiGLU expert: asymmetric clamp (up in [-l,l], gate <= l), routing weight applied
-        to the fp32 intermediate before w2; bf16 output. `weight` [n] or None (shared)."""
-        g = self.fp8_linear(x, w1)
-        u = self.fp8_linear(x, w3)
+    def swiglu(self, g, u, limit):
+        """silu(gate)·up with the asymmetric clamp: up in [-l, l], gate <= l (no lower
+        bound on the gate); limit 0 = no clamp. fp32."""
         if limit > 0:
             u = u.clamp(-limit, limit)
             g = g.clamp(max=limit)
-        h = F.silu(g) * u
+        return F.silu(g) * u
+
+    def expert_ffn(self, x, w1, w3, w2, weight, limit):
+        """SwiGLU expert: gate/up GEMMs, `swiglu`, routing weight applied to the fp32
+        intermediate before w2; bf16 output. `weight` [n] or None (shared)."""
+        h = self.swiglu(self.fp8_linear(x, w1), self.fp8_linear(x, w3), limit)
         if weight is not None:
             h = weight.to(self.cd).unsqueeze(-1) * h
         return self.fp8_linear(self.rs(h), w2)
@@ -275,6 +326,25 @@ class Numerics:
         """fp32 logits: bf16 hidden times the fp32 head weight."""
         logits = self.c(x) @ w.to(self.cd).T
         return logits.float() if self.quant else logits
+
+
+class _Below:
+    """What a kernel replacement sees as `golden` (see Numerics.with_kernels): the kernels
+    it replaces as they were before it, every other kernel as the finished arm has it.
+    Unreplaced golden kernels run on the finished arm too, so the kernels they call inside
+    (e.g. `swiglu` inside `expert_ffn`) are the arm's."""
+
+    def __init__(self, prev: Numerics, top: list, own: frozenset):
+        self._prev, self._top, self._own = prev, top, own
+
+    def __getattr__(self, name):
+        if name in KERNELS and self._top:
+            final = self._top[0]
+            if name not in self._own:
+                return getattr(final, name)
+            if name not in vars(self._prev):           # golden's own implementation
+                return getattr(Numerics, name).__get__(final)
+        return getattr(self._prev, name)
 
 
 def sinkhorn_split(mixes, scale, base, hc: int, iters: int, eps: float):
@@ -313,3 +383,12 @@ def topk_lowest_index_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
     idx = torch.masked_select(pos, sel).view(*scores.shape[:-1], k)
     picked = torch.gather(scores, -1, idx)
     return torch.where(torch.isneginf(picked), torch.full_like(idx, -1), idx)
+
+
+def topk_highest_index_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The same top-k set rule with exact ties broken towards the HIGHER index: the other
+    tie order torch.topk may legally use. Running it as an arm measures what tie order
+    alone does to the selection (a floor for indexer signals)."""
+    n = scores.shape[-1]
+    idx = topk_lowest_index_ties(scores.flip(-1), k)
+    return torch.where(idx >= 0, n - 1 - idx, idx).flip(-1)

@@ -21,6 +21,11 @@ ALL = [pytest.param(EXACT, id="exact64"), pytest.param(REF, id="reference"),
 CFG = SimpleNamespace(norm_eps=1e-6, hc_eps=1e-6, hc_sinkhorn_iters=20)
 
 
+def _all(scores):
+    """route_weights index argument picking every column (hand-checked weights)."""
+    return torch.arange(scores.shape[-1]).expand(scores.shape[0], -1)
+
+
 def gen(seed):
     return torch.Generator().manual_seed(seed)
 
@@ -416,9 +421,9 @@ def test_moe_gate_sqrtsoftplus(nm):
 @pytest.mark.parametrize("nm", ALL)
 def test_route_weights_renormalise_and_scale(nm):
     picked = torch.tensor([[0.1, 0.3], [0.2, 0.2]], dtype=F64)
-    assert torch.allclose(nm.route_weights(picked, 1.5).double(),
+    assert torch.allclose(nm.route_weights(picked, _all(picked), None, 1.5).double(),
                           torch.tensor([[0.375, 1.125], [0.75, 0.75]], dtype=F64), atol=1e-15)
-    assert torch.allclose(nm.route_weights(picked, 1.5, renormalize=False).double(),
+    assert torch.allclose(nm.route_weights(picked, _all(picked), None, 1.5, renormalize=False).double(),
                           picked * 1.5, atol=1e-7)
 
 

@@ -13,6 +13,11 @@ F64 = torch.float64
 BF = torch.bfloat16
 
 
+def _all(scores):
+    """route_weights index argument picking every column (hand-checked weights)."""
+    return torch.arange(scores.shape[-1]).expand(scores.shape[0], -1)
+
+
 def arm(text, profile="reference"):
     return K.ToggleSet.parse(text).numerics(profile)
 
@@ -368,9 +373,10 @@ def test_moe_weight_after_w2():
 
 def test_routed_scaling_output_bf16():
     a = arm("routed_scaling_output_bf16")
-    wts = a.route_weights(torch.tensor([[1.0, 3.0]], dtype=F64), 1.5)
+    p13 = torch.tensor([[1.0, 3.0]], dtype=F64)
+    wts = a.route_weights(p13, _all(p13), None, 1.5)
     assert wts.tolist() == [[0.25, 0.75]]                          # no rsf in the weights
-    assert gold().route_weights(torch.tensor([[1.0, 3.0]], dtype=F64), 1.5).tolist() == [[0.375, 1.125]]
+    assert gold().route_weights(p13, _all(p13), None, 1.5).tolist() == [[0.375, 1.125]]
     # routed 1+2^-8 -> bf16 1.0 -> x1.5 = 1.5 -> + shared 3·2^-8 = 1.51171875 -> bf16 1.515625
     routed = torch.tensor([[1 + 2.0 ** -8]], dtype=F64)
     shared = torch.tensor([[3 * 2.0 ** -8]], dtype=F64)
@@ -384,18 +390,19 @@ def test_routed_scaling_output_bf16():
     assert a.moe_combine(r2, s2).item() == 1.515625
     # fused_add: bf16(-2^-9 + 1.51171875 = 1.509765625) = 1.5078125
     f = arm("routed_scaling_output_bf16(mode=fused_add)")
-    f.route_weights(torch.tensor([[1.0]], dtype=F64), 1.5)
+    one = torch.tensor([[1.0]], dtype=F64)
+    f.route_weights(one, _all(one), None, 1.5)
     assert f.moe_combine(r2, s2).item() == 1.5078125
 
 
 def test_routed_scaling_double_is_1p5x():
     a, g = arm("routed_scaling_double"), gold()
     picked = torch.tensor([[1.0, 3.0]], dtype=F64)
-    assert torch.equal(a.route_weights(picked, 1.5), g.route_weights(picked, 1.5))
+    assert torch.equal(a.route_weights(picked, _all(picked), None, 1.5), g.route_weights(picked, _all(picked), None, 1.5))
     routed = torch.tensor([[1.0, 2.5, -3.0, 0.75]], dtype=F64)
     assert torch.equal(a.moe_combine(routed, None), 1.5 * g.moe_combine(routed, None))
     both = arm("routed_scaling_output_bf16,routed_scaling_double")
-    assert both.route_weights(picked, 1.5).tolist() == [[0.25, 0.75]]
+    assert both.route_weights(picked, _all(picked), None, 1.5).tolist() == [[0.25, 0.75]]
     assert both.moe_combine(routed, None).tolist() == [[2.25, 5.625, -6.75, 1.6875]]
 
 

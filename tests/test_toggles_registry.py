@@ -140,7 +140,8 @@ def test_engine_all_optimizations():
     e = K.engine()
     assert all(s.toggle.category == "optimization" for s in e)
     opt_groups = {t.group for t in K.all_toggles("optimization") if t.group}
-    ungrouped = {t.name for t in K.all_toggles("optimization") if not t.group}
+    subsumed = {n for t in K.all_toggles("optimization") for n in t.subsumes}
+    ungrouped = {t.name for t in K.all_toggles("optimization") if not t.group} - subsumed
     assert ungrouped <= set(e.names)
     assert len(e) == len(ungrouped) + len(opt_groups)
     assert "index_keys_fp8" in e and "mhc_tf32" in e and "kv_fp8_from_fp32" in e
@@ -190,12 +191,12 @@ def custom():
         return K.toggle(name, **kw)
     yield reg
     for n in made:
-        if n in K.names():
+        if n in K.names() and not K.get(n).builtin:
             K.unregister(n)
 
 
 def test_custom_single_kernel_toggle(custom):
-    @custom("my_hot_attention", kernel="sparse_attention",
+    @custom("my_hot_attention", kernel="sparse_attention", category="optimization",
             params=(Param("temp", float, 1.0, "softmax temperature", min=0.1),),
             provenance=Provenance(("my-kernel",), refs=("PR #1",)))
     def hot(golden, q, kv, sink, idx, scale, phase="prefill", *, temp):
@@ -219,6 +220,7 @@ def test_custom_single_kernel_toggle(custom):
 
 def test_custom_factory_toggle_and_registration_errors(custom):
     @custom("my_fp32_head_and_kv", kernels=("lm_head", "kv_store"), params={"shift": 0.0},
+            category="known-bug",
             description="Test toggle: two kernels from one factory.")
     def factory(shift):
         return {"lm_head": lambda g, x, w: g.lm_head(x, w) + shift,
@@ -228,9 +230,14 @@ def test_custom_factory_toggle_and_registration_errors(custom):
     x, w = torch.ones(1, 4).double(), torch.ones(2, 4).double()
     assert nx.lm_head(x, w).tolist() == [[5.5, 5.5]]
     with pytest.raises(ToggleError, match="already registered"):
-        custom("my_fp32_head_and_kv", kernel="lm_head", description="x")(lambda g, x, w: x)
+        custom("my_fp32_head_and_kv", kernel="lm_head", category="known-bug",
+               description="x")(lambda g, x, w: x)
     with pytest.raises(ToggleError, match="valid: fp8_linear"):
-        custom("my_bad", kernel="not_a_kernel", description="x")
+        custom("my_bad", kernel="not_a_kernel", category="known-bug", description="x")
+    with pytest.raises(ToggleError, match="give category= explicitly"):
+        custom("my_bad3", kernel="lm_head", description="x")
+    with pytest.raises(ToggleError, match="clashes with the built-in"):
+        custom("kv_bf16", kernel="kv_store", category="optimization", description="x")(lambda g, n: n)
     with pytest.raises(ToggleError, match="category"):
         custom("my_bad2", kernel="lm_head", category="speedup", description="x")
     with pytest.raises(ToggleError, match="built in"):

@@ -226,12 +226,12 @@ class TrainForward:
     def _moe(self, i, w, x, tokens, out: ForwardOut):
         cfg, nx = self.cfg, self.nx
         scores = nx.moe_gate(x, w["ffn.gate.weight"], cfg.score_func)
-        if cfg.is_hash_layer(i):
-            idx = w["ffn.gate.tid2eid"][tokens].long()
-        else:
-            idx = torch.topk((scores + w["ffn.gate.bias"].to(scores.dtype)).detach(),
-                             cfg.n_activated_experts, dim=-1).indices
+        hashed = cfg.is_hash_layer(i)
+        bias = None if hashed else w["ffn.gate.bias"]
+        idx = nx.moe_select(scores.detach(), bias, tokens, w.get("ffn.gate.tid2eid"),
+                            cfg.n_activated_experts, i, hashed)
+        if not hashed:
             out.expert_load[i] = torch.bincount(idx.flatten(), minlength=cfg.n_routed_experts)
-        weights = nx.route_weights(scores.gather(-1, idx), cfg.route_scale,
+        weights = nx.route_weights(scores, idx, bias, cfg.route_scale,
                                    renormalize=cfg.score_func != "softmax")
         return moe_experts(nx, cfg, w, x, idx, weights)

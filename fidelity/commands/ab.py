@@ -20,7 +20,11 @@ def add_arguments(p):
                         "(repeatable; default: each optimization, engine, engine minus each)")
     p.add_argument("--base", default="engine", help="arm whose leave-one-out is computed (default engine)")
     p.add_argument("--mode", choices=("propagated", "isolated"), default="propagated")
-    p.add_argument("--lengths", type=_ints, default=(250, 511), help="prompt lengths, e.g. 250,511")
+    p.add_argument("--lengths", type=_ints, default=None,
+                   help="prompt lengths, e.g. 250,511 (default 250,511)")
+    p.add_argument("--long", action="store_true",
+                   help="long-context preset: lengths 250,511,2047 (each CSA layer then picks "
+                        "index_topk among up to 32x as many entries on the tiny model)")
     p.add_argument("--prompts-per-length", type=int, default=3)
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
@@ -28,6 +32,9 @@ def add_arguments(p):
                    help="exact Shapley over this many most effective toggles (factorial stage; 0 = off)")
     p.add_argument("--n-boot", type=int, default=1000)
     p.add_argument("--floor-k", type=float, default=2.0, help="first divergence: drift > k × floor")
+    p.add_argument("--vs", metavar="ARM",
+                   help="also report each arm's first divergence against this arm (one of the "
+                        "arms, e.g. engine for engine,<bug> arms); default: golden only")
     p.add_argument("--keep", action="append", default=[], metavar="TAP",
                    help="also save these taps' full tensors (glob, e.g. 'layers.3.attn.*')")
     p.add_argument("--out", default="reports", help="reports directory")
@@ -40,10 +47,15 @@ def run(args) -> int:
 
     weights, label = load_weights(args.checkpoint)
     tokenizer = load_tokenizer_for(args.checkpoint)
-    settings = ABSettings(arms=args.arms, base=args.base, mode=args.mode, lengths=args.lengths,
+    from fidelity.ab import LONG_LENGTHS
+    if args.long and args.lengths:
+        print("error: give --long or --lengths, not both", file=sys.stderr)
+        return 2
+    lengths = LONG_LENGTHS if args.long else (args.lengths or ABSettings.lengths)
+    settings = ABSettings(arms=args.arms, base=args.base, mode=args.mode, lengths=lengths,
                           prompts_per_length=args.prompts_per_length, decode_steps=args.decode_steps,
                           seed=args.seed, shapley_top=args.shapley_top, n_boot=args.n_boot,
-                          floor_k=args.floor_k, keep=tuple(args.keep), checkpoint=label)
+                          floor_k=args.floor_k, vs=args.vs, keep=tuple(args.keep), checkpoint=label)
     try:
         res = run_ab(weights, settings, args.out, args.run_id,
                      progress=lambda m: print(m, file=sys.stderr, flush=True), tokenizer=tokenizer)

@@ -1,0 +1,161 @@
+"""The verdict's signals: several per-prompt outcomes, each judged against its own floors.
+
+Mean next-token KLD at short context barely moves when the indexer stops selecting the
+right entries, so the verdict also reads the KLD tail, the KLD where the answer is
+produced, indexer top-k recall per CSA layer, whether the needle's entry is still picked
+at the question, expert-set agreement per MoE layer and how KLD grows along the context.
+Each signal is one number per (arm, prompt, where), so the attribution machinery and the
+paired bootstrap apply unchanged; a toggle is named when the lower end of its interval
+clears the highest floor's upper end for that signal."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from . import analysis as A
+from .attribution import attribute, bootstrap_mean_ci
+
+# signal -> what it measures (larger = worse for every signal)
+SIGNALS = {
+    "kld_mean": "mean final-logit KLD over prompt positions",
+    "kld_p99": "99th percentile of final-logit KLD over prompt positions",
+    "answer_kld": "final-logit KLD where the answer is produced (question end + decode steps)",
+    "late_kld_excess": "KLD growth along the context: mean KLD at positions >= 4 windows "
+                       "minus mean KLD inside the first window",
+    "topk_loss": "1 - indexer top-k recall vs golden (prefill, per CSA layer)",
+    "needle_lost": "needle's compressed entry picked by golden at the question but not by the arm",
+    "expert_disagree": "1 - fraction of tokens with golden's expert set (per MoE layer)",
+}
+# smallest floor a ratio is taken against (a floor of exactly 0 would make any change infinite)
+_FLOOR_EPS = {"kld_mean": 1e-6, "kld_p99": 1e-6, "answer_kld": 1e-6, "late_kld_excess": 1e-6,
+              "topk_loss": 1e-3, "needle_lost": 1e-3, "expert_disagree": 1e-3}
+COLUMNS = ["arm", "prompt", "signal", "where", "value"]
+
+
+def prompt_signals(drift: pd.DataFrame, kld: pd.DataFrame, needle: pd.DataFrame,
+                   window: int) -> pd.DataFrame:
+    """Tidy table: one value per (arm, prompt, signal, where)."""
+    parts = []
+    pre = kld[kld.phase == "prefill"]
+    g = pre.groupby(["arm", "prompt"])["kld"]
+    parts.append(_frame(g.mean(), "kld_mean"))
+    parts.append(_frame(g.quantile(0.99), "kld_p99"))
+    ans = kld[(kld.phase == "decode") | ((kld.phase == "prefill") & (kld.position == kld.length - 1))]
+    parts.append(_frame(ans.groupby(["arm", "prompt"])["kld"].mean(), "answer_kld"))
+    late = pre[pre.position >= 4 * window].groupby(["arm", "prompt"])["kld"].mean()
+    early = pre[pre.position < window].groupby(["arm", "prompt"])["kld"].mean()
+    parts.append(_frame((late - early).dropna(), "late_kld_excess"))
+    d = drift[(drift.phase == "prefill") & (drift.bucket == "all")] if not drift.empty else drift
+    if "recall" in d:
+        t = d[d.tap == "attn.index.topk"]
+        parts.append(_frame(1 - t.set_index(["arm", "prompt", "layer"])["recall"], "topk_loss", True))
+    if "expert_set_same" in d:
+        e = d[d.tap == "ffn.router.experts"]
+        parts.append(_frame(1 - e.set_index(["arm", "prompt", "layer"])["expert_set_same"],
+                            "expert_disagree", True))
+    if needle is not None and not needle.empty:
+        lost = (needle.golden_picked & ~needle.picked).astype(float)
+        parts.append(_frame(lost.set_axis(pd.MultiIndex.from_frame(needle[["arm", "prompt", "layer"]])),
+                            "needle_lost", True))
+    return pd.concat(parts, ignore_index=True)[COLUMNS]
+
+
+# signals also judged on the longest prompts alone: a bug that acts only past some context
+# length is diluted by the shorter prompts in the all-prompt mean
+LONG_SIGNALS = ("kld_mean", "answer_kld", "topk_loss", "needle_lost")
+
+
+def with_longest(sig: pd.DataFrame, prompt_group: dict[str, str], longest: str) -> pd.DataFrame:
+    """Adds LONG_SIGNALS restricted to the prompts of the longest length group, their
+    place suffixed `@ <group>` (only when there are shorter groups too)."""
+    groups = sig.prompt.map(prompt_group)
+    if groups.nunique() < 2:
+        return sig
+    extra = sig[(groups == longest) & sig.signal.isin(LONG_SIGNALS)]
+    return pd.concat([sig, extra.assign(where=extra["where"] + f" @ {longest}")], ignore_index=True)
+
+
+def _frame(series: pd.Series, signal: str, per_layer: bool = False) -> pd.DataFrame:
+    df = series.rename("value").reset_index()
+    df["signal"] = signal
+    df["where"] = df.pop("layer").map(lambda i: f"layer {int(i)}") if per_layer else "final logits"
+    return df
+
+
+def signal_summary(sig: pd.DataFrame, n_boot: int, seed: int) -> pd.DataFrame:
+    """Per arm, signal and place: mean over prompts with a bootstrap 95% CI."""
+    rows = []
+    for (arm, s, w), grp in sig.groupby(["arm", "signal", "where"], sort=False):
+        v = grp.sort_values("prompt").value.to_numpy(float)
+        m, lo, hi = bootstrap_mean_ci(v, n_boot, seed)
+        rows.append({"arm": arm, "signal": s, "where": w, "mean": m, "lo": lo, "hi": hi, "n": len(v)})
+    return pd.DataFrame(rows, columns=["arm", "signal", "where", "mean", "lo", "hi", "n"])
+
+
+def floor_levels(summary: pd.DataFrame, floors: list[str]) -> pd.DataFrame:
+    """Per signal and place: the highest floor's upper CI bound, and which floor it is."""
+    f = summary[summary.arm.isin(floors)]
+    if f.empty:
+        return pd.DataFrame(columns=["signal", "where", "floor_hi", "floor_arm"])
+    idx = f.groupby(["signal", "where"])["hi"].idxmax()
+    out = f.loc[idx, ["signal", "where", "hi", "arm"]]
+    return out.rename(columns={"hi": "floor_hi", "arm": "floor_arm"}).reset_index(drop=True)
+
+
+def attribute_signals(sig: pd.DataFrame, arm_sets: dict[str, frozenset], toggles: list[str],
+                      golden: str, n_boot: int, seed: int,
+                      base: frozenset | None = None) -> pd.DataFrame:
+    """Attribution (one-at-a-time, leave-one-out, Shapley where the design allows) of
+    every signal at every place, with paired bootstrap CIs over prompts. With `base` (e.g.
+    the engine arm's toggles), every arm that is base plus one toggle t also gives t an
+    `added_to_base` effect: signal(base + t) - signal(base)."""
+    rows = []
+    for (s, w), grp in sig.groupby(["signal", "where"], sort=False):
+        table = A.outcome_matrix(grp.rename(columns={"value": "kld"}), arm_sets, golden)
+        if len(table) < 2:
+            continue
+        for r in attribute(toggles, table, n_boot, seed):
+            rows.append({"signal": s, "where": w, **r})
+        if base and base in table:
+            for t in sorted(next(iter(k - base)) for k in table if k > base and len(k - base) == 1):
+                pair = {frozenset(): table[base], frozenset({t}): table[base | {t}]}
+                for r in attribute([t], pair, n_boot, seed):
+                    rows.append({"signal": s, "where": w, **r, "method": "added_to_base"})
+    return pd.DataFrame(rows, columns=["signal", "where", "toggle", "method", "value", "lo", "hi"])
+
+
+def verdict(attr: pd.DataFrame, floors: pd.DataFrame) -> tuple[dict, pd.DataFrame]:
+    """Name every toggle whose interval, for some signal and method, lies wholly above that
+    signal's highest floor; the culprit is the one clearing by the largest factor."""
+    if attr.empty:
+        return ({"culprit": None, "named": [], "sentence": "No attribution was computed (need at "
+                 "least one toggle arm besides golden)."}, attr.assign(floor_hi=[], clears=[]))
+    t = attr.merge(floors, on=["signal", "where"], how="left")
+    t["floor_hi"] = t["floor_hi"].fillna(0.0)
+    eps = t.signal.map(_FLOOR_EPS).fillna(1e-9)
+    t["clears"] = (t.lo > t.floor_hi) & (t.value > 0)
+    t["x_floor"] = t.lo / np.maximum(t.floor_hi, eps)
+    hits = t[t.clears].sort_values("x_floor", ascending=False)
+    if hits.empty:
+        k = t[t.signal == "kld_mean"].sort_values("value", ascending=False)
+        top = k.iloc[0] if len(k) else t.sort_values("value", ascending=False).iloc[0]
+        return ({"culprit": None, "named": [], "sentence":
+                 f"No toggle stands out: for no signal does a toggle's interval clear its floor "
+                 f"(largest mean-KLD effect: {top.toggle}, {top.value:.3g} "
+                 f"[{top.lo:.3g}, {top.hi:.3g}] vs floor {top.floor_hi:.3g})."}, t)
+    best = hits.drop_duplicates("toggle")
+    c = best.iloc[0]
+    named = [{"toggle": r.toggle, "signal": r.signal, "where": r["where"], "method": r.method,
+              "value": float(r.value), "lo": float(r.lo), "hi": float(r.hi),
+              "floor_hi": float(r.floor_hi), "x_floor": float(r.x_floor),
+              "signals": sorted(set(hits[hits.toggle == r.toggle].signal))}
+             for _, r in best.iterrows()]
+    others = ", ".join(f"{n['toggle']} ({n['signal']}, {n['where']})" for n in named[1:])
+    sentence = (f"{c.toggle} breaks coherence: its {c.method.replace('_', '-')} effect on "
+                f"{c.signal} ({SIGNALS[c.signal]}) at {c['where']} is {c.value:.3g} "
+                f"(95% CI [{c.lo:.3g}, {c.hi:.3g}]), above the highest floor's {c.floor_hi:.3g}; "
+                f"signals cleared: {', '.join(named[0]['signals'])}."
+                + (f" Also above their floors: {others}." if others else ""))
+    return {"culprit": c.toggle, "named": named, "method": c.method, "signal": c.signal,
+            "where": c["where"], "value": float(c.value), "lo": float(c.lo), "hi": float(c.hi),
+            "sentence": sentence}, t
