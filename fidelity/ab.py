@@ -187,9 +187,15 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
     floors = S.floor_levels(sig_summary, list(FLOORS))
     base_set = frozenset(_toggle_api().ToggleSet.parse(settings.base).names)
     sig_attr = S.attribute_signals(sig, sets, toggles, GOLDEN, settings.n_boot, settings.seed, base_set)
+    pair_df, pair_kld = pd.DataFrame(res.pairs), pd.DataFrame(res.pair_kld)
+    if len(pair_kld):
+        pair_sig = S.with_longest(S.prompt_signals(pair_df, pair_kld, None, cfg.window_size),
+                                  {p.id: p.group for p in prompts}, longest)
+        vs_set = frozenset(label_sets[settings.vs].names)
+        sig_attr = pd.concat([sig_attr, S.direct_effects(pair_sig, sets, vs_set, settings.n_boot,
+                                                         settings.seed)], ignore_index=True)
     verdict, verdict_table = S.verdict(sig_attr, floors)
     per_length = _per_length_attr(kld, sets, toggles, settings)
-    pair_df = pd.DataFrame(res.pairs)
     firsts = _first_divergences(drift, pair_df, sets, pairs, settings.floor_k)
     summary = _summary_table(drift, kld, sig_summary, sets)
     manifest = {

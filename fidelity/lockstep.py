@@ -58,10 +58,11 @@ class LockstepResult:
     events: list[dict] = field(default_factory=list)    # non-finite values, arm failures
     kept: dict = field(default_factory=dict)            # (prompt, arm, tap) -> tensor
     pairs: list[dict] = field(default_factory=list)     # drift of an arm vs another arm
+    pair_kld: list[dict] = field(default_factory=list)  # final-logit KLD of an arm vs another arm
     needle: list[dict] = field(default_factory=list)    # needle entry picked at the question
 
     def extend(self, other: "LockstepResult") -> None:
-        for name in ("drift", "kld", "events", "pairs", "needle"):
+        for name in ("drift", "kld", "events", "pairs", "pair_kld", "needle"):
             getattr(self, name).extend(getattr(other, name))
         self.kept.update(other.kept)
 
@@ -213,7 +214,7 @@ class LockstepRunner:
                     m = compare_tap(name, taps[ref][name], taps[a][name], [(0, taps[ref][name].shape[0])])[0]
                     res.pairs.append({"prompt": prompt.id, "group": prompt.group, "arm": a, "vs": ref,
                                       "phase": phase, "step": step, "layer": _layer_of(name),
-                                      "tap": _short(name), **m})
+                                      "tap": _short(name), "bucket": "all", **m})
 
     def _needle_rows(self, prompt, i, taps, alive, res):
         """Was one of the needle's compressed entries among layer i's picks at the question?"""
@@ -260,7 +261,12 @@ class LockstepRunner:
                                   "tap": "logits", "bucket": label, "rel_l2": r["rel_l2"], **m})
         for a, ref in self.pairs.items():
             if a in alive and ref in alive:
+                kl = M.kld_per_position(logits[ref], logits[a])
+                for j, v in enumerate(kl.tolist()):
+                    res.pair_kld.append({"prompt": prompt.id, "group": prompt.group, "length": prompt.length,
+                                         "arm": a, "vs": ref, "phase": phase, "step": step,
+                                         "position": pos0 + j, "kld": v if math.isfinite(v) else math.inf})
                 m = M.tensor_metrics(logits[ref], logits[a])
                 res.pairs.append({"prompt": prompt.id, "group": prompt.group, "arm": a, "vs": ref,
                                   "phase": phase, "step": step, "layer": self.cfg.n_layers,
-                                  "tap": "logits", **m})
+                                  "tap": "logits", "bucket": "all", **m})

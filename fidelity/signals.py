@@ -124,6 +124,22 @@ def attribute_signals(sig: pd.DataFrame, arm_sets: dict[str, frozenset], toggles
     return pd.DataFrame(rows, columns=["signal", "where", "toggle", "method", "value", "lo", "hi"])
 
 
+def direct_effects(pair_sig: pd.DataFrame, arm_sets: dict[str, frozenset], base: frozenset,
+                   n_boot: int, seed: int) -> pd.DataFrame:
+    """Effect of toggle t measured directly between the arms base + t and base (signals of
+    one against the other, e.g. KLD(engine ‖ engine + bug)): no difference of two noisy
+    distances to golden. Rows like attribute_signals' with method `vs_base`."""
+    rows = []
+    for (arm, s, w), grp in pair_sig.groupby(["arm", "signal", "where"], sort=False):
+        extra = arm_sets.get(arm, frozenset()) - base
+        if len(extra) != 1 or not base < arm_sets[arm]:
+            continue
+        m, lo, hi = bootstrap_mean_ci(grp.sort_values("prompt").value.to_numpy(float), n_boot, seed)
+        rows.append({"signal": s, "where": w, "toggle": next(iter(extra)), "method": "vs_base",
+                     "value": m, "lo": lo, "hi": hi})
+    return pd.DataFrame(rows, columns=["signal", "where", "toggle", "method", "value", "lo", "hi"])
+
+
 def verdict(attr: pd.DataFrame, floors: pd.DataFrame) -> tuple[dict, pd.DataFrame]:
     """Name every toggle whose interval, for some signal and method, lies wholly above that
     signal's highest floor; the culprit is the one clearing by the largest factor."""

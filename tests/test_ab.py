@@ -194,3 +194,20 @@ def test_builtin_prompts_with_a_tokenizer_are_exact_length_haystacks():
     text = tok.decode(ps[0].tokens.tolist())
     assert "special magic" in text
     assert not torch.equal(ps[0].tokens, ps[1].tokens)
+
+
+def test_check_gate_relative_to_floors_by_default(small_report):
+    """No threshold given: each arm against the report's worst floor (KLD <= 3x, recall and
+    expert agreement >= floor - 0.05). The engine arm passes, engine + the planted bug
+    fails on KLD; the floors pass themselves."""
+    out, res = small_report
+    cmd = [sys.executable, "-m", "fidelity.cli", "check", str(out / "run1")]
+    ok = subprocess.run(cmd + ["--arm", "engine"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    floors = subprocess.run(cmd + ["--arm", "floor:exact", "--arm", "floor:tie-order"],
+                            capture_output=True, text=True)
+    assert floors.returncode == 0, floors.stdout
+    bad = subprocess.run(cmd + ["--arm", "engine,routed_scaling_double"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "kld_mean" in bad.stdout and "x worst floor" in bad.stdout
+    s = res["summary"].set_index("arm")
+    assert s.loc["engine,routed_scaling_double", "kld_mean"] > 3 * s.loc[list(s.index[:3]), "kld_mean"].max()

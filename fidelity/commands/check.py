@@ -4,7 +4,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-HELP = "Check a saved `fidelity ab` report against thresholds; exit 1 if any arm fails."
+HELP = ("Check a saved `fidelity ab` report; exit 1 if any arm fails. Default: thresholds "
+        "relative to the report's noise floors; absolute thresholds on request.")
+
+# relative checks: summary column -> ("max": <= k x worst floor, "min": >= worst floor - margin)
+RELATIVE = {"kld_mean": "max", "kld_p99": "max", "answer_kld": "max",
+            "topk_recall_min": "min", "expert_same_min": "min"}
 
 # option -> (summary column, "max" or "min")
 CHECKS = {
@@ -24,6 +29,11 @@ def add_arguments(p):
     p.add_argument("--min-same-top1", type=float, help="min same-top-1 rate")
     p.add_argument("--min-topk-recall", type=float,
                    help="min indexer top-k recall vs golden (any CSA layer, prefill)")
+    p.add_argument("--kld-x-floor", type=float, default=None, metavar="K",
+                   help="relative gate: KLD mean / p99 / at the answer <= K x the worst floor's "
+                        "(default 3; on by default when no absolute threshold is given)")
+    p.add_argument("--recall-margin", type=float, default=0.05, metavar="M",
+                   help="relative gate: top-k recall and expert agreement >= worst floor's - M")
 
 
 def run(args) -> int:
@@ -42,11 +52,16 @@ def run(args) -> int:
               file=sys.stderr)
         return 2
     thresholds = {k: getattr(args, k) for k in CHECKS if getattr(args, k) is not None}
-    if not thresholds and args.min_topk_recall is None:
-        print("error: give at least one threshold (--max-kld, --max-kld-p99, --max-decode-kld, "
-              "--min-same-top1, --min-topk-recall)", file=sys.stderr)
-        return 2
+    absolute = bool(thresholds) or args.min_topk_recall is not None
     failures = []
+    if args.kld_x_floor is not None or not absolute:
+        k = 3.0 if args.kld_x_floor is None else args.kld_x_floor
+        rel = _relative_failures(summary, arms, k, args.recall_margin)
+        if rel is None:
+            print(f"error: {summary_csv} has no floor rows (floor:...) to be relative to; "
+                  "give absolute thresholds", file=sys.stderr)
+            return 2
+        failures += rel
     for arm in arms:
         row = summary[summary.arm == arm].iloc[0]
         for opt, limit in thresholds.items():
@@ -67,3 +82,26 @@ def run(args) -> int:
         print("FAIL", f)
     print(f"{len(arms)} arm(s) checked, {len(failures)} failure(s)")
     return 1 if failures else 0
+
+
+def _relative_failures(summary, arms, k: float, margin: float) -> list[str] | None:
+    """Each RELATIVE column against the worst floor arm in the report: KLDs at most k times
+    the largest floor value, agreement rates at least the smallest floor value minus margin."""
+    floors = summary[summary.arm.astype(str).str.startswith("floor:")]
+    if floors.empty:
+        return None
+    out = []
+    for col, kind in RELATIVE.items():
+        if col not in summary or floors[col].isna().all():
+            continue
+        if kind == "max":
+            limit = k * float(floors[col].max())
+        else:
+            limit = float(floors[col].min()) - margin
+        for arm in arms:
+            v = float(summary[summary.arm == arm].iloc[0][col])
+            if (kind == "max" and v > limit) or (kind == "min" and v < limit):
+                rel = f"{k:g} x worst floor" if kind == "max" else f"worst floor - {margin:g}"
+                out.append(f"{arm}: {col} = {v:.4g} {'>' if kind == 'max' else '<'} "
+                           f"{limit:.4g} ({rel})")
+    return out
