@@ -76,14 +76,13 @@ def builtin_prompts(cfg, lengths, per_length: int, seed: int, tokenizer=None) ->
 
 def _haystack_ids(tokenizer, length: int, depth: float, seed: int) -> tuple[list[int], tuple[int, ...]]:
     """Token ids of an exact-length haystack and the positions of the needle value's tokens."""
-    from needle.haystack import HaystackSpec, LocalCounter, PromptFormat, build_prompt
+    from needle.haystack import (HaystackSpec, LocalCounter, PromptFormat, build_prompt,
+                                 value_token_positions)
     p = build_prompt(HaystackSpec(), PromptFormat(), LocalCounter(tokenizer), length, depth, seed)
     ids, offsets = tokenizer.encode_with_offsets(p.text)
     if len(ids) != length:
         raise ValueError(f"could not build a {length}-token haystack (got {len(ids)})")
-    needle = tuple(j for j, (a, b) in enumerate(offsets)
-                   if any(a < e and b > s for s, e in p.value_spans))
-    return ids, needle
+    return ids, tuple(value_token_positions(offsets, p.value_spans))
 
 
 def _toggle_api():
@@ -181,8 +180,8 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
     floor_vals = outcomes[outcomes.arm == FLOOR].sort_values("prompt").kld.to_numpy()
     fmean, flo, fhi = bootstrap_mean_ci(floor_vals, settings.n_boot, settings.seed)
     needle = pd.DataFrame(res.needle)
-    sig = S.with_longest(S.prompt_signals(drift, kld, needle, cfg.window_size),
-                         {p.id: p.group for p in prompts}, longest)
+    groups = {p.id: p.group for p in prompts}
+    sig = S.with_longest(S.prompt_signals(drift, kld, needle, cfg.window_size), groups, longest)
     sig_summary = S.signal_summary(sig, settings.n_boot, settings.seed)
     floors = S.floor_levels(sig_summary, list(FLOORS))
     base_set = frozenset(_toggle_api().ToggleSet.parse(settings.base).names)
@@ -190,7 +189,7 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
     pair_df, pair_kld = pd.DataFrame(res.pairs), pd.DataFrame(res.pair_kld)
     if len(pair_kld):
         pair_sig = S.with_longest(S.prompt_signals(pair_df, pair_kld, None, cfg.window_size),
-                                  {p.id: p.group for p in prompts}, longest)
+                                  groups, longest)
         vs_set = frozenset(label_sets[settings.vs].names)
         sig_attr = pd.concat([sig_attr, S.direct_effects(pair_sig, sets, vs_set, settings.n_boot,
                                                          settings.seed)], ignore_index=True)

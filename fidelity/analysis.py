@@ -8,7 +8,6 @@ import pandas as pd
 # Order of the taps inside one layer, as the forward produces them.
 TAP_ORDER = ("hc_attn.comb", "attn.kv", "attn.index.topk", "attn.out", "hc_ffn.comb",
              "ffn.router.experts", "ffn.out", "out")
-TENSOR_TAPS = ("hc_attn.comb", "attn.kv", "attn.out", "hc_ffn.comb", "ffn.out", "out")
 # taps first divergence walks through (the final logits count as the layer after the last)
 DIVERGENCE_TAPS = TAP_ORDER + ("logits",)
 KEYS = ["prompt", "phase", "step", "layer", "tap", "bucket"]

@@ -66,8 +66,9 @@ def one_at_a_time(names, value) -> dict[str, float]:
     return {i: value(frozenset({i})) - base for i in names}
 
 
-def leave_one_out(names, value) -> dict[str, float]:
-    full = frozenset(names)
+def leave_one_out(names, value, full=None) -> dict[str, float]:
+    """v(full) - v(full minus i) for each i in names (full defaults to all names)."""
+    full = frozenset(names) if full is None else full
     top = value(full)
     return {i: top - value(full - {i}) for i in names}
 
@@ -87,7 +88,7 @@ def attribute(names: list[str], per_prompt: Mapping[frozenset, np.ndarray], n_bo
         methods["one_at_a_time"] = lambda v: one_at_a_time(oat, v)
     loo = [i for i in names if full - {i} in arrays]
     if full in arrays and loo:
-        methods["leave_one_out"] = lambda v: {i: v(full) - v(full - {i}) for i in loo}
+        methods["leave_one_out"] = lambda v: leave_one_out(loo, v, full)
     if len(names) <= 6 and all(frozenset(s) in arrays for r in range(len(names) + 1)
                                for s in itertools.combinations(names, r)):
         methods["shapley"] = lambda v: shapley_exact(names, v)

@@ -4,7 +4,8 @@ Syntax (also the value of DSV4_FIDELITY_ARM): comma-separated toggles, each opti
 with parameters, e.g. `index_keys_fp8,splitk_decode(splits=8)`; positional values are
 allowed in declaration order (`splitk_decode(8)`). `golden` (or empty) is the empty arm,
 `engine` all optimizations, `engine:sglang` / `engine:vllm` the engine's default numerics
-from engine_profiles.json, and `engine-x-y` (ASCII minus) the engine arm without x and y. Printing gives one canonical spelling: toggles in registry
+from engine_profiles.json, and `engine-x-y` (ASCII minus) the engine arm without x and y.
+Printing gives one canonical spelling: toggles in registry
 order, parameters in declaration order, parameters at their default left out."""
 from __future__ import annotations
 
@@ -289,7 +290,7 @@ def engine(name: str | None = None) -> ToggleSet:
     taken: set[str] = set()
     out = []
     opts = R.all_toggles("optimization")
-    subsumed = {n for t in opts for n in t.subsumes}
+    subsumed = R.subsumed_by(t.name for t in opts)
     for t in opts:
         if (t.group and t.group in taken) or t.name in subsumed:
             continue

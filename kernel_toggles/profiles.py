@@ -83,7 +83,7 @@ def default_arm(engine: str):
         e = per[engine]
         if e["default"] is True:
             items[name] = e["params"]
-    subsumed = {n for name in items for n in R.get(name).subsumes}
+    subsumed = R.subsumed_by(items)
     return ToggleSet((n, p) for n, p in items.items() if n not in subsumed)
 
 

@@ -240,14 +240,18 @@ def toggle(name: str, *, kernel: str | None = None, kernels: tuple[str, ...] | N
         if not doc:
             raise ToggleError(f"toggle {name}: give a description (or a docstring)")
         prov = provenance or Provenance(engines=("custom",))
-        old = _REGISTRY.get(name)
         _counter[0] += 1
         _REGISTRY[name] = Toggle(name=name, kernels=ks, category=category, description=doc,
                                  provenance=prov, params=ps, factory=factory, group=group,
                                  phase=phase, wraps=wr, subsumes=tuple(subsumes), builtin=_builtin,
-                                 order=old.order if old else _counter[0])
+                                 order=prev.order if prev else _counter[0])
         return fn
     return deco
+
+
+def subsumed_by(names) -> set[str]:
+    """Toggles that one of `names` already includes (see `toggle(subsumes=...)`)."""
+    return {n for name in names for n in get(name).subsumes}
 
 
 def unregister(name: str) -> None:

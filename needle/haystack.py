@@ -257,6 +257,11 @@ class _Builder:
                       depth_chars=round(depth_chars, 6))
 
 
+def value_token_positions(offsets, value_spans) -> list[int]:
+    """Indices of the tokens (char offsets [a, b)) that overlap a needle value's char span."""
+    return [j for j, (a, b) in enumerate(offsets) if any(a < e and b > s for s, e in value_spans)]
+
+
 def build_prompt(spec: HaystackSpec, fmt: PromptFormat, counter: Counter, target_tokens: int,
                  depth: float, seed: int) -> Prompt:
     """The prompt with `target_tokens` tokens exactly (by `counter`), needle at `depth` %.

@@ -21,10 +21,11 @@ import time
 import torch
 
 from fidelity.arms import as_arm
+from fidelity.lockstep import needle_entries
 from reference_model import Model, Taps
 from reference_model.generate import generate
 
-from .haystack import LocalCounter, Prompt
+from .haystack import LocalCounter, Prompt, value_token_positions
 
 _COMPUTE = threading.Lock()          # one model computation at a time on this machine
 
@@ -83,8 +84,7 @@ class InProcessRunner:
     def run(self, prompt: Prompt, seed: int) -> dict:
         tok, cfg = self.target.tokenizer, self.target.cfg
         ids, offsets = tok.encode_with_offsets(prompt.text)
-        value_tok = [j for j, (a, b) in enumerate(offsets)
-                     if any(a < e and b > s for s, e in prompt.value_spans)]
+        value_tok = value_token_positions(offsets, prompt.value_spans)
         taps = Taps(["layers.*.attn.index.topk"])
         self._scores.clear()
 
@@ -119,8 +119,7 @@ def mechanism(cfg, taps: Taps, scores: list[torch.Tensor], value_tok: list[int],
     if len(layers) != len(scores):
         raise RuntimeError(f"recorded {len(scores)} index_scores calls for {len(layers)} CSA layers")
     visible = (pos + 1) // 4
-    own = {t // 4 for t in value_tok}
-    held = sorted(j for j in own | {j + 1 for j in own} if j < visible)
+    held = needle_entries(value_tok, pos)
     in_window = any(t > pos - cfg.window_size for t in value_tok)
     out = []
     for i, s in zip(layers, scores):
