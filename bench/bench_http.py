@@ -7,8 +7,8 @@
                (an idealised concurrent server: should scale as c / delay until the
                client saturates) and with no delay (client-bound);
   serve        `fidelity serve` (golden, tiny model, 1-token answers): latency and
-               throughput at concurrency 1 and 4 -- one generation at a time, so
-               concurrency only queues.
+               throughput at concurrency 1 and 4 -- one model computes, so
+               concurrency only shares its steps (bench_serve_load.py measures that).
 
 All traffic is loopback. Writes bench/results/http.md.
 

@@ -18,6 +18,7 @@ class ArmError(ValueError):
 class Arm:
     name: str                                   # canonical spelling, e.g. "golden"
     make_numerics: Callable[..., object]        # profile -> reference_model.Numerics
+    toggles: tuple[str, ...] = ()               # each toggle's spelling, with its parameters
 
     def numerics(self, profile: str = "reference"):
         return self.make_numerics(profile)
@@ -49,7 +50,7 @@ def parse_arm(text: str | None) -> Arm:
         ts = ts_cls.parse(text)
     except ValueError as e:
         raise ArmError(str(e)) from None
-    return Arm(str(ts), ts.numerics)
+    return Arm(str(ts), ts.numerics, tuple(str(t) for t in ts))
 
 
 def as_arm(x) -> Arm:

@@ -1,6 +1,9 @@
 """Token generation on the golden model: prefill, then one-token decode steps, greedy or
-sampled (temperature / top-p with a per-request seed), with optional logprobs. Shared by
-`fidelity serve` and the in-process needle runner so both decode the same way."""
+sampled (temperature / top-p / top-k with a per-request seed, optional logit bias), with
+optional logprobs of the prompt and of the output. `Decoder` runs one forward per `step()`
+so a server can interleave requests and drop a cancelled one between steps; `generate()`
+runs a Decoder to the end. Shared by `fidelity serve` and the in-process needle runner so
+both decode the same way."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,42 +12,194 @@ from typing import Callable
 import torch
 
 from .model import Model, SequenceState
+from .taps import Taps
+
+
+@dataclass
+class TokenScore:
+    """One position's scores, from the raw distribution (before temperature, bias and
+    truncation: engines' `raw_logprobs`). rank = 1 + number of ids with a higher logprob."""
+    token: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]            # the k most likely ids, descending
+    ids: list[tuple[int, float]]            # requested ids, in the order asked
 
 
 @dataclass
 class Generation:
     tokens: list[int]                       # generated ids (stop id not included)
-    finish_reason: str                      # "stop" (eos / stop id) or "length"
-    logprobs: list[float] = field(default_factory=list)          # of each generated token
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    prompt_logprobs: list[float | None] | None = None            # echo: per prompt token
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    finish_reason: str                      # "stop" (eos / stop id / stop string) or "length"
+    scores: list[TokenScore] = field(default_factory=list)        # per token, + the stop token
+    prompt_scores: list[TokenScore | None] | None = None          # from Scoring.prompt_from on
     stop_token: int | None = None
+    taps: Taps | None = None                # captures of every forward (prompt, then tokens)
+
+    @property
+    def logprobs(self) -> list[float]:
+        return [s.logprob for s in self.scores[:len(self.tokens)]]
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]]]:
+        return [s.top for s in self.scores[:len(self.tokens)]]
+
+    @property
+    def prompt_logprobs(self) -> list[float | None] | None:
+        return None if self.prompt_scores is None else [
+            None if s is None else s.logprob for s in self.prompt_scores]
+
+    @property
+    def prompt_top_logprobs(self):
+        return None if self.prompt_scores is None else [
+            None if s is None else s.top for s in self.prompt_scores]
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0                # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1                         # -1 or 0 = off
+    seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)   # added before sampling
+
+
+@dataclass
+class Scoring:
+    """What to score. `top` = None: no output logprobs; k >= 0: each token's logprob and
+    the top k. `prompt_top` = None: no prompt scores; k >= 0: every prompt position from
+    `prompt_from` (>= 1: position 0 has nothing predicting it) with the top k. `ids` are
+    scored at every scored position."""
+    top: int | None = None
+    prompt_top: int | None = None
+    prompt_from: int = 1
+    ids: tuple[int, ...] = ()
 
 
 Prefill = Callable[[Model, torch.Tensor, bool], tuple[torch.Tensor, SequenceState]]
+ROWS_PER_CHUNK = 256                        # prompt rows turned into log-probs at a time
 
 
-def default_prefill(model: Model, ids: torch.Tensor, all_logits: bool):
+def default_prefill(model: Model, ids: torch.Tensor, all_logits: bool, taps: Taps | None = None):
     """Run the prompt; logits of the last position ([1, V]) or of every position."""
-    return model.extend(ids, None, "all" if all_logits else "last")
+    return model.extend(ids, None, "all" if all_logits else "last", taps)
 
 
-def _top(logp: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    v, i = torch.topk(logp, k)
-    return [(int(a), float(b)) for a, b in zip(i, v)]
+def _score_row(lp: torch.Tensor, token: int, k: int, ids) -> TokenScore:
+    v = float(lp[token])
+    top = []
+    if k:
+        tv, ti = torch.topk(lp, min(k, lp.numel()))
+        top = [(int(a), float(b)) for a, b in zip(ti, tv)]
+    return TokenScore(token, v, 1 + int((lp > v).sum()), top, [(int(i), float(lp[i])) for i in ids])
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> int:
-    if temperature <= 0:
+def score_prompt(logits: torch.Tensor, ids: torch.Tensor, k: int, start: int = 1,
+                 score_ids=()) -> list[TokenScore | None]:
+    """Scores of prompt tokens start..n-1 (row j-1 of `logits` predicts token j), None for
+    position 0 when start is 0. Log-softmax in float64, a chunk of rows at a time, so a long
+    prompt never holds [n, V] doubles."""
+    n = len(ids)
+    out: list[TokenScore | None] = [None] if start == 0 else []
+    first = max(start, 1)
+    for a in range(first, n, ROWS_PER_CHUNK):
+        b = min(a + ROWS_PER_CHUNK, n)
+        lp = torch.log_softmax(logits[a - 1:b - 1].double(), -1)
+        out += [_score_row(lp[j - a], int(ids[j]), k, score_ids) for j in range(a, b)]
+    return out
+
+
+def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:
+    if s.logit_bias:
+        logits = logits.clone()
+        for i, b in s.logit_bias.items():
+            logits[i] += b
+    if s.temperature <= 0:
         return int(torch.argmax(logits))
-    p = torch.softmax(logits.double() / temperature, -1)
-    if top_p < 1.0:
+    p = torch.softmax(logits.double() / s.temperature, -1)
+    if 0 < s.top_k < p.numel():
+        kth = torch.topk(p, s.top_k).values[-1]
+        p = torch.where(p >= kth, p, torch.zeros_like(p))
+        p = p / p.sum()
+    if s.top_p < 1.0:
         sp, si = torch.sort(p, descending=True)
-        keep = (sp.cumsum(0) - sp) < top_p           # smallest prefix with mass >= top_p
+        keep = (sp.cumsum(0) - sp) < s.top_p           # smallest prefix with mass >= top_p
         keep[0] = True
         p = torch.zeros_like(p).scatter(0, si[keep], sp[keep])
     return int(torch.multinomial(p, 1, generator=gen))
+
+
+class Decoder:
+    """One request's generation, one forward per step(): the first step runs the prompt,
+    each later step one new token. `done` is set when a stop id, a stop condition, the
+    token budget or the model's context length ends it."""
+
+    def __init__(self, model: Model, prompt_ids, max_tokens: int, sampling: Sampling | None = None,
+                 stop_ids=(), scoring: Scoring | None = None, prefill: Prefill = default_prefill,
+                 should_stop: Callable[[list[int]], bool] | None = None, capture=None):
+        if max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
+        self.model, self.max_tokens = model, max_tokens
+        self.ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)
+        self.sampling = sampling or Sampling()
+        self.scoring = scoring or Scoring()
+        self.stop_ids, self.prefill, self.should_stop = set(stop_ids), prefill, should_stop
+        s = self.sampling
+        self.gen = torch.Generator().manual_seed(int(s.seed)) if s.seed is not None else None
+        if self.gen is None and s.temperature > 0:
+            self.gen = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
+        self.taps = Taps(list(capture)) if capture else None
+        self.out = Generation([], "length", taps=self.taps)
+        self.state: SequenceState | None = None
+        self.steps = 0
+        self.done = False
+
+    def step(self) -> int | None:
+        """Run one forward and pick the next token; returns it (None when none was added)."""
+        if self.done:
+            return None
+        if self.state is None:
+            logits = self._prefill()
+        else:
+            logits, self.state = self.model.extend(torch.tensor([self.out.tokens[-1]]), self.state,
+                                                   "last", self.taps)
+        self.steps += 1
+        if len(self.out.tokens) >= self.max_tokens:           # max_tokens 0: prompt only
+            self.done = True
+            return None
+        return self._choose(logits[-1])
+
+    def _prefill(self) -> torch.Tensor:
+        sc = self.scoring
+        want_all = sc.prompt_top is not None
+        if self.taps is not None:
+            logits, self.state = self.prefill(self.model, self.ids, want_all, self.taps)
+        else:
+            logits, self.state = self.prefill(self.model, self.ids, want_all)
+        if want_all:
+            self.out.prompt_scores = score_prompt(logits, self.ids, sc.prompt_top,
+                                                  sc.prompt_from, sc.ids)
+            logits = logits[-1:]
+        return logits
+
+    def _choose(self, step: torch.Tensor) -> int | None:
+        out, sc = self.out, self.scoring
+        tok = _pick(step, self.sampling, self.gen)
+        if sc.top is not None:
+            out.scores.append(_score_row(torch.log_softmax(step.double(), -1), tok, sc.top, sc.ids))
+        if tok in self.stop_ids:
+            out.finish_reason, out.stop_token, self.done = "stop", tok, True
+            return None
+        out.tokens.append(tok)
+        if self.should_stop is not None and self.should_stop(out.tokens):
+            out.finish_reason, self.done = "stop", True
+        elif len(out.tokens) >= self.max_tokens or self.state.pos + 1 > self.model.cfg.max_seq_len:
+            self.done = True
+        return tok
+
+    def run(self) -> Generation:
+        while not self.done:
+            self.step()
+        return self.out
 
 
 def generate(model: Model, prompt_ids, max_tokens: int, temperature: float = 0.0,
@@ -52,41 +207,8 @@ def generate(model: Model, prompt_ids, max_tokens: int, temperature: float = 0.0
              echo_logprobs: bool = False, prefill: Prefill = default_prefill,
              should_stop: Callable[[list[int]], bool] | None = None) -> Generation:
     """Generate up to `max_tokens` tokens after `prompt_ids`. `logprobs=k` returns each
-    token's logprob (raw, before temperature: engines' `raw_logprobs`) and the top-k;
-    `echo_logprobs` also scores the prompt. `should_stop(tokens)` ends early (stop strings)."""
-    ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)
-    if max_tokens < 0:
-        raise ValueError("max_tokens must be >= 0")
-    stop_ids = set(stop_ids)
-    gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
-    if gen is None and temperature > 0:
-        gen = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
-    logits, state = prefill(model, ids, echo_logprobs)
-    out = Generation([], "length")
-    k = logprobs or 0
-    if echo_logprobs:
-        lp = torch.log_softmax(logits.double(), -1)
-        out.prompt_logprobs = [None] + [float(lp[j, ids[j + 1]]) for j in range(len(ids) - 1)]
-        out.prompt_top_logprobs = [None] + [_top(lp[j], k) if k else [] for j in range(len(ids) - 1)]
-        logits = logits[-1:]
-    step = logits[-1]
-    while len(out.tokens) < max_tokens:
-        tok = _pick(step, temperature, top_p, gen)
-        if tok in stop_ids:
-            out.finish_reason, out.stop_token = "stop", tok
-            break
-        if logprobs is not None:
-            lp = torch.log_softmax(step.double(), -1)
-            out.logprobs.append(float(lp[tok]))
-            out.top_logprobs.append(_top(lp, k) if k else [])
-        out.tokens.append(tok)
-        if should_stop is not None and should_stop(out.tokens):
-            out.finish_reason = "stop"
-            break
-        if len(out.tokens) >= max_tokens:
-            break
-        if state.pos + 1 > model.cfg.max_seq_len:
-            break
-        lg, state = model.extend(torch.tensor([tok]), state, "last")
-        step = lg[-1]
-    return out
+    token's logprob (raw, before temperature) and the top-k; `echo_logprobs` also scores
+    the prompt. `should_stop(tokens)` ends early (stop strings)."""
+    scoring = Scoring(top=logprobs, prompt_top=(logprobs or 0) if echo_logprobs else None, prompt_from=0)
+    return Decoder(model, prompt_ids, max_tokens, Sampling(temperature, top_p, seed=seed), stop_ids,
+                   scoring, prefill, should_stop).run()

@@ -60,14 +60,17 @@ def _cat(a, b):
 
 class Model:
     def __init__(self, weights: WeightSource, numerics: Numerics | None = None,
-                 chunk_tokens: int = 2048, attn_budget: int = 1 << 25):
+                 chunk_tokens: int = 2048, attn_budget: int = 1 << 25,
+                 weight_cache: dict | None = None):
         self.cfg = weights.cfg
         self.weights = weights
         self.nx = numerics or Numerics("reference")
         self.chunk_tokens = chunk_tokens           # tokens per layer pass (chunked prefill)
         self.attn_budget = attn_budget             # max elements gathered per attention step
         self._inv_cache: dict = {}
-        self._wcache: dict = {}                    # resident weights, converted once
+        # resident weights, converted once; models of several arms over one checkpoint may
+        # share it (keyed by compute dtype, so arms with another dtype get their own copy)
+        self._wcache: dict = {} if weight_cache is None else weight_cache
 
     def _weights(self, i: int | None) -> dict:
         """Layer i's weights (None = globals) in the compute dtype. Globals and resident
@@ -76,11 +79,11 @@ class Model:
         src = self.weights.global_weights() if i is None else self.weights.layer_weights(i)
         if i is not None and not getattr(self.weights, "resident", False):
             return src
-        if i not in self._wcache:
-            cd = self.nx.cd
-            self._wcache[i] = {k: v.to(cd) if v.is_floating_point() and k != "embed.weight" else v
-                               for k, v in src.items()}          # embed: rows are gathered
-        return self._wcache[i]
+        cd = self.nx.cd
+        if (i, cd) not in self._wcache:
+            self._wcache[i, cd] = {k: v.to(cd) if v.is_floating_point() and k != "embed.weight" else v
+                                   for k, v in src.items()}      # embed: rows are gathered
+        return self._wcache[i, cd]
 
     # ---- public API ---------------------------------------------------------------------
     def new_state(self) -> SequenceState:

@@ -1,41 +1,68 @@
-"""`fidelity serve`: the reference model (any arm) as an OpenAI-compatible HTTP server."""
+"""`fidelity serve`: the reference model (one or more arms) as a stand-in engine speaking
+OpenAI's, vLLM's and SGLang's HTTP APIs."""
 from __future__ import annotations
 
 import sys
 
-HELP = "Serve the reference model under an arm ($DSV4_FIDELITY_ARM) over an OpenAI-compatible API."
+HELP = ("Serve the reference model under one or more arms over OpenAI-, vLLM- and "
+        "SGLang-compatible HTTP APIs.")
 
 
 def add_arguments(p):
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--arm", default=None,
-                   help="arm to serve (default: $DSV4_FIDELITY_ARM, unset = golden)")
+    p.add_argument("--arm", action="append", default=[], metavar="[NAME=]ARM",
+                   help="arm to serve (repeatable; default: $DSV4_FIDELITY_ARM, unset = golden). "
+                        "With several, each is a model named NAME (default: its arm spelling) "
+                        "chosen by the request's `model`; the weights are loaded once")
     p.add_argument("--checkpoint", default=None,
                    help="DeepSeek-native checkpoint directory (default: the embedded model)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: shipped/checkpoint's)")
-    p.add_argument("--model-name", default=None, help="model id reported by /v1/models")
+    p.add_argument("--model-name", default=None,
+                   help="model id of a single unnamed arm (default: the checkpoint's name)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests in the server at once (running + waiting); more get 429 "
+                        "with Retry-After (default 256)")
+    p.add_argument("--time-slice", type=float, default=1.0, metavar="SECONDS",
+                   help="compute a request may use before waiting requests get their turn "
+                        "(a forward is never split; 0 = one forward per turn; default 1.0)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="largest logprobs / prompt_logprobs / top_logprobs a request may ask "
+                        "for, -1 = the vocabulary (vLLM's --max-logprobs; default 20)")
     p.add_argument("--log-level", default="warning")
 
 
 def run(args) -> int:
     from fidelity.arms import ArmError, arm_from_env, parse_arm
-    from fidelity.server import Engine, create_app
+    from fidelity.serve import Engine, create_app, parse_arm_options
     from fidelity.target import load_target
 
     try:
-        arm = parse_arm(args.arm) if args.arm is not None else arm_from_env()
-    except ArmError as e:
+        if args.arm:
+            arms = [(name, parse_arm(spec)) for name, spec in parse_arm_options(args.arm)]
+        else:
+            arms = [(None, arm_from_env())]
+    except (ArmError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.max_queue < 1 or args.max_logprobs < -1 or args.time_slice < 0:
+        print("error: --max-queue must be >= 1, --max-logprobs >= -1, --time-slice >= 0",
+              file=sys.stderr)
         return 2
     import uvicorn
 
     target = load_target(args.checkpoint, args.tokenizer)
-    engine = Engine(target, arm, args.model_name)
+    try:
+        engine = Engine(target, arms, args.model_name, args.max_queue, args.max_logprobs,
+                        args.time_slice)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: binding {args.host}: the server has no authentication", file=sys.stderr)
-    print(f"fidelity serve: model {engine.name} ({target.description}), arm {arm.name}, "
-          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    served = ", ".join(f"{s.id} = arm {s.arm.name}" for s in engine.arms.values())
+    print(f"fidelity serve: {target.description}; models: {served}; http://{args.host}:{args.port}",
+          file=sys.stderr, flush=True)
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False)
     return 0

@@ -1,0 +1,192 @@
+"""What the server serves: one checkpoint and tokenizer, one or more arms over it (each a
+Model sharing the converted weights, selected by the request's `model`), and the
+scheduler that runs every request's steps. Also turns a chat request into prompt ids and
+a finished request's taps into the engines' capture layout."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from dataclasses import dataclass
+
+import torch
+
+from reference_model import Model
+from reference_model.generate import Decoder, Sampling, Scoring
+from reference_model.tokenizer import TokenizerError
+
+from .errors import ApiError, model_not_found
+from .fields import Fields
+from .scheduler import Job, Scheduler
+
+INDEXER_TAP = "layers.*.attn.index.topk"
+EXPERTS_TAP = "layers.*.ffn.router.experts"
+CONTENT_ROLES = ("system", "developer", "user")
+
+
+@dataclass
+class ServedArm:
+    id: str                     # the `model` a request names
+    arm: object                 # fidelity.arms.Arm
+    model: Model
+
+
+def parse_arm_options(values: list[str]) -> list[tuple[str | None, str]]:
+    """`--arm` values: 'NAME=ARM' (served as model NAME) or a bare 'ARM'. A toggle's own
+    parameters look like 'splitk_decode(splits=8)', so '=' counts only before any '('."""
+    out = []
+    for v in values:
+        head = v.split("(", 1)[0]
+        if "=" in head:
+            name, arm = v.split("=", 1)
+            if not name.strip():
+                raise ValueError(f"--arm {v!r}: empty name before '='")
+            out.append((name.strip(), arm))
+        else:
+            out.append((None, v))
+    return out
+
+
+class Engine:
+    def __init__(self, target, arms: list[tuple[str | None, object]], model_name: str | None = None,
+                 max_jobs: int = 256, max_logprobs: int = 20, time_slice: float = 1.0):
+        if not arms:
+            raise ValueError("no arm to serve")
+        self.target, self.tok = target, target.tokenizer
+        self.cfg = target.cfg
+        self.vocab = self.cfg.vocab_size
+        self.max_model_len = self.cfg.max_seq_len
+        self.max_logprobs = self.vocab if max_logprobs == -1 else max_logprobs
+        self.model_name = model_name or target.name
+        cache: dict = {}
+        self.arms: dict[str, ServedArm] = {}
+        for name, arm in arms:
+            sid = name or (self.model_name if len(arms) == 1 else arm.name)
+            if sid in self.arms:
+                raise ValueError(f"two arms are served as model {sid!r}; name them with NAME=ARM")
+            self.arms[sid] = ServedArm(sid, arm, Model(target.weights, arm.numerics(), weight_cache=cache))
+        self.default = next(iter(self.arms.values()))
+        self.scheduler = Scheduler(max_jobs, time_slice)
+        self.created = int(time.time())
+        self.csa_layers = [i for i, r in enumerate(self.cfg.compress_ratios) if r == 4]
+
+    # ---- requests -----------------------------------------------------------------------
+    def resolve(self, name) -> ServedArm:
+        if name is None:
+            return self.default
+        if not isinstance(name, str) or name not in self.arms:
+            raise model_not_found(name)
+        return self.arms[name]
+
+    def check_len(self, n_prompt: int, max_tokens: int) -> None:
+        if n_prompt == 0:
+            raise ApiError("prompt is empty", "prompt")
+        if n_prompt + max_tokens > self.max_model_len:
+            raise ApiError(f"this model's maximum context length is {self.max_model_len} tokens; "
+                           f"the request has {n_prompt} prompt tokens and asks for {max_tokens} "
+                           "new tokens", "max_tokens")
+
+    def submit(self, served: ServedArm, ids: list[int], max_tokens: int, sampling: Sampling,
+               scoring: Scoring | None = None, stop: list[str] = (), ignore_eos: bool = False,
+               capture=(), stop_ids=()) -> Job:
+        """Queue a generation; its Job reports tokens and completion (Busy when full)."""
+        self.check_len(len(ids), max_tokens)
+        stop = list(stop)
+
+        def should_stop(toks):
+            return any(s in self.tok.decode(toks) for s in stop)
+
+        dec = Decoder(served.model, ids, max_tokens, sampling,
+                      set(stop_ids) | (set() if ignore_eos else {self.tok.eos_id}), scoring,
+                      should_stop=should_stop if stop else None, capture=capture)
+        job = Job(dec, asyncio.get_running_loop())
+        self.scheduler.submit(job)
+        return job
+
+    def prompt_ids(self, prompt, field: str = "prompt") -> list[int]:
+        """A string, a list of token ids, or a one-element list of either."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tok.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool)
+                                                       for i in prompt):
+            return Fields({field: prompt}).ids(field, self.vocab)
+        raise ApiError(f"{field} must be a string, a list of token ids, or a one-element list of "
+                       "either (one prompt per request)", field)
+
+    def chat_prompt(self, body: dict) -> tuple[str, bool]:
+        """The chat's prompt text in DeepSeek-V4's encoding, and whether thinking is on."""
+        f = Fields(body)
+        kw = body.get("chat_template_kwargs") or {}
+        if not isinstance(kw, dict):
+            raise ApiError("chat_template_kwargs must be an object", "chat_template_kwargs")
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise ApiError("messages must be a non-empty list of messages", "messages")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise ApiError(f"messages[{i}] must be an object", "messages")
+            if m.get("role") in CONTENT_ROLES and m.get("content") is None:
+                raise ApiError(f"messages[{i}] ({m.get('role')}) has no content", "messages")
+            if m.get("role") == "assistant" and m.get("content") is None and not m.get("tool_calls"):
+                raise ApiError(f"messages[{i}] (assistant) has neither content nor tool_calls",
+                               "messages")
+        thinking = kw.get("thinking", kw.get("enable_thinking"))
+        th = body.get("thinking")                       # DeepSeek API style {"type": "enabled"}
+        if thinking is None and isinstance(th, dict):
+            thinking = th.get("type") == "enabled"
+        thinking = bool(thinking)
+        effort = f.string("reasoning_effort", kw.get("reasoning_effort"))
+        add_gen = f.flag("add_generation_prompt", True)
+        try:
+            text = self.tok.render_chat(msgs, thinking, effort, add_gen).text
+        except TokenizerError as e:
+            raise ApiError(str(e), "messages") from None
+        return text, thinking
+
+    # ---- captures -----------------------------------------------------------------------
+    def captures(self, taps, indexer: bool, experts: bool, experts_from: int = 0) -> dict:
+        """SGLang's meta_info captures from the request's own forward: base64 little-endian
+        int32; indexer_topk (rows, CSA layers, index_topk) padded with -1, routed_experts
+        (rows, layers, experts per token); one row per forwarded token."""
+        out = {}
+        if indexer:
+            t = torch.stack([taps[f"layers.{i}.attn.index.topk"] for i in self.csa_layers], 1)
+            out["indexer_topk"] = _b64_int32(t)
+        if experts:
+            t = torch.stack([taps[f"layers.{i}.ffn.router.experts"] for i in range(self.cfg.n_layers)], 1)
+            out["routed_experts"] = _b64_int32(t[experts_from:])
+        return out
+
+    # ---- info ---------------------------------------------------------------------------
+    def model_cards(self) -> list[dict]:
+        return [{"id": s.id, "object": "model", "created": self.created, "owned_by": "dsv4-fidelity",
+                 "root": self.model_name, "max_model_len": self.max_model_len, "arm": s.arm.name}
+                for s in self.arms.values()]
+
+    def model_info(self) -> dict:
+        """SGLang's /get_model_info, plus the shape facts a client needs to read captures."""
+        c = self.cfg
+        return {"model_path": self.target.description, "tokenizer_path": self.tok.name,
+                "is_generation": True, "architecture": "DeepseekV4ForCausalLM",
+                "served_model_names": list(self.arms), "vocab_size": c.vocab_size,
+                "num_hidden_layers": c.n_layers, "compress_ratios": list(c.compress_ratios),
+                "indexer_layers": self.csa_layers, "index_topk": c.index_topk,
+                "n_routed_experts": c.n_routed_experts, "num_experts_per_tok": c.n_activated_experts,
+                "max_model_len": self.max_model_len}
+
+    def server_info(self, version: str) -> dict:
+        return {"version": version, "engine": "fidelity serve", "model": self.model_name,
+                "model_path": self.target.description, "max_model_len": self.max_model_len,
+                "max_logprobs": self.max_logprobs,
+                "arms": {s.id: {"arm": s.arm.name, "toggles": list(s.arm.toggles),
+                                "profile": getattr(s.model.nx, "profile", None),
+                                "compute_dtype": str(getattr(s.model.nx, "cd", ""))}
+                         for s in self.arms.values()},
+                "logprobs": "raw (before temperature, bias and truncation)",
+                "scheduler": self.scheduler.snapshot()}
+
+
+def _b64_int32(t: torch.Tensor) -> str:
+    return base64.b64encode(t.to(torch.int32).numpy().astype("<i4").tobytes()).decode("ascii")

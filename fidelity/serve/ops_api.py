@@ -1,0 +1,73 @@
+"""Routes around generation, in both engines' shapes: /tokenize and /v1/tokenize (`prompt`
+or `text`, or `messages` rendered as for a chat completion: vLLM's and SGLang's request
+fields), /detokenize, /version (vLLM), /health, /health_generate (a real one-token
+generation, as SGLang's), /get_server_info and /get_model_info (SGLang; also without the
+`get_` prefix)."""
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from reference_model.generate import Sampling
+
+from .engine import Engine
+from .errors import ApiError
+from .fields import Fields, read_json
+from .scheduler import Busy, wait_done
+
+HEALTH_GENERATE_TIMEOUT_S = 60.0
+
+
+class OpsRoutes:
+    def __init__(self, engine: Engine, version: str):
+        self.e, self.tok, self.version = engine, engine.tok, version
+
+    async def tokenize(self, request: Request):
+        body = await read_json(request)
+        f = Fields(body)
+        if "messages" in body:
+            text, _ = self.e.chat_prompt(body)
+        else:
+            text = f.string("prompt", None)
+            text = f.string("text", None) if text is None else text
+            if text is None:
+                raise ApiError("give prompt (or text), a string, or messages", "prompt")
+        ids = self.tok.encode(text)
+        out = {"count": len(ids), "max_model_len": self.e.max_model_len, "tokens": ids}
+        if f.flag("return_token_strs"):
+            out["token_strs"] = self.tok.token_strs(ids)
+        return out
+
+    async def detokenize(self, request: Request):
+        body = await read_json(request)
+        ids = Fields(body).ids("tokens", self.e.vocab)
+        if "tokens" not in body:
+            raise ApiError("tokens (a list of token ids) is required", "tokens")
+        return {"prompt": self.tok.decode(ids, skip_special_tokens=False)}
+
+    async def health_generate(self, request: Request):
+        """200 once a one-token greedy generation from input_ids [0] finishes, 503 if the
+        server is full or it does not finish in time (SGLang's readiness probe)."""
+        try:
+            job = self.e.submit(self.e.default, [0], 1, Sampling(0.0))
+            await asyncio.wait_for(wait_done(job, request.is_disconnected), HEALTH_GENERATE_TIMEOUT_S)
+        except (Busy, asyncio.TimeoutError):
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return {"status": "ok"}
+
+    def router(self) -> APIRouter:
+        r = APIRouter()
+        for path in ("/tokenize", "/v1/tokenize"):
+            r.add_api_route(path, self.tokenize, methods=["POST"])
+        for path in ("/detokenize", "/v1/detokenize"):
+            r.add_api_route(path, self.detokenize, methods=["POST"])
+        r.add_api_route("/version", lambda: {"version": self.version}, methods=["GET"])
+        r.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
+        r.add_api_route("/health_generate", self.health_generate, methods=["GET"])
+        for path in ("/get_server_info", "/server_info"):
+            r.add_api_route(path, lambda: self.e.server_info(self.version), methods=["GET"])
+        for path in ("/get_model_info", "/model_info"):
+            r.add_api_route(path, self.e.model_info, methods=["GET"])
+        return r
