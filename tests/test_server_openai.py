@@ -106,8 +106,9 @@ def test_bad_json_and_openai_error(url, client):
     r = httpx.post(url + "/v1/completions", content=b"{nope", timeout=60,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=DEFAULT.name, prompt=[10 ** 6], max_tokens=1)
+    assert "token id 1000000 is out of range" in e.value.message and e.value.param == "prompt"
 
 
 # ---- streaming: the pieces add up to the non-streamed answer ------------------------------
