@@ -3,13 +3,16 @@
 httpx async with bounded concurrency per endpoint, a timeout per attempt, and retries
 with exponential backoff (full jitter) on connection errors, timeouts, dropped
 connections, 5xx, 429 and unparsable 200 bodies -- but not on other 4xx, which are the
-request's fault and would fail again. `content` and `reasoning_content` are kept apart.
+request's fault and would fail again. The start-up requests (model list, /tokenize probe and
+counts, calibration probes) follow the same policy; when they still fail, StartupError says
+which endpoint, route and status. `content` and `reasoning_content` are kept apart.
 Sampling defaults follow DeepSeek's recommendation (temperature 1.0, top_p 1.0). The API
 key is read from an environment variable at request time and goes only into the
 Authorization header: never into rows, logs or error messages."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import time
@@ -22,6 +25,7 @@ from .haystack import Prompt
 
 
 SHARD = 8                                    # connections per httpx client (see aopen)
+log = logging.getLogger(__name__)
 
 
 class RequestFailed(Exception):
@@ -29,6 +33,15 @@ class RequestFailed(Exception):
                  retry_after: float | None = None):
         super().__init__(message)
         self.retryable, self.status, self.retry_after = retryable, status, retry_after
+
+
+class StartupError(RequestFailed, ValueError):
+    """A start-up request that failed for good: a 4xx (or an answer that cannot be used),
+    or a retryable failure after every retry (`exhausted`). A ValueError so that the
+    `fidelity needle` command reports it as one line, without a traceback."""
+    def __init__(self, message: str, cause: RequestFailed, attempts: int):
+        super().__init__(message, False, cause.status)
+        self.exhausted, self.attempts = cause.retryable, attempts
 
 
 @dataclass
@@ -63,6 +76,39 @@ def redact_url(url: str) -> str:
     return urlunsplit((p.scheme, host, p.path, p.query, ""))
 
 
+def check_status(r: httpx.Response) -> None:
+    """RequestFailed for an error status: retryable for 429 and 5xx (with Retry-After in
+    seconds when given), not for other 4xx."""
+    if r.status_code == 429 or r.status_code >= 500:
+        ra = r.headers.get("retry-after")
+        try:
+            ra = float(ra) if ra is not None else None
+        except ValueError:
+            ra = None
+        raise RequestFailed(f"HTTP {r.status_code}: {r.text[:200]}", True, r.status_code, ra)
+    if r.status_code >= 400:
+        raise RequestFailed(f"HTTP {r.status_code}: {r.text[:300]}", False, r.status_code)
+
+
+def transport_failure(e: httpx.HTTPError) -> RequestFailed:
+    """A request that got no usable response: always retryable."""
+    if isinstance(e, httpx.TimeoutException):
+        return RequestFailed(f"timeout ({type(e).__name__})", True)
+    if isinstance(e, httpx.TransportError):
+        return RequestFailed(f"connection error ({type(e).__name__}: {e})", True)
+    return RequestFailed(f"HTTP error ({type(e).__name__}: {e})", True)   # e.g. undecodable body
+
+
+def backoff_delay(policy: RetryPolicy, attempts: int, retry_after: float | None) -> float:
+    """Seconds to wait after failed attempt number `attempts`: full jitter under a ceiling
+    doubling from policy.backoff, at least Retry-After, at most policy.backoff_max."""
+    cap = min(policy.backoff_max, policy.backoff * 2 ** (attempts - 1))
+    delay = random.uniform(0, cap)
+    if retry_after is not None:
+        delay = min(policy.backoff_max, max(delay, retry_after))
+    return delay
+
+
 def split_base(url: str) -> tuple[str, str]:
     """(server root, OpenAI base ending in /v1) from either form."""
     u = url.rstrip("/")
@@ -87,6 +133,8 @@ class HttpRunner:
         self._clients: list[httpx.AsyncClient] = []
         self._load: list[int] = []
         self._sem: asyncio.Semaphore | None = None
+        self.startup_retries = 0                 # start-up requests retried (also logged)
+        self.startup_errors: list[str] = []      # what they failed with
 
     # ---- plumbing -----------------------------------------------------------------------
     def headers(self) -> dict:
@@ -105,18 +153,57 @@ class HttpRunner:
                 "model": self.model, "sampling": self.sampling.to_dict(),
                 "concurrency": self.concurrency}
 
+    def startup_request(self, client: httpx.Client, method: str, url: str, parse,
+                        json: dict | None = None, hint: str = ""):
+        """parse(response) of one start-up request, under the same retry policy as the
+        trials (parse raises RequestFailed for an answer it cannot use, retryable or not).
+        Retries are counted in startup_retries and logged; a final failure is a
+        StartupError naming the endpoint, the method and route, and the status."""
+        route = urlsplit(url).path
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                try:
+                    r = client.request(method, url, json=json)
+                except httpx.HTTPError as e:
+                    raise transport_failure(e) from None
+                check_status(r)
+                return parse(r)
+            except RequestFailed as e:
+                if not e.retryable or attempts > self.policy.retries:
+                    why = (f"failed after {attempts} attempt{'s' * (attempts > 1)}" if e.retryable
+                           else "failed" + (" (not retried)" if attempts == 1 else
+                                            f" on attempt {attempts}"))
+                    raise StartupError(f"endpoint {self.name!r} ({redact_url(self.root)}): "
+                                       f"{method} {route} {why}: {e}"
+                                       + (f"; {hint}" if hint and not e.retryable else ""),
+                                       e, attempts) from None
+                delay = backoff_delay(self.policy, attempts, e.retry_after)
+                self.startup_retries += 1
+                self.startup_errors.append(f"{method} {route}: {e}")
+                log.warning("endpoint %r: %s %s: %s; retry %d/%d in %.2fs", self.name, method,
+                            route, e, attempts, self.policy.retries, delay)
+                time.sleep(delay)
+
     def discover_model(self) -> str:
         """The served model id (first of /v1/models) unless one was given."""
         if self.model:
             return self.model
-        with httpx.Client(timeout=self.timeout(), headers=self.headers()) as c:
+
+        def first_id(r: httpx.Response) -> str:
             try:
-                r = c.get(self.v1 + "/models")
-                r.raise_for_status()
-                self.model = r.json()["data"][0]["id"]
-            except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-                raise RequestFailed(f"{self.name}: cannot list models at {redact_url(self.v1)}/models "
-                                    f"({type(e).__name__}); pass a model name", False) from None
+                data = r.json()
+            except ValueError:
+                raise RequestFailed(f"malformed response body: {r.text[:120]!r}", True, r.status_code) from None
+            try:
+                return str(data["data"][0]["id"])
+            except (KeyError, IndexError, TypeError):
+                raise RequestFailed(f"no model listed: {r.text[:120]!r}", False, r.status_code) from None
+
+        with httpx.Client(timeout=self.timeout(), headers=self.headers()) as c:
+            self.model = self.startup_request(c, "GET", self.v1 + "/models", first_id,
+                                              hint="pass a model name (--model)")
         return self.model
 
     async def aopen(self):
@@ -168,31 +255,12 @@ class HttpRunner:
         self._load[i] += 1
         try:
             r = await self._clients[i].post(self.v1 + path, json=body, headers=self.headers())
-        except httpx.TimeoutException as e:
-            raise RequestFailed(f"timeout ({type(e).__name__})", True) from None
-        except httpx.TransportError as e:
-            raise RequestFailed(f"connection error ({type(e).__name__}: {e})", True) from None
-        except httpx.HTTPError as e:                   # e.g. a body that cannot be decoded
-            raise RequestFailed(f"HTTP error ({type(e).__name__}: {e})", True) from None
+        except httpx.HTTPError as e:
+            raise transport_failure(e) from None
         finally:
             self._load[i] -= 1
-        if r.status_code == 429 or r.status_code >= 500:
-            ra = r.headers.get("retry-after")
-            try:
-                ra = float(ra) if ra is not None else None
-            except ValueError:
-                ra = None
-            raise RequestFailed(f"HTTP {r.status_code}: {r.text[:200]}", True, r.status_code, ra)
-        if r.status_code >= 400:
-            raise RequestFailed(f"HTTP {r.status_code}: {r.text[:300]}", False, r.status_code)
-        try:
-            data = r.json()
-            choice = data["choices"][0]
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise RequestFailed(f"malformed response body: {r.text[:120]!r}", True, r.status_code) from None
-        if not isinstance(choice, dict):
-            raise RequestFailed("malformed response: choice is not an object", True, r.status_code)
-        return data
+        check_status(r)
+        return completion_body(r)
 
     async def arun(self, prompt: Prompt, seed: int) -> dict:
         body = self.body(prompt, seed)
@@ -210,11 +278,7 @@ class HttpRunner:
                     if not e.retryable or attempts > self.policy.retries:
                         return {"error": str(e), "error_status": e.status, "attempts": attempts,
                                 "errors": errors, "latency_s": time.perf_counter() - t0}
-                    cap = min(self.policy.backoff_max, self.policy.backoff * 2 ** (attempts - 1))
-                    delay = random.uniform(0, cap)
-                    if e.retry_after is not None:
-                        delay = min(self.policy.backoff_max, max(delay, e.retry_after))
-                    await asyncio.sleep(delay)
+                    await asyncio.sleep(backoff_delay(self.policy, attempts, e.retry_after))
         return self._row(data, attempts, errors, time.perf_counter() - t0)
 
     def _row(self, data: dict, attempts: int, errors: list, latency: float) -> dict:
@@ -238,6 +302,26 @@ class HttpRunner:
         return make_http_counter(self)
 
 
+def completion_body(r: httpx.Response) -> dict:
+    """The JSON of a 2xx completion answer; an unusable body is retryable."""
+    try:
+        data = r.json()
+        choice = data["choices"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise RequestFailed(f"malformed response body: {r.text[:120]!r}", True, r.status_code) from None
+    if not isinstance(choice, dict):
+        raise RequestFailed("malformed response: choice is not an object", True, r.status_code)
+    return data
+
+
+def _token_count(r: httpx.Response) -> int:
+    try:
+        d = r.json()
+        return int(d["count"]) if "count" in d else len(d["tokens"])
+    except (ValueError, KeyError, TypeError):
+        raise RequestFailed(f"malformed response body: {r.text[:120]!r}", True, r.status_code) from None
+
+
 class TokenizeCounter:
     """Exact counts from the server's /tokenize (vLLM/SGLang shape: {"count", "tokens"}).
     Chat mode sends `messages` (vLLM applies the chat template); a server that refuses
@@ -254,10 +338,8 @@ class TokenizeCounter:
         self.c.close()
 
     def _tok(self, body: dict) -> int:
-        r = self.c.post(self.r.root + self.path, json={"model": self.r.model, **body})
-        r.raise_for_status()
-        d = r.json()
-        return int(d["count"]) if "count" in d else len(d["tokens"])
+        return self.r.startup_request(self.c, "POST", self.r.root + self.path, _token_count,
+                                      json={"model": self.r.model, **body})
 
     def count(self, prompt: Prompt) -> int:
         if self.r.api == "completions":
@@ -266,7 +348,7 @@ class TokenizeCounter:
             try:
                 return self._tok({"messages": prompt.messages(), "add_generation_prompt": True,
                                   "chat_template_kwargs": self.r.template_kwargs(prompt.fmt.thinking)})
-            except (httpx.HTTPError, KeyError, ValueError):
+            except StartupError:                     # e.g. 400: messages not accepted
                 self.overhead = _probe_usage(self.r, prompt) - self._tok({"prompt": prompt.user})
                 self.source += "+chat-overhead"
         return self._tok({"prompt": prompt.user}) + self.overhead
@@ -293,27 +375,52 @@ class CalibratedCounter:
 
 
 def _probe_usage(runner: HttpRunner, prompt: Prompt) -> int:
-    """usage.prompt_tokens of a 1-token request."""
+    """usage.prompt_tokens of a 1-token request (retried like a trial)."""
     path = "/chat/completions" if runner.api == "chat" else "/completions"
     body = runner.body(prompt, 0)
     body["max_tokens"] = 1
+
+    def prompt_tokens(r: httpx.Response) -> int:
+        data = completion_body(r)
+        try:
+            return int(data["usage"]["prompt_tokens"])
+        except (KeyError, TypeError, ValueError):
+            raise RequestFailed("no usage.prompt_tokens in the answer (needed to calibrate "
+                                "prompt lengths on a server without /tokenize)", False,
+                                r.status_code) from None
+
     with httpx.Client(timeout=runner.timeout(), headers=runner.headers()) as c:
-        r = c.post(runner.v1 + path, json=body)
-        r.raise_for_status()
-        return int(r.json()["usage"]["prompt_tokens"])
+        return runner.startup_request(c, "POST", runner.v1 + path, prompt_tokens, json=body)
+
+
+def _is_tokenize(r: httpx.Response) -> bool:
+    try:
+        d = r.json()
+    except ValueError:                             # e.g. a catch-all HTML page
+        return False
+    return isinstance(d, dict) and ("count" in d or "tokens" in d)
 
 
 def make_http_counter(runner: HttpRunner):
     """TokenizeCounter if the server has /tokenize (or /v1/tokenize), else a
-    CalibratedCounter (calibrated later by the sweep, which knows the haystack)."""
+    CalibratedCounter (calibrated later by the sweep, which knows the haystack).
+    A 4xx (404: no such route) or a 2xx of another shape means no tokenize there;
+    connection errors, timeouts, 5xx and 429 are retried, then are an error."""
     runner.discover_model()
     client = httpx.Client(timeout=runner.timeout(), headers=runner.headers())
-    for path in ("/tokenize", "/v1/tokenize"):
-        try:
-            r = client.post(runner.root + path, json={"model": runner.model, "prompt": "hello"})
-            if r.status_code == 200 and ("count" in r.json() or "tokens" in r.json()):
+    try:
+        for path in ("/tokenize", "/v1/tokenize"):
+            try:
+                ok = runner.startup_request(client, "POST", runner.root + path, _is_tokenize,
+                                            json={"model": runner.model, "prompt": "hello"})
+            except StartupError as e:
+                if e.exhausted:
+                    raise
+                continue
+            if ok:
                 return TokenizeCounter(runner, path, client)
-        except (httpx.HTTPError, ValueError):
-            continue
+    except BaseException:
+        client.close()
+        raise
     client.close()
     return CalibratedCounter(runner)

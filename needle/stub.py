@@ -4,10 +4,12 @@ benchmarking HTTP clients without a model.
 It answers a needle question by reading the needle back out of the prompt (so a client's
 whole path -- request, parsing, scoring -- is exercised with known outcomes); a fixed
 hash-chosen share of prompts gets a wrong number. Faults are consumed one per generation
-request, in order: "500", "429", "400", "malformed" (200 with a broken JSON body),
-"drop" (connection closed without a response), "timeout" (no answer for `hang` seconds),
-"ok". Written on raw asyncio streams so that drops and half-answers are real.
-Loopback only."""
+request, in order: an HTTP status ("500", "502", "429", "400", ...: that status with an
+error body), "malformed" (200 with a broken JSON body), "drop" (connection closed without
+a response), "timeout" (no answer for `hang` seconds), "ok". `models_faults` and
+`tokenize_faults` do the same, one per GET /v1/models and per POST /tokenize (either
+path), so that start-up requests can misbehave too. Written on raw asyncio streams so that
+drops and half-answers are real. Loopback only."""
 from __future__ import annotations
 
 import asyncio
@@ -21,12 +23,15 @@ _Q = re.compile(r"special magic \w+ for ([a-z]+-[a-z]+) mentioned")
 
 class StubServer:
     def __init__(self, faults=(), delay: float = 0.0, hang: float = 5.0, wrong_every: int = 3,
-                 tokenizer=None, tokenize: bool = True):
+                 tokenizer=None, tokenize: bool = True, models_faults=(), tokenize_faults=()):
         self.faults = list(faults)
+        self.models_faults, self.tokenize_faults = list(models_faults), list(tokenize_faults)
         self.has_tokenize = tokenize            # False: /tokenize is 404 (like OpenAI's API)
         self.delay, self.hang, self.wrong_every = delay, hang, wrong_every
         self.tok = tokenizer
         self.requests = 0                     # generation requests received
+        self.models_requests = 0              # GET /v1/models received
+        self.tokenize_requests = 0            # POST /tokenize or /v1/tokenize received
         self.auth_sha256: set[str] = set()    # hashes of Authorization headers seen
         self.port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -77,8 +82,9 @@ class StubServer:
     # ---- HTTP ---------------------------------------------------------------------------
     @staticmethod
     def _response(status: int, body: bytes, ctype="application/json") -> bytes:
-        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests",
-                  500: "Internal Server Error"}.get(status, "X")
+        reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+                  429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway",
+                  503: "Service Unavailable"}.get(status, "X")
         return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
@@ -101,32 +107,38 @@ class StubServer:
                 if "authorization" in headers:
                     self.auth_sha256.add(hashlib.sha256(headers["authorization"].encode()).hexdigest())
                 status, payload = 200, None
-                if method == "GET" and path.endswith("/models"):
+                models = method == "GET" and path.endswith("/models")
+                tokenize = method == "POST" and path.endswith("/tokenize")
+                generate = method == "POST" and path.endswith("completions")
+                queue = (self.models_faults if models else self.tokenize_faults if tokenize
+                         else self.faults if generate else [])
+                self.models_requests += models
+                self.tokenize_requests += tokenize
+                self.requests += generate
+                fault = queue.pop(0) if queue else "ok"
+                if fault == "drop":
+                    writer.transport.abort()
+                    return
+                if fault == "timeout":
+                    await asyncio.sleep(self.hang)
+                    writer.transport.abort()
+                    return
+                if fault == "malformed":
+                    writer.write(self._response(200, b'{"choices": [{"message": '))
+                    await writer.drain()
+                    continue
+                if fault.isdigit():
+                    status, payload = int(fault), {"error": {"message": f"injected {fault}"}}
+                elif models:
                     payload = {"object": "list", "data": [{"id": "stub", "object": "model"}]}
                 elif method == "GET" and path == "/health":
                     payload = {"status": "ok"}
-                elif method == "POST" and path.endswith("/tokenize") and self.has_tokenize:
+                elif tokenize and self.has_tokenize:
                     payload = self._tokenize(json.loads(raw or b"{}"))
-                elif method == "POST" and path.endswith("completions"):
-                    self.requests += 1
-                    fault = self.faults.pop(0) if self.faults else "ok"
-                    if fault == "drop":
-                        writer.transport.abort()
-                        return
-                    if fault == "timeout":
-                        await asyncio.sleep(self.hang)
-                        writer.transport.abort()
-                        return
-                    if fault == "malformed":
-                        writer.write(self._response(200, b'{"choices": [{"message": '))
-                        await writer.drain()
-                        continue
-                    if fault in ("500", "429", "400"):
-                        status, payload = int(fault), {"error": {"message": f"injected {fault}"}}
-                    else:
-                        if self.delay:
-                            await asyncio.sleep(self.delay)
-                        payload = self._generate(path, json.loads(raw))
+                elif generate:
+                    if self.delay:
+                        await asyncio.sleep(self.delay)
+                    payload = self._generate(path, json.loads(raw))
                 else:
                     status, payload = 404, {"error": {"message": "not found"}}
                 writer.write(self._response(status, json.dumps(payload).encode()))

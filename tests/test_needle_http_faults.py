@@ -1,13 +1,16 @@
 """HTTP runner against a local misbehaving server: 500s, 429, timeouts, malformed JSON and
 dropped connections are retried and, when retries run out, counted as server errors --
-never as recall misses; 4xx is not retried; the API key is sent but never written."""
+never as recall misses; 4xx is not retried; the API key is sent but never written.
+Start-up requests (model list, /tokenize probe, calibration probes) are retried the same
+way and, when retries run out, fail with one clear line naming endpoint, route and status."""
 import asyncio
 import hashlib
+import logging
 
 import pytest
 
 from needle.haystack import HaystackSpec, PromptFormat, build_prompt
-from needle.http import HttpRunner, RetryPolicy, Sampling, redact_url
+from needle.http import HttpRunner, RetryPolicy, Sampling, StartupError, redact_url
 from needle.report import write_report
 from needle.stub import StubServer
 from needle.sweep import SweepConfig, run_sweep
@@ -109,3 +112,89 @@ def test_no_tokenize_endpoint_calibrates_and_reports_residuals(tok, tmp_path):
         assert x["prompt_tokens_reported"] == x["length"] + x["token_residual"]
         assert abs(x["token_residual"]) <= 0.05 * x["length"]
     assert {x["outcome"] for x in rows} == {"correct"}
+
+
+# ---- start-up requests -----------------------------------------------------------------
+SMALL = SweepConfig(lengths=[300], depths=[0, 100])
+
+
+def _retry_logs(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "needle.http"]
+
+
+def test_models_list_5xx_at_startup_is_retried(tok, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="needle.http")
+    with StubServer(models_faults=["500", "500"], tokenizer=tok, wrong_every=0) as s:
+        r = HttpRunner("stub", s.url, policy=RetryPolicy(retries=3, **FAST))
+        rows = run_sweep(SMALL, [r], tmp_path / "r.jsonl", quiet=True)
+        assert s.models_requests == 3                 # two 500s, then the list
+    assert r.model == "stub" and r.startup_retries == 2
+    assert all(e.startswith("GET /v1/models: HTTP 500") for e in r.startup_errors)
+    logs = _retry_logs(caplog)
+    assert len(logs) == 2 and all("GET /v1/models" in m and "HTTP 500" in m for m in logs)
+    assert [x["outcome"] for x in rows] == ["correct", "correct"]
+    assert all(x["exact_length"] for x in rows)
+
+
+def test_calibration_probe_5xx_without_tokenize_is_retried(tok, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="needle.http")
+    # no /tokenize: the two calibration probes are the first generation requests
+    with StubServer(faults=["502", "502", "ok", "502"], tokenizer=tok, tokenize=False,
+                    wrong_every=0) as s:
+        r = HttpRunner("stub", s.url, policy=RetryPolicy(retries=2, **FAST))
+        rows = run_sweep(SMALL, [r], tmp_path / "r.jsonl", quiet=True)
+        assert s.tokenize_requests == 2               # /tokenize and /v1/tokenize: 404, not retried
+        assert s.requests == 5 + 2                    # 2 probes + 3 retries, then the 2 trials
+    assert r.startup_retries == 3
+    assert all(e.startswith("POST /v1/chat/completions: HTTP 502") for e in r.startup_errors)
+    assert len(_retry_logs(caplog)) == 3
+    assert all(x["count_source"].startswith("calibrated:") for x in rows)
+    assert {x["outcome"] for x in rows} == {"correct"}
+    assert all(x["attempts"] == 1 for x in rows)      # the trials themselves saw no fault
+    for x in rows:
+        assert abs(x["token_residual"]) <= 0.05 * x["length"]
+
+
+def test_tokenize_probe_5xx_is_retried_not_taken_for_absent(tok):
+    with StubServer(tokenize_faults=["503", "drop"], tokenizer=tok) as s:
+        r = HttpRunner("stub", s.url, policy=RetryPolicy(retries=2, **FAST))
+        c = r.counter()
+        try:
+            assert c.exact and c.path == "/tokenize" and r.startup_retries == 2
+        finally:
+            c.close()
+
+
+def test_exhausted_calibration_probe_is_a_clear_error(tok, tmp_path):
+    with StubServer(faults=["502"] * 10, tokenizer=tok, tokenize=False) as s:
+        r = HttpRunner("stub", s.url, policy=RetryPolicy(retries=1, **FAST))
+        with pytest.raises(StartupError) as ei:
+            run_sweep(SMALL, [r], tmp_path / "r.jsonl", quiet=True)
+        assert s.requests == 2
+    msg = str(ei.value)
+    assert msg.startswith(f"endpoint 'stub' ({s.url[:-3]}): POST /v1/chat/completions "
+                          "failed after 2 attempts: HTTP 502")
+    assert ei.value.exhausted and ei.value.attempts == 2
+
+
+def test_models_list_4xx_is_not_retried(tok):
+    with StubServer(models_faults=["401"], tokenizer=tok) as s:
+        r = HttpRunner("stub", s.url, policy=RetryPolicy(retries=3, **FAST))
+        with pytest.raises(StartupError, match=r"GET /v1/models failed \(not retried\): HTTP 401.*"
+                                               r"pass a model name"):
+            r.discover_model()
+        assert s.models_requests == 1 and r.startup_retries == 0
+
+
+def test_cli_reports_persistent_startup_5xx_in_one_line(tok, tmp_path, capsys, monkeypatch):
+    from fidelity.cli import main
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")        # no torch import for an endpoint-only run
+    with StubServer(models_faults=["500"] * 20, tokenizer=tok) as s:
+        rc = main(["needle", "--endpoint", f"stub={s.url}", "--lengths", "300", "--depths", "0",
+                   "--retries", "1", "--timeout", "5", "--out", str(tmp_path), "--no-plots",
+                   "--quiet"])
+        assert s.models_requests == 2 and s.requests == 0
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert (f"error: endpoint 'stub' (http://127.0.0.1:{s.port}): GET /v1/models failed after "
+            "2 attempts: HTTP 500") in err
