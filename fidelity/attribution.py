@@ -12,6 +12,7 @@ import math
 from typing import Callable, Iterable, Mapping
 
 import numpy as np
+from scipy import stats
 
 Subset = frozenset
 
@@ -100,6 +101,7 @@ def attribute(names: list[str], per_prompt: Mapping[frozenset, np.ndarray], n_bo
         return {m: f(means.__getitem__) for m, f in methods.items()}
 
     point = evaluate(np.arange(n_prompts))
+    # Paired bootstrap by hand: scipy.stats.bootstrap wants one scalar statistic per call.
     rng = np.random.default_rng(seed)
     boots = [evaluate(rng.integers(0, n_prompts, n_prompts)) for _ in range(n_boot)]
     a = (1 - ci) / 2
@@ -113,8 +115,13 @@ def attribute(names: list[str], per_prompt: Mapping[frozenset, np.ndarray], n_bo
 
 
 def bootstrap_mean_ci(x: Iterable[float], n_boot: int = 1000, seed: int = 0, ci: float = 0.95):
+    """(mean, lo, hi): percentile bootstrap CI of the mean (scipy.stats.bootstrap, n_boot
+    resamples drawn from default_rng(seed)). A single value is its own interval."""
     x = np.asarray(list(x), dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, len(x), (n_boot, len(x)))].mean(1)
-    a = (1 - ci) / 2
-    return float(x.mean()), float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+    if len(x) == 1:                      # scipy needs two observations; every resample is x
+        return float(x[0]), float(x[0]), float(x[0])
+    # random_state (not rng, added in scipy 1.15) keeps the scipy>=1.11 floor working
+    res = stats.bootstrap((x,), np.mean, n_resamples=n_boot, confidence_level=ci,
+                          method="percentile", vectorized=True,
+                          random_state=np.random.default_rng(seed))
+    return float(x.mean()), float(res.confidence_interval.low), float(res.confidence_interval.high)

@@ -104,6 +104,21 @@ def test_bootstrap_mean_ci():
     assert m == 49.5 and lo < 49.5 < hi and hi - lo < 20
 
 
+def test_bootstrap_mean_ci_is_seeded_percentile_bootstrap():
+    # by hand: resample indices from default_rng(seed), take the 2.5% / 97.5% quantiles
+    x = np.random.default_rng(7).normal(size=37)
+    for n_boot, seed, ci in [(1000, 0, 0.95), (301, 5, 0.9)]:
+        idx = np.random.default_rng(seed).integers(0, len(x), (n_boot, len(x)))
+        means = x[idx].mean(1)
+        a = (1 - ci) / 2
+        m, lo, hi = A.bootstrap_mean_ci(x, n_boot, seed, ci)
+        assert m == pytest.approx(x.mean(), rel=1e-12)
+        assert lo == pytest.approx(np.quantile(means, a), rel=1e-12)
+        assert hi == pytest.approx(np.quantile(means, 1 - a), rel=1e-12)
+    assert A.bootstrap_mean_ci([0.25]) == (0.25, 0.25, 0.25)
+    assert A.bootstrap_mean_ci(iter([1.0, 1.0, 1.0])) == (1.0, 1.0, 1.0)
+
+
 def test_span_metrics_equal_metrics_of_slices():
     g = torch.randn(20, 3, 5, dtype=torch.float64)
     a = g + 0.01 * torch.randn(20, 3, 5, dtype=torch.float64)
