@@ -67,14 +67,14 @@ def builtin_prompts(cfg, lengths, per_length: int, seed: int, tokenizer=None) ->
                 toks = torch.randint(2, cfg.vocab_size, (L,), generator=g)
                 needle = ()
             else:
-                ids, needle = _haystack_ids(tokenizer, L, (j + 0.5) / per_length * 100,
+                ids, needle = haystack_ids(tokenizer, L, (j + 0.5) / per_length * 100,
                                             seed * 1_000_003 + L * 101 + j)
                 toks = torch.tensor(ids)
             out.append(Prompt(f"L{L}-{j}", toks, group=f"L{L}", needle_tokens=needle))
     return out
 
 
-def _haystack_ids(tokenizer, length: int, depth: float, seed: int) -> tuple[list[int], tuple[int, ...]]:
+def haystack_ids(tokenizer, length: int, depth: float, seed: int) -> tuple[list[int], tuple[int, ...]]:
     """Token ids of an exact-length haystack and the positions of the needle value's tokens."""
     from needle.haystack import (HaystackSpec, LocalCounter, PromptFormat, build_prompt,
                                  value_token_positions)

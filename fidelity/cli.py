@@ -15,6 +15,7 @@ COMMANDS = {
     "inspect": "inspect",
     "needle": "needle",
     "serve": "serve",
+    "kld": "kld",
 }
 
 

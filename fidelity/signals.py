@@ -25,10 +25,12 @@ SIGNALS = {
     "topk_loss": "1 - indexer top-k recall vs golden (prefill, per CSA layer)",
     "needle_lost": "needle's compressed entry picked by golden at the question but not by the arm",
     "expert_disagree": "1 - fraction of tokens with golden's expert set (per MoE layer)",
+    "top1_disagree": "1 - fraction of prompt positions whose most likely next token is the "
+                     "baseline's (HTTP arms)",
 }
 # smallest floor a ratio is taken against (a floor of exactly 0 would make any change infinite)
 _FLOOR_EPS = {"kld_mean": 1e-6, "kld_p99": 1e-6, "answer_kld": 1e-6, "late_kld_excess": 1e-6,
-              "topk_loss": 1e-3, "needle_lost": 1e-3, "expert_disagree": 1e-3}
+              "topk_loss": 1e-3, "needle_lost": 1e-3, "expert_disagree": 1e-3, "top1_disagree": 1e-3}
 COLUMNS = ["arm", "prompt", "signal", "where", "value"]
 
 

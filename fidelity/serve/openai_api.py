@@ -100,7 +100,8 @@ class OpenAIRoutes:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": served.id}
         if stream:
-            return StreamingResponse(self._stream_completion(job, head, ids, lp, echo, stop, usage_chunk),
+            return StreamingResponse(self._stream_completion(job, head, ids, lp, echo, stop, usage_chunk,
+                                                             f.flag("return_tokens_as_token_ids")),
                                      media_type="text/event-stream")
         await wait_done(job, request.is_disconnected)
         g = job.decoder.out
@@ -110,22 +111,26 @@ class OpenAIRoutes:
                   "finish_reason": g.finish_reason, "stop_reason": None}
         if lp is not None:
             scores = (g.prompt_scores if echo else []) + g.scores[:len(g.tokens)]
-            choice["logprobs"] = self._legacy_logprobs((ids if echo else []) + g.tokens, scores)
+            choice["logprobs"] = self._legacy_logprobs((ids if echo else []) + g.tokens, scores,
+                                                       f.flag("return_tokens_as_token_ids"))
         if plp is not None:
             choice["prompt_logprobs"] = self._vllm_prompt_logprobs(g.prompt_scores)
         if f.flag("return_token_ids"):
             choice["prompt_token_ids"], choice["token_ids"] = list(ids), list(g.tokens)
         return {**head, "choices": [choice], "usage": _usage(len(ids), g)}
 
-    def _legacy_logprobs(self, toks, scores) -> dict:
-        pieces = [self.piece(i) for i in toks]
+    def _legacy_logprobs(self, toks, scores, as_ids: bool = False) -> dict:
+        """OpenAI's legacy shape; vLLM's `return_tokens_as_token_ids` spells every token
+        "token_id:<id>" (texts can collide, ids cannot)."""
+        name = (lambda i: f"token_id:{i}") if as_ids else self.piece
+        pieces = [name(i) for i in toks]
         offs, at = [], 0
         for s in pieces:
             offs.append(at)
             at += len(s)
         return {"tokens": pieces, "token_logprobs": [None if s is None else s.logprob for s in scores],
                 "text_offset": offs,
-                "top_logprobs": [None if s is None else {self.piece(i): v for i, v in s.top}
+                "top_logprobs": [None if s is None else {name(i): v for i, v in s.top}
                                  for s in scores]}
 
     def _vllm_prompt_logprobs(self, scores) -> list:
@@ -142,7 +147,7 @@ class OpenAIRoutes:
             out.append(d)
         return out
 
-    async def _stream_completion(self, job, head, ids, lp, echo, stop, usage_chunk):
+    async def _stream_completion(self, job, head, ids, lp, echo, stop, usage_chunk, as_ids=False):
         text = TextStream(self.tok.decode, stop)
         if echo:
             yield _sse({**head, "choices": [{"index": 0, "text": self.tok.decode(ids, skip_special_tokens=False),
@@ -151,7 +156,8 @@ class OpenAIRoutes:
             delta = text.push(tok)
             choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": None}
             if lp is not None:
-                choice["logprobs"] = self._legacy_logprobs([tok], [job.decoder.out.scores[len(text.ids) - 1]])
+                choice["logprobs"] = self._legacy_logprobs([tok], [job.decoder.out.scores[len(text.ids) - 1]],
+                                                           as_ids)
             yield _sse({**head, "choices": [choice]})
         g = job.decoder.out
         yield _sse({**head, "choices": [{"index": 0, "text": text.finish(), "logprobs": None,

@@ -1,0 +1,162 @@
+"""`fidelity kld`: logit-level A/B of running servers (and in-process arms) over HTTP."""
+from __future__ import annotations
+
+import sys
+import time
+
+HELP = ("KLD of live endpoints (and in-process arms) against a baseline over HTTP: "
+        "llama.cpp-style statistics, decode ladder, captures, attribution and verdict.")
+DEFAULT_LENGTHS = [250, 511, 1023]
+
+
+def _csv(text, typ):
+    return [typ(x) for x in text.split(",") if x.strip()]
+
+
+def _pairs(values, what) -> list[tuple[str, str]]:
+    out = []
+    for v in values:
+        name, sep, rest = v.partition("=")
+        if not sep or not name.strip() or not rest.strip():
+            raise ValueError(f"{what} {v!r}: expected NAME=VALUE")
+        out.append((name.strip(), rest.strip()))
+    return out
+
+
+def add_arguments(p):
+    g = p.add_argument_group("arms")
+    g.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
+                   help="a running server (root or /v1 URL; repeatable)")
+    g.add_argument("--inprocess", action="append", default=[], metavar="NAME=ARM",
+                   help="an arm computed here on the embedded model or --checkpoint, with the "
+                        "whole vocabulary known (exact KL), e.g. golden=golden (repeatable)")
+    g.add_argument("--baseline", default=None,
+                   help="the arm the others are compared with (default: the first --inprocess, "
+                        "else the first --endpoint)")
+    g.add_argument("--dialect", action="append", default=[], metavar="NAME=DIALECT",
+                   help="force an endpoint's dialect: sglang, vllm or openai (default: detected)")
+    g.add_argument("--floor", action="append", default=[], metavar="NAME",
+                   help="an endpoint arm that is a noise floor, not a candidate (repeatable)")
+    g.add_argument("--no-floors", action="store_true",
+                   help="skip the automatic floors (in-process floor arms, or the baseline "
+                        "endpoint scored twice)")
+    g.add_argument("--model", default=None,
+                   help="model name on the endpoints (default: the one named like the arm, "
+                        "else the first listed)")
+    g.add_argument("--checkpoint", default=None, help="weights of in-process arms")
+    g.add_argument("--tokenizer", default=None, help="tokenizer.json the prompts are built with")
+    g = p.add_argument_group("prompts")
+    g.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help="your own prompts: one JSON per line with text, messages or token_ids")
+    g.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
+    g.add_argument("--depths", default="10,50,90")
+    g.add_argument("--reps", type=int, default=1)
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("scoring")
+    g.add_argument("--top-k", type=int, default=20, help="top-k logprobs per position (default 20)")
+    g.add_argument("--steps", type=int, default=8, help="greedy decode ladder length (default 8)")
+    g.add_argument("--exact", action="store_true",
+                   help="arms also score the baseline's own top ids (SGLang token_ids_logprob; "
+                        "vLLM prompt_logprobs -1): the KL bound becomes exact up to the "
+                        "reported uncovered mass")
+    g.add_argument("--exact-k", type=int, default=64)
+    g.add_argument("--no-captures", action="store_true")
+    g.add_argument("--n-boot", type=int, default=1000)
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request attempt")
+    g.add_argument("--retries", type=int, default=4)
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default="reports", help="<out>/kld/scores (resumable), <out>/kld/<run-id>/")
+    g.add_argument("--run-id", default=None)
+    g.add_argument("--fresh", action="store_true", help="discard stored scores instead of resuming")
+    g.add_argument("--quiet", action="store_true")
+
+
+def build_entries(args, target, progress):
+    """ArmEntry list, the baseline first, plus each arm's description for the manifest."""
+    from needle.http import RetryPolicy
+    from fidelity.arms import parse_arm
+    from fidelity.kld.endpoint import Endpoint
+    from fidelity.kld.inprocess import InProcessArm
+    from fidelity.kld.run import ArmEntry
+
+    dialects = dict(_pairs(args.dialect, "--dialect"))
+    policy = RetryPolicy(retries=args.retries, timeout=args.timeout)
+    entries = []
+    for name, spec in _pairs(args.inprocess, "--inprocess"):
+        arm = parse_arm(spec)
+        entries.append(ArmEntry(name, InProcessArm(name, arm.numerics(), target.weights, arm.name),
+                                factors=frozenset({name})))
+    for name, url in _pairs(args.endpoint, "--endpoint"):
+        ep = Endpoint(name, url, dialects.pop(name, None), args.model, policy, target.tokenizer).connect()
+        progress(f"{name}: {ep.describe()['url']} model {ep.model}, dialect {ep.dialect}")
+        entries.append(ArmEntry(name, ep, "floor" if name in args.floor else "arm", frozenset({name})))
+    if dialects:
+        raise ValueError(f"--dialect names no endpoint: {', '.join(dialects)}")
+    if not entries:
+        raise ValueError("give at least two arms (--endpoint and/or --inprocess)")
+    names = [e.name for e in entries]
+    if len(set(names)) != len(names):
+        raise ValueError(f"arm names repeat: {names}")
+    base = args.baseline or (entries[0].name if args.inprocess else
+                             next(e.name for e in entries if e.scorer.kind == "endpoint"))
+    if base not in names:
+        raise ValueError(f"--baseline {base!r} is not an arm ({', '.join(names)})")
+    b = entries.pop(names.index(base))
+    b.role, b.factors = "baseline", frozenset()
+    entries.insert(0, b)
+    if not args.no_floors:
+        entries += auto_floors(b, target)
+    if len([e for e in entries if e.role == "arm"]) < 1:
+        raise ValueError("nothing to compare: give at least one arm besides the baseline")
+    return entries
+
+
+def auto_floors(base, target):
+    """In-process baseline: `fidelity ab`'s floor arms; endpoint baseline: itself again."""
+    from fidelity.ab import floor_arms
+    from fidelity.kld.inprocess import InProcessArm
+    from fidelity.kld.run import ArmEntry
+    if base.scorer.kind == "inprocess":
+        return [ArmEntry(a.name, InProcessArm(a.name, a.numerics, target.weights), "floor")
+                for a in floor_arms()]
+    return [ArmEntry(f"{base.name}~repeat", base.scorer, "floor")]
+
+
+def run(args) -> int:
+    from fidelity.kld.run import KldSettings, run_kld
+    from fidelity.kld.endpoint import EndpointError
+    from fidelity.prompt_sets import PromptFileError, file_prompts, grid_prompts
+    from fidelity.target import load_target
+
+    progress = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        target = load_target(args.checkpoint, args.tokenizer)
+        entries = build_entries(args, target, progress)
+        tok = target.tokenizer
+        if args.prompts:
+            prompts = file_prompts(args.prompts, tok, target.cfg.vocab_size)
+        else:
+            prompts = grid_prompts(tok, _csv(args.lengths, int), _csv(args.depths, float), args.reps,
+                                   args.seed)
+        from fidelity.kld.run import check_tokenizers
+        check_tokenizers(entries, tok, "The quick brown fox: 12345, naïve café. ")
+        if args.fresh:
+            import shutil
+            from pathlib import Path
+            shutil.rmtree(Path(args.out) / "kld" / "scores", ignore_errors=True)
+        s = KldSettings(k=args.top_k, steps=args.steps, exact=args.exact, exact_k=args.exact_k,
+                        captures=not args.no_captures, n_boot=args.n_boot, seed=args.seed)
+        manifest = {"command": " ".join(sys.argv), "baseline": entries[0].name,
+                    "settings": s.__dict__, "tokenizer": tok.name,
+                    "arms": [{**e.scorer.describe(), "name": e.name, "role": e.role,
+                              "factors": sorted(e.factors)} for e in entries],
+                    "servers": {e.name: getattr(e.scorer, "info", None) for e in entries},
+                    "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in prompts]}
+        res = run_kld(entries, prompts, s, args.out, args.run_id or time.strftime("kld-%Y%m%d-%H%M%S"),
+                      manifest, progress)
+    except (ValueError, RuntimeError, EndpointError, PromptFileError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(res["verdict"]["sentence"])
+    print(f"report: {res['path']}")
+    return 0

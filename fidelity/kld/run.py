@@ -1,0 +1,197 @@
+"""Logit-level A/B over HTTP: score every prompt on every arm (resumable), compare each arm
+with the baseline position by position, and judge the arms with the same signals,
+floors, attribution and verdict as `fidelity ab` (fidelity/signals.py).
+
+Floors: when the baseline runs in-process, `fidelity ab`'s three floor arms (exact,
+fp32-accum, tie-order) run in-process too; when it is an endpoint, the baseline is scored
+a second time (`<baseline>~repeat`: the engine's run-to-run noise) and any arm given
+role "floor" counts as well."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from fidelity import signals as S
+
+from .compare import capture_rows, position_rows
+from .dialects import ArmScores, Request
+from .store import ScoreStore, request_key
+
+
+@dataclass
+class KldSettings:
+    k: int = 20                     # top-k per position asked of every endpoint
+    steps: int = 8                  # greedy decode ladder length
+    exact: bool = False             # arms also score the baseline's own top ids
+    exact_k: int = 64               # how many of the baseline's top ids per position (sglang)
+    captures: bool = True           # indexer / expert captures where an endpoint offers them
+    floors: bool = True
+    n_boot: int = 1000
+    seed: int = 0
+
+
+@dataclass
+class ArmEntry:
+    """An arm as the run sees it: the scorer (Endpoint or InProcessArm), its role and the
+    factors attribution credits (toggles, patches; its own name by default)."""
+    name: str
+    scorer: object
+    role: str = "arm"               # baseline | arm | floor
+    factors: frozenset = field(default_factory=frozenset)
+
+
+def _request(s: KldSettings, entry: ArmEntry, base: ArmScores | None) -> Request:
+    r = Request(k=s.k, steps=s.steps, captures=s.captures)
+    if s.exact and base is not None and entry.role != "baseline":
+        if getattr(entry.scorer, "dialect", None) == "sglang":
+            top = set()
+            for kn in base.known + base.ladder:
+                top.update(kn.ids[np.argsort(-kn.logp)[:s.exact_k]].tolist())
+            r.score_ids = tuple(sorted(top))
+        elif getattr(entry.scorer, "dialect", None) == "vllm":
+            r.full_vocab = True
+    return r
+
+
+def score_arm(entry: ArmEntry, prompts, s: KldSettings, store: ScoreStore, baseline: str | None,
+              progress=print) -> int:
+    """Score the prompts this arm has not scored yet; returns how many were scored."""
+    done = 0
+    t0 = time.time()
+    for i, p in enumerate(prompts):
+        ids = p.tokens.tolist()
+        base = None
+        if s.exact and entry.role != "baseline" and baseline is not None:
+            base = store.get(baseline, p.id, request_key(Request(s.k, s.steps, captures=s.captures), ids))
+            if base is None:
+                raise RuntimeError(f"exact mode: the baseline {baseline} has not scored {p.id} yet")
+        req = _request(s, entry, base)
+        key = request_key(req, ids)
+        if store.get(entry.name, p.id, key) is not None:
+            continue
+        store.put(entry.name, p.id, key, entry.scorer.score(ids, req))
+        done += 1
+        el = time.time() - t0
+        progress(f"  {entry.name}: {i + 1}/{len(prompts)} prompts, "
+                 f"eta {el / (i + 1) * (len(prompts) - i - 1):.0f} s")
+    return done
+
+
+def load(entry: ArmEntry, p, s: KldSettings, store: ScoreStore, base: ArmScores | None) -> ArmScores:
+    ids = p.tokens.tolist()
+    got = store.get(entry.name, p.id, request_key(_request(s, entry, base), ids))
+    if got is None:
+        raise RuntimeError(f"{entry.name} has no scores for prompt {p.id}")
+    return got
+
+
+def compare_all(entries: list[ArmEntry], prompts, s: KldSettings, store: ScoreStore,
+                shape: dict | None) -> dict[str, pd.DataFrame]:
+    """Per-position rows, ladder divergence and capture rows of every arm vs the baseline."""
+    base_e = next(e for e in entries if e.role == "baseline")
+    pos, ladder, caps = [], [], []
+    for p in prompts:
+        base = load(base_e, p, s, store, None)
+        for e in entries:
+            if e is base_e:
+                continue
+            a = load(e, p, s, store, base)
+            rows, first = position_rows(base, a)
+            pos += [{"arm": e.name, "prompt": p.id, "group": p.group, **r} for r in rows]
+            ladder.append({"arm": e.name, "prompt": p.id, "group": p.group, "steps": len(a.ladder_tokens),
+                           "first_divergence": first})
+            if shape:
+                caps += [{"arm": e.name, "prompt": p.id, **r} for r in
+                         capture_rows(base, a, shape["indexer_layers"], shape["num_hidden_layers"],
+                                      p.needle_tokens)]
+    return {"positions": pd.DataFrame(pos), "ladder": pd.DataFrame(ladder), "captures": pd.DataFrame(caps)}
+
+
+def http_signals(t: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """The verdict's per-(arm, prompt) signals from HTTP comparisons: KL lower bound mean
+    and p99 over the prompt, KL where the answer is produced (last prompt position and the
+    ladder), top-1 disagreement, and the capture signals per layer."""
+    pos = t["positions"]
+    pre = pos[pos.phase == "prefill"]
+    g = pre.groupby(["arm", "prompt"])
+    parts = [g.kl_lb.mean().rename("kld_mean"), g.kl_lb.quantile(0.99).rename("kld_p99"),
+             (1 - g.same_top1.mean()).rename("top1_disagree")]
+    last = pre.groupby(["arm", "prompt"]).position.transform("max") == pre.position
+    ans = pd.concat([pre[last], pos[pos.phase == "decode"]]).groupby(["arm", "prompt"]).kl_lb.mean()
+    parts.append(ans.rename("answer_kld"))
+    rows = []
+    for ser in parts:
+        for (arm, prompt), v in ser.items():
+            rows.append({"arm": arm, "prompt": prompt, "signal": ser.name, "where": "final logits",
+                         "value": float(v)})
+    caps = t["captures"]
+    for _, r in caps.iterrows():
+        rows.append({"arm": r.arm, "prompt": r.prompt, "signal": r.signal, "where": f"layer {int(r.layer)}",
+                     "value": float(r.value)})
+    return pd.DataFrame(rows, columns=S.COLUMNS)
+
+
+def judge(entries: list[ArmEntry], sig: pd.DataFrame, s: KldSettings) -> dict:
+    """Summary, floors, attribution and verdict, exactly as `fidelity ab` judges its arms."""
+    base = next(e for e in entries if e.role == "baseline")
+    summary = S.signal_summary(sig, s.n_boot, s.seed)
+    floors = S.floor_levels(summary, [e.name for e in entries if e.role == "floor"])
+    sets = {e.name: e.factors for e in entries if e.role == "arm"}
+    factors = sorted(set().union(*sets.values())) if sets else []
+    attr = S.attribute_signals(sig[sig.arm.isin(list(sets))], sets, factors, base.name, s.n_boot, s.seed)
+    verdict, table = S.verdict(attr, floors)
+    return {"summary": summary, "floors": floors, "attribution": table, "verdict": verdict}
+
+
+def check_identity(store: ScoreStore, entry: ArmEntry) -> None:
+    """Scores kept under an arm's name must come from the same server/arm: a relaunched,
+    changed engine under an old name would otherwise be compared from stale files."""
+    import json
+    desc = {k: v for k, v in entry.scorer.describe().items() if k != "dialect"}
+    f = store.root / entry.name / "arm.json"
+    if f.exists():
+        old = json.loads(f.read_text())
+        if old != desc:
+            raise RuntimeError(f"scores stored for arm {entry.name!r} came from {old}, not {desc}; "
+                               "use another name or --fresh")
+    else:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps(desc, sort_keys=True))
+
+
+def check_tokenizers(entries: list[ArmEntry], tokenizer, probe: str) -> None:
+    """Every endpoint with a /tokenize must turn the probe text into our ids: arms fed the
+    same ids but tokenizing differently would be compared on different text."""
+    want = tokenizer.encode(probe)
+    for e in entries:
+        tok = getattr(e.scorer, "tokenize", None)
+        got = tok(probe) if tok else None
+        if got is not None and got != want:
+            j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            raise RuntimeError(f"arm {e.name}'s tokenizer differs from ours ({tokenizer.name}): the "
+                               f"probe text tokenizes to {len(got)} ids vs {len(want)}, first "
+                               f"difference at id {j}; pass --tokenizer with the served model's")
+
+
+def run_kld(entries: list[ArmEntry], prompts, s: KldSettings, out_dir, run_id: str,
+            manifest: dict, progress=print) -> dict:
+    """Score (resuming), compare, judge, report. Entries: the baseline first."""
+    from pathlib import Path
+    from . import report
+    store = ScoreStore(Path(out_dir) / "kld" / "scores")
+    base = next(e for e in entries if e.role == "baseline")
+    for e in [base] + [e for e in entries if e is not base]:
+        check_identity(store, e)
+        n = score_arm(e, prompts, s, store, base.name, progress)
+        progress(f"{e.name}: {n} prompts scored, {len(prompts) - n} reused")
+    shape = next((getattr(e.scorer, "shape", None) for e in entries if getattr(e.scorer, "shape", None)),
+                 None)
+    tables = compare_all(entries, prompts, s, store, shape if s.captures else None)
+    tables["signals"] = http_signals(tables)
+    judged = judge(entries, tables["signals"], s)
+    path = report.write(Path(out_dir) / "kld", run_id, tables, judged, manifest,
+                        [e.name for e in entries if e.role != "baseline"])
+    return {"path": path, **tables, **judged}

@@ -1,0 +1,89 @@
+"""Parsing each engine's scoring response (shapes from research engine-integration.md
+§1.1 / §1.2, written by hand here) into per-position distributions, and the errors that
+name what is wrong: a response shorter than the prompt, a different echoed sequence, no
+prompt logprobs."""
+import numpy as np
+import pytest
+
+from fidelity.kld.dialects import Request, ScoringError, openai_parse, sglang_parse, vllm_parse
+
+IDS = [5, 7, 9]
+REQ = Request(k=2, steps=2)
+
+
+def _sglang(ids=IDS):
+    return {"meta_info": {
+        "input_token_logprobs": [[None, ids[0], None], [-1.0, ids[1], None], [-0.5, ids[2], None]],
+        "input_top_logprobs": [None, [[-0.2, 3, None], [-1.0, 7, None]], [[-0.5, 9, None], [-1.5, 4, None]]],
+        "output_token_logprobs": [[-0.1, 11, None], [-0.3, 12, None]],
+        "output_top_logprobs": [[[-0.1, 11, None], [-2.5, 2, None]], [[-0.3, 12, None], [-1.6, 1, None]]]}}
+
+
+def test_sglang_positions_and_ladder():
+    s = sglang_parse(_sglang(), IDS, REQ)
+    assert len(s.known) == 3 and s.ladder_tokens == [11, 12] and len(s.ladder) == 2
+    k0 = dict(zip(s.known[0].ids.tolist(), s.known[0].logp.tolist()))
+    assert k0 == {3: -0.2, 7: -1.0}                        # predicts token 1 (=7), listed once
+    assert dict(zip(s.known[2].ids.tolist(), s.known[2].logp.tolist())) == {11: -0.1, 2: -2.5}
+    assert s.actual == [-1.0, -0.5, None] and s.known[2] is s.ladder[0]
+
+
+@pytest.mark.parametrize("mutate,frag", [
+    (lambda d: d["meta_info"]["input_token_logprobs"].pop(), "shorter than the prompt"),
+    (lambda d: d["meta_info"]["input_token_logprobs"][1].__setitem__(1, 8), "position 1 is 8, sent 7"),
+    (lambda d: d.pop("meta_info"), "logprob_start_len 0"),
+])
+def test_sglang_errors_name_the_problem(mutate, frag):
+    d = _sglang()
+    mutate(d)
+    with pytest.raises(ScoringError, match=frag):
+        sglang_parse(d, IDS, REQ)
+
+
+def _vllm():
+    return {"choices": [{"prompt_token_ids": IDS, "prompt_logprobs": [
+        None, {"7": {"logprob": -1.0, "rank": 2, "decoded_token": "b"},
+               "3": {"logprob": -0.2, "rank": 1, "decoded_token": "x"}},
+        {"9": {"logprob": -0.5, "rank": 1, "decoded_token": "c"},
+         "4": {"logprob": -1.5, "rank": 2, "decoded_token": "y"}}],
+        "logprobs": {"tokens": ["token_id:11", "token_id:12"], "token_logprobs": [-0.1, -0.3],
+                     "top_logprobs": [{"token_id:11": -0.1, "token_id:2": -2.5},
+                                      {"token_id:12": -0.3, "token_id:1": -1.6}]}}]}
+
+
+def test_vllm_matches_sglang_on_the_same_numbers():
+    a, b = vllm_parse(_vllm(), IDS, REQ), sglang_parse(_sglang(), IDS, REQ)
+    for x, y in zip(a.known + a.ladder, b.known + b.ladder):
+        assert dict(zip(x.ids.tolist(), x.logp.tolist())) == dict(zip(y.ids.tolist(), y.logp.tolist()))
+    assert a.ranks == [2, 1, None] and a.ladder_tokens == b.ladder_tokens
+
+
+def test_vllm_errors():
+    d = _vllm()
+    d["choices"][0]["prompt_logprobs"] = None
+    with pytest.raises(ScoringError, match="shorter than the prompt"):
+        vllm_parse(d, IDS, REQ)
+    d = _vllm()
+    del d["choices"][0]["prompt_logprobs"][1]["7"]
+    with pytest.raises(ScoringError, match="lacks the prompt token 7"):
+        vllm_parse(d, IDS, REQ)
+    d = _vllm()
+    d["choices"][0]["prompt_token_ids"] = [5, 7, 8]
+    with pytest.raises(ScoringError, match="position 2 is 8"):
+        vllm_parse(d, IDS, REQ)
+    with pytest.raises(ScoringError, match="--max-logprobs"):
+        vllm_parse({"choices": [{"text": "x"}]}, IDS, REQ)
+
+
+def test_openai_text_keys_mapped_and_ambiguous_dropped():
+    pieces = {"a": 5, "b": 7, "c": 9, "x": 3, "y": 4, "n": 11, "m": 12}   # "z" is ambiguous: absent
+    d = {"choices": [{"logprobs": {
+        "tokens": ["a", "b", "c", "n", "m"], "token_logprobs": [None, -1.0, -0.5, -0.1, -0.3],
+        "top_logprobs": [None, {"x": -0.2, "b": -1.0}, {"c": -0.5, "z": -1.5}, {"n": -0.1}, {"m": -0.3}]}}]}
+    s = openai_parse(d, IDS, REQ, pieces)
+    assert s.ladder_tokens == [11, 12]
+    assert set(s.known[1].ids.tolist()) == {9}                 # "z" dropped, actual kept
+    assert np.isclose(s.known[0].logp[s.known[0].ids == 3][0], -0.2)
+    with pytest.raises(ScoringError, match="shorter than the prompt"):
+        openai_parse({"choices": [{"logprobs": {"tokens": ["a"], "token_logprobs": [None],
+                                                "top_logprobs": [None]}}]}, IDS, REQ, pieces)
