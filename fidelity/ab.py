@@ -51,6 +51,7 @@ class ABSettings:
     taps: tuple[str, ...] = DEFAULT_TAPS
     keep: tuple[str, ...] = ()
     checkpoint: str = "embedded:tiny-random(seed=0)"
+    prompts_file: str | None = None        # the user's prompts (JSONL) instead of the built-in ones
     command_line: str = field(default_factory=lambda: " ".join(sys.argv))
 
 
@@ -72,6 +73,12 @@ def builtin_prompts(cfg, lengths, per_length: int, seed: int, tokenizer=None) ->
                 toks = torch.tensor(ids)
             out.append(Prompt(f"L{L}-{j}", toks, group=f"L{L}", needle_tokens=needle))
     return out
+
+
+def _all_token_ids(path) -> bool:
+    import json
+    from pathlib import Path
+    return all("token_ids" in json.loads(x) for x in Path(path).read_text().splitlines() if x.strip())
 
 
 def haystack_ids(tokenizer, length: int, depth: float, seed: int) -> tuple[list[int], tuple[int, ...]]:
@@ -140,8 +147,16 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
            progress=print, tokenizer=None) -> dict:
     t_start = time.time()
     cfg = weights.cfg
-    prompts = builtin_prompts(cfg, settings.lengths, settings.prompts_per_length, settings.seed,
-                              tokenizer)
+    if settings.prompts_file:
+        from .prompt_sets import file_prompts
+        if tokenizer is None and not _all_token_ids(settings.prompts_file):
+            raise ValueError("--prompts with text or messages needs a tokenizer")
+        prompts = file_prompts(settings.prompts_file, tokenizer, cfg.vocab_size, group="file")
+        longest = "file"
+    else:
+        prompts = builtin_prompts(cfg, settings.lengths, settings.prompts_per_length, settings.seed,
+                                  tokenizer)
+        longest = f"L{max(settings.lengths)}"
     label_sets, toggles = design(settings)
     pairs = _pairs(settings, label_sets)
     golden = Arm(GOLDEN, Numerics("reference"), frozenset(), role="golden")
@@ -150,7 +165,6 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
     res = _run(weights, arms, prompts, settings, progress, pairs)
 
     sets = {a.name: a.toggles for a in arms if a.role == "arm"}
-    longest = f"L{max(settings.lengths)}"
     outcomes = A.prompt_outcomes(pd.DataFrame(res.kld), group=longest)
     table = A.outcome_matrix(outcomes, sets, GOLDEN)
 
@@ -264,7 +278,7 @@ def _attribution(toggles, top, table, settings) -> pd.DataFrame:
 
 def _per_length_attr(kld, sets, toggles, settings) -> pd.DataFrame:
     rows = []
-    for group in sorted(kld.group.unique(), key=lambda g: int(g[1:])):
+    for group in sorted(kld.group.unique(), key=lambda g: int(g[1:]) if g[1:].isdigit() else 0):
         t = A.outcome_matrix(A.prompt_outcomes(kld, group=group), sets, GOLDEN)
         for r in attribute(toggles, t, max(200, settings.n_boot // 5), settings.seed):
             if r["method"] != "shapley":

@@ -29,7 +29,9 @@ def grid_prompts(tokenizer, lengths, depths, reps: int, seed: int) -> list[Promp
     return out
 
 
-def file_prompts(path: str | Path, tokenizer, vocab_size: int) -> list[Prompt]:
+def file_prompts(path: str | Path, tokenizer, vocab_size: int, group: str | None = None) -> list[Prompt]:
+    """The file's prompts; each one's group is its kind (text / messages / token_ids)
+    unless `group` names one for all."""
     p = Path(path)
     if not p.is_file():
         raise PromptFileError(f"prompts file not found: {p}")
@@ -70,7 +72,7 @@ def file_prompts(path: str | Path, tokenizer, vocab_size: int) -> list[Prompt]:
         if pid in seen:
             raise PromptFileError(f"{where}: duplicate id {pid!r}")
         seen.add(pid)
-        out.append(Prompt(pid, torch.tensor(ids), group=kind))
+        out.append(Prompt(pid, torch.tensor(ids), group=group or kind))
     if not out:
         raise PromptFileError(f"{p}: no prompts")
     return out

@@ -26,6 +26,9 @@ def add_arguments(p):
                    help="long-context preset: lengths 250,511,2047 (each CSA layer then picks "
                         "index_topk among up to 32x as many entries on the tiny model)")
     p.add_argument("--prompts-per-length", type=int, default=3)
+    p.add_argument("--prompts", metavar="FILE.jsonl",
+                   help="your own prompts instead of the built-in haystacks: one JSON per line "
+                        "with text, messages (chat) or token_ids (same file as fidelity kld)")
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shapley-top", type=int, default=3,
@@ -48,14 +51,15 @@ def run(args) -> int:
     weights, label = load_weights(args.checkpoint)
     tokenizer = load_tokenizer_for(args.checkpoint)
     from fidelity.ab import LONG_LENGTHS
-    if args.long and args.lengths:
-        print("error: give --long or --lengths, not both", file=sys.stderr)
+    if args.long and args.lengths or args.prompts and (args.long or args.lengths):
+        print("error: give one of --long, --lengths, --prompts", file=sys.stderr)
         return 2
     lengths = LONG_LENGTHS if args.long else (args.lengths or ABSettings.lengths)
     settings = ABSettings(arms=args.arms, base=args.base, mode=args.mode, lengths=lengths,
                           prompts_per_length=args.prompts_per_length, decode_steps=args.decode_steps,
                           seed=args.seed, shapley_top=args.shapley_top, n_boot=args.n_boot,
-                          floor_k=args.floor_k, vs=args.vs, keep=tuple(args.keep), checkpoint=label)
+                          floor_k=args.floor_k, vs=args.vs, keep=tuple(args.keep), checkpoint=label,
+                          prompts_file=args.prompts)
     try:
         res = run_ab(weights, settings, args.out, args.run_id,
                      progress=lambda m: print(m, file=sys.stderr, flush=True), tokenizer=tokenizer)
