@@ -16,6 +16,7 @@ COMMANDS = {
     "needle": "needle",
     "serve": "serve",
     "kld": "kld",
+    "engines": "engines",
 }
 
 

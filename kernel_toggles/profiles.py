@@ -49,6 +49,12 @@ def validate(data: dict) -> list[str]:
             for key in ("default", "params", "on", "off", "unconfirmed", "note"):
                 if key not in e:
                     errs.append(f"{t.name}.{eng}: missing {key!r}")
+            known = data.get("engines", {}).get(eng, {}).get("versions", [])
+            for v, over in e.get("by_version", {}).items():
+                if v not in known:
+                    errs.append(f"{t.name}.{eng}.by_version: {v!r} is not one of {eng}'s versions {known}")
+                if set(over) - {"default", "on", "off", "unconfirmed", "note"}:
+                    errs.append(f"{t.name}.{eng}.by_version.{v}: unknown keys")
             try:
                 t.resolve(e.get("params", {}))
             except ToggleError as ex:
@@ -60,13 +66,33 @@ def validate(data: dict) -> list[str]:
     return errs
 
 
-def entry(toggle: str, engine: str) -> dict:
+def entry(toggle: str, engine: str, version: str | None = None) -> dict:
+    """A toggle's mapping on an engine; with a version, that version's overrides applied."""
     _check_engine(engine)
     R.get(toggle)
     try:
-        return load()["toggles"][toggle][engine]
+        e = load()["toggles"][toggle][engine]
     except KeyError:
         raise ToggleError(f"no {engine} profile for toggle {toggle}") from None
+    if version is None:
+        return e
+    return {**e, **e.get("by_version", {}).get(profile_version(engine, version), {})}
+
+
+def versions(engine: str) -> list[str]:
+    _check_engine(engine)
+    return list(load()["engines"][engine].get("versions", []))
+
+
+def profile_version(engine: str, version: str) -> str:
+    """The profiled version an engine version falls under ('0.33.0' -> '0.33'); a version
+    with no mappings is an error, so no toggle is translated by another version's names."""
+    for v in versions(engine):
+        if version == v or version.startswith(v + "."):
+            return v
+    raise ToggleError(f"{engine} {version}: engine_profiles.json has mappings for "
+                      f"{', '.join(versions(engine)) or 'no version'} only (env and flag names move "
+                      "between versions; add a by_version entry after checking the new names)")
 
 
 def _check_engine(engine: str):
@@ -93,21 +119,26 @@ class LaunchSettings:
     flags: list = field(default_factory=list)
     unrealisable: list = field(default_factory=list)     # (toggle, reason)
     unconfirmed: list = field(default_factory=list)      # toggles whose mapping is unconfirmed
+    applied: list = field(default_factory=list)          # toggles whose settings are in env/flags
+    unknown: list = field(default_factory=list)          # engine default unknown, no setting
 
 
-def launch_settings(arm, engine: str) -> LaunchSettings:
-    """Env vars and flags that move `engine` from its defaults to `arm`, as far as known.
-    Only built-in toggles with a profile entry are considered."""
+def launch_settings(arm, engine: str, version: str | None = None) -> LaunchSettings:
+    """Env vars and flags that move `engine` (at `version`) from its defaults to `arm`, as
+    far as known. Only built-in toggles with a profile entry are considered."""
     _check_engine(engine)
     out = LaunchSettings()
-    for name, per in load()["toggles"].items():
-        e = per[engine]
+    for name in load()["toggles"]:
+        e = entry(name, engine, version)
         want = name in arm or any(name in R.get(t).subsumes for t in arm.names)
         default = e["default"]
         if default is want:
             need = None
         else:
             need = e["on"] if want else e["off"]
+            if need is None and default is None:
+                out.unknown.append(name)
+                continue
             if need is None:
                 out.unrealisable.append((name, f"no known {engine} setting turns it "
                                                f"{'on' if want else 'off'}"))
@@ -118,6 +149,7 @@ def launch_settings(arm, engine: str) -> LaunchSettings:
         if need:
             out.env.update(need.get("env", {}))
             out.flags += need.get("flags", [])
+            out.applied.append(name)
         if e["unconfirmed"] and (want or default is not False):
             out.unconfirmed.append(name)
     return out
@@ -125,3 +157,31 @@ def launch_settings(arm, engine: str) -> LaunchSettings:
 
 def _fmt(params: dict) -> str:
     return "(" + ",".join(f"{k}={v}" for k, v in params.items()) + ")" if params else ""
+
+
+def fixed_on(arm, engine: str, version: str | None = None):
+    """`arm` plus what the engine does by default and no known setting turns off (unless
+    a toggle of the arm already covers it): an engine configuration cannot be without
+    those, so a design that drops a toggle gets them back explicitly, not silently."""
+    from .arms import ToggleSet
+    add = []
+    for name in load()["toggles"]:
+        e = entry(name, engine, version)
+        covered = name in arm or any(name in R.get(t).subsumes for t in arm.names)
+        if e["default"] is True and e["off"] is None and not covered:
+            add.append((name, e["params"]))
+    return arm.with_(*add) if add else arm
+
+
+def reference_closest(engine: str, version: str | None = None):
+    """The arm an engine runs when every toggle with a known reference setting is set to
+    it: its default arm minus the toggles some setting turns off (research
+    engine-divergences.md §7). What remains is what no known setting can change."""
+    from .arms import ToggleSet
+    items = {}
+    for name in load()["toggles"]:
+        e = entry(name, engine, version)
+        if e["default"] is True and e["off"] is None:
+            items[name] = e["params"]
+    subsumed = R.subsumed_by(items)
+    return ToggleSet((n, p) for n, p in items.items() if n not in subsumed)

@@ -128,7 +128,8 @@ def run(args) -> int:
     from fidelity.prompt_sets import PromptFileError, file_prompts, grid_prompts
     from fidelity.target import load_target
 
-    progress = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    from fidelity.progress import Progress
+    progress = Progress(args.quiet)
     try:
         target = load_target(args.checkpoint, args.tokenizer)
         entries = build_entries(args, target, progress)
@@ -138,8 +139,8 @@ def run(args) -> int:
         else:
             prompts = grid_prompts(tok, _csv(args.lengths, int), _csv(args.depths, float), args.reps,
                                    args.seed)
-        from fidelity.kld.run import check_tokenizers
-        check_tokenizers(entries, tok, "The quick brown fox: 12345, naïve café. ")
+        from fidelity.kld.run import TOKENIZER_PROBE, check_tokenizers
+        check_tokenizers(entries, tok, TOKENIZER_PROBE)
         if args.fresh:
             import shutil
             from pathlib import Path

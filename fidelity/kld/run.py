@@ -8,13 +8,13 @@ a second time (`<baseline>~repeat`: the engine's run-to-run noise) and any arm g
 role "floor" counts as well."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
 from fidelity import signals as S
+from fidelity.progress import Progress
 
 from .compare import capture_rows, position_rows
 from .dialects import ArmScores, Request
@@ -56,33 +56,34 @@ def _request(s: KldSettings, entry: ArmEntry, base: ArmScores | None) -> Request
     return r
 
 
+def _key(s: KldSettings, entry: ArmEntry, ids: list[int]) -> str:
+    return request_key(s.k, s.steps, s.exact and entry.role != "baseline", s.captures, ids)
+
+
 def score_arm(entry: ArmEntry, prompts, s: KldSettings, store: ScoreStore, baseline: str | None,
-              progress=print) -> int:
+              progress: Progress) -> int:
     """Score the prompts this arm has not scored yet; returns how many were scored."""
-    done = 0
-    t0 = time.time()
-    for i, p in enumerate(prompts):
-        ids = p.tokens.tolist()
-        base = None
-        if s.exact and entry.role != "baseline" and baseline is not None:
-            base = store.get(baseline, p.id, request_key(Request(s.k, s.steps, captures=s.captures), ids))
-            if base is None:
-                raise RuntimeError(f"exact mode: the baseline {baseline} has not scored {p.id} yet")
-        req = _request(s, entry, base)
-        key = request_key(req, ids)
-        if store.get(entry.name, p.id, key) is not None:
-            continue
-        store.put(entry.name, p.id, key, entry.scorer.score(ids, req))
-        done += 1
-        el = time.time() - t0
-        progress(f"  {entry.name}: {i + 1}/{len(prompts)} prompts, "
-                 f"eta {el / (i + 1) * (len(prompts) - i - 1):.0f} s")
-    return done
+    todo = [p for p in prompts if store.get(entry.name, p.id, _key(s, entry, p.tokens.tolist())) is None]
+    with progress.task(f"scoring {entry.name}", len(todo)) as advance:
+        for p in todo:
+            _score_one(entry, p, s, store, baseline)
+            advance(1, p.id)
+    return len(todo)
 
 
-def load(entry: ArmEntry, p, s: KldSettings, store: ScoreStore, base: ArmScores | None) -> ArmScores:
+def _score_one(entry: ArmEntry, p, s: KldSettings, store: ScoreStore, baseline: str | None) -> None:
     ids = p.tokens.tolist()
-    got = store.get(entry.name, p.id, request_key(_request(s, entry, base), ids))
+    key = _key(s, entry, ids)
+    base = None
+    if s.exact and entry.role != "baseline" and baseline is not None:
+        base = store.get(baseline, p.id, request_key(s.k, s.steps, False, s.captures, ids))
+        if base is None:
+            raise RuntimeError(f"exact mode: the baseline {baseline} has not scored {p.id} yet")
+    store.put(entry.name, p.id, key, entry.scorer.score(ids, _request(s, entry, base)))
+
+
+def load(entry: ArmEntry, p, s: KldSettings, store: ScoreStore) -> ArmScores:
+    got = store.get(entry.name, p.id, _key(s, entry, p.tokens.tolist()))
     if got is None:
         raise RuntimeError(f"{entry.name} has no scores for prompt {p.id}")
     return got
@@ -94,11 +95,11 @@ def compare_all(entries: list[ArmEntry], prompts, s: KldSettings, store: ScoreSt
     base_e = next(e for e in entries if e.role == "baseline")
     pos, ladder, caps = [], [], []
     for p in prompts:
-        base = load(base_e, p, s, store, None)
+        base = load(base_e, p, s, store)
         for e in entries:
             if e is base_e:
                 continue
-            a = load(e, p, s, store, base)
+            a = load(e, p, s, store)
             rows, first = position_rows(base, a)
             pos += [{"arm": e.name, "prompt": p.id, "group": p.group, **r} for r in rows]
             ladder.append({"arm": e.name, "prompt": p.id, "group": p.group, "steps": len(a.ladder_tokens),
@@ -162,6 +163,9 @@ def check_identity(store: ScoreStore, entry: ArmEntry) -> None:
         f.write_text(json.dumps(desc, sort_keys=True))
 
 
+TOKENIZER_PROBE = "The quick brown fox: 12345, naïve café. "
+
+
 def check_tokenizers(entries: list[ArmEntry], tokenizer, probe: str) -> None:
     """Every endpoint with a /tokenize must turn the probe text into our ids: arms fed the
     same ids but tokenizing differently would be compared on different text."""
@@ -177,7 +181,7 @@ def check_tokenizers(entries: list[ArmEntry], tokenizer, probe: str) -> None:
 
 
 def run_kld(entries: list[ArmEntry], prompts, s: KldSettings, out_dir, run_id: str,
-            manifest: dict, progress=print) -> dict:
+            manifest: dict, progress: Progress) -> dict:
     """Score (resuming), compare, judge, report. Entries: the baseline first."""
     from pathlib import Path
     from . import report
@@ -186,7 +190,7 @@ def run_kld(entries: list[ArmEntry], prompts, s: KldSettings, out_dir, run_id: s
     for e in [base] + [e for e in entries if e is not base]:
         check_identity(store, e)
         n = score_arm(e, prompts, s, store, base.name, progress)
-        progress(f"{e.name}: {n} prompts scored, {len(prompts) - n} reused")
+        progress.log(f"{e.name}: {n} prompts scored, {len(prompts) - n} reused")
     shape = next((getattr(e.scorer, "shape", None) for e in entries if getattr(e.scorer, "shape", None)),
                  None)
     tables = compare_all(entries, prompts, s, store, shape if s.captures else None)

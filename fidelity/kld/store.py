@@ -13,12 +13,13 @@ from pathlib import Path
 import numpy as np
 
 from .bounds import Known
-from .dialects import ArmScores, Request
+from .dialects import ArmScores
 
 
-def request_key(req: Request, ids: list[int]) -> str:
-    d = {"k": req.k, "steps": req.steps, "exact": bool(req.score_ids) or req.full_vocab,
-         "captures": req.captures, "ids": hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()}
+def request_key(k: int, steps: int, exact: bool, captures: bool, ids: list[int]) -> str:
+    """What a stored score depends on: the settings of the request and the prompt ids."""
+    d = {"k": k, "steps": steps, "exact": exact, "captures": captures,
+         "ids": hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

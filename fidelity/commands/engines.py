@@ -1,0 +1,51 @@
+"""`fidelity engines plan|run SPEC.toml`: real engine configurations as arms."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HELP = ("Launch SGLang / vLLM / fidelity-serve configurations from a spec, one at a time, "
+        "score them over HTTP (KLD, needle) and attribute drift across them.")
+
+
+def add_arguments(p):
+    p.add_argument("action", choices=("plan", "run"),
+                   help="plan: print each arm's command line and environment and write a launch "
+                        "script; run: launch, score and report (resumes)")
+    p.add_argument("spec", help="the engines spec (TOML); see fidelity/engines/spec.py")
+    p.add_argument("--run-id", default=None, help="run folder under <out>/engines (default: the spec's name)")
+    p.add_argument("--script", default=None, help="plan: where to write the launch script "
+                   "(default <out>/engines/<run-id>/launch.sh)")
+    p.add_argument("--fresh", action="store_true", help="run: discard earlier results of this run")
+    p.add_argument("--quiet", action="store_true")
+
+
+def run(args) -> int:
+    from fidelity.engines.launch import LaunchError
+    from fidelity.engines.run import plans, run_engines, write_script
+    from fidelity.engines.spec import SpecError, load_spec
+    from fidelity.kld.endpoint import EndpointError
+    from fidelity.progress import Progress
+
+    try:
+        spec = load_spec(args.spec)
+        run_id = args.run_id or Path(args.spec).stem
+        if args.action == "plan":
+            ps = plans(spec)
+            for p in ps:
+                print(f"# {p.arm}  ({p.kind} engine {p.engine}, ready: GET {p.url}{p.ready_path})")
+                for n in p.notes:
+                    print(f"#   note: {n}")
+                print(p.shell() if p.cmd else f"#   external: {p.url} (not launched)")
+                print()
+            script = Path(args.script) if args.script else Path(spec.out) / "engines" / run_id / "launch.sh"
+            print(f"launch script: {write_script(spec, ps, script)}")
+            return 0
+        out = run_engines(spec, run_id, Progress(args.quiet), args.fresh)
+    except (SpecError, LaunchError, EndpointError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if "verdict" in out:
+        print(out["verdict"]["sentence"])
+    print(f"report: {out['root'] / 'summary.md'}")
+    return 0

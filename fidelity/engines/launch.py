@@ -1,0 +1,214 @@
+"""From an arm to a running server and back: the exact command line and environment
+(the engine's base flags and env, the arm's toggles translated through
+kernel_toggles/engine_profiles.json for the engine's version, then the arm's own env and
+flags, later ones winning), readiness within a timeout, logs captured, and the whole
+process group stopped (SIGTERM, then SIGKILL after a grace period) however the run ends.
+
+Research engine-integration.md §4: SGLang is ready when GET /health_generate answers 200
+(it runs a one-token generation), vLLM when GET /health does; until the server binds,
+connection errors mean "not yet"; a process that exits is a failure at once."""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from .spec import ArmSpec, EngineSpec, SpecError
+
+READY = {"sglang": "/health_generate", "vllm": "/health", "fidelity": "/health_generate",
+         "external": "/v1/models"}
+LOG_TAIL = 20
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class LaunchPlan:
+    arm: str
+    engine: str
+    kind: str
+    url: str
+    cmd: list[str] = field(default_factory=list)           # empty for external
+    env: dict[str, str] = field(default_factory=dict)      # only what the plan sets
+    ready_path: str = "/health"
+    start_timeout: float = 3600.0
+    stop_grace: float = 30.0
+    notes: list[str] = field(default_factory=list)
+
+    def shell(self) -> str:
+        """The same launch as a shell command line."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return (env + " " if env else "") + " ".join(shlex.quote(c) for c in self.cmd)
+
+
+def _base_cmd(e: EngineSpec) -> list[str]:
+    if e.kind == "sglang":
+        return [e.python, "-m", "sglang.launch_server", "--model-path", e.model, "--host", e.host,
+                "--port", str(e.port)]
+    if e.kind == "vllm":
+        return [e.python, "-m", "vllm.entrypoints.cli.main", "serve", e.model, "--host", e.host,
+                "--port", str(e.port)]
+    cmd = [python_for(e), "-m", "fidelity.cli", "serve", "--host", e.host, "--port", str(e.port)]
+    return cmd + (["--checkpoint", e.model] if e.model else [])
+
+
+def plan_arm(arm: ArmSpec, e: EngineSpec, captures: bool = False, max_logprobs: int | None = None) -> LaunchPlan:
+    """The launch of one arm; refuses (SpecError naming the toggle) what the engine cannot
+    be set to, and unconfirmed mappings unless the engine allows them."""
+    url = e.url if e.kind == "external" else f"http://{e.host}:{e.port}"
+    p = LaunchPlan(arm.name, e.name, e.kind, url, ready_path=e.ready_path or READY[e.kind],
+                   start_timeout=e.start_timeout, stop_grace=e.stop_grace)
+    if e.kind == "external":
+        if arm.toggles is not None or arm.env or arm.flags:
+            raise SpecError(f"arm {arm.name}: engine {e.name} is external (already running); it "
+                            "cannot be given toggles, env or flags")
+        return p
+    env, flags = dict(e.env), list(e.flags)
+    if e.kind == "fidelity":
+        env["DSV4_FIDELITY_ARM"] = str(arm.toggles) if arm.toggles is not None else "golden"
+        if max_logprobs is not None:
+            flags += ["--max-logprobs", str(max_logprobs)]
+    elif arm.toggles is not None:
+        from kernel_toggles import profiles
+        try:
+            ls = profiles.launch_settings(arm.toggles, e.kind, e.version)
+        except ValueError as ex:
+            raise SpecError(f"arm {arm.name}: {ex}") from None
+        if ls.unrealisable:
+            raise SpecError(f"arm {arm.name} on {e.kind} {e.version}: " + "; ".join(
+                f"{t}: {why}" for t, why in ls.unrealisable) + " (no mapping: refused, not dropped)")
+        risky = [t for t in ls.applied if t in ls.unconfirmed]
+        if risky and not e.allow_unconfirmed:
+            raise SpecError(f"arm {arm.name} on {e.kind} {e.version}: the settings for "
+                            f"{', '.join(risky)} are UNCONFIRMED in the research; set "
+                            f"allow_unconfirmed = true in [engines.{e.name}] to launch anyway")
+        env.update(ls.env)
+        flags += ls.flags
+        p.notes += [f"unconfirmed mapping applied: {t}" for t in risky]
+        p.notes += [f"engine behaviour unknown, nothing set: {t}" for t in ls.unknown]
+        p.notes += [f"behaviour assumed (engine default, unconfirmed): {t}"
+                    for t in ls.unconfirmed if t not in ls.applied]
+    if e.kind == "sglang" and captures:
+        flags += ["--enable-return-indexer-topk", "--enable-return-routed-experts"]
+    if e.kind == "vllm" and max_logprobs is not None:
+        flags += ["--max-logprobs", str(max_logprobs), "--logprobs-mode", "raw_logprobs"]
+    env.update(arm.env)
+    flags += arm.flags
+    p.cmd, p.env = _base_cmd(e) + flags, env
+    return p
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+class EngineProcess:
+    """One launched arm: start() in its own session, wait_ready(), stop() the group."""
+
+    def __init__(self, plan: LaunchPlan, log_path: Path, cwd: Path | None = None):
+        self.plan, self.log_path, self.cwd = plan, Path(log_path), cwd
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> None:
+        from urllib.parse import urlsplit
+        u = urlsplit(self.plan.url)
+        if port_in_use(u.hostname, u.port):
+            raise LaunchError(f"arm {self.plan.arm}: port {u.port} on {u.hostname} is already in use "
+                              "(another server, or an arm that was not stopped)")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(self.plan.cmd, env={**os.environ, **self.plan.env}, cwd=self.cwd,
+                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        except OSError as ex:
+            raise LaunchError(f"arm {self.plan.arm}: cannot start {self.plan.cmd[0]}: {ex}") from None
+        finally:
+            log.close()
+
+    def tail(self, n: int = LOG_TAIL) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join("    " + ln for ln in lines[-n:])
+
+    def wait_ready(self, poll: float = 1.0, progress=None) -> float:
+        """Seconds until the readiness probe answered 200; LaunchError if the process exits
+        first (exit code + last log lines) or the timeout passes."""
+        t0 = time.monotonic()
+        url = self.plan.url.rstrip("/") + self.plan.ready_path
+        last = "no answer yet"
+        with httpx.Client(timeout=max(5.0, poll * 5)) as c:
+            while True:
+                code = self.proc.poll()
+                if code is not None:
+                    raise LaunchError(f"arm {self.plan.arm}: the engine exited with code {code} "
+                                      f"before it was ready; last log lines ({self.log_path}):\n{self.tail()}")
+                try:
+                    r = c.get(url)
+                    if r.status_code == 200:
+                        return time.monotonic() - t0
+                    last = f"HTTP {r.status_code}"
+                except httpx.HTTPError as ex:
+                    last = type(ex).__name__
+                waited = time.monotonic() - t0
+                if waited > self.plan.start_timeout:
+                    self.stop()
+                    raise LaunchError(f"arm {self.plan.arm}: not ready after {self.plan.start_timeout:.0f} s "
+                                      f"(GET {self.plan.ready_path}: {last}); last log lines "
+                                      f"({self.log_path}):\n{self.tail()}")
+                if progress:
+                    progress(waited)
+                time.sleep(poll)
+
+    def stop(self) -> int | None:
+        """SIGTERM to the whole process group (workers included, even if the leader has
+        already exited), SIGKILL after the grace period; the leader's exit code."""
+        if self.proc is None:
+            return None
+        pgid = self.proc.pid                     # start_new_session: the group is the leader's pid
+        _signal_group(pgid, signal.SIGTERM)
+        end = time.monotonic() + self.plan.stop_grace
+        while time.monotonic() < end and _group_alive(pgid):
+            self.proc.poll()
+            time.sleep(0.05)
+        if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGKILL)
+        return self.proc.wait()
+
+
+def _signal_group(pgid: int, sig) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def python_for(e: EngineSpec) -> str:
+    """`python3` in a spec means this interpreter for our own server."""
+    return sys.executable if e.kind == "fidelity" and e.python == "python3" else e.python

@@ -1,0 +1,267 @@
+"""The engines spec (TOML): engines (how to start one), arms (a configuration of one
+engine: our toggles and/or the user's own env and flags), designs generated from a base
+configuration, and the tasks to run on every arm. Every mistake is reported with the key
+it is under.
+
+    [run]
+    baseline = "golden"            # an arm name
+    tasks = ["kld", "needle"]
+    [run.kld]                      # fidelity kld options: lengths, depths, reps, top_k, steps, exact
+    [run.needle]                   # fidelity needle options: lengths, depths, reps, max_tokens, api, ...
+
+    [engines.sg]
+    kind = "sglang"                # sglang | vllm | fidelity | external
+    version = "0.5.23"             # mappings of toggles are per version
+    model = "/models/DeepSeek-V4-Flash"
+    port = 30000
+    flags = ["--tp", "8"]
+    env = { SGLANG_ENABLE_DETERMINISTIC_INFERENCE = "1" }
+    start_timeout = 3600
+    allow_unconfirmed = false      # toggles whose mapping the research marks UNCONFIRMED
+
+    [[arms]]
+    name = "default"
+    engine = "sg"
+    toggles = "engine:sglang"      # our arm syntax; "closest" = every known reference
+                                   # setting applied; omit for the engine as started
+    env = {}; flags = []; role = "arm"   # role: arm | floor
+
+    [[designs]]                    # arms generated from a base configuration
+    engine = "sg"
+    kind = "one-at-a-time"         # | leave-one-out | factorial
+    base = "engine:sglang"
+    toggles = ["kv_fp8_from_fp32", "wo_a_fp8"]   # default: the base's toggles
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KINDS = ("sglang", "vllm", "fidelity", "external")
+DESIGNS = ("one-at-a-time", "leave-one-out", "factorial")
+TASKS = ("kld", "needle")
+
+
+class SpecError(ValueError):
+    pass
+
+
+@dataclass
+class EngineSpec:
+    name: str
+    kind: str
+    version: str | None = None
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    url: str | None = None                       # external only
+    python: str = "python3"
+    flags: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    start_timeout: float = 3600.0
+    stop_grace: float = 30.0
+    ready_path: str | None = None
+    allow_unconfirmed: bool = False
+
+
+@dataclass
+class ArmSpec:
+    name: str
+    engine: str
+    toggles: object | None = None                # kernel_toggles ToggleSet, None = as started
+    env: dict[str, str] = field(default_factory=dict)
+    flags: list[str] = field(default_factory=list)
+    role: str = "arm"                            # baseline | arm | floor
+    factors: frozenset = field(default_factory=frozenset)
+
+
+@dataclass
+class Spec:
+    path: Path
+    engines: dict[str, EngineSpec]
+    arms: list[ArmSpec]                           # the baseline first
+    tasks: list[str]
+    kld: dict
+    needle: dict
+    out: str
+
+
+def _str_dict(v, where) -> dict[str, str]:
+    if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(x, (str, int, float, bool))
+                                          for k, x in v.items()):
+        raise SpecError(f"{where} must be a table of NAME = value")
+    return {k: str(x).lower() if isinstance(x, bool) else str(x) for k, x in v.items()}
+
+
+def _str_list(v, where) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(x, (str, int, float)) for x in v):
+        raise SpecError(f"{where} must be a list of strings")
+    return [str(x) for x in v]
+
+
+def _only(d: dict, allowed, where):
+    extra = sorted(set(d) - set(allowed))
+    if extra:
+        raise SpecError(f"{where}: unknown key {extra[0]!r} (allowed: {', '.join(sorted(allowed))})")
+
+
+def _engine(name: str, d: dict) -> EngineSpec:
+    where = f"engines.{name}"
+    if not isinstance(d, dict):
+        raise SpecError(f"{where} must be a table")
+    _only(d, EngineSpec.__dataclass_fields__.keys() - {"name", "ready_path"} | {"ready"}, where)
+    kind = d.get("kind")
+    if kind not in KINDS:
+        raise SpecError(f"{where}.kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    e = EngineSpec(name, kind)
+    for k in ("version", "model", "host", "url", "python"):
+        if k in d:
+            if not isinstance(d[k], str):
+                raise SpecError(f"{where}.{k} must be a string")
+            setattr(e, k, d[k])
+    if "port" in d:
+        if not isinstance(d["port"], int) or not 0 < d["port"] < 65536:
+            raise SpecError(f"{where}.port must be a port number, got {d['port']!r}")
+        e.port = d["port"]
+    for k in ("start_timeout", "stop_grace"):
+        if k in d:
+            if not isinstance(d[k], (int, float)) or d[k] <= 0:
+                raise SpecError(f"{where}.{k} must be a positive number of seconds")
+            setattr(e, k, float(d[k]))
+    e.flags = _str_list(d.get("flags", []), f"{where}.flags")
+    e.env = _str_dict(d.get("env", {}), f"{where}.env")
+    e.ready_path = d.get("ready")
+    e.allow_unconfirmed = bool(d.get("allow_unconfirmed", False))
+    if kind == "external" and not e.url:
+        raise SpecError(f"{where}: an external engine needs url")
+    if kind in ("sglang", "vllm") and not (e.model and e.version):
+        raise SpecError(f"{where}: a {kind} engine needs model and version "
+                        "(toggle mappings are per version)")
+    return e
+
+
+def _toggles(text, where):
+    from kernel_toggles import ToggleSet
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise SpecError(f"{where} must be an arm string, e.g. \"engine:sglang\"")
+    try:
+        return ToggleSet.parse(text)
+    except ValueError as e:
+        raise SpecError(f"{where}: {e}") from None
+
+
+def _closest(e: EngineSpec, where: str):
+    """toggles = "closest": the engine with every known reference setting applied."""
+    from kernel_toggles import profiles
+    if e.kind not in ("sglang", "vllm"):
+        raise SpecError(f"{where}: \"closest\" needs an sglang or vllm engine")
+    try:
+        return profiles.reference_closest(e.kind, e.version)
+    except ValueError as ex:
+        raise SpecError(f"{where}: {ex}") from None
+
+
+def _arm(i: int, d: dict, engines) -> ArmSpec:
+    where = f"arms[{i}]"
+    _only(d, {"name", "engine", "toggles", "env", "flags", "role", "factors"}, where)
+    name, eng = d.get("name"), d.get("engine")
+    if not isinstance(name, str) or not name or any(c in name for c in "/\\ "):
+        raise SpecError(f"{where}.name must be a non-empty name without / or spaces")
+    if eng not in engines:
+        raise SpecError(f"{where} ({name}).engine {eng!r} is not one of the engines "
+                        f"({', '.join(engines) or 'none'})")
+    role = d.get("role", "arm")
+    if role not in ("arm", "floor"):
+        raise SpecError(f"{where}.role must be arm or floor")
+    if d.get("toggles") == "closest":
+        ts = _closest(engines[eng], f"{where}.toggles")
+    else:
+        ts = _toggles(d.get("toggles"), f"{where}.toggles")
+    env = _str_dict(d.get("env", {}), f"{where}.env")
+    flags = _str_list(d.get("flags", []), f"{where}.flags")
+    factors = d.get("factors")
+    if factors is None:              # what attribution credits: the toggles, plus the patch
+        factors = set(ts.names) if ts is not None else set()
+        if env or flags or not factors:
+            factors.add(name)
+    return ArmSpec(name, eng, ts, env, flags, role, frozenset(_str_list(list(factors), f"{where}.factors")))
+
+
+def _design(i: int, d: dict, engines) -> list[ArmSpec]:
+    from kernel_toggles import ToggleSet
+    from kernel_toggles import arms as K
+    where = f"designs[{i}]"
+    _only(d, {"engine", "kind", "base", "toggles", "prefix"}, where)
+    if d.get("engine") not in engines:
+        raise SpecError(f"{where}.engine {d.get('engine')!r} is not one of the engines")
+    kind = d.get("kind")
+    if kind not in DESIGNS:
+        raise SpecError(f"{where}.kind must be one of {', '.join(DESIGNS)}, got {kind!r}")
+    base = _toggles(d.get("base", "engine"), f"{where}.base")
+    names = _str_list(d.get("toggles", list(base.names)), f"{where}.toggles")
+    prefix = d.get("prefix", d["engine"])
+    if kind == "one-at-a-time":
+        named = [(f"+{n}", ToggleSet.parse(n)) for n in names]
+    elif kind == "leave-one-out":
+        bad = [n for n in names if n not in base]
+        if bad:
+            raise SpecError(f"{where}: {bad[0]} is not in the base {base}")
+        named = [("base", base)] + [(f"-{n}", base.without(n)) for n in names]
+    else:
+        if len(names) > 6:
+            raise SpecError(f"{where}: a factorial over {len(names)} toggles is {2 ** len(names)} "
+                            "engine launches; give at most 6")
+        named = [("+".join(ts.names) or "none", ts) for ts in K.factorial(names)]
+    e = engines[d["engine"]]
+    out = []
+    for label, ts in named:
+        if e.kind in ("sglang", "vllm"):
+            from kernel_toggles import profiles
+            try:
+                ts = profiles.fixed_on(ts, e.kind, e.version)
+            except ValueError as ex:
+                raise SpecError(f"{where}: {ex}") from None
+        out.append(ArmSpec(f"{prefix}:{label}", d["engine"], ts, factors=frozenset(ts.names)))
+    return out
+
+
+def load_spec(path: str | Path) -> Spec:
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"spec not found: {p}")
+    try:
+        d = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{p}: not valid TOML: {e}") from None
+    _only(d, {"run", "engines", "arms", "designs"}, str(p))
+    run = d.get("run", {})
+    _only(run, {"baseline", "tasks", "kld", "needle", "out"}, "run")
+    engines = {n: _engine(n, e) for n, e in (d.get("engines") or {}).items()}
+    if not engines:
+        raise SpecError(f"{p}: no [engines.NAME] table")
+    arms = [_arm(i, a, engines) for i, a in enumerate(d.get("arms") or [])]
+    for i, g in enumerate(d.get("designs") or []):
+        arms += _design(i, g, engines)
+    names = [a.name for a in arms]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise SpecError(f"arm names repeat: {', '.join(dup)}")
+    if not arms:
+        raise SpecError(f"{p}: no arms ([[arms]] or [[designs]])")
+    base = run.get("baseline", names[0])
+    if base not in names:
+        raise SpecError(f"run.baseline {base!r} is not an arm ({', '.join(names)})")
+    b = arms.pop(names.index(base))
+    b.role, b.factors = "baseline", frozenset()
+    tasks = _str_list(run.get("tasks", ["kld"]), "run.tasks")
+    bad = [t for t in tasks if t not in TASKS]
+    if bad:
+        raise SpecError(f"run.tasks: unknown task {bad[0]!r} (tasks: {', '.join(TASKS)})")
+    for k in ("kld", "needle"):
+        if not isinstance(run.get(k, {}), dict):
+            raise SpecError(f"run.{k} must be a table")
+    return Spec(p, engines, [b] + arms, tasks, run.get("kld", {}), run.get("needle", {}),
+                run.get("out", "reports"))
