@@ -17,6 +17,7 @@ COMMANDS = {
     "serve": "serve",
     "kld": "kld",
     "engines": "engines",
+    "chat-check": "chat_check",
 }
 
 

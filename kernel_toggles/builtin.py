@@ -374,3 +374,6 @@ def _routed_scaling_double():
 def _lm_head_bf16(golden, x, w):
     out = golden.lm_head(x[:0], w)                       # golden's logits dtype, no compute
     return E.bf16(x.to(golden.cd) @ w.to(golden.cd).T).to(out.dtype)
+
+
+from . import request as _request  # noqa: E402,F401  (request-level toggles, registered last)

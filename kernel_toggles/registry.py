@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from reference_model.numerics import KERNELS
 
-CATEGORIES = ("optimization", "known-bug")
+CATEGORIES = ("optimization", "known-bug", "request")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 _PARAM_TYPES = (int, float, bool, str)
 

@@ -28,7 +28,10 @@ KERNELS = (
     "index_topk",
     "sparse_attention", "wo_a", "hc_pre", "hc_post", "hc_head",
     "moe_gate", "moe_select", "route_weights", "swiglu", "expert_ffn", "moe_combine", "lm_head",
+    "chat_request", "chat_render",
 )
+# The last two are the request-level seam (not numerics): how a chat request is read and
+# rendered to a prompt, so engines' chat-handling differences are toggles like the rest.
 
 # Where rope_apply is called (its `site` argument): main query, window KV latent, compressed
 # KV entries, indexer query, indexer keys, and the inverse rotation of the attention output.
@@ -326,6 +329,18 @@ class Numerics:
         """fp32 logits: bf16 hidden times the fp32 head weight."""
         logits = self.c(x) @ w.to(self.cd).T
         return logits.float() if self.quant else logits
+
+    # ---- request level: how a chat request becomes a prompt ----------------------------------
+    def chat_request(self, body: dict):
+        """The request as the engine reads it (golden: DeepSeek's reading of the fields)."""
+        from .chat_encoding import ChatRequest, request_state
+        thinking, effort = request_state(body)
+        return ChatRequest(body.get("messages"), body.get("tools"), thinking, effort)
+
+    def chat_render(self, req, generation: str = "0731", add_generation_prompt: bool = True):
+        """The prompt for a request as read: DeepSeek's own encoder (deepseek-recipe)."""
+        from .chat_encoding import render
+        return render(req, generation, add_generation_prompt)
 
 
 class _Below:

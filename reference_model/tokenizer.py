@@ -8,9 +8,9 @@ written for this project) fill the vocabulary up to 512 = tiny().vocab_size. Dig
 split one per token so numbers tokenize the same everywhere. `build_tokenizer_json()`
 regenerates the shipped `data/tokenizer.json` byte for byte (tests check this).
 
-Chat encoding (research dsv4-architecture §11): BOS + [max-effort prefix, thinking only] +
-system + "<｜User｜>" + user + "<｜Assistant｜>" + ("<think>" if thinking else "</think>").
-No template engine: the string is built here, as DeepSeek's encoding_dsv4.py does."""
+Chat encoding: DeepSeek's own encoder (deepseek-recipe, via chat_encoding.py): BOS +
+[effort preamble, thinking only] + system + "<｜User｜>" + user + "<｜Assistant｜>" +
+("<think>" if thinking else "</think>")."""
 from __future__ import annotations
 
 import json
@@ -29,14 +29,6 @@ ASSISTANT = "<｜Assistant｜>"
 THINK = "<think>"
 END_THINK = "</think>"
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, THINK, END_THINK)
-
-# DeepSeek's encoder puts a fixed English preamble first when thinking with effort "max".
-# Its exact wording is not in our research notes (UNCONFIRMED); this stand-in keeps the
-# position and the rule (thinking mode only, "max" only) so harness code paths are real.
-REASONING_EFFORT_MAX_PREFIX = (
-    "Reasoning effort: maximum. Think through the problem carefully and completely. "
-    "Check your answer before you give it.")
-
 
 class TokenizerError(ValueError):
     """Missing or malformed tokenizer file, or a bad chat request."""
@@ -136,67 +128,29 @@ class ChatTokenizer:
         return self.decode(ids), None
 
     # ---- DeepSeek-V4 chat encoding ------------------------------------------------------
-    def render_chat(self, messages: list[dict], thinking: bool = False,
+    def render_chat(self, messages: list[dict], thinking: bool | None = False,
                     reasoning_effort: str | None = None,
                     add_generation_prompt: bool = True) -> ChatPrompt:
-        return ChatPrompt(render_chat(messages, thinking, reasoning_effort, add_generation_prompt),
-                          thinking)
+        from .chat_encoding import ChatEncodingError, ChatRequest, render
+        try:
+            r = render(ChatRequest(messages, None, thinking, reasoning_effort), "0731", add_generation_prompt)
+        except ChatEncodingError as e:
+            raise TokenizerError(str(e)) from None
+        return ChatPrompt(r.text, r.thinking)
 
 
-def render_chat(messages: list[dict], thinking: bool = False, reasoning_effort: str | None = None,
-                add_generation_prompt: bool = True) -> str:
-    """DeepSeek-V4 encoding of a conversation as text. System messages go first (no
-    separator), user turns are prefixed with <｜User｜>, assistant turns with
-    <｜Assistant｜></think> and closed with EOS; the generation prompt opens the assistant
-    turn with <think> (thinking) or </think> (non-thinking). Reasoning of earlier turns is
-    dropped (DeepSeek's drop_thinking default)."""
-    effort = _effort(reasoning_effort)
-    if not isinstance(messages, list) or not messages:
-        raise TokenizerError("messages must be a non-empty list")
-    out = [BOS]
-    if thinking and effort == "max":
-        out.append(REASONING_EFFORT_MAX_PREFIX)
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise TokenizerError(f"message {i} must be an object with a role")
-        role, content = m["role"], _content(m.get("content"), i)
-        if role in ("system", "developer"):
-            out.append(content)
-        elif role == "user":
-            out.append(USER + content)
-        elif role == "assistant":
-            out.append(ASSISTANT + END_THINK + content + EOS)
-        else:
-            raise TokenizerError(f"message {i}: unsupported role {role!r}")
-    if add_generation_prompt:
-        out.append(ASSISTANT + (THINK if thinking else END_THINK))
-    return "".join(out)
-
-
-def _effort(e):
-    """DeepSeek's mapping: None/low/medium/high -> high (no prompt change), xhigh/max -> max."""
-    if e is None:
-        return None
-    if e in ("low", "medium", "high", "none", "minimal"):
-        return "high"
-    if e in ("xhigh", "max"):
-        return "max"
-    raise TokenizerError(f"reasoning_effort must be one of low, medium, high, xhigh, max; got {e!r}")
-
-
-def _content(c, i) -> str:
-    if c is None:
-        return ""
-    if isinstance(c, str):
-        return c
-    if isinstance(c, list):                       # OpenAI content parts: keep the text parts
-        parts = []
-        for p in c:
-            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
-                raise TokenizerError(f"message {i}: only text content parts are supported")
-            parts.append(p["text"])
-        return "".join(parts)
-    raise TokenizerError(f"message {i}: content must be a string or a list of text parts")
+def render_chat(messages: list[dict], thinking: bool | None = False, reasoning_effort: str | None = None,
+                add_generation_prompt: bool = True, tools: list | None = None,
+                generation: str = "0731") -> str:
+    """DeepSeek-V4 encoding of a conversation as text, by DeepSeek's own encoder
+    (reference_model/chat_encoding.py, deepseek-recipe). thinking None = DeepSeek's default
+    (on)."""
+    from .chat_encoding import ChatEncodingError, ChatRequest, render
+    try:
+        return render(ChatRequest(messages, tools, thinking, reasoning_effort), generation,
+                      add_generation_prompt).text
+    except ChatEncodingError as e:
+        raise TokenizerError(str(e)) from None
 
 
 def load_tokenizer(path: str | Path | None = None) -> ChatTokenizer:

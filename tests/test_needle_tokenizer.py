@@ -2,9 +2,8 @@
 encoding (research dsv4-architecture §11)."""
 import pytest
 
-from reference_model.tokenizer import (ASSISTANT, BOS, DEFAULT_PATH, END_THINK, EOS,
-                                       REASONING_EFFORT_MAX_PREFIX, THINK, USER, TokenizerError,
-                                       build_tokenizer_json, load_tokenizer, render_chat)
+from reference_model.tokenizer import (ASSISTANT, BOS, DEFAULT_PATH, END_THINK, EOS, THINK, USER,
+                                       TokenizerError, build_tokenizer_json, load_tokenizer, render_chat)
 from reference_model import tiny
 
 
@@ -36,21 +35,19 @@ def test_digits_one_per_token(tok):
     assert tok.token_strs(tok.encode("x 9876543"))[-7:] == list("9876543")
 
 
-def test_chat_encoding_strings():
+def test_render_chat_is_deepseeks_encoder_with_explicit_thinking():
+    """The needle prompts' path (thinking given explicitly); the encoder itself is checked
+    against the research in test_chat_encoding.py."""
     msgs = [{"role": "system", "content": "SYS"}, {"role": "user", "content": "Q"}]
     assert render_chat(msgs) == BOS + "SYS" + USER + "Q" + ASSISTANT + END_THINK
-    assert render_chat(msgs, thinking=True) == BOS + "SYS" + USER + "Q" + ASSISTANT + THINK
-    # "max" effort adds the prefix in thinking mode only; "high" changes nothing
-    assert render_chat(msgs, True, "max") == BOS + REASONING_EFFORT_MAX_PREFIX + "SYS" + USER + "Q" + ASSISTANT + THINK
     assert render_chat(msgs, False, "max") == render_chat(msgs)
-    assert render_chat(msgs, True, "high") == render_chat(msgs, True)
     multi = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"},
              {"role": "user", "content": "C"}]
     assert render_chat(multi) == BOS + USER + "A" + ASSISTANT + END_THINK + "B" + EOS + USER + "C" + ASSISTANT + END_THINK
-    with pytest.raises(TokenizerError):
+    with pytest.raises(TokenizerError, match="tool_call_id"):
         render_chat([{"role": "tool", "content": "x"}])
-    with pytest.raises(TokenizerError):
-        render_chat(msgs, reasoning_effort="extreme")
+    with pytest.raises(TokenizerError, match="extreme"):
+        render_chat(msgs, True, reasoning_effort="extreme")
 
 
 def test_split_reasoning(tok):

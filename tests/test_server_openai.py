@@ -62,17 +62,19 @@ def test_completions_echo_logprobs_match_in_process_forward(client, tok):
 
 def test_chat_plain_and_thinking(client, tok):
     msgs = [{"role": "user", "content": "Where does the river run?"}]
-    r = client.chat.completions.create(model=DEFAULT.name, messages=msgs, max_tokens=2,
-                                       temperature=0, seed=3, logprobs=True, top_logprobs=2)
+    off = {"chat_template_kwargs": {"thinking": False}}
+    r = client.chat.completions.create(model=DEFAULT.name, messages=msgs, max_tokens=2, temperature=0,
+                                       seed=3, logprobs=True, top_logprobs=2, extra_body=off)
     m = r.choices[0].message
     assert isinstance(m.content, str) and (m.model_extra or {}).get("reasoning_content") is None
-    assert r.usage.prompt_tokens == len(tok.encode(render_chat(msgs)))
+    assert r.usage.prompt_tokens == len(tok.encode(render_chat(msgs, thinking=False)))
     assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
-    r = client.chat.completions.create(model=DEFAULT.name, messages=msgs, max_tokens=2, temperature=0,
-                                       extra_body={"chat_template_kwargs": {"thinking": True}})
+    # thinking not given: DeepSeek's default (on, effort high: the "Absolute maximum" preamble)
+    r = client.chat.completions.create(model=DEFAULT.name, messages=msgs, max_tokens=2, temperature=0)
     m = r.choices[0].message
     assert isinstance(m.model_extra["reasoning_content"], str)   # no </think> yet: all reasoning
-    assert r.usage.prompt_tokens == len(tok.encode(render_chat(msgs, thinking=True)))
+    assert r.usage.prompt_tokens == len(tok.encode(render_chat(msgs, thinking=None)))
+    assert r.usage.prompt_tokens > len(tok.encode(render_chat(msgs, thinking=True, reasoning_effort="low")))
 
 
 def test_prompts_exact_via_tokenize(url, tok):

@@ -79,7 +79,18 @@ def first_difference(golden: Taps, arm: Taps):
 
 def test_every_builtin_toggle_has_an_isolation_case():
     covered = {K.ToggleSet.parse(s).names[0] for s in FIRST_TAP}
-    assert covered == {t.name for t in K.all_toggles() if t.builtin}
+    assert covered == {t.name for t in K.all_toggles() if t.builtin and t.category != "request"}
+
+
+def test_request_toggles_leave_the_forward_untouched(setup):
+    """Request-level toggles act on how a chat becomes a prompt, never on the numerics."""
+    w, tokens, gtaps, gdec = setup
+    req = [t.name for t in K.all_toggles("request")]
+    assert len(req) == 5
+    for name in req:
+        taps = Taps("*")
+        Model(w, K.ToggleSet.parse(name).numerics()).extend(tokens, None, "all", taps)
+        assert first_difference(gtaps, taps)[0] is None, name
 
 
 @pytest.mark.parametrize("arm_text", list(FIRST_TAP))

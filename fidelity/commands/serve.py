@@ -29,6 +29,9 @@ def add_arguments(p):
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="largest logprobs / prompt_logprobs / top_logprobs a request may ask "
                         "for, -1 = the vocabulary (vLLM's --max-logprobs; default 20)")
+    p.add_argument("--generation", choices=("0731", "original"), default="0731",
+                   help="checkpoint generation whose reasoning-effort tiers the chat encoding "
+                        "uses (research engine-integration.md §3.2; default 0731)")
     p.add_argument("--log-level", default="warning")
 
 
@@ -54,7 +57,7 @@ def run(args) -> int:
     target = load_target(args.checkpoint, args.tokenizer)
     try:
         engine = Engine(target, arms, args.model_name, args.max_queue, args.max_logprobs,
-                        args.time_slice)
+                        args.time_slice, args.generation)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

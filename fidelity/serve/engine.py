@@ -13,7 +13,6 @@ import torch
 
 from reference_model import Model
 from reference_model.generate import Decoder, Sampling, Scoring
-from reference_model.tokenizer import TokenizerError
 
 from .errors import ApiError, model_not_found
 from .fields import Fields
@@ -49,7 +48,8 @@ def parse_arm_options(values: list[str]) -> list[tuple[str | None, str]]:
 
 class Engine:
     def __init__(self, target, arms: list[tuple[str | None, object]], model_name: str | None = None,
-                 max_jobs: int = 256, max_logprobs: int = 20, time_slice: float = 1.0):
+                 max_jobs: int = 256, max_logprobs: int = 20, time_slice: float = 1.0,
+                 generation: str = "0731"):
         if not arms:
             raise ValueError("no arm to serve")
         self.target, self.tok = target, target.tokenizer
@@ -58,6 +58,7 @@ class Engine:
         self.max_model_len = self.cfg.max_seq_len
         self.max_logprobs = self.vocab if max_logprobs == -1 else max_logprobs
         self.model_name = model_name or target.name
+        self.generation = generation
         cache: dict = {}
         self.arms: dict[str, ServedArm] = {}
         for name, arm in arms:
@@ -115,12 +116,10 @@ class Engine:
         raise ApiError(f"{field} must be a string, a list of token ids, or a one-element list of "
                        "either (one prompt per request)", field)
 
-    def chat_prompt(self, body: dict) -> tuple[str, bool]:
-        """The chat's prompt text in DeepSeek-V4's encoding, and whether thinking is on."""
-        f = Fields(body)
-        kw = body.get("chat_template_kwargs") or {}
-        if not isinstance(kw, dict):
-            raise ApiError("chat_template_kwargs must be an object", "chat_template_kwargs")
+    def chat_prompt(self, body: dict, served: ServedArm | None = None) -> tuple[str, bool]:
+        """The chat's prompt text and whether thinking is on, as the served arm reads and
+        renders it (its request-level toggles; golden: DeepSeek's own encoder)."""
+        nx = (served or self.default).model.nx
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise ApiError("messages must be a non-empty list of messages", "messages")
@@ -132,18 +131,15 @@ class Engine:
             if m.get("role") == "assistant" and m.get("content") is None and not m.get("tool_calls"):
                 raise ApiError(f"messages[{i}] (assistant) has neither content nor tool_calls",
                                "messages")
-        thinking = kw.get("thinking", kw.get("enable_thinking"))
-        th = body.get("thinking")                       # DeepSeek API style {"type": "enabled"}
-        if thinking is None and isinstance(th, dict):
-            thinking = th.get("type") == "enabled"
-        thinking = bool(thinking)
-        effort = f.string("reasoning_effort", kw.get("reasoning_effort"))
-        add_gen = f.flag("add_generation_prompt", True)
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise ApiError("tools must be a list of tool definitions", "tools")
+        add_gen = Fields(body).flag("add_generation_prompt", True)
         try:
-            text = self.tok.render_chat(msgs, thinking, effort, add_gen).text
-        except TokenizerError as e:
+            r = nx.chat_render(nx.chat_request(body), self.generation, add_gen)
+        except ValueError as e:
             raise ApiError(str(e), "messages") from None
-        return text, thinking
+        return r.text, r.thinking
 
     # ---- captures -----------------------------------------------------------------------
     def captures(self, taps, indexer: bool, experts: bool, experts_from: int = 0) -> dict:
@@ -185,6 +181,7 @@ class Engine:
                                 "compute_dtype": str(getattr(s.model.nx, "cd", ""))}
                          for s in self.arms.values()},
                 "logprobs": "raw (before temperature, bias and truncation)",
+                "chat_encoding": f"deepseek-recipe, generation {self.generation}",
                 "scheduler": self.scheduler.snapshot()}
 
 

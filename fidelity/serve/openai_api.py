@@ -174,7 +174,7 @@ class OpenAIRoutes:
         _common(f)
         stream = f.flag("stream")
         usage_chunk = _stream_options(f, stream)
-        text, thinking = self.e.chat_prompt(body)
+        text, thinking = self.e.chat_prompt(body, served)
         ids = self.tok.encode(text)
         mt = body.get("max_completion_tokens", body.get("max_tokens"))
         max_tokens = DEFAULT_CHAT_MAX_TOKENS if mt is None else Fields({"max_tokens": mt}).integer(

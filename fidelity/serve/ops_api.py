@@ -28,7 +28,7 @@ class OpsRoutes:
         body = await read_json(request)
         f = Fields(body)
         if "messages" in body:
-            text, _ = self.e.chat_prompt(body)
+            text, _ = self.e.chat_prompt(body, self.e.resolve(body.get("model")))
         else:
             text = f.string("prompt", None)
             text = f.string("text", None) if text is None else text

@@ -1,0 +1,1 @@
+"""`fidelity chat-check`: request-level fidelity (cases, probe, check, report)."""

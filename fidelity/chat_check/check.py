@@ -1,0 +1,141 @@
+"""One case: the reference rendering (DeepSeek's encoder, the chosen checkpoint
+generation) tokenized by the engine's own raw-text tokenizer, against the ids the engine
+gives the same chat request; verdict per case:
+
+  identical     same ids
+  documented    differs, but exactly as the named engine profile's documented reading
+                (request toggles chat_sglang_0523 / chat_vllm_033) renders it
+  differs       the first differing token with decoded context on both sides, and what
+                the thinking state / effort preamble became (e.g. "medium -> no thinking")
+  same-count    only counts were available and they agree (a weak check)
+  error         the engine refused the request (reported, the run goes on)
+  undefined     the request has no reference for this generation (original + low/medium/xhigh)"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernel_toggles import ToggleSet
+from reference_model import Numerics
+from reference_model.chat_encoding import ChatEncodingError, preamble_of, thinking_of
+
+from fidelity.kld.endpoint import EndpointError
+
+PROFILES = {"sglang": "chat_sglang_0523", "vllm": "chat_vllm_033"}
+CONTEXT = 8                                     # tokens of decoded context on each side
+SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>")
+
+
+class TokenizerMismatch(RuntimeError):
+    pass
+
+
+@dataclass
+class Reference:
+    text: str
+    thinking: bool
+    preamble: str
+
+
+def reference(case, generation: str, nx=None) -> Reference | None:
+    """The reference rendering (or, with `nx`, that arm's rendering) of a case; None when
+    the generation does not define it."""
+    nx = nx or Numerics("reference")
+    try:
+        r = nx.chat_render(nx.chat_request(case.body()), generation)
+    except ChatEncodingError as e:
+        if "not defined for the original" in str(e):
+            return None
+        raise
+    return Reference(r.text, r.thinking, r.preamble)
+
+
+def profile_numerics(engine_profile: str | None):
+    if engine_profile is None:
+        return None
+    return ToggleSet.parse(PROFILES[engine_profile]).numerics()
+
+
+def check_specials(probe) -> None:
+    """The engine's raw-text tokenizer must know DeepSeek-V4's special tokens; otherwise
+    nothing rendered by the reference can be compared."""
+    bad = []
+    for s in SPECIALS:
+        ids = probe.raw_ids(s)
+        if ids is not None and len(ids) != 1:
+            bad.append(f"{s} -> {len(ids)} tokens")
+    if bad:
+        raise TokenizerMismatch("the engine's tokenizer does not encode DeepSeek-V4's special tokens as "
+                                f"single tokens ({'; '.join(bad)}): it is not the reference's tokenizer, "
+                                "so its prompts cannot be compared with the reference rendering")
+    local = probe.local
+    if local is not None and probe.raw_route:
+        probe_text = SPECIALS[0] + "Tokenizer probe: 12345, naïve café."
+        a, b = probe.raw_ids(probe_text), local.encode(probe_text)
+        if a != b:
+            raise TokenizerMismatch(f"the engine tokenizes a probe text to {a[:12]}..., our tokenizer "
+                                    f"({local.name}) to {b[:12]}...: pass the served model's --tokenizer")
+
+
+def state(thinking: bool | None, preamble: str) -> str:
+    if thinking is False:
+        return "no thinking"
+    if thinking is None:
+        return "no generation header"
+    return "thinking" + (f", {preamble.replace('-', ' ')} preamble" if preamble else ", no preamble")
+
+
+def run_case(case, probe, generation: str, profile_nx=None) -> dict:
+    row = {"case": case.id, "kind": case.kind, "thinking_sent": case.thinking, "effort_sent": case.effort,
+           "tools": bool(case.tools)}
+    ref = reference(case, generation)
+    if ref is None:
+        return {**row, "status": "undefined", "detail": f"effort {case.effort!r} has no reference in the "
+                f"{generation} generation"}
+    row["reference_state"] = state(ref.thinking, ref.preamble)
+    try:
+        ids, count = probe.chat_ids(case)
+        ref_ids = probe.raw_ids(ref.text)
+    except EndpointError as e:
+        return {**row, "status": "error", "detail": str(e)[:300]}
+    row.update(engine_tokens=count, reference_tokens=None if ref_ids is None else len(ref_ids))
+    if ids is None:
+        same = ref_ids is not None and count == len(ref_ids)
+        return {**row, "status": "same-count" if same else "differs",
+                "detail": f"only counts: engine {count}, reference {row['reference_tokens']} (weak check)"}
+    if ids == ref_ids:
+        return {**row, "status": "identical", "engine_state": row["reference_state"], "detail": ""}
+    eng_text = probe.decode(ids)
+    row["engine_state"] = state(thinking_of(eng_text), preamble_of(eng_text))
+    j = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), min(len(ids), len(ref_ids)))
+    lo = max(0, j - CONTEXT)
+    became = (f"{case.effort or 'absent'} effort, thinking {'absent' if case.thinking is None else case.thinking}: "
+              f"{row['reference_state']} -> {row['engine_state']}")
+    detail = (f"first difference at token {j} (engine {len(ids)} tokens, reference {len(ref_ids)}); "
+              f"engine: ...{probe.decode(ids[lo:j + CONTEXT])!r}; reference: ...{probe.decode(ref_ids[lo:j + CONTEXT])!r}")
+    if case.tools and "｜DSML｜" not in eng_text:
+        detail += "; tools are not in DeepSeek-V4's DSML format"
+    row.update(first_diff=j, became=became, detail=detail, status="differs")
+    if profile_nx is not None:
+        exp = reference(case, generation, profile_nx)
+        if exp is not None and probe.raw_ids(exp.text) == ids:
+            row["status"] = "documented"
+    return row
+
+
+def behaviour(case, probe, ref: Reference | None) -> str:
+    """'ok', or what is wrong with a short completion of the case: reasoning_content
+    missing when thinking should be on (or present when off), a tool round trip refused."""
+    if ref is None:
+        return "ok"
+    r = probe.complete(case)
+    if "error" in r:
+        return f"completion failed: {r['error'][:200]}"
+    try:
+        msg = r["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError):
+        return f"malformed completion: {str(r)[:200]}"
+    if ref.thinking and msg.get("reasoning_content") is None:
+        return "thinking should be on but the response has no reasoning_content"
+    if not ref.thinking and msg.get("reasoning_content"):
+        return "thinking should be off but the response has reasoning_content"
+    return "ok"

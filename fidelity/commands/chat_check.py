@@ -1,0 +1,74 @@
+"""`fidelity chat-check`: does the engine render chat requests the way DeepSeek does?"""
+from __future__ import annotations
+
+import sys
+import time
+
+HELP = ("Check that an engine renders chat requests (system, tools, thinking, reasoning effort, "
+        "multi-turn, tool results) exactly as DeepSeek's own encoder does; exit 1 on any "
+        "undocumented difference.")
+
+
+def add_arguments(p):
+    p.add_argument("--endpoint", required=True, metavar="URL", help="the server (root or /v1 URL)")
+    p.add_argument("--model", default=None, help="model name (default: the first listed)")
+    p.add_argument("--generation", choices=("0731", "original"), default="0731",
+                   help="checkpoint generation of the reference's effort tiers (research §3.2)")
+    p.add_argument("--engine-profile", choices=("sglang", "vllm"), default=None,
+                   help="differences this engine is documented to make count as 'documented', not failures")
+    p.add_argument("--tokenizer", default=None,
+                   help="the served model's tokenizer.json: checks the engine's tokenizer and stands "
+                        "in when the engine has no tokenize route (default: the embedded one)")
+    p.add_argument("--no-behaviour", action="store_true",
+                   help="skip the short completions (reasoning_content present, tool round trip)")
+    p.add_argument("--out", default="reports", help="writes <out>/chat-check/<run-id>/")
+    p.add_argument("--run-id", default=None)
+    p.add_argument("--retries", type=int, default=2)
+    p.add_argument("--quiet", action="store_true")
+
+
+def run(args) -> int:
+    from needle.http import RetryPolicy
+    from fidelity.chat_check import report
+    from fidelity.chat_check.cases import all_cases
+    from fidelity.chat_check.check import (TokenizerMismatch, behaviour, check_specials, profile_numerics,
+                                           reference, run_case)
+    from fidelity.chat_check.probe import WEAK, ChatProbe, ProbeError
+    from fidelity.kld.endpoint import Endpoint, EndpointError
+    from fidelity.progress import Progress
+    from reference_model.tokenizer import load_tokenizer
+
+    progress = Progress(args.quiet)
+    try:
+        tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        ep = Endpoint("engine", args.endpoint, "openai", args.model,
+                      RetryPolicy(retries=args.retries, timeout=300.0)).connect()
+        probe = ChatProbe(ep, tok or load_tokenizer())
+        cases = all_cases()
+        prof = profile_numerics(args.engine_profile)
+        check_specials(probe)
+        rows = []
+        with progress.task("chat-check", len(cases)) as advance:
+            for c in cases:
+                row = run_case(c, probe, args.generation, prof)
+                if not args.no_behaviour and (c.kind != "matrix" or (c.effort is None and not c.tags["system"])):
+                    row["behaviour"] = behaviour(c, probe, reference(c, args.generation))
+                rows.append(row)
+                advance(1, c.id)
+    except (EndpointError, ProbeError, TokenizerMismatch, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    meta = {"endpoint": ep.describe(), "server": ep.info, "generation": args.generation,
+            "engine_profile": args.engine_profile, "method": probe.method,
+            "weak": probe.method == WEAK, "raw_tokenizer": probe.raw_route or f"local {probe.local.name}",
+            "command": " ".join(sys.argv)}
+    path, failed = report.write(rows, meta, args.out, args.run_id or time.strftime("chat-check-%Y%m%d-%H%M%S"))
+    counts = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    print(", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+          + (f"; behaviour problems {sum(1 for r in rows if r.get('behaviour', 'ok') != 'ok')}" if not args.no_behaviour else ""))
+    if probe.method == WEAK:
+        print("note: the engine exposes no prompt token ids; counts only (a weaker check)")
+    print(f"report: {path}")
+    return 1 if failed else 0

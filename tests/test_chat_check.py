@@ -1,0 +1,123 @@
+"""`fidelity chat-check` against real `fidelity serve` processes: with no request toggle
+every case renders as DeepSeek's encoder; each request toggle alone is flagged on exactly
+the cases it changes (the expected set derived here from research engine-integration.md
+§3.3's rules, not from our renderer); an engine profile turns SGLang's documented reading
+into 'documented'; bad input: no tokenize route (counts, weaker), a tokenizer mismatch
+(stops), a server that errors on tools (reported per case, the run goes on)."""
+import json
+
+import pandas as pd
+import pytest
+
+from fidelity.chat_check.cases import all_cases
+from fidelity.cli import main
+
+from needle_util import served
+
+CASES = {c.id: c for c in all_cases()}
+
+
+def _run(tmp_path, url, run_id, *extra):
+    rc = main(["chat-check", "--endpoint", url, "--out", str(tmp_path), "--run-id", run_id, "--quiet", *extra])
+    rep = tmp_path / "chat-check" / run_id
+    return rc, (pd.read_csv(rep / "cases.csv") if (rep / "cases.csv").exists() else None), rep
+
+
+def _thinking(c) -> bool:
+    """§3.3: thinking omitted -> on; effort none turns it off unless thinking is enabled."""
+    if c.thinking is not None:
+        return c.thinking
+    return c.effort != "none"
+
+
+def _preamble(c) -> bool:
+    """§3.3: with thinking on, absent/medium/high/xhigh/max (and none with thinking enabled)
+    render a preamble; minimal/low do not."""
+    return _thinking(c) and c.effort not in ("low", "minimal")
+
+
+EXPECTED = {
+    "thinking_default_off": lambda c: c.thinking is None and c.effort != "none",
+    "effort_medium_dropped": lambda c: c.effort == "medium" and c.thinking is not False,
+    # V3.2's template: other tool format, no preamble, thinking only when asked for
+    "chat_template_v32": lambda c: bool(c.tools) or _preamble(c) or (c.thinking is None and _thinking(c)),
+}
+
+
+@pytest.fixture(scope="module")
+def servers():
+    with served("golden", *EXPECTED, "chat_sglang_0523") as urls:
+        yield dict(zip(["golden", *EXPECTED, "chat_sglang_0523"], urls))
+
+
+def test_golden_server_renders_every_case_like_the_reference(tmp_path, servers):
+    rc, df, rep = _run(tmp_path, servers["golden"], "golden")
+    assert rc == 0 and len(df) == len(CASES) == 93
+    assert set(df.status) == {"identical"}
+    checked = df.behaviour.dropna()
+    assert len(checked) >= 9 and (checked == "ok").all()
+    m = json.loads((rep / "manifest.json").read_text())
+    assert m["meta"]["method"] == "sglang-tokenize" and not m["failed"]
+
+
+@pytest.mark.parametrize("toggle", list(EXPECTED))
+def test_each_request_toggle_is_flagged_on_exactly_its_cases(tmp_path, servers, toggle):
+    rc, df, _ = _run(tmp_path, servers[toggle], toggle, "--no-behaviour")
+    flagged = set(df[df.status == "differs"].case)
+    want = {cid for cid, c in CASES.items() if EXPECTED[toggle](c)}
+    assert rc == 1 and flagged == want and set(df.status) == {"identical", "differs"}
+    row = df[df.case == "nosys-notools-think=on-effort=medium"].iloc[0]
+    if toggle == "effort_medium_dropped":
+        assert row.became.endswith("-> no thinking") and "medium" in row.became
+    if toggle == "chat_template_v32":
+        assert "not in DeepSeek-V4's DSML" in df[df.case == "tool-round-trip-think=on"].iloc[0].detail
+
+
+def test_engine_profile_marks_documented_behaviour(tmp_path, servers):
+    rc, df, _ = _run(tmp_path, servers["chat_sglang_0523"], "sg", "--no-behaviour")
+    assert rc == 1 and (df.status == "differs").sum() > 0
+    rc, df, _ = _run(tmp_path, servers["chat_sglang_0523"], "sg-doc", "--no-behaviour", "--engine-profile", "sglang")
+    assert rc == 0 and set(df.status) == {"identical", "documented"}
+
+
+def test_no_tokenize_route_falls_back_to_counts(tmp_path, capsys):
+    from needle.stub import StubServer
+    from reference_model.tokenizer import load_tokenizer
+    s = StubServer(tokenize=False, tokenizer=load_tokenizer()).start()      # counts only
+    try:
+        rc, df, rep = _run(tmp_path, f"http://127.0.0.1:{s.port}/v1", "stub", "--no-behaviour")
+    finally:
+        s.stop()
+    out = capsys.readouterr().out
+    assert "counts only (a weaker check)" in out
+    m = json.loads((rep / "manifest.json").read_text())
+    assert m["meta"]["method"] == "usage-count" and m["meta"]["weak"] and "weaker check" in m["verdict"]
+    assert set(df.status) <= {"same-count", "differs"} and (df.status == "same-count").any()
+
+
+def test_tokenizer_mismatch_stops(tmp_path, capsys):
+    from reference_model.tokenizer import build_tokenizer_json
+    other = tmp_path / "other.json"
+    other.write_text(build_tokenizer_json("the river runs under the old stone bridge " * 40, 300))
+    with served("golden", extra=("--tokenizer", str(other))) as (u,):
+        rc, df, _ = _run(tmp_path, u, "mismatch")
+    assert rc == 2 and df is None
+    assert "pass the served model's --tokenizer" in capsys.readouterr().err
+
+
+def test_server_erroring_on_tools_is_reported_per_case(tmp_path):
+    plugin = tmp_path / "no_tools.py"
+    plugin.write_text(
+        "from kernel_toggles import toggle\n"
+        "@toggle('tools_refused', kernel='chat_request', category='request', wraps=True,\n"
+        "        description='A deployment whose chat route refuses tools.')\n"
+        "def _refuse(golden, body):\n"
+        "    if body.get('tools'):\n"
+        "        raise ValueError('tools are not supported by this deployment')\n"
+        "    return golden.chat_request(body)\n")
+    with served("tools_refused", extra=("--plugin", str(plugin))) as (u,):
+        rc, df, _ = _run(tmp_path, u, "tools", "--no-behaviour")
+    err = df[df.status == "error"]
+    assert rc == 1 and set(err.case) == {cid for cid, c in CASES.items() if c.tools}
+    assert err.detail.str.contains("tools are not supported").all()
+    assert (df.status == "identical").sum() == len(CASES) - len(err)
