@@ -1,10 +1,16 @@
 """`fidelity inspect CHECKPOINT`: a DeepSeek-native checkpoint's config, per-layer schedule,
 tensor counts per dtype and total size, read from config.json and the shard headers only
-(no tensor data is loaded, so it is instant on a 160 GB checkpoint)."""
+(no tensor data is loaded, so it is instant on a 160 GB checkpoint). A folder holding only
+a config.json (no safetensors yet) shows the schedule and the tensor table a checkpoint
+for that config must have, with sizes (reference_model.checkpoint_format.expected_entries)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
+from pathlib import Path
+
+from reference_model.checkpoint_format import INDEX_NAME, expected_entries
 
 HELP = "show a checkpoint's config, layer schedule and tensor table (headers only)"
 
@@ -12,6 +18,9 @@ HELP = "show a checkpoint's config, layer schedule and tensor table (headers onl
 def add_arguments(p):
     p.add_argument("checkpoint", help="checkpoint directory (config.json + safetensors shards)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--all-tensors", action="store_true",
+                   help="config-only folder: list every expected entry, not one row per tensor "
+                        "kind (layers and experts folded)")
 
 
 def _size(n: int) -> str:
@@ -80,8 +89,116 @@ def render(s: dict) -> str:
     return "\n".join(L)
 
 
+# ---- a folder with only a config.json --------------------------------------------------------
+def _config_file(root: Path) -> Path | None:
+    for p in (root / "config.json", root / "inference" / "config.json"):
+        if p.is_file():
+            return p
+    return None
+
+
+def is_config_only(path) -> bool:
+    """A directory with a config.json (or inference/config.json) and no safetensors file."""
+    root = Path(path)
+    return (root.is_dir() and _config_file(root) is not None
+            and not any(root.glob("*.safetensors")) and not (root / INDEX_NAME).exists())
+
+
+def _pattern(name: str) -> str:
+    """`layers.7.ffn.experts.12.w1.weight` -> `layers.*.ffn.experts.*.w1.weight`."""
+    return re.sub(r"^layers\.\d+\.", "layers.*.", re.sub(r"\.experts\.\d+\.", ".experts.*.", name))
+
+
+def config_summary(root: Path, all_tensors: bool = False) -> dict:
+    """What a checkpoint for this folder's config holds: schedule with tensors and bytes per
+    layer, entries by dtype, and the entry table (folded over layers and experts: one row
+    per name pattern, dtype and shape, with its count)."""
+    from reference_model.checkpoint_read import _quant_problems
+    from reference_model.config import ConfigError, ModelConfig
+    cfg_file = _config_file(root)
+    try:
+        raw = json.loads(cfg_file.read_text())
+        if not isinstance(raw, dict):
+            raise ConfigError("not a JSON object")
+        cfg = ModelConfig.from_dict(raw, name=root.name or "custom")
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ConfigError(f"{cfg_file} is invalid: {e}") from None
+    ents = expected_entries(cfg)
+    per_layer: dict[int, list[int]] = {}
+    dtypes: dict[str, list[int]] = {}
+    table: dict[tuple, list[int]] = {}
+    for e in ents.values():
+        if e.name.startswith("layers."):
+            c = per_layer.setdefault(int(e.name.split(".")[1]), [0, 0])
+            c[0] += 1
+            c[1] += e.nbytes
+        d = dtypes.setdefault(e.dtype, [0, 0])
+        d[0] += 1
+        d[1] += e.nbytes
+        key = (e.name if all_tensors else _pattern(e.name), e.dtype, tuple(e.shape))
+        t = table.setdefault(key, [0, 0])
+        t[0] += 1
+        t[1] += e.nbytes
+    sched = [{**row, "tensors": per_layer.get(row["layer"], (0, 0))[0],
+              "bytes": per_layer.get(row["layer"], (0, 0))[1]} for row in cfg.schedule()]
+    return {
+        "checkpoint": str(root),
+        "config_file": str(cfg_file),
+        "config_only": True,
+        "config": cfg.to_dict(),
+        "schedule": sched,
+        "dtypes": {k: {"tensors": n, "bytes": b} for k, (n, b) in sorted(dtypes.items())},
+        "tensors": [{"name": n, "dtype": d, "shape": list(shp), "count": c, "bytes": b}
+                    for (n, d, shp), (c, b) in table.items()],
+        "total_tensors": len(ents),
+        "total_bytes": sum(e.nbytes for e in ents.values()),
+        "problems": _quant_problems(raw),
+    }
+
+
+def render_config_only(s: dict) -> str:
+    L = [f"checkpoint: {s['checkpoint']} (config only: no safetensors files; the tables are "
+         "what a checkpoint for this config holds)",
+         f"config:     {s['config_file']}", "", "## config", ""]
+    for k, v in s["config"].items():
+        L.append(f"  {k:<22} {v}")
+    L += ["", "## layer schedule (expected tensors)", "",
+          "| layer | kind | ratio | routing | rope_theta | yarn | tensors | size |",
+          "|---:|---|---:|---|---:|---|---:|---:|"]
+    for r in s["schedule"]:
+        L.append(f"| {r['layer']} | {r['kind']} | {r['ratio']} | {r['routing']} | "
+                 f"{r['rope_theta']:g} | {'yes' if r['yarn'] else 'no'} | {r['tensors']} | "
+                 f"{_size(r['bytes'])} |")
+    L += ["", "## expected tensors", "",
+          "| tensor | dtype | shape | count | bytes each | bytes | size |",
+          "|---|---|---|---:|---:|---:|---:|"]
+    for t in s["tensors"]:
+        L.append(f"| {t['name']} | {t['dtype']} | {t['shape']} | {t['count']} | "
+                 f"{t['bytes'] // t['count']} | {t['bytes']} | {_size(t['bytes'])} |")
+    L += ["", "## expected tensors by dtype", "", "| dtype | tensors | bytes | size |",
+          "|---|---:|---:|---:|"]
+    for k, d in s["dtypes"].items():
+        L.append(f"| {k} | {d['tensors']} | {d['bytes']} | {_size(d['bytes'])} |")
+    L.append(f"| **total** | {s['total_tensors']} | {s['total_bytes']} | {_size(s['total_bytes'])} |")
+    if s["problems"]:
+        L += ["", f"INVALID: {len(s['problems'])} problem(s):"] + [f"  - {p}" for p in s["problems"]]
+    else:
+        L += ["", "config valid; no shards to check (`fidelity plan-memory --checkpoint DIR` "
+              "plans the memory for it)"]
+    return "\n".join(L)
+
+
 def run(args) -> int:
     from reference_model.checkpoint import CheckpointError, scan_checkpoint
+    from reference_model.config import ConfigError
+    if is_config_only(args.checkpoint):
+        try:
+            s = config_summary(Path(args.checkpoint), args.all_tensors)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(s, indent=2) if args.json else render_config_only(s))
+        return 1 if s["problems"] else 0
     try:
         info = scan_checkpoint(args.checkpoint, strict=False)
     except CheckpointError as e:

@@ -1,0 +1,78 @@
+"""`fidelity plan-memory`: will a lockstep run fit on these devices? Bytes per device for
+weights, dequantisation buffers, per-sequence state, residual streams, logits and workspace,
+from the config alone (fidelity/plan_memory.py has the formulas). Exit 0 if it fits, 1 if
+not (with what would fit), 2 on bad input."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HELP = ("Plan memory per device for a run (weights, dequant buffers, KV/compressor/indexer "
+        "state, residual streams, logits) from the config alone; exit 0 fits, 1 does not, 2 bad input")
+
+
+def add_arguments(p):
+    from fidelity.plan_memory import (DEQUANT_MODES, LOGITS_MODES, PROFILES,
+                                      WEIGHT_MODES)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="DIR",
+                     help="checkpoint directory (only its config.json is read)")
+    src.add_argument("--config", metavar="FILE", help="a config.json (HF or inference/ dialect)")
+    src.add_argument("--preset", choices=("flash", "tiny"), help="a built-in config")
+    p.add_argument("--devices", default="cpu",
+                   help="comma-separated cpu / cuda / cuda:N; layers are placed contiguously "
+                        "over them in this order (default: cpu)")
+    p.add_argument("--device-memory", metavar="SIZE",
+                   help="memory per device, e.g. 96GB (1e9) or 141GiB (2^30); one value for all "
+                        "or one per device, comma-separated. Required for cpu; for CUDA devices "
+                        "read from torch.cuda when omitted")
+    p.add_argument("--length", type=int, required=True,
+                   help="tokens per sequence (prompt + decode steps)")
+    p.add_argument("--prompts", type=int, default=1, help="prompts per pass (default 1)")
+    p.add_argument("--arms", type=int, default=1, help="arms run in lockstep (default 1)")
+    p.add_argument("--weights", choices=WEIGHT_MODES, default="resident-quantised",
+                   help="resident-quantised: checkpoint format on the device, layers dequantised "
+                        "on use; resident-bf16: dequantised weights resident; streamed: one layer "
+                        "resident at a time (default resident-quantised)")
+    p.add_argument("--dequant", choices=DEQUANT_MODES, default="full",
+                   help="resident-quantised dequant buffer: the whole layer, or only the routed "
+                        "experts a pass can reach (default full)")
+    p.add_argument("--profile", choices=PROFILES, default="reference",
+                   help="numerics profile: the dtypes the state is kept in (reference: fp64 "
+                        "compute; reference-fp32; exact) (default reference)")
+    p.add_argument("--logits", choices=LOGITS_MODES, default="all",
+                   help="prefill logits for every position (the lockstep's KLD) or the last only")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def load_config(args):
+    """The config named by --checkpoint / --config / --preset (ConfigError on failure)."""
+    from reference_model.config import ConfigError, ModelConfig, preset
+    if args.preset:
+        return preset(args.preset)
+    if args.config:
+        return ModelConfig.from_file(args.config)
+    root = Path(args.checkpoint)
+    if not root.is_dir():
+        raise ConfigError(f"checkpoint directory does not exist: {root}")
+    for p in (root / "config.json", root / "inference" / "config.json"):
+        if p.is_file():
+            cfg = ModelConfig.from_file(p)
+            return cfg if cfg.name != "inference" else cfg.replace(name=root.name)
+    raise ConfigError(f"{root}: no config.json (or inference/config.json)")
+
+
+def run(args) -> int:
+    from fidelity.plan_memory import PlanError, plan_memory, render
+    from reference_model.config import ConfigError
+    try:
+        cfg = load_config(args)
+        mem = args.device_memory.split(",") if args.device_memory else None
+        plan = plan_memory(cfg, args.devices, args.length, args.prompts, args.arms, args.weights,
+                           mem, profile=args.profile, dequant=args.dequant, logits=args.logits)
+    except (PlanError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))
+    return 0 if plan.fits else 1

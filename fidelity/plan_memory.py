@@ -1,0 +1,580 @@
+"""Memory plan for a lockstep run of the golden model on a set of devices, from the config
+alone (shape arithmetic over the tensor table; nothing is loaded or allocated).
+
+`plan_memory(cfg, devices, length, prompts, arms, weights_mode, device_memory)` places the
+layers contiguously over the devices (pipeline placement, weight bytes balanced; embed on
+the first device, the head on the last) and returns a `MemoryPlan`: bytes per device for
+
+  weights    resident weights: `resident-quantised` = checkpoint-format bytes (FP8 e4m3 +
+             E8M0 128x128 scales, FP4 e2m1 two per byte + E8M0 per 32, bf16, f32, i64);
+             `resident-bf16` = the in-memory format of reference_model/weights.py (FP8/FP4
+             dequantised to bf16, f32 and i64 as stored); `streamed` = the globals placed on
+             the device + its largest layer in the in-memory format (StreamingWeights keeps
+             one layer resident).
+  dequant    dequantisation buffer (resident-quantised only): the FP8/FP4 tensors of the
+             device's largest layer dequantised to bf16 (bf16/f32/i64 tensors are used in
+             place). With `dequant="expert-sparse"`, MoE layers dequantise the non-expert
+             FP8 tensors + the shared expert + only the routed experts one pass can reach:
+             min(n_routed_experts, tokens in the pass x n_activated_experts).
+  state      per-sequence state of the device's layers (`sequence_state_bytes`) x prompts x
+             arms: window KV rows, compressed KV entries, compressor partial windows, indexer
+             keys, each in the dtype the numerics profile keeps it in.
+  streams    the residual stream [length, hc_mult, dim] in the storage dtype, held for every
+             (prompt, arm) of the pass, + 2 in flight (a layer's output chunks and their
+             concatenation, for the one arm being computed).
+  logits     last device: [length, vocab] fp32 x arms (the lockstep runs the head one prompt
+             at a time and compares every arm's prefill logits; `logits="last"` keeps one
+             row per arm).
+  workspace  transient, one (prompt, arm) at a time (an estimate): the device's largest
+             weight tensor converted to the compute dtype (the GEMM kernels convert weights
+             per call), one attention gather (attn_budget elements) and one chunk's q / o
+             [chunk, n_heads, head_dim] with their RoPE'd copies in the compute dtype, and on
+             the last device one sequence's logits in the compute dtype before the fp32 cast.
+
+Prompts x arms sequences are planned as one pass (layer-major: every prompt and arm runs
+layer i before any runs layer i+1, so every sequence's state and stream is held at once).
+`length` is the tokens per sequence (prompt + decode steps). Placement `balanced` (default)
+splits the layers so per-device weight bytes (with the globals) are as even as possible;
+`even` is Model(devices=...)'s rule, layer i on device i·D // n_layers."""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+from reference_model.checkpoint_format import disk_entries
+from reference_model.config import ModelConfig
+from reference_model.placement import MEM_BYTES, place_layers
+
+from .sizes import parse_bytes
+from reference_model.specs import BF16, F32, FP4, FP8, I64, TensorSpec, global_specs, layer_specs
+
+WEIGHT_MODES = ("resident-quantised", "resident-bf16", "streamed")
+DEQUANT_MODES = ("full", "expert-sparse")
+PROFILES = ("reference", "reference-fp32", "exact")
+LOGITS_MODES = ("all", "last")
+FIRST_GLOBALS = ("embed.weight",)               # the rest of the globals go with the head
+GiB = 1 << 30
+
+# bytes per element of each checkpoint format in memory (reference_model/weights.py:
+# FP8/FP4 dequantised to bf16, everything else as stored)
+
+
+class PlanError(ValueError):
+    """Bad input to a memory plan (device string, length, counts, config, size)."""
+
+
+# ---- input parsing --------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+
+
+def parse_devices(text: str | list[str]) -> list[str]:
+    """'cpu', 'cuda', 'cuda:N' separated by commas; 'cuda' means cuda:0. A CUDA device may
+    be listed once (cpu may repeat: several host-memory budgets)."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out = []
+    for raw in items:
+        d = raw.strip().lower()
+        if d == "cuda":
+            d = "cuda:0"
+        if d != "cpu" and not re.fullmatch(r"cuda:\d+", d):
+            raise PlanError(f"unknown device {raw.strip()!r}: use cpu, cuda or cuda:N "
+                            "(comma-separated, e.g. cuda:0,cuda:1)")
+        if d != "cpu" and d in out:
+            raise PlanError(f"device {d} is listed twice")
+        out.append(d)
+    if not out:
+        raise PlanError("no devices given")
+    return out
+
+
+def device_budgets(devices: list[str], device_memory) -> list[int]:
+    """Bytes available on each device: `device_memory` as one size for every device, a list
+    (one per device), or None = read from torch.cuda (CUDA devices only)."""
+    if device_memory is not None:
+        vals = device_memory if isinstance(device_memory, (list, tuple)) else [device_memory]
+        vals = [parse_size(v) if isinstance(v, str) else int(v) for v in vals]
+        if len(vals) == 1:
+            vals = vals * len(devices)
+        if len(vals) != len(devices):
+            raise PlanError(f"{len(vals)} device memory sizes for {len(devices)} devices")
+        if any(v <= 0 for v in vals):
+            raise PlanError("device memory must be positive")
+        return vals
+    if "cpu" in devices:
+        raise PlanError("--device-memory is required for cpu devices (the host-memory budget)")
+    try:
+        import torch
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:                                  # noqa: BLE001 - no usable CUDA
+        n = 0
+    out = []
+    for d in devices:
+        i = int(d.split(":")[1])
+        if i >= n:
+            raise PlanError(f"{d} is not visible (torch.cuda.device_count() = {n}); "
+                            "pass --device-memory to plan for it")
+        out.append(int(torch.cuda.get_device_properties(i).total_memory))
+    return out
+
+
+# ---- dtypes ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StateDtypes:
+    """Bytes per element of what a numerics profile keeps between steps."""
+    kv: int            # window KV rows and compressed KV entries
+    compressor: int    # compressor partial window (kv and score rows)
+    index_keys: int    # indexer keys
+    stream: int        # residual stream between layers (storage dtype)
+    compute: int       # compute dtype (GEMM weight copies, logits before the fp32 cast)
+
+
+def state_dtypes(profile="reference") -> StateDtypes:
+    """Probe the profile's kernels on one small row each (a Numerics or a profile name:
+    'reference' = fp64 compute, 'reference-fp32' = fp32 compute, 'exact'), so toggles that
+    change a stored dtype are followed without restating them here."""
+    import torch
+    from reference_model.numerics import Numerics
+    if isinstance(profile, Numerics):
+        nx = profile
+    elif profile == "reference-fp32":
+        nx = Numerics("reference", torch.float32)
+    elif profile in ("reference", "exact"):
+        nx = Numerics(profile)
+    else:
+        raise PlanError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
+    x = torch.linspace(-1, 1, 128, dtype=nx.cd).view(1, 128)
+    kv = torch.promote_types(nx.kv_store(x[:, :64]).dtype, nx.rs(x[:, 64:]).dtype)
+    ckv, csc = nx.compress_state(x, x)
+    comp = torch.promote_types(ckv.dtype, csc.dtype)
+    ik = nx.index_key_store(x).dtype
+    size = lambda dt: torch.empty((), dtype=dt).element_size()   # noqa: E731
+    return StateDtypes(size(kv), size(comp), size(ik), size(nx.sd), size(nx.cd))
+
+
+# ---- per-layer arithmetic -----------------------------------------------------------------
+def spec_bytes(spec: TensorSpec, mode: str) -> int:
+    """Bytes of one tensor: checkpoint format ('quantised', every safetensors entry incl.
+    scales) or in-memory format ('bf16')."""
+    if mode == "quantised":
+        return sum(e.nbytes for e in disk_entries(spec))
+    return spec.numel * MEM_BYTES[spec.fmt]
+
+
+def _is_routed_expert(name: str) -> bool:
+    return ".ffn.experts." in name
+
+
+def layer_weight_bytes(cfg: ModelConfig, i: int, mode: str) -> int:
+    return sum(spec_bytes(s, mode) for s in layer_specs(cfg, i))
+
+
+def dequant_buffer_bytes(cfg: ModelConfig, i: int, mode: str = "full", tokens: int = 0) -> int:
+    """bf16 bytes of layer i's FP8/FP4 tensors dequantised for use; 'expert-sparse' counts
+    the routed experts a pass of `tokens` tokens can reach (bounded by n_routed_experts)."""
+    return _dequant(_dequant_parts(layer_specs(cfg, i), i), cfg, mode, tokens)
+
+
+def _dequant_parts(specs, i: int) -> dict:
+    q = [s for s in specs if s.fmt in (FP8, FP4)]
+    return {"full": sum(s.numel * 2 for s in q),
+            "base": sum(s.numel * 2 for s in q if not _is_routed_expert(s.name)),
+            "expert": sum(s.numel * 2 for s in q if s.name.startswith(f"layers.{i}.ffn.experts.0."))}
+
+
+def _dequant(parts: dict, cfg: ModelConfig, mode: str, tokens: int) -> int:
+    if mode == "full":
+        return parts["full"]
+    reach = min(cfg.n_routed_experts, max(0, tokens) * cfg.n_activated_experts)
+    return parts["base"] + reach * parts["expert"]
+
+
+def sequence_state_elements(cfg: ModelConfig, i: int, length: int) -> dict[str, int]:
+    """Elements of layer i's SequenceState after `length` tokens (reference_model/model.py
+    LayerState), by part:
+      window      min(length, window_size - 1) rows x head_dim (the last window-1 KV rows)
+      comp_kv     length // ratio compressed entries x head_dim          (ratio > 0)
+      comp        compressor partial window: (length % ratio) pending kv + score rows of
+                  width coff·head_dim (coff 2 for ratio 4, else 1); ratio 4 also keeps the
+                  last complete group (ratio rows of kv + score) once length >= 4
+      index_keys  length // 4 indexer keys x index_head_dim                 (ratio 4)
+      index_comp  the indexer's ratio-4 compressor, as `comp` with index_head_dim"""
+    r = cfg.compress_ratios[i]
+    out = {"window": min(length, cfg.window_size - 1) * cfg.head_dim,
+           "comp_kv": 0, "comp": 0, "index_keys": 0, "index_comp": 0}
+
+    def partial(ratio, d):
+        width = (2 if ratio == 4 else 1) * d
+        n = 2 * (length % ratio) * width
+        if ratio == 4 and length >= ratio:
+            n += 2 * ratio * width
+        return n
+
+    if r:
+        out["comp_kv"] = (length // r) * cfg.head_dim
+        out["comp"] = partial(r, cfg.head_dim)
+    if r == 4:
+        out["index_keys"] = (length // 4) * cfg.index_head_dim
+        out["index_comp"] = partial(4, cfg.index_head_dim)
+    return out
+
+
+def sequence_state_bytes(cfg: ModelConfig, i: int, length: int, dt: StateDtypes) -> int:
+    """Bytes of layer i's state for one sequence of `length` tokens."""
+    e = sequence_state_elements(cfg, i, length)
+    return ((e["window"] + e["comp_kv"]) * dt.kv + (e["comp"] + e["index_comp"]) * dt.compressor
+            + e["index_keys"] * dt.index_keys)
+
+
+def _largest_weight_numel(specs) -> int:
+    return max((s.numel for s in specs), default=0)
+
+
+# ---- the plan ------------------------------------------------------------------------------
+@dataclass
+class DevicePlan:
+    device: str
+    budget: int
+    layers: list[int]
+    globals: list[str]
+    weights: int = 0
+    dequant: int = 0
+    state: int = 0
+    streams: int = 0
+    logits: int = 0
+    workspace: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.dequant + self.state + self.streams + self.logits + self.workspace
+
+    @property
+    def free(self) -> int:
+        return self.budget - self.total
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    n_layers: int
+    max_seq_len: int
+    length: int
+    prompts: int
+    arms: int
+    weights_mode: str
+    dequant: str
+    profile: str
+    logits_mode: str
+    dtypes: StateDtypes
+    devices: list[DevicePlan]
+    per_sequence: dict            # state (all layers), stream, logits: bytes for one sequence
+    totals: dict                  # model-wide sums of each term
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts * self.arms
+
+    @property
+    def fits(self) -> bool:
+        return all(d.fits for d in self.devices)
+
+    @property
+    def tightest(self) -> DevicePlan:
+        return min(self.devices, key=lambda d: d.free)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for dp, src in zip(d["devices"], self.devices):
+            dp.update(total=src.total, free=src.free, fits=src.fits)
+        d.update(fits=self.fits, sequences=self.sequences)
+        return d
+
+
+def plan_memory(cfg: ModelConfig, devices, length: int, prompts: int = 1, arms: int = 1,
+                weights_mode: str = "resident-quantised", device_memory=None, *,
+                profile="reference", dequant: str = "full", logits: str = "all",
+                chunk_tokens: int = 2048,
+                attn_budget: int = 1 << 25, advise: bool = True) -> MemoryPlan:
+    """Bytes per device for a pass of `prompts` x `arms` sequences of `length` tokens (see the
+    module docstring for each term). `devices`: list or comma string of cpu / cuda:N;
+    `device_memory`: bytes or a size string ('96GB') per device, a list of them, or None to
+    read CUDA devices' total memory. Raises PlanError on bad input. When the plan does not
+    fit and `advise`, `advice` says what would: fewer prompts per pass, a shorter length,
+    more devices, streamed weights, last-position logits."""
+    devices = parse_devices(devices)
+    if weights_mode not in WEIGHT_MODES:
+        raise PlanError(f"unknown weights mode {weights_mode!r}; valid: {', '.join(WEIGHT_MODES)}")
+    if dequant not in DEQUANT_MODES:
+        raise PlanError(f"unknown dequant mode {dequant!r}; valid: {', '.join(DEQUANT_MODES)}")
+    if logits not in LOGITS_MODES:
+        raise PlanError(f"unknown logits mode {logits!r}; valid: {', '.join(LOGITS_MODES)}")
+    for name, v in (("length", length), ("prompts", prompts), ("arms", arms)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise PlanError(f"{name} must be a positive integer, got {v!r}")
+    if length > cfg.max_seq_len:
+        raise PlanError(f"length {length} exceeds the config's max_seq_len {cfg.max_seq_len} "
+                        f"(by {length - cfg.max_seq_len} tokens)")
+    budgets = device_budgets(devices, device_memory)
+    dt = profile if isinstance(profile, StateDtypes) else state_dtypes(profile)
+    prof_name = profile if isinstance(profile, str) else "custom"
+    return _plan(cfg, devices, budgets, length, prompts, arms, weights_mode, dt, prof_name,
+                 dequant, logits, chunk_tokens, attn_budget, advise)
+
+
+def _layer_table(cfg: ModelConfig) -> list[dict]:
+    """Per-layer weight numbers that do not depend on the run (cached per config)."""
+    key = cfg.config_hash()
+    if key not in _CACHE:
+        rows = []
+        for i in range(cfg.n_layers):
+            specs = layer_specs(cfg, i)
+            rows.append({"quantised": sum(spec_bytes(s, "quantised") for s in specs),
+                         "bf16": sum(spec_bytes(s, "bf16") for s in specs),
+                         "largest": _largest_weight_numel(specs),
+                         "dequant": _dequant_parts(specs, i)})
+        _CACHE.clear()
+        _CACHE[key] = rows
+    return _CACHE[key]
+
+
+_CACHE: dict = {}
+
+
+def _plan(cfg, devices, budgets, length, prompts, arms, weights_mode, dt, prof_name, dequant,
+          logits_mode, chunk_tokens, attn_budget, advise) -> MemoryPlan:
+    table = _layer_table(cfg)
+    wkey = "quantised" if weights_mode == "resident-quantised" else "bf16"
+    gspecs = global_specs(cfg)
+    first_g = [s for s in gspecs if s.name in FIRST_GLOBALS]
+    last_g = [s for s in gspecs if s.name not in FIRST_GLOBALS]
+    g_first = sum(spec_bytes(s, wkey) for s in first_g)
+    g_last = sum(spec_bytes(s, wkey) for s in last_g)
+    ranges = place_layers([r[wkey] for r in table], len(devices), g_first, g_last)
+
+    seqs = prompts * arms
+    stream_seq = length * cfg.hc_mult * cfg.dim * dt.stream
+    logit_rows = length if logits_mode == "all" else 1
+    logits_seq = logit_rows * cfg.vocab_size * 4
+    state_layer = [sequence_state_bytes(cfg, i, length, dt) for i in range(cfg.n_layers)]
+    chunk = min(length, chunk_tokens)
+    act = 4 * chunk * cfg.n_heads * cfg.head_dim * dt.compute + attn_budget * dt.compute
+    pass_tokens = prompts * length                  # tokens one layer pass routes
+
+    plans = []
+    last = len(devices) - 1
+    for k, (dev, budget, rng) in enumerate(zip(devices, budgets, ranges)):
+        layers = list(rng)
+        gl = (first_g if k == 0 else []) + (last_g if k == last else [])
+        p = DevicePlan(dev, budget, layers, [s.name for s in gl])
+        g_bytes = sum(spec_bytes(s, wkey) for s in gl)
+        if weights_mode == "streamed":
+            p.weights = g_bytes + max((table[i]["bf16"] for i in layers), default=0)
+        else:
+            p.weights = g_bytes + sum(table[i][wkey] for i in layers)
+        if weights_mode == "resident-quantised":
+            p.dequant = max((_dequant(table[i]["dequant"], cfg, dequant, pass_tokens)
+                             for i in layers), default=0)
+        p.state = seqs * sum(state_layer[i] for i in layers)
+        p.streams = (seqs + 2) * stream_seq if (layers or gl) else 0
+        largest = max([table[i]["largest"] for i in layers]
+                      + [s.numel for s in gl if s.name != "embed.weight"], default=0)
+        p.workspace = (largest * dt.compute + act) if layers else largest * dt.compute
+        if k == last:
+            p.logits = arms * logits_seq
+            if dt.compute != 4:
+                p.workspace += logit_rows * cfg.vocab_size * dt.compute
+        plans.append(p)
+
+    totals = {
+        "weights_quantised": sum(spec_bytes(s, "quantised") for s in gspecs)
+        + sum(r["quantised"] for r in table),
+        "weights_bf16": sum(spec_bytes(s, "bf16") for s in gspecs) + sum(r["bf16"] for r in table),
+        "largest_layer_bf16": max(r["bf16"] for r in table),
+        "state": seqs * sum(state_layer),
+    }
+    per_seq = {"state": sum(state_layer), "stream": stream_seq, "logits": logits_seq,
+               "state_by_kind": _state_by_kind(cfg, state_layer)}
+    plan = MemoryPlan(cfg.name, cfg.n_layers, cfg.max_seq_len, length, prompts, arms,
+                      weights_mode, dequant, prof_name, logits_mode, dt, plans,
+                      per_seq, totals)
+    if advise and not plan.fits:
+        plan.advice = _advice(cfg, devices, budgets, length, prompts, arms, weights_mode, dt,
+                              prof_name, dequant, logits_mode, chunk_tokens,
+                              attn_budget, plan)
+    return plan
+
+
+def _state_by_kind(cfg, state_layer) -> dict:
+    out: dict[str, list[int]] = {}
+    for i, b in enumerate(state_layer):
+        c = out.setdefault(cfg.layer_kind(i), [0, 0])
+        c[0] += 1
+        c[1] += b
+    return {k: {"layers": n, "bytes": b} for k, (n, b) in out.items()}
+
+
+def _advice(cfg, devices, budgets, length, prompts, arms, weights_mode, dt, prof, dequant,
+            logits_mode, chunk_tokens, attn_budget, plan) -> list[str]:
+    def fits(**kw) -> bool:
+        a = dict(devices=devices, budgets=budgets, length=length, prompts=prompts,
+                 weights_mode=weights_mode, logits_mode=logits_mode)
+        a.update(kw)
+        return _plan(cfg, a["devices"], a["budgets"], a["length"], a["prompts"], arms,
+                     a["weights_mode"], dt, prof, dequant, a["logits_mode"],
+                     chunk_tokens, attn_budget, False).fits
+
+    def largest_ok(lo, hi, f):
+        """Largest v in [lo, hi] with f(v) (f monotone: true then false), or None."""
+        if not f(lo):
+            return None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if f(mid) else (lo, mid - 1)
+        return lo
+
+    out, any_ok = [], False
+    p = largest_ok(1, prompts - 1, lambda v: fits(prompts=v)) if prompts > 1 else None
+    if p:
+        any_ok = True
+        out.append(f"fewer prompts per pass: {p} prompt{'s' if p != 1 else ''} x {arms} arm"
+                   f"{'s' if arms != 1 else ''} fit{'s' if p == 1 else ''} "
+                   f"({math.ceil(prompts / p)} passes for {prompts} prompts)")
+    elif prompts > 1:
+        out.append("fewer prompts per pass: not enough (1 prompt per pass does not fit either)")
+    n = largest_ok(1, length - 1, lambda v: fits(length=v)) if length > 1 else None
+    any_ok |= bool(n)
+    out.append(f"shorter length: up to {n} tokens fit with {prompts} prompts x {arms} arms"
+               if n else f"shorter length: not enough (1 token does not fit with {prompts} "
+                         f"prompts x {arms} arms)")
+    kind = "cpu" if all(d == "cpu" for d in devices) else "cuda"
+    budget = min(budgets)
+
+    def devs(m: int) -> list[str]:
+        return ["cpu"] * m if kind == "cpu" else [f"cuda:{j}" for j in range(m)]
+
+    cap = max(len(devices), cfg.n_layers)
+    more = largest_ok(-cap, -(len(devices) + 1),
+                      lambda v: fits(devices=devs(-v), budgets=[budget] * -v)) \
+        if cap > len(devices) else None          # smallest device count that fits
+    if more is not None:
+        any_ok = True
+        out.append(f"more devices: {-more} x {_size(budget)} fit (pipeline over {-more} devices)")
+    else:
+        w = _plan(cfg, devs(cap), [budget] * cap, length, prompts, arms, weights_mode, dt, prof,
+                  dequant, logits_mode, chunk_tokens, attn_budget, False).tightest
+        out.append(f"more devices: not enough (with {cap} devices of {_size(budget)}, "
+                   f"{w.device} still needs {_gib(w.total)}: logits {_gib(w.logits)}, streams "
+                   f"{_gib(w.streams)}, workspace {_gib(w.workspace)}, weights {_gib(w.weights)})")
+    if weights_mode != "streamed":
+        ok = fits(weights_mode="streamed")
+        any_ok |= ok
+        out.append("streamed weights (--weights streamed): " + (
+            "fits" if ok else "not enough on its own"))
+    if logits_mode == "all" and plan.devices[-1].logits > 0:
+        ok = fits(logits_mode="last")
+        any_ok |= ok
+        out.append(f"logits of the last position only (--logits last; prefill logits "
+                   f"{_gib(plan.devices[-1].logits)} on {plan.devices[-1].device}): "
+                   + ("fits" if ok else "not enough on its own"))
+    if not any_ok:
+        both = dict(weights_mode="streamed", logits_mode="last")
+        p = largest_ok(1, prompts, lambda v: fits(prompts=v, **both))
+        if p == prompts:
+            out.append("together: streamed weights and last-position logits fit")
+        elif p:
+            out.append(f"together: streamed weights, last-position logits and {p} prompt"
+                       f"{'s' if p != 1 else ''} per pass fit")
+        else:
+            out.append("together: streamed weights, last-position logits and 1 prompt per pass "
+                       "do not fit either")
+    return out
+
+
+# ---- rendering --------------------------------------------------------------------------------
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _size(n: int) -> str:
+    """A budget in both units: '89.41 GiB (96 GB)'."""
+    return f"{n / GiB:.2f} GiB ({n / 1e9:g} GB)" if n % 10**6 == 0 else _gib(n)
+
+
+def _g(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _layer_span(layers: list[int]) -> str:
+    if not layers:
+        return "-"
+    return f"{layers[0]}" if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+
+
+def describe(plan: MemoryPlan) -> str:
+    """One paragraph: the run being planned."""
+    dt = plan.dtypes
+    names = {1: "1 B", 2: "2 B", 4: "4 B", 8: "8 B"}
+    return (f"{plan.model}: {plan.n_layers} layers, length {plan.length} tokens, "
+            f"{plan.prompts} prompt{'s' if plan.prompts != 1 else ''} x {plan.arms} "
+            f"arm{'s' if plan.arms != 1 else ''} = {plan.sequences} sequences per pass, "
+            f"weights {plan.weights_mode}"
+            + (f" (dequant {plan.dequant})" if plan.weights_mode == "resident-quantised" else "")
+            + f", profile {plan.profile} (state kv {names.get(dt.kv, dt.kv)}, compressor "
+            f"{names.get(dt.compressor, dt.compressor)}, indexer keys "
+            f"{names.get(dt.index_keys, dt.index_keys)}, stream {names.get(dt.stream, dt.stream)}"
+            f" per element), logits {plan.logits_mode}, layers balanced on weight bytes.")
+
+
+def per_sequence_line(plan: MemoryPlan) -> str:
+    ps = plan.per_sequence
+    kinds = ", ".join(f"{k} {_gib(v['bytes'])} ({v['layers']} layers)"
+                      for k, v in ps["state_by_kind"].items())
+    return (f"Per sequence of {plan.length} tokens: state {_gib(ps['state'])} ({kinds}); "
+            f"residual stream {_gib(ps['stream'])}; logits {_gib(ps['logits'])}.")
+
+
+def render(plan: MemoryPlan, title: str | None = None, full: bool = True) -> str:
+    """Markdown: the run and per-sequence sizes (full), one row per device (GiB), the
+    verdict and what would fit."""
+    L = []
+    if title:
+        L += [title, ""]
+    if full:
+        L += [describe(plan), "", per_sequence_line(plan), ""]
+    L += ["| device | layers | globals | weights | dequant | state | streams | logits | "
+          "workspace | total | budget | free |",
+          "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for d in plan.devices:
+        g = ", ".join(n.split(".")[0] if n.endswith(".weight") else n for n in d.globals
+                      if n in ("embed.weight", "head.weight")) or "-"
+        free = _g(d.free) if d.fits else f"**{_g(d.free)}**"
+        L.append(f"| {d.device} | {_layer_span(d.layers)} | {g} | {_g(d.weights)} | "
+                 f"{_g(d.dequant)} | {_g(d.state)} | {_g(d.streams)} | {_g(d.logits)} | "
+                 f"{_g(d.workspace)} | {_g(d.total)} | {_g(d.budget)} | {free} |")
+    budgets = sorted({d.budget for d in plan.devices})
+    if full:
+        L += ["", f"(GiB = 2^30 bytes; budget {', '.join(_size(b) for b in budgets)} per device)"]
+    L.append("")
+    L.append(verdict(plan))
+    L += [f"  - {a}" for a in plan.advice]
+    return "\n".join(L)
+
+
+def verdict(plan: MemoryPlan) -> str:
+    t = plan.tightest
+    if plan.fits:
+        return (f"FITS: tightest device {t.device} uses {_gib(t.total)} of {_gib(t.budget)} "
+                f"({_gib(t.free)} free).")
+    over = [d for d in plan.devices if not d.fits]
+    worst = ", ".join(f"{d.device} needs {_gib(d.total)} of {_gib(d.budget)} (over by "
+                      f"{_gib(-d.free)})" for d in over)
+    return f"DOES NOT FIT: {worst}. What would fit:"
