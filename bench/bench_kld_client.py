@@ -118,7 +118,7 @@ def main() -> int:
     md = ["# KLD client and launcher cost", "",
           f"Measured {time.strftime('%Y-%m-%d %H:%M')} on this machine (2 cores, 1 torch thread; best of "
           f"{a.repeat}). A {N}-token prompt, top-{K} prompt logprobs, vocabulary {V} (DeepSeek-V4's).", "",
-          "## Parsing one scoring response", "",
+          "#### Parsing one scoring response", "",
           "| dialect | response MB | JSON µs/position | parse µs/position | total s |", "|---|---:|---:|---:|---:|"]
     md += [f"| {r['dialect']} | {r['MB']:.1f} | {r['json_us_per_pos']:.1f} | {r['parse_us_per_pos']:.1f} | "
            f"{r['total_s']:.2f} |" for r in rows]
@@ -126,7 +126,7 @@ def main() -> int:
            f"{other['compare_full_vocab_us']:.0f} µs against a full-vocabulary (in-process) baseline. "
            f"Score store: {other['store_kb']:.0f} kB per prompt, write {other['store_put_s']:.2f} s, "
            f"read {other['store_get_s']:.2f} s.", "",
-           "## Launcher overhead per arm (`fidelity serve`, tiny model)", "",
+           "#### Launcher overhead per arm (`fidelity serve`, tiny model)", "",
            "| run | spawn s | until ready s | start-up probes s | stop s |", "|---:|---:|---:|---:|---:|"]
     md += [f"| {i + 1} | {r['spawn_s']:.3f} | {r['ready_s']:.2f} | {r['probes_s']:.3f} | {r['stop_s']:.3f} |"
            for i, r in enumerate(lr)]

@@ -160,16 +160,16 @@ def main() -> int:
           f"this client share them). Golden arm, trained tiny model. 'before' = commit "
           f"{a.before} (one generation at a time under a lock, no cancellation); 'after' = "
           "this tree (turns of up to 1 s of compute, cancellation on disconnect, bounded queue).", "",
-          "## Concurrent chats (~500-token message, 8 new tokens, greedy)", "",
+          "#### Concurrent chats (~500-token message, 8 new tokens, greedy)", "",
           "| server | concurrent | wall s | req/s | p50 s | p99 s | fastest s | errors |",
           "|---|---:|---:|---:|---:|---:|---:|---:|"]
     md += [f"| {r['server']} | {r['n']} | {r['wall_s']:.2f} | {r['req_per_s']:.2f} | {r['p50_s']:.2f} | "
            f"{r['p99_s']:.2f} | {r['min_s']:.2f} | {r['errors']} |" for r in rows]
-    md += ["", "## One long completion (400 tokens) and 8 short chats arriving 0.2 s later", "",
+    md += ["", "#### One long completion (400 tokens) and 8 short chats arriving 0.2 s later", "",
            "| server | short p50 s | short max s | long request s |", "|---|---:|---:|---:|"]
     md += [f"| {r['server']} | {r['short_p50_s']:.2f} | {r['short_max_s']:.2f} | {r['long_s']:.2f} |"
            for r in mix]
-    md += ["", "## A client gives up on a long completion after 0.3 s, then retries with 2 tokens", "",
+    md += ["", "#### A client gives up on a long completion after 0.3 s, then retries with 2 tokens", "",
            "| server | long request: tokens | long request: s | retry latency s |", "|---|---:|---:|---:|"]
     md += [f"| {r['server']} | {r['long_tokens']} | {r['long_s']:.2f} | {r['retry_s']:.2f} |" for r in aband]
     md += ["", "Throughput cannot rise: one model computes, requests are not batched (docs/serve.md "

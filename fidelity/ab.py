@@ -52,6 +52,9 @@ class ABSettings:
     keep: tuple[str, ...] = ()
     checkpoint: str = "embedded:tiny-random(seed=0)"
     prompts_file: str | None = None        # the user's prompts (JSONL) instead of the built-in ones
+    devices: tuple[str, ...] = ("cpu",)    # layers placed across these (fidelity.devices)
+    accumulate: str = "float64"            # golden's accumulation dtype (torch dtype name)
+    activation_budget: int | None = None   # bytes of residual streams kept in memory per pass
     command_line: str = field(default_factory=lambda: " ".join(sys.argv))
 
 
@@ -118,14 +121,16 @@ def design(settings: ABSettings) -> tuple[dict[str, object], list[str]]:
     return arms, list(dict.fromkeys([*base.names, *singles]))
 
 
-def _mk_arms(label_sets: dict, profile="reference") -> list[Arm]:
-    return [Arm(label, ts.numerics(profile), frozenset(ts.names)) for label, ts in label_sets.items()]
+def _mk_arms(label_sets: dict, cd=torch.float64) -> list[Arm]:
+    return [Arm(label, ts.numerics("reference", compute_dtype=cd), frozenset(ts.names))
+            for label, ts in label_sets.items()]
 
 
-def floor_arms() -> list[Arm]:
-    """The three noise floors (see the module docstring)."""
+def floor_arms(cd=torch.float64) -> list[Arm]:
+    """The three noise floors (see the module docstring); `cd` is golden's accumulation
+    dtype (the tie-order floor uses it too, so it measures only the tie order)."""
     from reference_model.numerics import topk_highest_index_ties
-    ties = Numerics("reference").with_kernels(
+    ties = Numerics("reference", cd).with_kernels(
         "tie-order", index_topk=lambda golden, scores, k: topk_highest_index_ties(scores, k))
     return [Arm(FLOOR, Numerics("exact"), frozenset(), role="floor"),
             Arm(FLOOR_ORDER, Numerics("reference", torch.float32), frozenset(), role="floor"),
@@ -159,8 +164,9 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
         longest = f"L{max(settings.lengths)}"
     label_sets, toggles = design(settings)
     pairs = _pairs(settings, label_sets)
-    golden = Arm(GOLDEN, Numerics("reference"), frozenset(), role="golden")
-    arms = [golden] + floor_arms() + _mk_arms(label_sets)
+    cd = getattr(torch, settings.accumulate)
+    golden = Arm(GOLDEN, Numerics("reference", cd), frozenset(), role="golden")
+    arms = [golden] + floor_arms(cd) + _mk_arms(label_sets, cd)
     progress(f"stage 1: {len(arms)} arms × {len(prompts)} prompts, mode {settings.mode}")
     res = _run(weights, arms, prompts, settings, progress, pairs)
 
@@ -181,7 +187,7 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
                     new[str(ts)] = ts
         if new:
             progress(f"stage 2: factorial over {', '.join(top)} ({len(new)} more arms)")
-            extra = _run(weights, [golden] + _mk_arms(new), prompts, settings, progress)
+            extra = _run(weights, [golden] + _mk_arms(new, cd), prompts, settings, progress)
             extra.needle = [r for r in extra.needle if r["arm"] != GOLDEN]   # already in stage 1
             res.extend(extra)
             sets.update({k: frozenset(v.names) for k, v in new.items()})
@@ -236,7 +242,10 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
 
 def _run(weights, arms, prompts, settings, progress, pairs=None) -> LockstepResult:
     return LockstepRunner(weights, arms, settings.mode, settings.decode_steps, settings.taps,
-                          settings.keep, progress=progress, pairs=pairs).run(prompts)
+                          settings.keep, progress=progress, pairs=pairs,
+                          activation_budget=settings.activation_budget,
+                          devices=list(settings.devices) if settings.devices != ("cpu",) else None
+                          ).run(prompts)
 
 
 def _first_divergences(drift, pair_df, sets, pairs, k) -> list[dict]:

@@ -20,13 +20,14 @@ class Arm:
     make_numerics: Callable[..., object]        # profile -> reference_model.Numerics
     toggles: tuple[str, ...] = ()               # each toggle's spelling, with its parameters
 
-    def numerics(self, profile: str = "reference"):
-        return self.make_numerics(profile)
+    def numerics(self, profile: str = "reference", **numerics_kwargs):
+        """The arm's Numerics (numerics_kwargs, e.g. compute_dtype, go to Numerics)."""
+        return self.make_numerics(profile, **numerics_kwargs)
 
 
-def _golden(profile: str = "reference"):
+def _golden(profile: str = "reference", **numerics_kwargs):
     from reference_model import Numerics
-    return Numerics(profile)
+    return Numerics(profile, **numerics_kwargs)
 
 
 def _toggle_set():

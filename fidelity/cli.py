@@ -18,12 +18,16 @@ COMMANDS = {
     "kld": "kld",
     "engines": "engines",
     "chat-check": "chat_check",
+    "plan-memory": "plan_memory",
 }
 
 
 def _common_options() -> argparse.ArgumentParser:
     """Options every subcommand takes (added to each through `parents=`)."""
     c = argparse.ArgumentParser(add_help=False)
+    c.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch CPU threads (default: OMP_NUM_THREADS, else the cores not busy "
+                        "with other work)")
     c.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_FILE",
                    help="import this toggle plugin (a .py file or a dotted module name) "
                         "before the command runs, so the toggles it registers can be used "
@@ -45,18 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _set_threads() -> None:
-    """One torch CPU thread unless OMP_NUM_THREADS says otherwise: the tiny model's ops are
-    small, and two spinning OpenMP threads on a busy 2-core machine were measured 20x
-    slower than one (bench/results)."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        import torch
-        torch.set_num_threads(1)
+def _set_threads(n: int | None) -> None:
+    """torch CPU threads: --threads, else OMP_NUM_THREADS, else the cores not already busy
+    (fidelity.devices.default_threads): all of an idle machine, one on a shared one, where
+    spinning OpenMP threads were measured 20x slower (bench/results)."""
+    if n is None and "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+    from fidelity.devices import default_threads
+    torch.set_num_threads(n or default_threads())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _set_threads()
+    _set_threads(args.threads)
     from kernel_toggles.plugins import PluginError, load_plugins
     try:
         load_plugins(args.plugin)

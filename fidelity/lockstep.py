@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import os
+import shutil
+import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -106,10 +110,72 @@ def compare_tap(tap: str, golden: torch.Tensor, arm: torch.Tensor,
     return M.tensor_metrics_rows(golden, arm, spans)
 
 
+@dataclass
+class _PromptRun:
+    """One prompt's progress through a layer-major run: every arm's state, the arms still
+    alive, the next greedy token, and its own rows."""
+    prompt: Prompt
+    states: dict
+    alive: list
+    bad: set = field(default_factory=set)
+    tokens: torch.Tensor | None = None
+    next: int = 0
+    res: LockstepResult = field(default_factory=LockstepResult)
+
+
+class StreamStore:
+    """Residual streams of every prompt and arm between layers. Kept in memory up to
+    `budget` bytes (None = no limit); beyond it a prompt's streams wait on disk (a
+    temporary directory removed by clear()), so many long prompts fit in one pass."""
+
+    def __init__(self, budget: int | None = None):
+        self.budget = budget
+        self.mem: dict[str, dict] = {}
+        self.bytes = 0
+        self.dir: str | None = None
+        self.files: dict[str, str] = {}
+        self.spilled = 0                      # how many times streams went to disk
+
+    @staticmethod
+    def _size(h: dict) -> int:
+        return sum(t.numel() * t.element_size() for t in h.values())
+
+    def put(self, key: str, h: dict) -> None:
+        size = self._size(h)
+        if self.budget is None or self.bytes + size <= self.budget:
+            self.mem[key] = h
+            self.bytes += size
+            return
+        if self.dir is None:
+            self.dir = tempfile.mkdtemp(prefix="fidelity-streams-")
+        self.spilled += 1
+        path = self.files[key] = os.path.join(self.dir, f"{self.spilled}.pt")
+        torch.save({a: t.cpu() for a, t in h.items()}, path)
+
+    def get(self, key: str) -> dict:
+        if key in self.mem:
+            h = self.mem.pop(key)
+            self.bytes -= self._size(h)
+            return h
+        path = self.files.pop(key)
+        h = torch.load(path, weights_only=True)
+        os.remove(path)
+        return h
+
+    def clear(self) -> None:
+        self.mem.clear()
+        self.files.clear()
+        self.bytes = 0
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+
 class LockstepRunner:
     def __init__(self, weights, arms: list[Arm], mode: str = "propagated", decode_steps: int = 4,
                  taps=DEFAULT_TAPS, keep=(), progress: Callable[[str], None] | None = None,
-                 chunk_tokens: int = 2048, pairs: dict[str, str] | None = None):
+                 chunk_tokens: int = 2048, pairs: dict[str, str] | None = None,
+                 activation_budget: int | None = None, devices: list | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
         if not arms or arms[0].role != "golden":
@@ -129,56 +195,80 @@ class LockstepRunner:
         self.patterns = list(taps) + list(keep)
         self.keep = list(keep)
         self.progress = progress or (lambda msg: None)
-        self.models = {a.name: Model(weights, a.numerics, chunk_tokens=chunk_tokens) for a in arms}
+        cache: dict = {}                       # arms share converted weights (per dtype, device)
+        self.models = {a.name: Model(weights, a.numerics, chunk_tokens=chunk_tokens, weight_cache=cache,
+                                     devices=devices) for a in arms}
+        self.streams = StreamStore(activation_budget)
 
     # ------------------------------------------------------------------------------------
     def run(self, prompts: list[Prompt]) -> LockstepResult:
+        """All prompts through each layer before the next layer (layer-major): a streamed
+        checkpoint's layer is fetched once per pass for every prompt and arm, not once per
+        prompt. Rows come out in prompt order, as if the prompts had run one by one."""
+        ids = [p.id for p in prompts]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"prompt ids must be unique, got {ids}")
+        runs = [_PromptRun(p, {a.name: self.models[a.name].new_state() for a in self.arms},
+                           [a.name for a in self.arms]) for p in prompts]
+        golden = self.arms[0].name
+        try:
+            for phase, step in [("prefill", -1)] + [("decode", s) for s in range(self.decode_steps)]:
+                for r in runs:
+                    r.tokens = (r.prompt.tokens if phase == "prefill"
+                                else torch.tensor([r.next], device=r.prompt.tokens.device))
+                    self.streams.put(r.prompt.id, {a: self.models[a].embed(r.tokens) for a in r.alive})
+                self._pass(runs, phase, step)
+                for r in runs:
+                    logits = self._head(r, phase)
+                    self._logit_rows(r.prompt, logits, r.alive, phase, step, r.res)
+                    r.next = int(logits[golden][-1].argmax())
+        finally:
+            self.streams.clear()                      # spilled streams never outlive the run
         res = LockstepResult()
-        for k, p in enumerate(prompts):
-            self.progress(f"  prompt {k + 1}/{len(prompts)} ({p.id}, {p.length} tokens)")
-            self._run_prompt(p, res)
+        for r in runs:
+            res.extend(r.res)
         return res
 
-    def _run_prompt(self, prompt: Prompt, res: LockstepResult) -> None:
-        golden = self.arms[0].name
-        alive = [a.name for a in self.arms]
-        states = {a: self.models[a].new_state() for a in alive}
-        bad: set[str] = set()
-        tokens = prompt.tokens
-        H = {a: self.models[a].embed(tokens) for a in alive}
-        logits = self._layers(prompt, tokens, H, states, alive, "prefill", -1, res, bad, "all")
-        self._logit_rows(prompt, logits, alive, "prefill", -1, res)
-        nxt = int(logits[golden][-1].argmax())
-        for step in range(self.decode_steps):
-            tok = torch.tensor([nxt], device=tokens.device)
-            H = {a: self.models[a].embed(tok) for a in alive}
-            logits = self._layers(prompt, tok, H, states, alive, "decode", step, res, bad, "last")
-            self._logit_rows(prompt, logits, alive, "decode", step, res)
-            nxt = int(logits[golden][-1].argmax())
+    def _pass(self, runs, phase, step):
+        """Layer i for every prompt and arm, then layer i+1; residual streams wait in the
+        stream store (in memory, or on disk beyond the activation budget)."""
+        t0, n = time.monotonic(), self.cfg.n_layers
+        for i in range(n):
+            for r in runs:
+                H = self.streams.get(r.prompt.id)
+                self._layer(r, i, H, phase, step)
+                self.streams.put(r.prompt.id, H)
+            el = time.monotonic() - t0
+            self.progress(f"  {phase}{'' if step < 0 else f' step {step + 1}'}: layer {i + 1}/{n} "
+                          f"for {len(runs)} prompt(s), {el:.0f} s, eta {el / (i + 1) * (n - i - 1):.0f} s")
+        for r in runs:
+            for a in r.alive:
+                r.states[a].pos += r.tokens.numel()          # as Model.extend does after its layers
 
-    def _layers(self, prompt, tokens, H, states, alive, phase, step, res, bad, which):
-        golden = self.arms[0].name
-        for i in range(self.cfg.n_layers):
-            g_in = H[golden]
-            taps = {}
-            for a in list(alive):
-                taps[a] = Taps(self.patterns)
-                x_in = g_in if (self.mode == "isolated" and a != golden) else H[a]
-                try:
-                    H[a] = self.models[a].layer(i, x_in, tokens, states[a], taps[a], phase)
-                except Exception as e:                       # an arm must not kill the run
-                    if a == golden:
-                        raise
-                    res.events.append({"prompt": prompt.id, "arm": a, "phase": phase, "step": step,
-                                       "layer": i, "event": "error", "detail": f"{type(e).__name__}: {e}"})
-                    alive.remove(a)
-            self._tap_rows(prompt, taps, alive, phase, step, res, bad)
-            self._pair_rows(prompt, taps, alive, phase, step, res)
-            if phase == "prefill" and prompt.needle_tokens:
-                self._needle_rows(prompt, i, taps, alive, res)
-        for a in alive:
-            states[a].pos += tokens.numel()          # as Model.extend does after its layers
-        return {a: self.models[a].head(H[a] if which == "all" else H[a][-1:]) for a in alive}
+    def _layer(self, r, i, H, phase, step):
+        golden, prompt, res = self.arms[0].name, r.prompt, r.res
+        g_in = H[golden]
+        taps = {}
+        for a in list(r.alive):
+            taps[a] = Taps(self.patterns)
+            x_in = g_in if (self.mode == "isolated" and a != golden) else H[a]
+            try:
+                H[a] = self.models[a].layer(i, x_in, r.tokens, r.states[a], taps[a], phase)
+            except Exception as e:                       # an arm must not kill the run
+                if a == golden:
+                    raise
+                res.events.append({"prompt": prompt.id, "arm": a, "phase": phase, "step": step,
+                                   "layer": i, "event": "error", "detail": f"{type(e).__name__}: {e}"})
+                r.alive.remove(a)
+                H.pop(a, None)
+        self._tap_rows(prompt, taps, r.alive, phase, step, res, r.bad)
+        self._pair_rows(prompt, taps, r.alive, phase, step, res)
+        if phase == "prefill" and prompt.needle_tokens:
+            self._needle_rows(prompt, i, taps, r.alive, res)
+
+    def _head(self, r, phase):
+        H = self.streams.get(r.prompt.id)
+        return {a: self.models[a].head(H[a] if phase == "prefill" else H[a][-1:]) for a in r.alive}
 
     def _tap_rows(self, prompt, taps, alive, phase, step, res, bad):
         golden = self.arms[0].name

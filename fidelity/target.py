@@ -4,8 +4,9 @@ The embedded default is whatever `fidelity.weights_source.load_weights(None)` gi
 same model `fidelity ab` uses: the trained tiny model in models/tiny-needle with its
 tokenizer, or seeded random tiny weights when that folder is absent, where needle recall
 is ~0 by construction). A checkpoint directory is
-loaded into memory (generation revisits every layer per token, so streaming from disk
-would reread the checkpoint at each step); its tokenizer.json is used if present."""
+loaded into memory, dense or resident-quantised (generation revisits every layer per
+token, so streaming from disk would reread the checkpoint at each step); its
+tokenizer.json is used if present."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ class Target:
         return self.weights.cfg
 
 
-def load_target(checkpoint: str | Path | None = None, tokenizer: str | Path | None = None) -> Target:
+def load_target(checkpoint: str | Path | None = None, tokenizer: str | Path | None = None,
+                weights_mode: str = "dense", devices=None) -> Target:
     from reference_model.tokenizer import load_tokenizer
 
     if checkpoint is None:
@@ -42,8 +44,9 @@ def load_target(checkpoint: str | Path | None = None, tokenizer: str | Path | No
         root = Path(checkpoint)
         if not root.exists():
             raise SystemExit(f"error: checkpoint not found: {root}")
-        from reference_model.checkpoint import load_checkpoint
-        weights, name, desc = load_checkpoint(root), root.name, f"checkpoint {root}"
+        from fidelity.weights_source import load_weights
+        weights, label = load_weights(str(root), mode=weights_mode, devices=devices)
+        name, desc = root.name, f"checkpoint {label}"
         if tokenizer is None and (root / "tokenizer.json").is_file():
             tokenizer = root / "tokenizer.json"
         tok = load_tokenizer(tokenizer)

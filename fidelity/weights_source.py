@@ -8,12 +8,26 @@ from pathlib import Path
 EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny-needle"
 
 
-def load_weights(checkpoint: str | None, device: str = "cpu"):
-    """Returns (WeightSource, label for the manifest)."""
+WEIGHT_MODES = ("streamed", "resident-quantised", "dense")
+
+
+def load_weights(checkpoint: str | None, device: str = "cpu", mode: str = "streamed", devices=None):
+    """Returns (WeightSource, label for the manifest). A checkpoint is `streamed` (one
+    dequantised layer resident; each pass re-reads it), `resident-quantised` (the
+    checkpoint's own tensors resident on `devices`, dequantised on use) or `dense` (all
+    dequantised in memory)."""
     if checkpoint:
         path = Path(checkpoint)
         if not path.exists():
             raise SystemExit(f"error: checkpoint not found: {path}")
+        if mode not in WEIGHT_MODES:
+            raise SystemExit(f"error: weights mode must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
+        if mode == "resident-quantised":
+            from reference_model.resident import QuantisedResidentWeights
+            return QuantisedResidentWeights(path, device=device, devices=devices), f"{path} (resident-quantised)"
+        if mode == "dense":
+            from reference_model.checkpoint import load_checkpoint
+            return load_checkpoint(path, device=device), f"{path} (dense)"
         from reference_model.checkpoint import StreamingWeights
         return StreamingWeights(path, device=device), str(path)
     if (EMBEDDED / "config.json").is_file():

@@ -36,14 +36,16 @@ class InProcessRunner:
 
     def __init__(self, name: str, target, arm, temperature: float = 0.0, top_p: float = 1.0,
                  max_tokens: int | None = None, profile: str = "reference",
-                 mechanism: bool = True):
+                 mechanism: bool = True, placement=None):
         self.name, self.target, self.arm = name, target, as_arm(arm)
         self.temperature, self.top_p, self.max_tokens = temperature, top_p, max_tokens
         self.mechanism = mechanism
-        self.model = Model(target.weights, self.arm.numerics(profile))
+        kw = {"compute_dtype": placement.compute_dtype} if placement else {}
+        devices = placement.model_devices if placement else None
+        self.model = Model(target.weights, self.arm.numerics(profile, **kw), devices=devices)
         self._scores: list[torch.Tensor] = []
         rec = self.model.nx.with_kernels("index-score-recorder", index_scores=self._record)
-        self.model_rec = Model(target.weights, rec)
+        self.model_rec = Model(target.weights, rec, devices=devices)
 
     def _record(self, golden, q, keys, w):
         s = golden.index_scores(q, keys, w)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import ModelConfig
+from .placement import model_placement
 from .numerics import Numerics
 from .taps import Taps
 from .weights import WeightSource
@@ -61,7 +62,7 @@ def _cat(a, b):
 class Model:
     def __init__(self, weights: WeightSource, numerics: Numerics | None = None,
                  chunk_tokens: int = 2048, attn_budget: int = 1 << 25,
-                 weight_cache: dict | None = None):
+                 weight_cache: dict | None = None, devices: list | None = None):
         self.cfg = weights.cfg
         self.weights = weights
         self.nx = numerics or Numerics("reference")
@@ -71,19 +72,37 @@ class Model:
         # resident weights, converted once; models of several arms over one checkpoint may
         # share it (keyed by compute dtype, so arms with another dtype get their own copy)
         self._wcache: dict = {} if weight_cache is None else weight_cache
+        # pipeline placement: layers split contiguously over the devices, the embedding on
+        # the first, the head on the last; activations move between them (None: as given)
+        self.devices = [torch.device(d) for d in devices] if devices else None
+        self._owner = model_placement(self.cfg, len(self.devices)) if devices else None
 
-    def _weights(self, i: int | None) -> dict:
-        """Layer i's weights (None = globals) in the compute dtype. Globals and resident
-        (in-memory) layers are converted once and kept; streamed layers are converted per
-        use, so a streamed checkpoint still holds one layer at a time."""
+    def device_of(self, i: int | None, head: bool = False) -> torch.device | None:
+        """Where layer i runs (None = the globals: embedding on the first device, head on
+        the last); None without a placement."""
+        if self.devices is None:
+            return None
+        if i is None:
+            return self.devices[-1 if head else 0]
+        return self.devices[self._owner[i]]
+
+    def _weights(self, i: int | None, head: bool = False) -> dict:
+        """Layer i's weights (None = globals) in the compute dtype, on the layer's device.
+        Globals and resident (in-memory) layers are converted once and kept; streamed layers
+        are converted per use, so a streamed checkpoint still holds one layer at a time."""
         src = self.weights.global_weights() if i is None else self.weights.layer_weights(i)
+        dev = self.device_of(i, head)
         if i is not None and not getattr(self.weights, "resident", False):
-            return src
+            if dev is None or getattr(src, "placed", False):    # already on the layer's device
+                return src
+            return {k: v.to(dev) for k, v in src.items()}
         cd = self.nx.cd
-        if (i, cd) not in self._wcache:
-            self._wcache[i, cd] = {k: v.to(cd) if v.is_floating_point() and k != "embed.weight" else v
-                                   for k, v in src.items()}      # embed: rows are gathered
-        return self._wcache[i, cd]
+        key = (i, cd) if dev is None else (i, cd, str(dev))
+        if key not in self._wcache:
+            self._wcache[key] = {k: (v.to(cd) if v.is_floating_point() and k != "embed.weight" else v)
+                                 .to(dev if dev is not None else v.device)
+                                 for k, v in src.items()}          # embed: rows are gathered
+        return self._wcache[key]
 
     # ---- public API ---------------------------------------------------------------------
     def new_state(self) -> SequenceState:
@@ -130,7 +149,10 @@ class Model:
 
     # ---- layer-major pieces -------------------------------------------------------------
     def embed(self, tokens, taps: Taps | None = None) -> torch.Tensor:
-        e = self.weights.global_weights()["embed.weight"][tokens]      # rows only: no conversion
+        emb = self.weights.global_weights()["embed.weight"]
+        e = emb[tokens.to(emb.device)]                                  # rows only: no conversion
+        if self.devices:
+            e = e.to(self.devices[0])
         H = self.nx.rs(e).to(self.nx.sd).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
         if taps:
             taps.put("embed", H[:, 0])
@@ -140,6 +162,9 @@ class Model:
               phase: str = "prefill") -> torch.Tensor:
         """Block i over the new tokens (positions state.pos ...); updates state.layers[i]."""
         w = self._weights(i)
+        dev = self.device_of(i)
+        if dev is not None:                              # the activations follow the layer
+            H, tokens = H.to(dev), tokens.to(dev)
         out = []
         for a in range(0, H.shape[0], self.chunk_tokens):
             b = min(a + self.chunk_tokens, H.shape[0])
@@ -153,7 +178,9 @@ class Model:
         return H
 
     def head(self, H, taps: Taps | None = None) -> torch.Tensor:
-        g = self._weights(None)
+        g = self._weights(None, head=True)
+        if self.devices:
+            H = H.to(self.devices[-1])
         cfg, nx = self.cfg, self.nx
         x = nx.hc_head(H, g["hc_head_fn"], g["hc_head_scale"], g["hc_head_base"], cfg)
         x = nx.rms_norm(x, g["norm.weight"], cfg.norm_eps)
@@ -186,11 +213,13 @@ class Model:
         return nx.hc_post(f, H, post, comb)
 
     # ---- attention ------------------------------------------------------------------------
-    def _inv_freq(self, ratio: int) -> torch.Tensor:
-        """The layer type's RoPE frequencies (window-only vs compressed), computed once."""
-        key = ratio != 0
+    def _inv_freq(self, ratio: int, device=None) -> torch.Tensor:
+        """The layer type's RoPE frequencies (window-only vs compressed), computed once
+        (per device under a placement)."""
+        key = (ratio != 0, None if device is None else str(device))
         if key not in self._inv_cache:
-            self._inv_cache[key] = self.nx.rope_inv_freq(self.cfg, ratio)
+            inv = self.nx.rope_inv_freq(self.cfg, ratio)
+            self._inv_cache[key] = inv if device is None else inv.to(device)
         return self._inv_cache[key]
 
     def _attention(self, i, w, x, st: LayerState, pos0, t, phase):
@@ -198,7 +227,7 @@ class Model:
         n = x.shape[0]
         ratio = cfg.compress_ratios[i]
         pos = torch.arange(pos0, pos0 + n, device=x.device)
-        inv = self._inv_freq(ratio)
+        inv = self._inv_freq(ratio, x.device if self.devices else None)
 
         def rope(v, site, inverse=False):
             return nx.rope_apply(v, inv, pos, site, inverse, phase)
@@ -284,7 +313,8 @@ class Model:
         kv, score = nx.compress_state(kv, score)
         kv, score = _cat(cs.pending_kv, kv), _cat(cs.pending_score, score)
         g = kv.shape[0] // ratio
-        cs.pending_kv, cs.pending_score = kv[g * ratio:], score[g * ratio:]
+        # clones: views would keep the whole chunk's projection alive in the state
+        cs.pending_kv, cs.pending_score = kv[g * ratio:].clone(), score[g * ratio:].clone()
         if g == 0:
             return kv.new_zeros(0, d)
         gkv = kv[: g * ratio].view(g, ratio, -1)
@@ -299,14 +329,14 @@ class Model:
             psc = torch.cat([psc0, gsc[:-1]], 0)
             ckv = torch.cat([pkv[..., :d], gkv[..., d:]], 1)
             csc = torch.cat([psc[..., :d], gsc[..., d:]], 1)
-            cs.prev_kv, cs.prev_score = gkv[-1], gsc[-1]
+            cs.prev_kv, cs.prev_score = gkv[-1].clone(), gsc[-1].clone()
         else:
             ckv, csc = gkv, gsc
         pooled = nx.compress_pool(ckv, csc)                                   # [g, d]
         first = nx.compressed_positions(cs.n_groups + torch.arange(g, device=x.device), ratio)
         cs.n_groups += g
         normed = nx.rms_norm(nx.rs(pooled), w[prefix + "norm.weight"], cfg.norm_eps, round_out=False)
-        inv = self._inv_freq(ratio)
+        inv = self._inv_freq(ratio, x.device if self.devices else None)
         r = cfg.rope_head_dim
         if kind == "kv":
             return torch.cat([nx.kv_store(normed[:, :-r]),

@@ -40,6 +40,11 @@ def add_arguments(p):
                         "arms, e.g. engine for engine,<bug> arms); default: golden only")
     p.add_argument("--keep", action="append", default=[], metavar="TAP",
                    help="also save these taps' full tensors (glob, e.g. 'layers.3.attn.*')")
+    p.add_argument("--activation-budget", default=None, metavar="BYTES",
+                   help="residual streams kept in memory per layer pass, e.g. 8GB; beyond it "
+                        "they wait on disk (default: no limit)")
+    from fidelity.devices import add_options
+    add_options(p)
     p.add_argument("--out", default="reports", help="reports directory")
     p.add_argument("--run-id", help="report folder name (default: ab-<timestamp>)")
 
@@ -48,18 +53,33 @@ def run(args) -> int:
     from fidelity.ab import ABSettings, run_ab
     from fidelity.weights_source import load_tokenizer_for, load_weights
 
-    weights, label = load_weights(args.checkpoint)
+    from fidelity.devices import DeviceError, from_args
+    try:
+        place = from_args(args)
+    except DeviceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    weights, label = load_weights(args.checkpoint, mode=args.weights_mode or "streamed",
+                                  devices=place.model_devices)
     tokenizer = load_tokenizer_for(args.checkpoint)
     from fidelity.ab import LONG_LENGTHS
     if args.long and args.lengths or args.prompts and (args.long or args.lengths):
         print("error: give one of --long, --lengths, --prompts", file=sys.stderr)
         return 2
     lengths = LONG_LENGTHS if args.long else (args.lengths or ABSettings.lengths)
+    from fidelity.sizes import parse_bytes
+    try:
+        budget = parse_bytes(args.activation_budget) if args.activation_budget else None
+    except (DeviceError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     settings = ABSettings(arms=args.arms, base=args.base, mode=args.mode, lengths=lengths,
                           prompts_per_length=args.prompts_per_length, decode_steps=args.decode_steps,
                           seed=args.seed, shapley_top=args.shapley_top, n_boot=args.n_boot,
                           floor_k=args.floor_k, vs=args.vs, keep=tuple(args.keep), checkpoint=label,
-                          prompts_file=args.prompts)
+                          prompts_file=args.prompts, devices=place.devices,
+                          accumulate=str(place.compute_dtype).replace("torch.", ""),
+                          activation_budget=budget)
     try:
         res = run_ab(weights, settings, args.out, args.run_id,
                      progress=lambda m: print(m, file=sys.stderr, flush=True), tokenizer=tokenizer)

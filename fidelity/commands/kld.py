@@ -45,6 +45,8 @@ def add_arguments(p):
                         "else the first listed)")
     g.add_argument("--checkpoint", default=None, help="weights of in-process arms")
     g.add_argument("--tokenizer", default=None, help="tokenizer.json the prompts are built with")
+    from fidelity.devices import add_options
+    add_options(p)
     g = p.add_argument_group("prompts")
     g.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                    help="your own prompts: one JSON per line with text, messages or token_ids")
@@ -71,7 +73,7 @@ def add_arguments(p):
     g.add_argument("--quiet", action="store_true")
 
 
-def build_entries(args, target, progress):
+def build_entries(args, target, progress, place=None):
     """ArmEntry list, the baseline first, plus each arm's description for the manifest."""
     from needle.http import RetryPolicy
     from fidelity.arms import parse_arm
@@ -84,7 +86,9 @@ def build_entries(args, target, progress):
     entries = []
     for name, spec in _pairs(args.inprocess, "--inprocess"):
         arm = parse_arm(spec)
-        entries.append(ArmEntry(name, InProcessArm(name, arm.numerics(), target.weights, arm.name),
+        nx = arm.numerics(compute_dtype=place.compute_dtype) if place else arm.numerics()
+        entries.append(ArmEntry(name, InProcessArm(name, nx, target.weights, arm.name,
+                                                   place.model_devices if place else None),
                                 factors=frozenset({name})))
     for name, url in _pairs(args.endpoint, "--endpoint"):
         ep = Endpoint(name, url, dialects.pop(name, None), args.model, policy, target.tokenizer).connect()
@@ -105,20 +109,23 @@ def build_entries(args, target, progress):
     b.role, b.factors = "baseline", frozenset()
     entries.insert(0, b)
     if not args.no_floors:
-        entries += auto_floors(b, target)
+        entries += auto_floors(b, target, place)
     if len([e for e in entries if e.role == "arm"]) < 1:
         raise ValueError("nothing to compare: give at least one arm besides the baseline")
     return entries
 
 
-def auto_floors(base, target):
+def auto_floors(base, target, place=None):
     """In-process baseline: `fidelity ab`'s floor arms; endpoint baseline: itself again."""
+    import torch
     from fidelity.ab import floor_arms
     from fidelity.kld.inprocess import InProcessArm
     from fidelity.kld.run import ArmEntry
     if base.scorer.kind == "inprocess":
-        return [ArmEntry(a.name, InProcessArm(a.name, a.numerics, target.weights), "floor")
-                for a in floor_arms()]
+        cd = place.compute_dtype if place else torch.float64
+        return [ArmEntry(a.name, InProcessArm(a.name, a.numerics, target.weights, None,
+                                              place.model_devices if place else None), "floor")
+                for a in floor_arms(cd)]
     return [ArmEntry(f"{base.name}~repeat", base.scorer, "floor")]
 
 
@@ -131,8 +138,11 @@ def run(args) -> int:
     from fidelity.progress import Progress
     progress = Progress(args.quiet)
     try:
-        target = load_target(args.checkpoint, args.tokenizer)
-        entries = build_entries(args, target, progress)
+        from fidelity.devices import DeviceError, from_args
+        place = from_args(args)
+        target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
+                             place.model_devices)
+        entries = build_entries(args, target, progress, place)
         tok = target.tokenizer
         if args.prompts:
             prompts = file_prompts(args.prompts, tok, target.cfg.vocab_size)
@@ -155,7 +165,7 @@ def run(args) -> int:
                     "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in prompts]}
         res = run_kld(entries, prompts, s, args.out, args.run_id or time.strftime("kld-%Y%m%d-%H%M%S"),
                       manifest, progress)
-    except (ValueError, RuntimeError, EndpointError, PromptFileError) as e:
+    except (ValueError, RuntimeError, EndpointError, PromptFileError, DeviceError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(res["verdict"]["sentence"])

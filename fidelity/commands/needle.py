@@ -28,6 +28,8 @@ def add_arguments(p):
                         "sglang=http://127.0.0.1:30000/v1")
     g.add_argument("--checkpoint", help="DeepSeek-native checkpoint for in-process arms")
     g.add_argument("--tokenizer", help="tokenizer.json for in-process arms")
+    from fidelity.devices import add_options
+    add_options(p)
     g = p.add_argument_group("grid")
     g.add_argument("--lengths", help="comma-separated token counts (default: in-process "
                    f"{DEFAULT_INPROCESS_LENGTHS}, endpoints {DEFAULT_ENDPOINT_LENGTHS})")
@@ -88,9 +90,15 @@ def _runners(args):
         else:
             notes.append("kernel_toggles is not available: golden arm only")
     if arm_specs:
+        from fidelity.devices import DeviceError, from_args
+        try:
+            place = from_args(args)
+        except DeviceError as e:
+            raise SystemExit(f"error: {e}")
         from fidelity.target import load_target
         from needle.inprocess import InProcessRunner
-        target = load_target(args.checkpoint, args.tokenizer)
+        target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
+                             place.model_devices)
         notes.append(f"in-process model: {target.description}")
         temp = 0.0 if args.temperature is None else args.temperature
         for s in arm_specs:
@@ -101,7 +109,7 @@ def _runners(args):
                 raise SystemExit(f"error: --arm {s!r}: {e}")
             runners.append(InProcessRunner(name, target, arm,
                                            temperature=temp, top_p=args.top_p,
-                                           max_tokens=args.max_tokens))
+                                           max_tokens=args.max_tokens, placement=place))
     kw = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
     for s in args.endpoint:
         name, url = _named(s, "")

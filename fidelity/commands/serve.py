@@ -33,6 +33,8 @@ def add_arguments(p):
                    help="checkpoint generation whose reasoning-effort tiers the chat encoding "
                         "uses (research engine-integration.md §3.2; default 0731)")
     p.add_argument("--log-level", default="warning")
+    from fidelity.devices import add_options
+    add_options(p)
 
 
 def run(args) -> int:
@@ -40,12 +42,14 @@ def run(args) -> int:
     from fidelity.serve import Engine, create_app, parse_arm_options
     from fidelity.target import load_target
 
+    from fidelity.devices import DeviceError, from_args
     try:
+        place = from_args(args)
         if args.arm:
             arms = [(name, parse_arm(spec)) for name, spec in parse_arm_options(args.arm)]
         else:
             arms = [(None, arm_from_env())]
-    except (ArmError, ValueError) as e:
+    except (ArmError, DeviceError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.max_queue < 1 or args.max_logprobs < -1 or args.time_slice < 0:
@@ -54,10 +58,11 @@ def run(args) -> int:
         return 2
     import uvicorn
 
-    target = load_target(args.checkpoint, args.tokenizer)
+    target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
+                             place.model_devices)
     try:
         engine = Engine(target, arms, args.model_name, args.max_queue, args.max_logprobs,
-                        args.time_slice, args.generation)
+                        args.time_slice, args.generation, place)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,9 +19,9 @@ CAPTURE_TAPS = ["layers.*.attn.index.topk", "layers.*.ffn.router.experts"]
 class InProcessArm:
     kind = "inprocess"
 
-    def __init__(self, name: str, numerics, weights, label: str | None = None):
+    def __init__(self, name: str, numerics, weights, label: str | None = None, devices=None):
         self.name, self.label = name, label or name
-        self.model = Model(weights, numerics)
+        self.model = Model(weights, numerics, devices=devices)
         cfg = weights.cfg
         self.csa = [i for i, r in enumerate(cfg.compress_ratios) if r == 4]
         self.n_layers = cfg.n_layers

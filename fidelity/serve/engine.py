@@ -49,7 +49,7 @@ def parse_arm_options(values: list[str]) -> list[tuple[str | None, str]]:
 class Engine:
     def __init__(self, target, arms: list[tuple[str | None, object]], model_name: str | None = None,
                  max_jobs: int = 256, max_logprobs: int = 20, time_slice: float = 1.0,
-                 generation: str = "0731"):
+                 generation: str = "0731", placement=None):
         if not arms:
             raise ValueError("no arm to serve")
         self.target, self.tok = target, target.tokenizer
@@ -59,13 +59,16 @@ class Engine:
         self.max_logprobs = self.vocab if max_logprobs == -1 else max_logprobs
         self.model_name = model_name or target.name
         self.generation = generation
+        self.placement = placement
         cache: dict = {}
         self.arms: dict[str, ServedArm] = {}
         for name, arm in arms:
             sid = name or (self.model_name if len(arms) == 1 else arm.name)
             if sid in self.arms:
                 raise ValueError(f"two arms are served as model {sid!r}; name them with NAME=ARM")
-            self.arms[sid] = ServedArm(sid, arm, Model(target.weights, arm.numerics(), weight_cache=cache))
+            nx = arm.numerics(compute_dtype=placement.compute_dtype) if placement else arm.numerics()
+            self.arms[sid] = ServedArm(sid, arm, Model(target.weights, nx, weight_cache=cache,
+                                                       devices=placement.model_devices if placement else None))
         self.default = next(iter(self.arms.values()))
         self.scheduler = Scheduler(max_jobs, time_slice)
         self.created = int(time.time())
@@ -182,6 +185,7 @@ class Engine:
                          for s in self.arms.values()},
                 "logprobs": "raw (before temperature, bias and truncation)",
                 "chat_encoding": f"deepseek-recipe, generation {self.generation}",
+                "placement": self.placement.describe() if self.placement else {"devices": ["cpu"]},
                 "scheduler": self.scheduler.snapshot()}
 
 
