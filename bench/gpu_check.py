@@ -8,7 +8,9 @@ machine; without CUDA it says so and exits 0):
   3. with two or more GPUs: layers placed across cuda:0,cuda:1 equal one GPU bit for bit;
   4. a V4-Flash-shaped layer's FP8 and FP4 tensors dequantised on the GPU equal the CPU
      dequantisation bit for bit, with throughput;
-  5. timings of each step.
+  5. the tiny model saved as a checkpoint and held quantised-resident on the GPU gives the
+     CPU dense golden's logits bit for bit;
+  6. timings of each step.
 
 Exit status 1 on any failed check; results also written to bench/results/gpu_check.md.
     bash bench/gpu_check.sh
@@ -108,6 +110,17 @@ def main() -> int:
         dt = time.perf_counter() - t0
         check(torch.equal(a, b.cpu()), f"V4-Flash {name} {list(shape)} dequantised on CUDA == CPU "
                                        f"({nbytes / dt / 1e9:.2f} GB/s of checkpoint bytes)")
+    import tempfile
+    from reference_model.checkpoint import save_checkpoint
+    from reference_model.resident import QuantisedResidentWeights
+    with tempfile.TemporaryDirectory() as d:
+        save_checkpoint(w, Path(d) / "tiny")
+        t0 = time.perf_counter()
+        rq = QuantisedResidentWeights(Path(d) / "tiny", devices=["cuda:0"])
+        res = run(Model(rq, Numerics("reference"), devices=["cuda:0"]), toks)
+        torch.cuda.synchronize()
+        check(all(torch.equal(a, b) for a, b in zip(cpu, res)),
+              f"quantised-resident tiny checkpoint on CUDA == CPU dense golden ({time.perf_counter() - t0:.2f} s)")
     (ROOT / "bench" / "results" / "gpu_check.md").write_text("\n".join(lines) + "\n")
     say(f"\n{'FAILED: ' + '; '.join(failed) if failed else 'all GPU checks passed'}")
     return 1 if failed else 0
