@@ -63,18 +63,23 @@ def summary(info) -> dict:
     }
 
 
-def render(s: dict) -> str:
-    L = [f"checkpoint: {s['checkpoint']}",
-         f"config:     {s['config_file'] or '(given)'}", "", "## config", ""]
+def _config_and_schedule(s: dict, schedule_title: str) -> list[str]:
+    L = ["", "## config", ""]
     for k, v in s["config"].items():
         L.append(f"  {k:<22} {v}")
-    L += ["", "## layer schedule", "",
+    L += ["", f"## {schedule_title}", "",
           "| layer | kind | ratio | routing | rope_theta | yarn | tensors | size |",
           "|---:|---|---:|---|---:|---|---:|---:|"]
     for r in s["schedule"]:
         L.append(f"| {r['layer']} | {r['kind']} | {r['ratio']} | {r['routing']} | "
                  f"{r['rope_theta']:g} | {'yes' if r['yarn'] else 'no'} | {r['tensors']} | "
                  f"{_size(r['bytes'])} |")
+    return L
+
+
+def render(s: dict) -> str:
+    L = [f"checkpoint: {s['checkpoint']}", f"config:     {s['config_file'] or '(given)'}"]
+    L += _config_and_schedule(s, "layer schedule")
     L += ["", "## tensors by dtype", "", "| dtype | tensors | bytes | size |", "|---|---:|---:|---:|"]
     for k, d in s["dtypes"].items():
         L.append(f"| {k} | {d['tensors']} | {d['bytes']} | {_size(d['bytes'])} |")
@@ -159,16 +164,8 @@ def config_summary(root: Path, all_tensors: bool = False) -> dict:
 def render_config_only(s: dict) -> str:
     L = [f"checkpoint: {s['checkpoint']} (config only: no safetensors files; the tables are "
          "what a checkpoint for this config holds)",
-         f"config:     {s['config_file']}", "", "## config", ""]
-    for k, v in s["config"].items():
-        L.append(f"  {k:<22} {v}")
-    L += ["", "## layer schedule (expected tensors)", "",
-          "| layer | kind | ratio | routing | rope_theta | yarn | tensors | size |",
-          "|---:|---|---:|---|---:|---|---:|---:|"]
-    for r in s["schedule"]:
-        L.append(f"| {r['layer']} | {r['kind']} | {r['ratio']} | {r['routing']} | "
-                 f"{r['rope_theta']:g} | {'yes' if r['yarn'] else 'no'} | {r['tensors']} | "
-                 f"{_size(r['bytes'])} |")
+         f"config:     {s['config_file']}"]
+    L += _config_and_schedule(s, "layer schedule (expected tensors)")
     L += ["", "## expected tensors", "",
           "| tensor | dtype | shape | count | bytes each | bytes | size |",
           "|---|---|---|---:|---:|---:|---:|"]
