@@ -65,10 +65,36 @@ def scale_name(weight_name: str) -> str:
     return weight_name[: -len(".weight")] + ".scale"
 
 
-def disk_entries(spec: TensorSpec) -> list[DiskEntry]:
+# Layouts a checkpoint of DeepSeek-native names can have (docs/weight-formats.md):
+#   native         FP8 / FP4 with E8M0 scales (DeepSeek's release)
+#   native-dense   the quantised tensors stored dequantised in bf16 / fp16 / fp32, no scales
+#   nvfp4-experts  NVIDIA ModelOpt NVFP4 routed experts (weight, weight_scale, weight_scale_2,
+#                  input_scale), everything else as in `native`
+LAYOUTS = ("native", "native-dense", "nvfp4-experts")
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+NVFP4_BLOCK = 16
+_ROUTED = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+
+
+def is_routed_expert(name: str) -> bool:
+    return bool(_ROUTED.match(name))
+
+
+def disk_entries(spec: TensorSpec, layout: str = "native", float_dtype: str | None = None) -> list[DiskEntry]:
     """The entries of one logical tensor: FP8 = F8_E4M3 [out,in] + F8_E8M0 scale on the
     ceil(out/128)×ceil(in/128) grid; FP4 = I8 [out,in/2] (two e2m1 per byte) + F8_E8M0
-    scale [out, ceil(in/32)]; bf16 / f32 / i64 stored as is."""
+    scale [out, ceil(in/32)]; bf16 / f32 / i64 stored as is. `native-dense`: quantised
+    tensors as one `float_dtype` [out,in] entry; `nvfp4-experts`: routed experts as U8
+    [out,in/2] + F8_E4M3 weight_scale [out, in/16] + F32 weight_scale_2 [] + F32 input_scale []."""
+    if layout == "native-dense" and spec.fmt in (FP8, FP4):
+        return [DiskEntry(spec.name, float_dtype or "BF16", tuple(spec.shape), "plain")]
+    if layout == "nvfp4-experts" and spec.fmt == FP4 and is_routed_expert(spec.name):
+        out, inp = spec.shape
+        base = spec.name[: -len(".weight")]
+        return [DiskEntry(spec.name, "U8", (out, inp // 2), "weight"),
+                DiskEntry(base + ".weight_scale", "F8_E4M3", (out, _ceil(inp, NVFP4_BLOCK)), "weight_scale"),
+                DiskEntry(base + ".weight_scale_2", "F32", (), "weight_scale_2"),
+                DiskEntry(base + ".input_scale", "F32", (), "input_scale")]
     if spec.fmt == FP8:
         out, inp = spec.shape
         return [DiskEntry(spec.name, "F8_E4M3", (out, inp), "weight"),
@@ -83,13 +109,34 @@ def disk_entries(spec: TensorSpec) -> list[DiskEntry]:
     return [DiskEntry(spec.name, _PLAIN[spec.fmt], tuple(spec.shape), "plain")]
 
 
-def expected_entries(cfg: ModelConfig) -> dict[str, DiskEntry]:
+def expected_entries(cfg: ModelConfig, layout: str = "native",
+                     float_dtype: str | None = None) -> dict[str, DiskEntry]:
     """Every safetensors entry of the main model for `cfg` (no tensor is allocated)."""
     out = {}
     for s in all_specs(cfg):
-        for e in disk_entries(s):
+        for e in disk_entries(s, layout, float_dtype):
             out[e.name] = e
     return out
+
+
+def detect_layout(cfg: ModelConfig, headers: dict) -> tuple[str, str | None, list[str]]:
+    """(layout, float dtype of a dense layout, problems) from the tensor names and dtypes:
+    NVFP4 when routed experts carry `weight_scale_2`; dense when the quantised tensors are
+    floats with no `.scale`; a checkpoint mixing them is one problem naming examples."""
+    quant = [s for s in all_specs(cfg) if s.fmt in (FP8, FP4)]
+    if any(n.endswith(".weight_scale_2") for n in headers):
+        return "nvfp4-experts", None, []
+    floats = [s.name for s in quant if s.name in headers and headers[s.name].dtype in FLOAT_DTYPES]
+    packed = [s.name for s in quant if s.name in headers and headers[s.name].dtype not in FLOAT_DTYPES]
+    if len(floats) <= len(packed):          # native; stray floats are listed as wrong dtypes
+        return "native", None, []
+    dense = sorted({headers[n].dtype for n in floats})
+    if packed:
+        return "native-dense", None, [
+            f"mixed formats: {len(floats)} quantisable tensors are stored as floats (e.g. {floats[0]}) "
+            f"but {len(packed)} are quantised (e.g. {packed[0]}); a checkpoint must be all one or "
+            "the other (or NVFP4 experts with the rest native)"]
+    return "native-dense", dense[0] if len(dense) == 1 else None, []
 
 
 def natural_key(name: str):

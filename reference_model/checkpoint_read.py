@@ -9,21 +9,22 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from . import quant as Q
-from .checkpoint_format import (INDEX_NAME, SINGLE_NAME, CheckpointError,
-                                ShardError, TensorHeader, disk_entries, expected_entries,
-                                is_skipped, natural_key, read_header, scale_name)
+from .checkpoint_format import (FLOAT_DTYPES, INDEX_NAME, SINGLE_NAME, CheckpointError,
+                                ShardError, TensorHeader, detect_layout, disk_entries,
+                                expected_entries, is_skipped, natural_key, read_header, scale_name)
 from .config import ConfigError, ModelConfig
-from .specs import FP4, FP8, I64, TensorSpec, global_specs, layer_specs
+from .specs import BF16, F32, FP4, FP8, I64, TensorSpec, global_specs, layer_specs
 from .weights import InMemoryWeights
 
 log = logging.getLogger(__name__)
+_PLAIN_FLOATS = ("BF16", "F32")           # plain float specs' dtypes (norms, mHC, sinks, ...)
 _DECODE_CHUNK = 1 << 22          # elements per dequantisation step (bounds fp32 temporaries)
 # output elements per decode_fp8/decode_fp4 step: its int16 scratch (FP8) or int32 index
 # (FP4; plus an int64 copy with several threads) is 4 (+8) MB, cache-resident between
@@ -62,6 +63,8 @@ class CheckpointInfo:
     index_total_size: int | None = None
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    layout: str = "native"                   # checkpoint_format.LAYOUTS
+    float_dtype: str | None = None           # native-dense: the floats the tensors are in
 
     @property
     def total_bytes(self) -> int:
@@ -233,7 +236,14 @@ def scan_checkpoint(path, cfg: ModelConfig | None = None, strict: bool = True) -
         notes.append(f"skipped {len(skipped)} MTP/DSpark tensors ({', '.join(stages)}): "
                      "not part of the main-model forward")
     lost = {n for n, f in (wm or {}).items() if f in bad_files}   # covered by the shard problem
-    want = expected_entries(cfg)
+    layout, float_dtype, mixed = detect_layout(cfg, main)
+    problems += mixed
+    want = expected_entries(cfg, layout, float_dtype)
+    if layout == "native-dense":           # any float dtype per tensor: bf16, fp16 or fp32
+        want = {n: (replace(e, dtype=main[n].dtype) if n in main and e.dtype in FLOAT_DTYPES + _PLAIN_FLOATS
+                    and main[n].dtype in FLOAT_DTYPES else e) for n, e in want.items()}
+    if layout != "native":
+        notes.append(f"layout {layout}" + (f" ({float_dtype})" if float_dtype else ""))
     for name in sorted(set(want) - set(main) - lost, key=natural_key):
         problems.append(f"missing tensor: {name} ({_fmt_entry(want[name])})")
     for name in sorted(set(main) - set(want), key=natural_key):
@@ -248,7 +258,8 @@ def scan_checkpoint(path, cfg: ModelConfig | None = None, strict: bool = True) -
             problems.append(f"wrong shape: {name}: expected {list(e.shape)}, found {list(h.shape)} in {h.file}")
     if set(main) != set(want):
         problems += _hints(cfg, set(main) - lost)
-    info = CheckpointInfo(root, cfg, config_file, main, skipped, files, total, notes, problems)
+    info = CheckpointInfo(root, cfg, config_file, main, skipped, files, total, notes, problems,
+                          layout, float_dtype)
     for n in notes:
         log.info("%s: %s", root, n)
     if strict and problems:
@@ -304,19 +315,43 @@ class _ShardReader:
 
 def validate_raw(info: CheckpointInfo, s: TensorSpec, raw: dict) -> None:
     """Data errors the headers cannot show: E8M0 NaN scale bytes, e4m3 NaN weight codes,
-    expert ids out of range (CheckpointError naming the tensor and its shard)."""
+    NVFP4 scales that are not finite and positive, expert ids out of range
+    (CheckpointError naming the tensor and its shard)."""
     def bad(name, why):
         raise CheckpointError(f"checkpoint {info.root}",
                               [f"bad data: {name} in {info.tensors[name].file}: {why}"])
-    if s.fmt in (FP8, FP4):
+    if "scale" in raw:
         if bool((raw["scale"].view(torch.uint8) == 255).any()):
             bad(scale_name(s.name), "scale contains the E8M0 NaN byte 255")
         if s.fmt == FP8 and Q.has_e4m3_nan(raw["weight"]):
             bad(s.name, "weight contains e4m3 NaN codes (0x7F/0xFF)")
+    elif "weight_scale" in raw:
+        base = s.name[: -len(".weight")]
+        ws = raw["weight_scale"].float()
+        if not bool(torch.isfinite(ws).all()) or bool((ws < 0).any()):
+            bad(base + ".weight_scale", "NVFP4 block scales must be finite and non-negative")
+        s2 = float(raw["weight_scale_2"])
+        if not (s2 > 0 and s2 < float("inf")):
+            bad(base + ".weight_scale_2", f"NVFP4 global scale must be finite and positive, got {s2}")
     elif s.fmt == I64 and raw["plain"].numel():
         t = raw["plain"]
         if int(t.min()) < 0 or int(t.max()) >= info.cfg.n_routed_experts:
             bad(s.name, f"expert ids outside [0, {info.cfg.n_routed_experts})")
+
+
+def decode_raw(s: TensorSpec, raw: dict, device) -> torch.Tensor:
+    """One logical tensor from its stored entries, in the in-memory form (weights.py):
+    FP8 / FP4 dequantised to bf16 (exact); NVFP4 experts to fp32 (e2m1 x e4m3 x fp32 global
+    scale, as ModelOpt defines it); dense conversions and plain tensors in the spec's
+    dtype (bf16 for quantisable tensors)."""
+    if "scale" in raw:
+        return (decode_fp8 if s.fmt == FP8 else decode_fp4)(raw["weight"], raw["scale"], device)
+    if "weight_scale" in raw:
+        return Q.dequant_nvfp4(raw["weight"].to(device), raw["weight_scale"].to(device),
+                               raw["weight_scale_2"].to(device))
+    t = raw["plain"]
+    want = {FP8: torch.bfloat16, FP4: torch.bfloat16, BF16: torch.bfloat16, F32: torch.float32}.get(s.fmt)
+    return t.to(device, dtype=want, copy=True) if want is not None else t.to(device, copy=True)
 
 
 def _load_specs(info: CheckpointInfo, specs: list[TensorSpec], device, chunk_bytes: int,
@@ -325,12 +360,10 @@ def _load_specs(info: CheckpointInfo, specs: list[TensorSpec], device, chunk_byt
     out = {}
     try:
         for s in specs:
-            raw = {e.role: reader.get(info.tensors[e.name]) for e in disk_entries(s)}
+            raw = {e.role: reader.get(info.tensors[e.name])
+                   for e in disk_entries(s, info.layout, info.float_dtype)}
             validate_raw(info, s, raw)
-            if s.fmt in (FP8, FP4):
-                t = (decode_fp8 if s.fmt == FP8 else decode_fp4)(raw["weight"], raw["scale"], device)
-            else:
-                t = raw["plain"].to(device, copy=True)
+            t = decode_raw(s, raw, device)
             del raw
             if t.numel() >= _DECODE_CHUNK // 4:
                 _trim_heap()

@@ -373,3 +373,13 @@ def dequant_fp4_bf16(packed: torch.Tensor, scale: torch.Tensor, block: int = 32,
         else:
             torch.index_select(tab, 0, idx.view(-1), out=out32[a:b].view(-1))
     return out
+
+
+def dequant_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                  block: int = 16) -> torch.Tensor:
+    """NVIDIA ModelOpt NVFP4 [out, in/2] uint8 (low nibble = element 2j, e2m1) with e4m3
+    scales per `block` inputs and one fp32 global scale -> fp32 [out, in]:
+    W = e2m1 · float(block_scale) · global_scale (docs/weight-formats.md §4.2)."""
+    vals = unpack_fp4(packed)
+    s = block_scale.float().repeat_interleave(block, -1)[..., : vals.shape[-1]]
+    return (vals * s) * global_scale.float()

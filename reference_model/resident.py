@@ -15,19 +15,10 @@ from collections.abc import Mapping
 import torch
 
 from .checkpoint_format import disk_entries
-from .checkpoint_read import (CheckpointInfo, _ShardReader, decode_fp4, decode_fp8, scan_checkpoint,
-                              validate_raw)
+from .checkpoint_read import CheckpointInfo, _ShardReader, decode_raw, scan_checkpoint, validate_raw
 from .config import ModelConfig
 from .placement import model_placement
-from .specs import FP4, FP8, global_specs, layer_specs
-
-
-def _decode(spec, raw: dict, device) -> torch.Tensor:
-    if spec.fmt == FP8:
-        return decode_fp8(raw["weight"], raw["scale"], device)
-    if spec.fmt == FP4:
-        return decode_fp4(raw["weight"], raw["scale"], device)
-    return raw["plain"]
+from .specs import global_specs, layer_specs
 
 
 class LazyLayer(Mapping):
@@ -44,7 +35,7 @@ class LazyLayer(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.cache:
             spec, raw = self.raw[name]
-            self.cache[name] = _decode(spec, raw, self.src.device_of(self.i))
+            self.cache[name] = decode_raw(spec, raw, self.src.device_of(self.i))
             self.src.decoded[spec.fmt] = self.src.decoded.get(spec.fmt, 0) + 1
         return self.cache[name]
 
@@ -84,7 +75,8 @@ class QuantisedResidentWeights:
     def _read(self, reader, specs, strip: str, device) -> dict:
         out = {}
         for s in specs:
-            raw = {e.role: reader.get(self.info.tensors[e.name]) for e in disk_entries(s)}
+            raw = {e.role: reader.get(self.info.tensors[e.name])
+                   for e in disk_entries(s, self.info.layout, self.info.float_dtype)}
             validate_raw(self.info, s, raw)
             out[s.name[len(strip):]] = (s, {k: v.to(device, copy=True) for k, v in raw.items()})
         return out
@@ -100,7 +92,7 @@ class QuantisedResidentWeights:
 
     def global_weights(self) -> dict[str, torch.Tensor]:
         if self._globals is None:
-            self._globals = {k: _decode(s, raw, self.devices[0]) for k, (s, raw) in self.raw_globals.items()}
+            self._globals = {k: decode_raw(s, raw, self.devices[0]) for k, (s, raw) in self.raw_globals.items()}
         return self._globals
 
     def layer_weights(self, i: int) -> LazyLayer:

@@ -50,6 +50,7 @@ def summary(info) -> dict:
     return {
         "checkpoint": str(info.root),
         "config_file": str(info.config_file) if info.config_file else None,
+        "layout": info.layout + (f" ({info.float_dtype})" if info.float_dtype else ""),
         "config": cfg.to_dict(),
         "shards": info.shards,
         "schedule": sched,
@@ -78,7 +79,8 @@ def _config_and_schedule(s: dict, schedule_title: str) -> list[str]:
 
 
 def render(s: dict) -> str:
-    L = [f"checkpoint: {s['checkpoint']}", f"config:     {s['config_file'] or '(given)'}"]
+    L = [f"checkpoint: {s['checkpoint']}", f"config:     {s['config_file'] or '(given)'}",
+         f"layout:     {s['layout']} (docs/weight-formats.md)"]
     L += _config_and_schedule(s, "layer schedule")
     L += ["", "## tensors by dtype", "", "| dtype | tensors | bytes | size |", "|---|---:|---:|---:|"]
     for k, d in s["dtypes"].items():
