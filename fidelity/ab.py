@@ -55,6 +55,7 @@ class ABSettings:
     devices: tuple[str, ...] = ("cpu",)    # layers placed across these (fidelity.devices)
     accumulate: str = "float64"            # golden's accumulation dtype (torch dtype name)
     activation_budget: int | None = None   # bytes of residual streams kept in memory per pass
+    weights_variants: tuple = ()           # ((name, label), ...): other checkpoints as arms
     command_line: str = field(default_factory=lambda: " ".join(sys.argv))
 
 
@@ -148,8 +149,14 @@ def _pairs(settings, label_sets) -> dict[str, str]:
             if a != settings.vs and frozenset(ts.names) > ref}
 
 
+WEIGHTS_PREFIX = "weights:"
+
+
 def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None = None,
-           progress=print, tokenizer=None) -> dict:
+           progress=print, tokenizer=None, variants: dict | None = None) -> dict:
+    """`variants`: {name: WeightSource} of other checkpoints of the same architecture; each
+    becomes an arm `weights:<name>` (golden numerics on those weights), so drift and KLD
+    are attributed to the checkpoint as well as to the numerics toggles."""
     t_start = time.time()
     cfg = weights.cfg
     if settings.prompts_file:
@@ -166,7 +173,10 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
     pairs = _pairs(settings, label_sets)
     cd = getattr(torch, settings.accumulate)
     golden = Arm(GOLDEN, Numerics("reference", cd), frozenset(), role="golden")
-    arms = [golden] + floor_arms(cd) + _mk_arms(label_sets, cd)
+    weight_arms = [Arm(WEIGHTS_PREFIX + n, Numerics("reference", cd), frozenset({WEIGHTS_PREFIX + n}),
+                       weights=w) for n, w in (variants or {}).items()]
+    toggles = toggles + [a.name for a in weight_arms]
+    arms = [golden] + floor_arms(cd) + _mk_arms(label_sets, cd) + weight_arms
     progress(f"stage 1: {len(arms)} arms × {len(prompts)} prompts, mode {settings.mode}")
     res = _run(weights, arms, prompts, settings, progress, pairs)
 
@@ -175,7 +185,8 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
     table = A.outcome_matrix(outcomes, sets, GOLDEN)
 
     # stage 2: full factorial over the toggles with the largest single or leave-one-out effect
-    top = _top_toggles(toggles, table, settings.shapley_top)
+    top = _top_toggles([t for t in toggles if not t.startswith(WEIGHTS_PREFIX)], table,
+                       settings.shapley_top)
     if len(top) >= 2:
         K = _toggle_api()
         new = {}

@@ -19,6 +19,7 @@ COMMANDS = {
     "engines": "engines",
     "chat-check": "chat_check",
     "plan-memory": "plan_memory",
+    "weights-diff": "weights_diff",
 }
 
 

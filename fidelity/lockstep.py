@@ -41,6 +41,7 @@ class Arm:
     numerics: Numerics
     toggles: frozenset = frozenset()
     role: str = "arm"                   # "golden", "floor" or "arm"
+    weights: object | None = None       # another checkpoint of the same architecture (None: the run's)
 
 
 @dataclass
@@ -195,8 +196,14 @@ class LockstepRunner:
         self.patterns = list(taps) + list(keep)
         self.keep = list(keep)
         self.progress = progress or (lambda msg: None)
-        cache: dict = {}                       # arms share converted weights (per dtype, device)
-        self.models = {a.name: Model(weights, a.numerics, chunk_tokens=chunk_tokens, weight_cache=cache,
+        for a in arms:
+            diff = weights.cfg.differences(a.weights.cfg) if a.weights is not None else []
+            if diff:
+                raise ValueError(f"arm {a.name}: its checkpoint is another architecture "
+                                 f"(config differs in {', '.join(diff)})")
+        caches: dict = {}                      # arms on one checkpoint share converted weights
+        self.models = {a.name: Model(a.weights or weights, a.numerics, chunk_tokens=chunk_tokens,
+                                     weight_cache=caches.setdefault(id(a.weights or weights), {}),
                                      devices=devices) for a in arms}
         self.streams = StreamStore(activation_budget)
 

@@ -119,6 +119,30 @@ def expected_entries(cfg: ModelConfig, layout: str = "native",
     return out
 
 
+_HF_GLOBALS = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+               "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+               "model.hc_head.hc_scale": "hc_head_scale"}
+_HF_KV_NORM = re.compile(r"^model\.layers\.(\d+)\.attn\.norm\.weight$")
+
+
+def is_transformers_naming(names) -> bool:
+    """Names as transformers' `save_pretrained` writes DeepseekV4 (docs/weight-formats.md
+    §3.3): the native names under `model.`, except `head.weight`."""
+    return any(n.startswith("model.layers.") for n in names)
+
+
+def native_name(name: str) -> str:
+    """The DeepSeek-native name of a tensor saved by transformers: `model.` dropped, the
+    embedding / final norm / mHC head renamed, and the attention kv norm that transformers
+    writes as `attn.norm.weight` (§3.3's quirk) back to `attn.kv_norm.weight`."""
+    if name in _HF_GLOBALS:
+        return _HF_GLOBALS[name]
+    m = _HF_KV_NORM.match(name)
+    if m:
+        return f"layers.{m.group(1)}.attn.kv_norm.weight"
+    return name[len("model."):] if name.startswith("model.") else name
+
+
 def detect_layout(cfg: ModelConfig, headers: dict) -> tuple[str, str | None, list[str]]:
     """(layout, float dtype of a dense layout, problems) from the tensor names and dtypes:
     NVFP4 when routed experts carry `weight_scale_2`; dense when the quantised tensors are

@@ -18,7 +18,8 @@ from safetensors import safe_open
 from . import quant as Q
 from .checkpoint_format import (FLOAT_DTYPES, INDEX_NAME, SINGLE_NAME, CheckpointError,
                                 ShardError, TensorHeader, detect_layout, disk_entries,
-                                expected_entries, is_skipped, natural_key, read_header, scale_name)
+                                expected_entries, is_skipped, is_transformers_naming, native_name,
+                                natural_key, read_header, scale_name)
 from .config import ConfigError, ModelConfig
 from .specs import BF16, F32, FP4, FP8, I64, TensorSpec, global_specs, layer_specs
 from .weights import InMemoryWeights
@@ -64,6 +65,7 @@ class CheckpointInfo:
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     layout: str = "native"                   # checkpoint_format.LAYOUTS
+    naming: str = "native"                   # "transformers": save_pretrained's names, mapped
     float_dtype: str | None = None           # native-dense: the floats the tensors are in
 
     @property
@@ -229,6 +231,10 @@ def scan_checkpoint(path, cfg: ModelConfig | None = None, strict: bool = True) -
             if not bad_files and real != total:
                 notes.append(f"index metadata.total_size is {total}, tensors sum to {real} bytes")
 
+    naming = "transformers" if is_transformers_naming(headers) else "native"
+    if naming == "transformers":          # key by native name; each header keeps its file name
+        headers = {native_name(n): h for n, h in headers.items()}
+        notes.append("tensor names: transformers' save_pretrained naming, mapped to DeepSeek's")
     skipped = {n: h for n, h in headers.items() if is_skipped(n)}
     main = {n: h for n, h in headers.items() if not is_skipped(n)}
     if skipped:
@@ -259,7 +265,7 @@ def scan_checkpoint(path, cfg: ModelConfig | None = None, strict: bool = True) -
     if set(main) != set(want):
         problems += _hints(cfg, set(main) - lost)
     info = CheckpointInfo(root, cfg, config_file, main, skipped, files, total, notes, problems,
-                          layout, float_dtype)
+                          layout=layout, float_dtype=float_dtype, naming=naming)
     for n in notes:
         log.info("%s: %s", root, n)
     if strict and problems:

@@ -83,6 +83,11 @@ class ModelConfig:
         d["compress_ratios"] = list(self.compress_ratios)
         return d
 
+    def differences(self, other: "ModelConfig") -> list[str]:
+        """The fields (name aside) in which two configs differ: another architecture."""
+        a, b = self.to_dict(), other.to_dict()
+        return [k for k in a if k != "name" and a[k] != b.get(k)]
+
     def config_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 

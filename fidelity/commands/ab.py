@@ -15,6 +15,10 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def add_arguments(p):
     p.add_argument("--checkpoint", help="DeepSeek-native checkpoint dir (default: embedded tiny model)")
+    p.add_argument("--weights", action="append", default=[], metavar="NAME=DIR",
+                   help="another checkpoint of the same architecture as an arm 'weights:NAME' "
+                        "(golden numerics on it; repeatable). Without --checkpoint the first "
+                        "--weights is the base the others are compared with")
     p.add_argument("--arms", action="append", metavar="ARM",
                    help="an arm in DSV4_FIDELITY_ARM syntax, e.g. 'engine,routed_scaling_double' "
                         "(repeatable; default: each optimization, engine, engine minus each)")
@@ -59,8 +63,24 @@ def run(args) -> int:
     except DeviceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    weights, label = load_weights(args.checkpoint, mode=args.weights_mode or "streamed",
-                                  devices=place.model_devices)
+    variants = []
+    for v in args.weights:
+        name, sep, path = v.partition("=")
+        if not sep or not name or not path:
+            print(f"error: --weights {v!r}: expected NAME=DIR", file=sys.stderr)
+            return 2
+        variants.append((name, path))
+    if not args.checkpoint and variants:
+        args.checkpoint = variants.pop(0)[1]
+    mode = args.weights_mode or "streamed"
+    weights, label = load_weights(args.checkpoint, mode=mode, devices=place.model_devices)
+    others = {n: load_weights(path, mode=mode, devices=place.model_devices)[0] for n, path in variants}
+    for n, w in others.items():
+        diff = weights.cfg.differences(w.cfg)
+        if diff:
+            print(f"error: --weights {n}: another architecture than {args.checkpoint} (config differs "
+                  f"in {', '.join(diff)})", file=sys.stderr)
+            return 2
     tokenizer = load_tokenizer_for(args.checkpoint)
     from fidelity.ab import LONG_LENGTHS
     if args.long and args.lengths or args.prompts and (args.long or args.lengths):
@@ -79,10 +99,11 @@ def run(args) -> int:
                           floor_k=args.floor_k, vs=args.vs, keep=tuple(args.keep), checkpoint=label,
                           prompts_file=args.prompts, devices=place.devices,
                           accumulate=str(place.compute_dtype).replace("torch.", ""),
-                          activation_budget=budget)
+                          activation_budget=budget, weights_variants=tuple(variants))
     try:
         res = run_ab(weights, settings, args.out, args.run_id,
-                     progress=lambda m: print(m, file=sys.stderr, flush=True), tokenizer=tokenizer)
+                     progress=lambda m: print(m, file=sys.stderr, flush=True), tokenizer=tokenizer,
+                     variants=others)
     except ValueError as e:              # unknown arm/toggle, bad parameters
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -50,7 +50,8 @@ def summary(info) -> dict:
     return {
         "checkpoint": str(info.root),
         "config_file": str(info.config_file) if info.config_file else None,
-        "layout": info.layout + (f" ({info.float_dtype})" if info.float_dtype else ""),
+        "layout": info.layout + (f" ({info.float_dtype})" if info.float_dtype else "")
+                  + (", transformers naming" if info.naming == "transformers" else ""),
         "config": cfg.to_dict(),
         "shards": info.shards,
         "schedule": sched,

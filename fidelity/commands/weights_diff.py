@@ -1,0 +1,38 @@
+"""`fidelity weights-diff A B`: do two checkpoints of one architecture hold the same
+weights? The static half of "is it the checkpoint or the engine?" (fidelity/weights_diff.py)."""
+from __future__ import annotations
+
+import sys
+
+HELP = ("compare two checkpoints' dequantised weights tensor by tensor (any layouts: FP8/FP4, "
+        "NVFP4 experts, dense bf16), streamed layer by layer; report per tensor, family, layer "
+        "and expert")
+
+
+def add_arguments(p):
+    p.add_argument("a", help="checkpoint A, the reference (rel L2 is ||A-B|| / ||A||)")
+    p.add_argument("b", help="checkpoint B")
+    p.add_argument("--layers", default=None, metavar="IDS",
+                   help="compare only these layers: comma-separated ids and ranges, e.g. 0,3 or "
+                        "0-2,7; add 'globals' for embed/head/norm/hc_head (default: every layer "
+                        "and the globals)")
+    p.add_argument("--tolerance", type=float, default=None, metavar="REL_L2",
+                   help="a tensor counts as changed when its rel L2 exceeds this (default: any "
+                        "difference from bit-identical dequantised values)")
+    p.add_argument("--out", default="reports", help="writes <out>/weights-diff/<run-id>/ (+ latest link)")
+    p.add_argument("--run-id", default=None, help="report folder name (default weights-diff-<timestamp>)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def run(args) -> int:
+    from fidelity.progress import Progress
+    from fidelity.weights_diff import WeightsDiffError, diff_checkpoints, summary_text, write_report
+    try:
+        res = diff_checkpoints(args.a, args.b, layers=args.layers, tolerance=args.tolerance,
+                               progress=Progress(args.quiet))
+    except WeightsDiffError as e:
+        print("error: " + "\n  ".join(e.problems), file=sys.stderr)
+        return 2
+    path = write_report(res, args.out, args.run_id)
+    print(summary_text(res, path))
+    return 0
