@@ -138,3 +138,30 @@ def test_inspect_names_the_layout(tmp_path, capsys):
                                                                if W.tensors[n].dtype == torch.bfloat16 else t})
     assert main(["inspect", str(ck)]) == 0
     assert "layout:     native-dense (F32)" in capsys.readouterr().out
+
+
+def test_inexact_nvfp4_cast_gives_the_expected_difference(tmp_path, golden):
+    """A global scale that is not a power of two: the loaded experts are exactly
+    e2m1 x e4m3 x global (computed here in fp64), so the logits are those of a model holding
+    those values, and differ from the original's."""
+    ck = tmp_path / "inexact"
+    save_checkpoint(W, ck)
+    g = 0.75
+    expected = dict(W.tensors)
+
+    def fn(n, t):
+        if n.endswith(".scale") and is_routed_expert(n[: -len(".scale")] + ".weight"):
+            return {}
+        if is_routed_expert(n):
+            p, s16, _, inp = _nvfp4(W.tensors[n])
+            codes = Q.unpack_fp4(p).double()
+            expected[n] = (codes * s16.double().repeat_interleave(16, -1) * g).float()
+            base = n[: -len(".weight")]
+            return {n: p, base + ".weight_scale": s16, base + ".weight_scale_2": torch.tensor(g),
+                    base + ".input_scale": inp}
+        return {n: t}
+    _rewrite(ck, fn)
+    from reference_model.weights import InMemoryWeights
+    got = Model(load_checkpoint(ck), Numerics("reference")).prefill_logits(TOKENS)
+    want = Model(InMemoryWeights(W.cfg, expected), Numerics("reference")).prefill_logits(TOKENS)
+    assert torch.equal(got, want) and not torch.equal(got, golden)
