@@ -47,7 +47,7 @@ from reference_model.config import ModelConfig
 from reference_model.placement import MEM_BYTES, place_layers
 
 from .sizes import parse_bytes
-from reference_model.specs import BF16, F32, FP4, FP8, I64, TensorSpec, global_specs, layer_specs
+from reference_model.specs import FP4, FP8, TensorSpec, global_specs, layer_specs
 
 WEIGHT_MODES = ("resident-quantised", "resident-bf16", "streamed")
 DEQUANT_MODES = ("full", "expert-sparse")

@@ -163,7 +163,6 @@ def fixed_on(arm, engine: str, version: str | None = None):
     """`arm` plus what the engine does by default and no known setting turns off (unless
     a toggle of the arm already covers it): an engine configuration cannot be without
     those, so a design that drops a toggle gets them back explicitly, not silently."""
-    from .arms import ToggleSet
     add = []
     for name in load()["toggles"]:
         e = entry(name, engine, version)

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import time
 
-import pytest
 
 from needle_util import ROOT, fidelity_cmd, free_port
 

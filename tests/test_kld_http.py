@@ -6,7 +6,6 @@ import json
 
 import pandas as pd
 import pytest
-import torch
 
 from fidelity.arms import parse_arm
 from fidelity.cli import main

@@ -12,16 +12,15 @@ import shutil
 import pandas as pd
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from fidelity.cli import main
 from fidelity.weights_diff import compare_tensors, family
-from reference_model import quant as Q
 from reference_model import tiny
 from reference_model.checkpoint import save_checkpoint, scan_checkpoint
-from reference_model.checkpoint_format import INDEX_NAME, is_routed_expert
 from reference_model.specs import all_specs
 from reference_model.weights import InMemoryWeights, random_weights, to_grid
+
+from checkpoint_util import rewrite_shards, to_dense, to_nvfp4
 
 CFG = tiny()
 LAYER = 3                                   # a score-routed CSA layer (hash layers are 0, 1)
@@ -141,40 +140,11 @@ def test_layers_and_tolerance(ckpts, tmp_path):
     assert rc == 0 and 1 <= t.changed.sum() < 3
 
 
-def _rewrite(ck, fn):
-    wm = {}
-    for shard in sorted(ck.glob("*.safetensors")):
-        out = {}
-        for n, t in load_file(shard).items():
-            out.update(fn(n, t))
-        save_file(out, shard)
-        wm.update({n: shard.name for n in out})
-    (ck / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": wm}))
-
-
-def _dense(n, t):
-    if n.endswith(".scale"):
-        return {}
-    return {n: W.tensors[n].float() if W.tensors[n].dtype == torch.bfloat16 else t}
-
-
-def _nvfp4(n, t):
-    if n.endswith(".scale") and is_routed_expert(n[: -len(".scale")] + ".weight"):
-        return {}
-    if not is_routed_expert(n):
-        return {n: t}
-    codes, s32 = Q.quantize_fp4_weight(W.tensors[n].float())
-    base = n[: -len(".weight")]
-    return {n: Q.pack_fp4(codes).view(torch.uint8),
-            base + ".weight_scale": s32.repeat_interleave(2, -1).to(torch.float8_e4m3fn),
-            base + ".weight_scale_2": torch.tensor(1.0), base + ".input_scale": torch.tensor(1.0)}
-
-
-@pytest.mark.parametrize("layout,fn", [("native-dense", _dense), ("nvfp4-experts", _nvfp4)])
-def test_other_layout_same_values_is_identical(ckpts, tmp_path, layout, fn):
+@pytest.mark.parametrize("layout,convert", [("native-dense", to_dense), ("nvfp4-experts", to_nvfp4)])
+def test_other_layout_same_values_is_identical(ckpts, tmp_path, layout, convert):
     ck = tmp_path / layout
     shutil.copytree(ckpts["a"], ck)
-    _rewrite(ck, fn)
+    rewrite_shards(ck, convert(W.tensors))
     assert scan_checkpoint(ck).layout == layout
     rc, rep = _run(tmp_path, ckpts["a"], ck)
     t, *_ , man = _tables(rep)

@@ -1,0 +1,60 @@
+"""Test helpers that turn a saved DeepSeek-native checkpoint into the other layouts
+(docs/weight-formats.md): rewrite every shard through a function, dequantised floats,
+and NVIDIA ModelOpt NVFP4 routed experts."""
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from reference_model import quant as Q
+from reference_model.checkpoint_format import INDEX_NAME, is_routed_expert
+
+
+def rewrite_shards(ck, fn) -> None:
+    """Apply fn(name, tensor) -> {name: tensor} to every tensor of every shard of `ck`
+    (return {} to drop one) and rebuild the index."""
+    wm = {}
+    for shard in sorted(ck.glob("*.safetensors")):
+        out = {}
+        for n, t in load_file(shard).items():
+            out.update(fn(n, t))
+        save_file(out, shard)
+        wm.update({n: shard.name for n in out})
+    (ck / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+
+
+def nvfp4_cast(values: torch.Tensor, global_scale: float = 1.0):
+    """ModelOpt NVFP4 entries for FP4-grid values (e2m1 x 2^k per 32): the same codes, the
+    power-of-two block scale per 16 as e4m3 (exact), the given global scale."""
+    codes, s32 = Q.quantize_fp4_weight(values.float())
+    s16 = s32.repeat_interleave(2, -1).to(torch.float8_e4m3fn)
+    assert torch.equal(s16.float(), s32.repeat_interleave(2, -1))
+    return Q.pack_fp4(codes).view(torch.uint8), s16, torch.tensor(float(global_scale)), torch.tensor(0.5)
+
+
+def to_nvfp4(tensors: dict, global_scale: float = 1.0, edit=None):
+    """A rewrite_shards function turning routed experts into NVFP4 entries (their E8M0
+    `.scale` dropped); `edit(name, entries)` may alter an expert's entries (bad input)."""
+    def fn(n, t):
+        if n.endswith(".scale") and is_routed_expert(n[: -len(".scale")] + ".weight"):
+            return {}
+        if not is_routed_expert(n):
+            return {n: t}
+        p, s16, g, inp = nvfp4_cast(tensors[n], global_scale)
+        base = n[: -len(".weight")]
+        e = {n: p, base + ".weight_scale": s16, base + ".weight_scale_2": g, base + ".input_scale": inp}
+        return edit(n, e) if edit else e
+    return fn
+
+
+def to_dense(tensors: dict, dtype=torch.float32):
+    """A rewrite_shards function storing the bf16 (incl. dequantised) tensors as `dtype`
+    with no scales; fp32 tensors stay fp32."""
+    def fn(n, t):
+        if n.endswith(".scale"):
+            return {}
+        v = tensors[n]
+        return {n: v.to(dtype) if v.dtype == torch.bfloat16 else t}
+    return fn
