@@ -26,7 +26,7 @@ def version() -> str:
 def create_app(engine: Engine) -> FastAPI:
     app = FastAPI(title="dsv4-fidelity", docs_url=None, redoc_url=None, openapi_url=None)
     ver = version()
-    for routes in (OpenAIRoutes(engine, ver), SGLangRoutes(engine), OpsRoutes(engine, ver)):
+    for routes in (OpenAIRoutes(engine), SGLangRoutes(engine), OpsRoutes(engine, ver)):
         app.include_router(routes.router())
 
     @app.exception_handler(ApiError)

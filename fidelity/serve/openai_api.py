@@ -58,9 +58,8 @@ def _sse(obj) -> str:
 
 
 class OpenAIRoutes:
-    def __init__(self, engine: Engine, version: str):
-        self.e, self.version = engine, version
-        self.tok = engine.tok
+    def __init__(self, engine: Engine):
+        self.e, self.tok = engine, engine.tok
 
     def piece(self, i: int) -> str:
         return self.tok.decode([i], skip_special_tokens=False)
