@@ -142,9 +142,22 @@ def direct_effects(pair_sig: pd.DataFrame, arm_sets: dict[str, frozenset], base:
     return pd.DataFrame(rows, columns=["signal", "where", "toggle", "method", "value", "lo", "hi"])
 
 
-def verdict(attr: pd.DataFrame, floors: pd.DataFrame) -> tuple[dict, pd.DataFrame]:
+MIN_PROMPTS = 3          # below this a bootstrap over prompts says little
+
+
+def verdict(attr: pd.DataFrame, floors: pd.DataFrame, n_prompts: int | None = None) -> tuple[dict, pd.DataFrame]:
     """Name every toggle whose interval, for some signal and method, lies wholly above that
-    signal's highest floor; the culprit is the one clearing by the largest factor."""
+    signal's highest floor; the culprit is the one clearing by the largest factor. With
+    fewer than MIN_PROMPTS prompts the sentence says the intervals are not to be trusted."""
+    v, t = _verdict(attr, floors)
+    if n_prompts is not None and n_prompts < MIN_PROMPTS:
+        v["sentence"] += (f" Caution: only {n_prompts} prompt(s); the intervals are a bootstrap "
+                          f"over prompts and mean little below {MIN_PROMPTS}.")
+        v["few_prompts"] = True
+    return v, t
+
+
+def _verdict(attr: pd.DataFrame, floors: pd.DataFrame) -> tuple[dict, pd.DataFrame]:
     if attr.empty:
         return ({"culprit": None, "named": [], "sentence": "No attribution was computed (need at "
                  "least one toggle arm besides golden)."}, attr.assign(floor_hi=[], clears=[]))

@@ -211,3 +211,15 @@ def test_check_gate_relative_to_floors_by_default(small_report):
     assert bad.returncode == 1 and "kld_mean" in bad.stdout and "x worst floor" in bad.stdout
     s = res["summary"].set_index("arm")
     assert s.loc["engine,routed_scaling_double", "kld_mean"] > 3 * s.loc[list(s.index[:3]), "kld_mean"].max()
+
+
+def test_verdict_warns_with_too_few_prompts():
+    from fidelity import signals as S
+    attr = pd.DataFrame([{"signal": "kld_mean", "where": "final logits", "toggle": "t", "method": "one_at_a_time",
+                          "value": 0.5, "lo": 0.4, "hi": 0.6}])
+    floors = pd.DataFrame([{"signal": "kld_mean", "where": "final logits", "floor_hi": 0.01, "floor_arm": "f"}])
+    few, _ = S.verdict(attr, floors, 2)
+    many, _ = S.verdict(attr, floors, 6)
+    assert few["culprit"] == many["culprit"] == "t"
+    assert few.get("few_prompts") and "only 2 prompt(s)" in few["sentence"]
+    assert "Caution" not in many["sentence"] and not many.get("few_prompts")

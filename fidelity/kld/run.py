@@ -143,7 +143,7 @@ def judge(entries: list[ArmEntry], sig: pd.DataFrame, s: KldSettings) -> dict:
     sets = {e.name: e.factors for e in entries if e.role == "arm"}
     factors = sorted(set().union(*sets.values())) if sets else []
     attr = S.attribute_signals(sig[sig.arm.isin(list(sets))], sets, factors, base.name, s.n_boot, s.seed)
-    verdict, table = S.verdict(attr, floors)
+    verdict, table = S.verdict(attr, floors, sig.prompt.nunique())
     return {"summary": summary, "floors": floors, "attribution": table, "verdict": verdict}
 
 
