@@ -106,3 +106,23 @@ def test_bad_inputs_are_named(tmp_path, url, capsys):
                                     "--dialect", "e=tgi")
     assert "--max-logprobs" in err("--inprocess", "golden=golden", "--endpoint", f"engine={url}",
                                    "--dialect", "engine=vllm", "--top-k", "600")
+
+
+def test_sglang_exact_ids_are_chunked_and_merged(url):
+    """token_ids_logprob is scored at every position: a large id set goes in several
+    requests whose per-position results are merged; same numbers as one request."""
+    import numpy as np
+    from fidelity.kld.dialects import Request
+    from fidelity.kld.endpoint import Endpoint
+    ids = T.tokenizer.encode("Rain falls on the old stone bridge at night, and the river keeps talking.")
+    req = Request(k=5, steps=3, score_ids=tuple(range(T.cfg.vocab_size)), captures=True)
+    one = Endpoint("engine", url, "sglang").connect()
+    one.ids_per_request = 10_000
+    many = Endpoint("engine", url, "sglang").connect()
+    many.ids_per_request = 100                                # 6 requests
+    a, b = one.score(ids, req), many.score(ids, req)
+    assert a.ladder_tokens == b.ladder_tokens and np.array_equal(a.indexer, b.indexer)
+    for x, y in zip(a.known + a.ladder, b.known + b.ladder):
+        ox, oy = np.argsort(x.ids), np.argsort(y.ids)
+        assert len(x.ids) == T.cfg.vocab_size and np.array_equal(x.ids[ox], y.ids[oy])
+        assert np.array_equal(x.logp[ox], y.logp[oy])

@@ -6,12 +6,15 @@ and a final failure names the endpoint, route and status."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import httpx
+import numpy as np
 
 from needle.http import (RequestFailed, RetryPolicy, backoff_delay, check_status, redact_url,
                          split_base, transport_failure)
 
+from .bounds import Known
 from .dialects import DIALECTS, PARSERS, ArmScores, Request, ScoringError
 
 HINTS = {"sglang": "SGLang: POST /generate with return_logprob (any recent SGLang)",
@@ -20,8 +23,27 @@ HINTS = {"sglang": "SGLang: POST /generate with return_logprob (any recent SGLan
          "openai": "OpenAI-compatible: /v1/completions with echo + logprobs"}
 
 
+IDS_PER_REQUEST = 512            # SGLang exact mode: requested ids per scoring request
+
+
 class EndpointError(RuntimeError):
     pass
+
+
+def merge_scores(a: ArmScores, b: ArmScores) -> ArmScores:
+    """Scores of one prompt from two requests (different requested ids): each position's
+    known ids united (greedy continuations must agree: same engine, same prompt)."""
+    if a.ladder_tokens != b.ladder_tokens:
+        raise EndpointError("two scoring requests of one prompt decoded differently "
+                            f"({a.ladder_tokens} vs {b.ladder_tokens}): the engine is not deterministic")
+
+    def union(x: Known, y: Known) -> Known:
+        ids = np.concatenate([x.ids, y.ids])
+        logp = np.concatenate([x.logp, y.logp])
+        _, first = np.unique(ids, return_index=True)
+        return Known(ids[first], logp[first])
+    return replace(a, known=[union(x, y) for x, y in zip(a.known, b.known)],
+                   ladder=[union(x, y) for x, y in zip(a.ladder, b.ladder)])
 
 
 class Endpoint:
@@ -42,6 +64,7 @@ class Endpoint:
         self._piece_ids: dict | None = None
         self.shape: dict | None = None
         self.info: dict = {}
+        self.ids_per_request = IDS_PER_REQUEST
 
     def close(self) -> None:
         self.client.close()
@@ -114,8 +137,20 @@ class Endpoint:
         return self._piece_ids
 
     def _score_as(self, dialect: str, ids: list[int], req: Request) -> ArmScores:
+        """One request; SGLang's exact mode in several, `ids_per_request` requested ids each
+        (`token_ids_logprob` is scored at every position, so a long prompt times a large id
+        set would be one huge response), merged position by position."""
+        chunks = [req.score_ids[a:a + self.ids_per_request]
+                  for a in range(0, len(req.score_ids), self.ids_per_request)] or [()]
+        out = None
+        for c in chunks:
+            got = self._one(dialect, ids, replace(req, score_ids=tuple(c), captures=req.captures and out is None))
+            out = got if out is None else merge_scores(out, got)
+        return out
+
+    def _one(self, dialect: str, ids: list[int], req: Request) -> ArmScores:
         build, parse = PARSERS[dialect]
-        path, body = build(ids, Request(**{**req.__dict__, "model": self.model}))
+        path, body = build(ids, replace(req, model=self.model))
         data = self.call("POST", path, body)
         try:
             return parse(data, ids, req, self.piece_ids() if dialect == "openai" else self.shape)
