@@ -91,22 +91,16 @@ def main() -> int:
         x = torch.randn(shape, generator=g)
         if fmt == "fp8":
             q, s = Q.quantize_fp8_weight(x)
-            s8 = Q.float_to_e8m0(s)
-            a = decode_fp8(q, s8)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            b = decode_fp8(q.cuda(), s8.cuda(), "cuda")
-            torch.cuda.synchronize()
-            nbytes = q.numel() + s8.numel()
+            w, s8, decode = q, Q.float_to_e8m0(s), decode_fp8
         else:
             v, s = Q.quantize_fp4_weight(x)
-            p, s8 = Q.pack_fp4(v), Q.float_to_e8m0(s)
-            a = decode_fp4(p, s8)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            b = decode_fp4(p.cuda(), s8.cuda(), "cuda")
-            torch.cuda.synchronize()
-            nbytes = p.numel() + s8.numel()
+            w, s8, decode = Q.pack_fp4(v), Q.float_to_e8m0(s), decode_fp4
+        a = decode(w, s8)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        b = decode(w.cuda(), s8.cuda(), "cuda")
+        torch.cuda.synchronize()
+        nbytes = w.numel() + s8.numel()
         dt = time.perf_counter() - t0
         check(torch.equal(a, b.cpu()), f"V4-Flash {name} {list(shape)} dequantised on CUDA == CPU "
                                        f"({nbytes / dt / 1e9:.2f} GB/s of checkpoint bytes)")
