@@ -38,6 +38,18 @@ def _common_options() -> argparse.ArgumentParser:
     return c
 
 
+def name_value_pairs(values, what: str, value: str = "VALUE") -> list[tuple[str, str]]:
+    """Repeatable NAME=VALUE options (--endpoint, --weights, ...), both sides stripped;
+    ValueError naming the option for anything else."""
+    out = []
+    for v in values:
+        name, sep, rest = v.partition("=")
+        if not sep or not name.strip() or not rest.strip():
+            raise ValueError(f"{what} {v!r}: expected NAME={value}")
+        out.append((name.strip(), rest.strip()))
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fidelity", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)

@@ -63,13 +63,12 @@ def run(args) -> int:
     except DeviceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    variants = []
-    for v in args.weights:
-        name, sep, path = v.partition("=")
-        if not sep or not name or not path:
-            print(f"error: --weights {v!r}: expected NAME=DIR", file=sys.stderr)
-            return 2
-        variants.append((name, path))
+    from fidelity.cli import name_value_pairs
+    try:
+        variants = name_value_pairs(args.weights, "--weights", "DIR")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not args.checkpoint and variants:
         args.checkpoint = variants.pop(0)[1]
     mode = args.weights_mode or "streamed"

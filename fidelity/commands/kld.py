@@ -13,16 +13,6 @@ def _csv(text, typ):
     return [typ(x) for x in text.split(",") if x.strip()]
 
 
-def _pairs(values, what) -> list[tuple[str, str]]:
-    out = []
-    for v in values:
-        name, sep, rest = v.partition("=")
-        if not sep or not name.strip() or not rest.strip():
-            raise ValueError(f"{what} {v!r}: expected NAME=VALUE")
-        out.append((name.strip(), rest.strip()))
-    return out
-
-
 def add_arguments(p):
     g = p.add_argument_group("arms")
     g.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
@@ -81,6 +71,7 @@ def build_entries(args, target, progress, place=None):
     from fidelity.kld.inprocess import InProcessArm
     from fidelity.kld.run import ArmEntry
 
+    from fidelity.cli import name_value_pairs as _pairs
     dialects = dict(_pairs(args.dialect, "--dialect"))
     policy = RetryPolicy(retries=args.retries, timeout=args.timeout)
     entries = []
