@@ -73,11 +73,56 @@ def test_each_request_toggle_is_flagged_on_exactly_its_cases(tmp_path, servers, 
         assert "not in DeepSeek-V4's DSML" in df[df.case == "tool-round-trip-think=on"].iloc[0].detail
 
 
+def _sglang_thinks(c) -> bool:
+    """§3.3, SGLang 0.5.23: thinking only from chat_template_kwargs.thinking, else off."""
+    return bool(c.thinking)
+
+
 def test_engine_profile_marks_documented_behaviour(tmp_path, servers):
     rc, df, _ = _run(tmp_path, servers["chat_sglang_0523"], "sg", "--no-behaviour")
     assert rc == 1 and (df.status == "differs").sum() > 0
-    rc, df, _ = _run(tmp_path, servers["chat_sglang_0523"], "sg-doc", "--no-behaviour", "--engine-profile", "sglang")
+    rc, df, rep = _run(tmp_path, servers["chat_sglang_0523"], "sg-doc", "--engine-profile", "sglang")
     assert rc == 0 and set(df.status) == {"identical", "documented"}
+    # behaviour judged against the documented reading: thinking absent -> SGLang does not
+    # think, so no reasoning_content is right there (the reference would want it)
+    checked = df[df.behaviour.notna()]
+    assert (checked.behaviour == "ok").all()
+    absent = checked[checked.thinking_sent.isna()]
+    assert len(absent) >= 3 and (absent.status == "documented").all()
+    assert all(not _sglang_thinks(CASES[c]) and _thinking(CASES[c]) for c in absent.case)
+    assert "No undocumented difference" in (rep / "summary.md").read_text()
+
+
+def test_engine_profile_still_fails_an_undocumented_rendering(tmp_path, servers):
+    rc, df, rep = _run(tmp_path, servers["chat_template_v32"], "v32-doc", "--no-behaviour",
+                       "--engine-profile", "sglang")
+    want = sum(1 for c in CASES.values() if EXPECTED["chat_template_v32"](c))
+    assert rc == 1 and 0 < (df.status == "differs").sum() <= want
+    assert f"{(df.status == 'differs').sum()} case(s) differ" in (rep / "summary.md").read_text()
+
+
+def test_engine_profile_still_fails_behaviour_against_the_documented_reading(tmp_path):
+    """A server whose prompts are exactly SGLang's documented ones but whose responses
+    say the opposite about thinking (reasoning split on when its own prompt closed the
+    think block): every behaviour-checked case fails, documented or not."""
+    plugin = tmp_path / "flip.py"
+    plugin.write_text(
+        "from dataclasses import replace\n"
+        "from kernel_toggles import toggle\n"
+        "@toggle('reasoning_flipped', kernel='chat_render', category='request', wraps=True,\n"
+        "        description='Responses split reasoning as if thinking were the opposite.')\n"
+        "def _flip(golden, req, generation='0731', add_generation_prompt=True):\n"
+        "    r = golden.chat_render(req, generation, add_generation_prompt)\n"
+        "    return replace(r, thinking=not r.thinking)\n")
+    with served("chat_sglang_0523,reasoning_flipped", extra=("--plugin", str(plugin))) as (u,):
+        rc, df, rep = _run(tmp_path, u, "flip", "--engine-profile", "sglang")
+    assert set(df.status) == {"identical", "documented"}
+    checked = df[df.behaviour.notna()]
+    assert rc == 1 and len(checked) >= 9 and (checked.behaviour != "ok").all()
+    doc = checked[checked.status == "documented"]
+    assert len(doc) >= 3 and doc.behaviour.str.contains(r"thinking should be off \(the documented reading\)").all()
+    text = (rep / "summary.md").read_text()
+    assert f"{len(checked)} case(s) whose response does not behave" in text and "differ from" not in text
 
 
 def test_no_tokenize_route_falls_back_to_counts(tmp_path, capsys):

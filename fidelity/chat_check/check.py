@@ -122,9 +122,20 @@ def run_case(case, probe, generation: str, profile_nx=None) -> dict:
     return row
 
 
-def behaviour(case, probe, ref: Reference | None) -> str:
+def expected_reading(case, row: dict, generation: str, profile_nx=None) -> tuple[Reference | None, str]:
+    """(rendering, its name) the engine's behaviour is judged against: the one its prompt
+    matched. A documented row renders as the profile says, so its response must behave
+    that way (SGLang's default thinking off -> no reasoning_content); every other row is
+    judged against DeepSeek's reference."""
+    if row.get("status") == "documented" and profile_nx is not None:
+        return reference(case, generation, profile_nx), "the documented reading"
+    return reference(case, generation), "the reference"
+
+
+def behaviour(case, probe, ref: Reference | None, reading: str = "the reference") -> str:
     """'ok', or what is wrong with a short completion of the case: reasoning_content
-    missing when thinking should be on (or present when off), a tool round trip refused."""
+    missing when thinking should be on (or present when off) under `reading`, a tool round
+    trip refused."""
     if ref is None:
         return "ok"
     r = probe.complete(case)
@@ -135,7 +146,7 @@ def behaviour(case, probe, ref: Reference | None) -> str:
     except (KeyError, IndexError, TypeError):
         return f"malformed completion: {str(r)[:200]}"
     if ref.thinking and msg.get("reasoning_content") is None:
-        return "thinking should be on but the response has no reasoning_content"
+        return f"thinking should be on ({reading}) but the response has no reasoning_content"
     if not ref.thinking and msg.get("reasoning_content"):
-        return "thinking should be off but the response has reasoning_content"
+        return f"thinking should be off ({reading}) but the response has reasoning_content"
     return "ok"

@@ -11,6 +11,22 @@ FAIL = ("differs", "error")
 COLUMNS = ["case", "status", "reference_state", "engine_state", "became", "behaviour", "detail"]
 
 
+def headline(df, wrong) -> str:
+    """Each kind of failure counted under its own name, so a behaviour problem on a
+    documented row is never announced as an undocumented rendering difference."""
+    parts = []
+    n = int((df.status == "differs").sum())
+    if n:
+        parts.append(f"{n} case(s) differ from DeepSeek's encoder without a documented reason")
+    n = int((df.status == "error").sum())
+    if n:
+        parts.append(f"{n} case(s) refused by the engine")
+    n = int(wrong.sum())
+    if n:
+        parts.append(f"{n} case(s) whose response does not behave as their rendering says")
+    return "; ".join(parts)
+
+
 def write(rows: list[dict], meta: dict, out_dir, run_id: str):
     df = pd.DataFrame(rows)
     for c in COLUMNS:
@@ -20,8 +36,11 @@ def write(rows: list[dict], meta: dict, out_dir, run_id: str):
     failed = bool(df.status.isin(FAIL).any() or wrong.any())
     counts = df.status.value_counts().rename_axis("status").reset_index(name="cases")
     bad = df[df.status.isin(FAIL) | wrong][COLUMNS]
-    verdict = ("Every case renders as DeepSeek's encoder does" if not failed else
-               f"{len(bad)} case(s) differ from DeepSeek's encoder without a documented reason")
+    verdict = headline(df, wrong) if failed else "Every case renders as DeepSeek's encoder does"
+    if not failed and (df.status == "documented").any():
+        verdict = (f"No undocumented difference: {int((df.status == 'identical').sum())} case(s) render as "
+                   f"DeepSeek's encoder does, {int((df.status == 'documented').sum())} as the "
+                   f"`{meta['engine_profile']}` profile documents")
     if meta.get("weak"):
         verdict += " (counts only: the engine exposes no prompt token ids, a weaker check)"
     w = ReportWriter(f"{out_dir}/chat-check", run_id)

@@ -31,8 +31,8 @@ def run(args) -> int:
     from needle.http import RetryPolicy
     from fidelity.chat_check import report
     from fidelity.chat_check.cases import all_cases
-    from fidelity.chat_check.check import (TokenizerMismatch, behaviour, check_specials, profile_numerics,
-                                           reference, run_case)
+    from fidelity.chat_check.check import (TokenizerMismatch, behaviour, check_specials, expected_reading,
+                                           profile_numerics, run_case)
     from fidelity.chat_check.probe import WEAK, ChatProbe, ProbeError
     from fidelity.kld.endpoint import Endpoint, EndpointError
     from fidelity.progress import Progress
@@ -52,7 +52,7 @@ def run(args) -> int:
             for c in cases:
                 row = run_case(c, probe, args.generation, prof)
                 if not args.no_behaviour and (c.kind != "matrix" or (c.effort is None and not c.tags["system"])):
-                    row["behaviour"] = behaviour(c, probe, reference(c, args.generation))
+                    row["behaviour"] = behaviour(c, probe, *expected_reading(c, row, args.generation, prof))
                 rows.append(row)
                 advance(1, c.id)
     except (EndpointError, ProbeError, TokenizerMismatch, ValueError) as e:
