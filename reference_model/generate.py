@@ -28,20 +28,29 @@ class TokenScore:
 
 @dataclass
 class Generation:
+    """A finished generation. `tokens` is the text-bearing output (no stop id); the sampled
+    stop id (EOS or a stop token id) is `stop_token`, and `output_ids` = tokens + stop id is
+    what engines return as token ids, score and count (`scores` has one entry per output id),
+    so `logprobs` / `top_logprobs` cover the stop token too: an eval that sums a
+    continuation's logprobs sees every sampled token."""
     tokens: list[int]                       # generated ids (stop id not included)
     finish_reason: str                      # "stop" (eos / stop id / stop string) or "length"
-    scores: list[TokenScore] = field(default_factory=list)        # per token, + the stop token
+    scores: list[TokenScore] = field(default_factory=list)        # per output id (stop id too)
     prompt_scores: list[TokenScore | None] | None = None          # from Scoring.prompt_from on
     stop_token: int | None = None
     taps: Taps | None = None                # captures of every forward (prompt, then tokens)
 
     @property
+    def output_ids(self) -> list[int]:
+        return self.tokens + ([] if self.stop_token is None else [self.stop_token])
+
+    @property
     def logprobs(self) -> list[float]:
-        return [s.logprob for s in self.scores[:len(self.tokens)]]
+        return [s.logprob for s in self.scores]
 
     @property
     def top_logprobs(self) -> list[list[tuple[int, float]]]:
-        return [s.top for s in self.scores[:len(self.tokens)]]
+        return [s.top for s in self.scores]
 
     @property
     def prompt_logprobs(self) -> list[float | None] | None:

@@ -10,11 +10,14 @@ HELP = ("Serve the reference model under one or more arms over OpenAI-, vLLM- an
 
 def add_arguments(p):
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     p.add_argument("--arm", action="append", default=[], metavar="[NAME=]ARM",
                    help="arm to serve (repeatable; default: $DSV4_FIDELITY_ARM, unset = golden). "
                         "With several, each is a model named NAME (default: its arm spelling) "
                         "chosen by the request's `model`; the weights are loaded once")
+    p.add_argument("--default-arm", default=None, metavar="NAME",
+                   help="model that answers requests naming none (default: the only arm; with "
+                        "several arms and no default such a request gets a 400 naming them)")
     p.add_argument("--checkpoint", default=None,
                    help="DeepSeek-native checkpoint directory (default: the embedded model)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: shipped/checkpoint's)")
@@ -27,14 +30,29 @@ def add_arguments(p):
                    help="compute a request may use before waiting requests get their turn "
                         "(a forward is never split; 0 = one forward per turn; default 1.0)")
     p.add_argument("--max-logprobs", type=int, default=20,
-                   help="largest logprobs / prompt_logprobs / top_logprobs a request may ask "
-                        "for, -1 = the vocabulary (vLLM's --max-logprobs; default 20)")
+                   help="largest logprobs / prompt_logprobs / top_logprobs / top_logprobs_num "
+                        "(/generate) a request may ask for, -1 = the vocabulary (vLLM's "
+                        "--max-logprobs; default 20)")
     p.add_argument("--generation", choices=("0731", "original"), default="0731",
                    help="checkpoint generation whose reasoning-effort tiers the chat encoding "
                         "uses (research engine-integration.md §3.2; default 0731)")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="server log level; warnings include request fields the server ignored "
+                        "(once per field and route) (default warning)")
     from fidelity.devices import add_options
     add_options(p)
+
+
+def _log_to_stderr(level: str) -> None:
+    """The server's own warnings (ignored request fields) on stderr, beside uvicorn's."""
+    import logging
+    log = logging.getLogger("fidelity.serve")
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter("%(levelname)s:  %(message)s"))
+    log.addHandler(h)
+    log.setLevel(level.upper())
+    log.propagate = False
 
 
 def run(args) -> int:
@@ -62,15 +80,17 @@ def run(args) -> int:
                              place.model_devices)
     try:
         engine = Engine(target, arms, args.model_name, args.max_queue, args.max_logprobs,
-                        args.time_slice, args.generation, place)
+                        args.time_slice, args.generation, place, args.default_arm)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: binding {args.host}: the server has no authentication", file=sys.stderr)
     served = ", ".join(f"{s.id} = arm {s.arm.name}" for s in engine.arms.values())
-    print(f"fidelity serve: {target.description}; models: {served}; http://{args.host}:{args.port}",
-          file=sys.stderr, flush=True)
+    default = engine.default_arm or "none (requests must name a model)"
+    print(f"fidelity serve: {target.description}; models: {served}; default model: {default}; "
+          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    _log_to_stderr(args.log_level)
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False)
     return 0

@@ -49,7 +49,7 @@ def parse_arm_options(values: list[str]) -> list[tuple[str | None, str]]:
 class Engine:
     def __init__(self, target, arms: list[tuple[str | None, object]], model_name: str | None = None,
                  max_jobs: int = 256, max_logprobs: int = 20, time_slice: float = 1.0,
-                 generation: str = "0731", placement=None):
+                 generation: str = "0731", placement=None, default_arm: str | None = None):
         if not arms:
             raise ValueError("no arm to serve")
         self.target, self.tok = target, target.tokenizer
@@ -69,26 +69,45 @@ class Engine:
             nx = arm.numerics(compute_dtype=placement.compute_dtype) if placement else arm.numerics()
             self.arms[sid] = ServedArm(sid, arm, Model(target.weights, nx, weight_cache=cache,
                                                        devices=placement.model_devices if placement else None))
-        self.default = next(iter(self.arms.values()))
+        self.first = next(iter(self.arms.values()))       # internal probes (/health_generate)
+        if default_arm is not None and default_arm not in self.arms:
+            raise ValueError(f"--default-arm {default_arm!r} is not served (served: "
+                             f"{', '.join(self.arms)})")
+        self.default_arm = default_arm or (self.first.id if len(self.arms) == 1 else None)
         self.scheduler = Scheduler(max_jobs, time_slice)
         self.created = int(time.time())
         self.csa_layers = [i for i, r in enumerate(self.cfg.compress_ratios) if r == 4]
 
     # ---- requests -----------------------------------------------------------------------
     def resolve(self, name) -> ServedArm:
+        """The arm a request's `model` names. Without one: the only arm, or --default-arm;
+        on a port with several arms and no default, a 400 naming them (never a silent pick)."""
         if name is None:
-            return self.default
+            if self.default_arm is None:
+                raise ApiError(f"model is required: this server serves {len(self.arms)} models "
+                               f"({', '.join(self.arms)}); name one, or start the server with "
+                               "--default-arm NAME", "model")
+            return self.arms[self.default_arm]
         if not isinstance(name, str) or name not in self.arms:
             raise model_not_found(name)
         return self.arms[name]
 
-    def check_len(self, n_prompt: int, max_tokens: int) -> None:
+    def check_len(self, n_prompt: int, max_tokens: int, field: str = "prompt") -> None:
         if n_prompt == 0:
-            raise ApiError("prompt is empty", "prompt")
+            raise ApiError(f"{field} is empty", field)
         if n_prompt + max_tokens > self.max_model_len:
             raise ApiError(f"this model's maximum context length is {self.max_model_len} tokens; "
                            f"the request has {n_prompt} prompt tokens and asks for {max_tokens} "
                            "new tokens", "max_tokens")
+
+    def check_logprobs(self, k: int, field: str) -> int:
+        """One cap for every route's logprob count (vLLM's --max-logprobs); -1 = vocabulary."""
+        k = self.vocab if k == -1 else k
+        if k > self.max_logprobs:
+            raise ApiError(f"{field} {k} is larger than the server's max_logprobs "
+                           f"{self.max_logprobs} (start the server with a larger --max-logprobs)",
+                           field)
+        return k
 
     def submit(self, served: ServedArm, ids: list[int], max_tokens: int, sampling: Sampling,
                scoring: Scoring | None = None, stop: list[str] = (), ignore_eos: bool = False,
@@ -108,21 +127,31 @@ class Engine:
         return job
 
     def prompt_ids(self, prompt, field: str = "prompt") -> list[int]:
-        """A string, a list of token ids, or a one-element list of either."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
+        """One prompt: a string or a list of token ids."""
         if isinstance(prompt, str):
             return self.tok.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool)
                                                        for i in prompt):
             return Fields({field: prompt}).ids(field, self.vocab)
-        raise ApiError(f"{field} must be a string, a list of token ids, or a one-element list of "
-                       "either (one prompt per request)", field)
+        raise ApiError(f"{field} must be a string or a non-empty list of token ids", field)
+
+    def prompts(self, prompt, field: str = "prompt") -> list[list[int]]:
+        """OpenAI's completions prompt: a string, a list of token ids, or a batch (a list of
+        strings or of token-id lists), each answered as its own request, in order."""
+        if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                    or all(isinstance(p, list) for p in prompt)):
+            return [self.prompt_ids(p, f"{field}[{i}]") for i, p in enumerate(prompt)]
+        if isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
+            raise ApiError(f"{field} mixes kinds: give a string, a list of token ids, a list of "
+                           "strings or a list of token-id lists (a batch)", field)
+        if prompt is None:
+            raise ApiError(f"{field} is required", field)
+        return [self.prompt_ids(prompt, field)]
 
     def chat_prompt(self, body: dict, served: ServedArm | None = None) -> tuple[str, bool]:
         """The chat's prompt text and whether thinking is on, as the served arm reads and
         renders it (its request-level toggles; golden: DeepSeek's own encoder)."""
-        nx = (served or self.default).model.nx
+        nx = (served or self.first).model.nx
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise ApiError("messages must be a non-empty list of messages", "messages")
@@ -159,6 +188,25 @@ class Engine:
         return out
 
     # ---- info ---------------------------------------------------------------------------
+    def tokenizer_info(self) -> dict:
+        """vLLM's GET /tokenizer_info: the tokenizer's init settings, its class, and the chat
+        template where the checkpoint ships one (DeepSeek-V4's chat encoding is code, not a
+        Jinja template, so usually none). lm-eval's `remote` tokenizer reads eos/bos/pad."""
+        from reference_model.tokenizer import BOS, EOS
+        out = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
+               "pad_token": EOS, "add_bos_token": False, "add_eos_token": False,
+               "model_max_length": self.max_model_len, "clean_up_tokenization_spaces": False}
+        cfg = _tokenizer_config(self.tok.name)
+        for k in ("bos_token", "eos_token", "pad_token", "add_bos_token", "add_eos_token"):
+            v = cfg.get(k)
+            if isinstance(v, dict):                 # AddedToken spelt out
+                v = v.get("content")
+            if v is not None:
+                out[k] = v
+        if isinstance(cfg.get("chat_template"), str):
+            out["chat_template"] = cfg["chat_template"]
+        return out
+
     def model_cards(self) -> list[dict]:
         return [{"id": s.id, "object": "model", "created": self.created, "owned_by": "dsv4-fidelity",
                  "root": self.model_name, "max_model_len": self.max_model_len, "arm": s.arm.name}
@@ -178,7 +226,7 @@ class Engine:
     def server_info(self, version: str) -> dict:
         return {"version": version, "engine": "fidelity serve", "model": self.model_name,
                 "model_path": self.target.description, "max_model_len": self.max_model_len,
-                "max_logprobs": self.max_logprobs,
+                "max_logprobs": self.max_logprobs, "default_model": self.default_arm,
                 "arms": {s.id: {"arm": s.arm.name, "toggles": list(s.arm.toggles),
                                 "profile": getattr(s.model.nx, "profile", None),
                                 "compute_dtype": str(getattr(s.model.nx, "cd", ""))}
@@ -187,6 +235,18 @@ class Engine:
                 "chat_encoding": f"deepseek-recipe, generation {self.generation}",
                 "placement": self.placement.describe() if self.placement else {"devices": ["cpu"]},
                 "scheduler": self.scheduler.snapshot()}
+
+
+def _tokenizer_config(tokenizer_path: str) -> dict:
+    """tokenizer_config.json beside the tokenizer, if there is one and it reads."""
+    import json
+    from pathlib import Path
+    p = Path(str(tokenizer_path)).with_name("tokenizer_config.json")
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
 
 
 def _b64_int32(t: torch.Tensor) -> str:

@@ -3,6 +3,7 @@ it must be (a real client sent `max_tokens: 1.5` and got "must be a number")."""
 from __future__ import annotations
 
 import json
+import logging
 
 from .errors import ApiError
 
@@ -120,3 +121,19 @@ async def read_json(request) -> dict:
     if not isinstance(body, dict):
         raise ApiError("request body must be a JSON object")
     return body
+
+
+_log = logging.getLogger("fidelity.serve")
+_warned: set[tuple[str, str]] = set()
+
+
+def warn_unknown(route: str, body: dict, known) -> list[str]:
+    """Fields the route does not read: served anyway (as vLLM does), but each field name
+    is logged once per route so a client's misspelt or unsupported option is seen."""
+    unknown = sorted(k for k in body if k not in known)
+    for k in unknown:
+        if (route, k) not in _warned:
+            _warned.add((route, k))
+            _log.warning("%s: request field %r is not used by fidelity serve and was ignored "
+                         "(logged once per field)", route, k)
+    return unknown

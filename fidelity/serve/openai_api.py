@@ -2,7 +2,10 @@
 `prompt_logprobs` and `return_token_ids`, `ignore_eos`, `top_k`), /v1/chat/completions
 (DeepSeek-V4 chat encoding, reasoning split into `reasoning_content`), both streamed as
 server-sent events on `stream: true` in OpenAI's chunk format. Logprobs are raw (vLLM's
-default `raw_logprobs`)."""
+default `raw_logprobs`). A sampled stop token (EOS or a `stop_token_ids` id) is returned as
+vLLM returns it: in `token_ids` and in every logprob list (its text left out of `text`), so
+logprob entries = completion_tokens everywhere. A batched completions prompt (a list of
+strings or of token-id lists) is answered as one request per prompt, choices in order."""
 from __future__ import annotations
 
 import json
@@ -16,11 +19,20 @@ from reference_model.generate import Sampling, Scoring
 
 from .engine import Engine
 from .errors import ApiError
-from .fields import Fields, read_json
+from .fields import Fields, read_json, warn_unknown
 from .scheduler import token_events, wait_done
 from .textstream import TextStream, cut_stop
 
 DEFAULT_CHAT_MAX_TOKENS = 256
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                 "stop_token_ids", "logit_bias", "ignore_eos", "return_token_ids", "stream",
+                 "stream_options", "n", "best_of", "user", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "min_p"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs", "suffix",
+                                     "return_tokens_as_token_ids"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                               "chat_template_kwargs", "reasoning_effort", "thinking", "tools",
+                               "tool_choice", "add_generation_prompt"}
 
 
 def sampling(f: Fields, vocab: int) -> Sampling:
@@ -35,6 +47,10 @@ def _common(f: Fields) -> None:
     if f.body.get("n", 1) not in (1, None):
         raise ApiError("only n=1 is supported", "n")
     f.refuse("best_of", "one sample is drawn per request", (None, 1))
+    for k in ("presence_penalty", "frequency_penalty"):
+        f.refuse(k, "no penalties are applied (0 only)", (None, 0))
+    f.refuse("repetition_penalty", "no penalties are applied (1 only)", (None, 1))
+    f.refuse("min_p", "use top_p / top_k (0 only)", (None, 0))
 
 
 def _stream_options(f: Fields, stream: bool) -> bool:
@@ -48,9 +64,31 @@ def _stream_options(f: Fields, stream: bool) -> bool:
     return Fields(so, "stream_options.").flag("include_usage")
 
 
-def _usage(n_prompt: int, gen) -> dict:
-    n = len(gen.tokens) + (gen.stop_token is not None)        # the stop token counts, as in engines
-    return {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
+def _usage(pairs) -> dict:
+    """Usage summed over (prompt ids, Generation) pairs; the stop token counts, as in engines."""
+    p = sum(len(ids) for ids, _ in pairs)
+    n = sum(len(g.output_ids) for _, g in pairs)
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+
+async def _wait_all(jobs, is_disconnected) -> None:
+    """Every job done; on any failure (client gone, an error) the others are cancelled."""
+    try:
+        for job in jobs:
+            await wait_done(job, is_disconnected)
+    except BaseException:
+        for job in jobs:
+            job.cancel()
+        raise
+
+
+def _stop_reason(g, stop_ids, stop, text: str) -> int | str | None:
+    """vLLM's stop_reason: the stop token id or stop string that ended it; None for EOS."""
+    if g.stop_token is not None:
+        return g.stop_token if g.stop_token in stop_ids else None
+    if g.finish_reason == "stop":
+        return next((s for s in stop if s in text), None)
+    return None
 
 
 def _sse(obj) -> str:
@@ -67,24 +105,34 @@ class OpenAIRoutes:
     def _logprobs_k(self, f: Fields, key: str) -> int | None:
         if f.body.get(key) is None:
             return None
-        hi = self.e.max_logprobs
-        k = f.integer(key, None, -1, None)
-        k = self.e.vocab if k == -1 else k
-        if k > hi:
-            raise ApiError(f"{key} {k} is larger than the server's max_logprobs {hi} "
-                           "(start the server with a larger --max-logprobs)", key)
-        return k
+        return self.e.check_logprobs(f.integer(key, None, -1, None), key)
+
+    def _submit_all(self, served, prompts, max_tokens, samp, scoring, stop, ignore_eos, stop_ids):
+        """One job per prompt, all checked before any runs; a refusal cancels the rest."""
+        for i, ids in enumerate(prompts):
+            self.e.check_len(len(ids), max_tokens, f"prompt[{i}]" if len(prompts) > 1 else "prompt")
+        jobs = []
+        try:
+            for ids in prompts:
+                jobs.append(self.e.submit(served, ids, max_tokens, samp, scoring, stop, ignore_eos,
+                                          stop_ids=stop_ids))
+        except BaseException:
+            for j in jobs:
+                j.cancel()
+            raise
+        return jobs
 
     # ---- /v1/completions ----------------------------------------------------------------
     async def completions(self, request: Request):
         body = await read_json(request)
+        warn_unknown("POST /v1/completions", body, COMPLETION_FIELDS)
         f = Fields(body)
         served = self.e.resolve(body.get("model"))
         _common(f)
         f.refuse("suffix", "DeepSeek-V4 has no fill-in-the-middle format", (None, ""))
         stream = f.flag("stream")
         usage_chunk = _stream_options(f, stream)
-        ids = self.e.prompt_ids(body.get("prompt"))
+        prompts = self.e.prompts(body.get("prompt"))
         max_tokens = f.integer("max_tokens", 16, 0)
         lp = self._logprobs_k(f, "logprobs")
         echo = f.flag("echo")
@@ -92,31 +140,38 @@ class OpenAIRoutes:
         if plp is not None and stream:
             raise ApiError("prompt_logprobs is not allowed with stream: true", "prompt_logprobs")
         prompt_k = plp if plp is not None else lp if echo else None     # echo scores the prompt
-        stop = f.strings("stop")
+        stop, stop_ids = f.strings("stop"), f.ids("stop_token_ids", self.e.vocab)
+        as_ids = f.flag("return_tokens_as_token_ids")
         scoring = Scoring(top=lp, prompt_top=prompt_k, prompt_from=0)
-        job = self.e.submit(served, ids, max_tokens, sampling(f, self.e.vocab), scoring, stop,
-                            f.flag("ignore_eos"))
+        jobs = self._submit_all(served, prompts, max_tokens, sampling(f, self.e.vocab), scoring, stop,
+                                f.flag("ignore_eos"), stop_ids)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": served.id}
         if stream:
-            return StreamingResponse(self._stream_completion(job, head, ids, lp, echo, stop, usage_chunk,
-                                                             f.flag("return_tokens_as_token_ids")),
+            return StreamingResponse(self._stream_completion(jobs, prompts, head, lp, echo, stop,
+                                                             usage_chunk, as_ids),
                                      media_type="text/event-stream")
-        await wait_done(job, request.is_disconnected)
-        g = job.decoder.out
-        out = cut_stop(self.tok.decode(g.tokens), stop)
-        prompt_text = self.tok.decode(ids, skip_special_tokens=False) if echo else ""
-        choice = {"index": 0, "text": prompt_text + out, "logprobs": None,
-                  "finish_reason": g.finish_reason, "stop_reason": None}
-        if lp is not None:
-            scores = (g.prompt_scores if echo else []) + g.scores[:len(g.tokens)]
-            choice["logprobs"] = self._legacy_logprobs((ids if echo else []) + g.tokens, scores,
-                                                       f.flag("return_tokens_as_token_ids"))
-        if plp is not None:
-            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(g.prompt_scores)
-        if f.flag("return_token_ids"):
-            choice["prompt_token_ids"], choice["token_ids"] = list(ids), list(g.tokens)
-        return {**head, "choices": [choice], "usage": _usage(len(ids), g)}
+        await _wait_all(jobs, request.is_disconnected)
+        choices = []
+        for i, (ids, job) in enumerate(zip(prompts, jobs)):
+            g = job.decoder.out
+            text = self.tok.decode(g.tokens)
+            out = cut_stop(text, stop)
+            prompt_text = self.tok.decode(ids, skip_special_tokens=False) if echo else ""
+            choice = {"index": i, "text": prompt_text + out, "logprobs": None,
+                      "finish_reason": g.finish_reason,
+                      "stop_reason": _stop_reason(g, stop_ids, stop, text)}
+            if lp is not None:
+                scores = (g.prompt_scores if echo else []) + g.scores
+                choice["logprobs"] = self._legacy_logprobs((ids if echo else []) + g.output_ids, scores,
+                                                           as_ids)
+            if plp is not None:
+                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(g.prompt_scores)
+            if f.flag("return_token_ids"):
+                choice["prompt_token_ids"], choice["token_ids"] = list(ids), g.output_ids
+            choices.append(choice)
+        return {**head, "choices": choices,
+                "usage": _usage([(ids, j.decoder.out) for ids, j in zip(prompts, jobs)])}
 
     def _legacy_logprobs(self, toks, scores, as_ids: bool = False) -> dict:
         """OpenAI's legacy shape; vLLM's `return_tokens_as_token_ids` spells every token
@@ -146,28 +201,50 @@ class OpenAIRoutes:
             out.append(d)
         return out
 
-    async def _stream_completion(self, job, head, ids, lp, echo, stop, usage_chunk, as_ids=False):
+    async def _stream_completion(self, jobs, prompts, head, lp, echo, stop, usage_chunk, as_ids=False):
+        """Each prompt's chunks in turn (choice index = prompt index); a sampled stop token
+        comes in the finishing chunk, with its logprobs and no text (as vLLM streams it)."""
+        try:
+            for i, (ids, job) in enumerate(zip(prompts, jobs)):
+                async for chunk in self._stream_one(i, job, ids, head, lp, echo, stop, as_ids):
+                    yield chunk
+        finally:
+            for job in jobs:
+                if not job.decoder.done:
+                    job.cancel()
+        if usage_chunk:
+            yield _sse({**head, "choices": [],
+                        "usage": _usage([(ids, j.decoder.out) for ids, j in zip(prompts, jobs)])})
+        yield "data: [DONE]\n\n"
+
+    async def _stream_one(self, i, job, ids, head, lp, echo, stop, as_ids):
         text = TextStream(self.tok.decode, stop)
+
+        def chunk(delta, logprobs=None, finish=None):
+            return _sse({**head, "choices": [{"index": i, "text": delta, "logprobs": logprobs,
+                                              "finish_reason": finish}]})
+
         if echo:
-            yield _sse({**head, "choices": [{"index": 0, "text": self.tok.decode(ids, skip_special_tokens=False),
-                                             "logprobs": None, "finish_reason": None}]})
+            yield chunk(self.tok.decode(ids, skip_special_tokens=False))
         async for tok in token_events(job):
             delta = text.push(tok)
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": None}
-            if lp is not None:
-                choice["logprobs"] = self._legacy_logprobs([tok], [job.decoder.out.scores[len(text.ids) - 1]],
-                                                           as_ids)
-            yield _sse({**head, "choices": [choice]})
+            scores = job.decoder.out.scores
+            yield chunk(delta, None if lp is None else
+                        self._legacy_logprobs([tok], [scores[len(text.ids) - 1]], as_ids))
         g = job.decoder.out
-        yield _sse({**head, "choices": [{"index": 0, "text": text.finish(), "logprobs": None,
-                                         "finish_reason": g.finish_reason}]})
-        if usage_chunk:
-            yield _sse({**head, "choices": [], "usage": _usage(len(ids), g)})
-        yield "data: [DONE]\n\n"
+        rest = text.finish()
+        stop_lp = None
+        if g.stop_token is not None and lp is not None:
+            stop_lp = self._legacy_logprobs([g.stop_token], [g.scores[-1]], as_ids)
+        if rest and stop_lp is not None:
+            yield chunk(rest)
+            rest = ""
+        yield chunk(rest, stop_lp, g.finish_reason)
 
     # ---- /v1/chat/completions -----------------------------------------------------------
     async def chat(self, request: Request):
         body = await read_json(request)
+        warn_unknown("POST /v1/chat/completions", body, CHAT_FIELDS)
         f = Fields(body)
         served = self.e.resolve(body.get("model"))
         _common(f)
@@ -179,10 +256,10 @@ class OpenAIRoutes:
         max_tokens = DEFAULT_CHAT_MAX_TOKENS if mt is None else Fields({"max_tokens": mt}).integer(
             "max_tokens", None, 1)
         want_lp = f.flag("logprobs")
-        top = f.integer("top_logprobs", 0, 0, self.e.max_logprobs) if want_lp else None
-        stop = f.strings("stop")
-        job = self.e.submit(served, ids, max_tokens, sampling(f, self.e.vocab), Scoring(top=top), stop,
-                            f.flag("ignore_eos"))
+        top = self.e.check_logprobs(f.integer("top_logprobs", 0, 0), "top_logprobs") if want_lp else None
+        stop, stop_ids = f.strings("stop"), f.ids("stop_token_ids", self.e.vocab)
+        (job,) = self._submit_all(served, [ids], max_tokens, sampling(f, self.e.vocab), Scoring(top=top),
+                                  stop, f.flag("ignore_eos"), stop_ids)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": served.id}
         if stream:
@@ -194,12 +271,13 @@ class OpenAIRoutes:
         msg = {"role": "assistant", "content": content}
         if thinking:
             msg["reasoning_content"] = reasoning
-        choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": g.finish_reason}
+        choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": g.finish_reason,
+                  "stop_reason": _stop_reason(g, stop_ids, stop, self.tok.decode(g.tokens))}
         if want_lp:
-            choice["logprobs"] = {"content": [self._chat_lp(s) for s in g.scores[:len(g.tokens)]]}
-        out = {**head, "choices": [choice], "usage": _usage(len(ids), g)}
+            choice["logprobs"] = {"content": [self._chat_lp(s) for s in g.scores]}
+        out = {**head, "choices": [choice], "usage": _usage([(ids, g)])}
         if f.flag("return_token_ids"):
-            out["prompt_token_ids"], choice["token_ids"] = list(ids), list(g.tokens)
+            out["prompt_token_ids"], choice["token_ids"] = list(ids), g.output_ids
         return out
 
     def _split(self, tokens, thinking, stop):
@@ -246,9 +324,11 @@ class OpenAIRoutes:
         if rest:
             yield chunk({"reasoning_content": rest} if reasoning is not None else {"content": rest})
         g = job.decoder.out
-        yield chunk({}, g.finish_reason)
+        stop_lp = ({"content": [self._chat_lp(g.scores[-1])]}
+                   if want_lp and g.stop_token is not None else None)
+        yield chunk({}, g.finish_reason, stop_lp)      # the stop token's logprobs, no text
         if usage_chunk:
-            yield _sse({**head, "choices": [], "usage": _usage(len(ids), g)})
+            yield _sse({**head, "choices": [], "usage": _usage([(ids, g)])})
         yield "data: [DONE]\n\n"
 
     # ---- routes -------------------------------------------------------------------------

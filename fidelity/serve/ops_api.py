@@ -1,6 +1,6 @@
 """Routes around generation, in both engines' shapes: /tokenize and /v1/tokenize (`prompt`
 or `text`, or `messages` rendered as for a chat completion: vLLM's and SGLang's request
-fields), /detokenize, /version (vLLM), /health, /health_generate (a real one-token
+fields), /detokenize, /version and /tokenizer_info (vLLM), /health, /health_generate (a real one-token
 generation, as SGLang's), /get_server_info and /get_model_info (SGLang; also without the
 `get_` prefix)."""
 from __future__ import annotations
@@ -14,10 +14,13 @@ from reference_model.generate import Sampling
 
 from .engine import Engine
 from .errors import ApiError
-from .fields import Fields, read_json
+from .fields import Fields, read_json, warn_unknown
 from .scheduler import Busy, wait_done
 
 HEALTH_GENERATE_TIMEOUT_S = 60.0
+TOKENIZE_FIELDS = {"prompt", "text", "messages", "model", "add_special_tokens", "return_token_strs",
+                   "chat_template_kwargs", "reasoning_effort", "thinking", "tools",
+                   "add_generation_prompt", "continue_final_message"}
 
 
 class OpsRoutes:
@@ -25,8 +28,12 @@ class OpsRoutes:
         self.e, self.tok, self.version = engine, engine.tok, version
 
     async def tokenize(self, request: Request):
+        """Token ids of a prompt or a rendered chat. `add_special_tokens` is accepted and
+        changes nothing: DeepSeek-V4's tokenizer adds no BOS/EOS (add_bos_token false)."""
         body = await read_json(request)
+        warn_unknown(f"POST {request.url.path}", body, TOKENIZE_FIELDS)
         f = Fields(body)
+        f.flag("add_special_tokens")
         if "messages" in body:
             text, _ = self.e.chat_prompt(body, self.e.resolve(body.get("model")))
         else:
@@ -42,6 +49,7 @@ class OpsRoutes:
 
     async def detokenize(self, request: Request):
         body = await read_json(request)
+        warn_unknown(f"POST {request.url.path}", body, {"tokens", "model"})
         ids = Fields(body).ids("tokens", self.e.vocab)
         if "tokens" not in body:
             raise ApiError("tokens (a list of token ids) is required", "tokens")
@@ -51,7 +59,7 @@ class OpsRoutes:
         """200 once a one-token greedy generation from input_ids [0] finishes, 503 if the
         server is full or it does not finish in time (SGLang's readiness probe)."""
         try:
-            job = self.e.submit(self.e.default, [0], 1, Sampling(0.0))
+            job = self.e.submit(self.e.first, [0], 1, Sampling(0.0))
             await asyncio.wait_for(wait_done(job, request.is_disconnected), HEALTH_GENERATE_TIMEOUT_S)
         except (Busy, asyncio.TimeoutError):
             return JSONResponse({"status": "unhealthy"}, status_code=503)
@@ -64,6 +72,7 @@ class OpsRoutes:
         for path in ("/detokenize", "/v1/detokenize"):
             r.add_api_route(path, self.detokenize, methods=["POST"])
         r.add_api_route("/version", lambda: {"version": self.version}, methods=["GET"])
+        r.add_api_route("/tokenizer_info", self.e.tokenizer_info, methods=["GET"])
         r.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
         r.add_api_route("/health_generate", self.health_generate, methods=["GET"])
         for path in ("/get_server_info", "/server_info"):

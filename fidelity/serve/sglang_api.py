@@ -15,12 +15,15 @@ from reference_model.generate import Sampling, Scoring
 
 from .engine import EXPERTS_TAP, INDEXER_TAP, Engine
 from .errors import ApiError
-from .fields import Fields, read_json
+from .fields import Fields, read_json, warn_unknown
 from .scheduler import wait_done
 from .textstream import cut_stop
 
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
                  "ignore_eos", "sampling_seed", "skip_special_tokens", "no_stop_trim", "n", "min_p"}
+FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
+          "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "return_indexer_topk",
+          "return_routed_experts", "routed_experts_start_len", "stream", "model", "rid"}
 
 
 class SGLangRoutes:
@@ -64,6 +67,7 @@ class SGLangRoutes:
 
     async def generate(self, request: Request):
         body = await read_json(request)
+        warn_unknown("POST /generate", body, FIELDS)
         f = Fields(body)
         served = self.e.resolve(body.get("model"))
         if f.flag("stream"):
@@ -77,7 +81,7 @@ class SGLangRoutes:
         want_lp = f.flag("return_logprob")
         start = f.integer("logprob_start_len", -1, -1, len(ids) - 1 if ids else 0)
         start = len(ids) - 1 if start == -1 else start          # -1: the last prompt token only
-        k = f.integer("top_logprobs_num", 0, 0, self.e.vocab)
+        k = self.e.check_logprobs(f.integer("top_logprobs_num", 0, 0), "top_logprobs_num")
         score_ids = tuple(f.ids("token_ids_logprob", self.e.vocab)) if "token_ids_logprob" in body else None
         text_lp = f.flag("return_text_in_logprobs")
         want_idx, want_exp = f.flag("return_indexer_topk"), f.flag("return_routed_experts")
