@@ -262,13 +262,61 @@ def value_token_positions(offsets, value_spans) -> list[int]:
     return [j for j, (a, b) in enumerate(offsets) if any(a < e and b > s for s, e in value_spans)]
 
 
+def largest_fit(f, target: int, hint: dict) -> int:
+    """Largest w with f(w) <= target, for f non-decreasing. Each f is a /tokenize request
+    over HTTP, so the search guesses from a line (`hint`: tokens per word and the count
+    with no filler, carried from one prompt to the next, then refitted on the counts seen)
+    and bisects only when a guess fails to halve the bracket: about 3 counts per prompt
+    where doubling then bisecting took about 12. f(0) is counted only when needed (the
+    first prompt, or when no filler fits)."""
+    seen: dict[int, int] = {}
+
+    def at(w: int) -> int:
+        if w not in seen:
+            seen[w] = f(w)
+        return seen[w]
+
+    rate = hint.get("per_word", 1.5)
+    base = hint["base"] if "base" in hint else at(0)
+    lo, hi, halve = 0, None, False
+    while hi is None or hi - lo > 1:
+        if halve:
+            w = (lo + hi) // 2
+        else:
+            if lo in seen and hi in seen and seen[hi] > seen[lo]:
+                r = (seen[hi] - seen[lo]) / (hi - lo)
+            else:
+                r = rate
+            aw, af = ((lo, seen[lo]) if lo in seen else (hi, seen[hi]) if hi is not None
+                      else (0, base))
+            w = aw + int((target - af) // r)               # the line's largest fit
+            w = max(w, lo + 1) if hi is None else min(max(w, lo + 1), hi - 1)
+        width = None if hi is None else hi - lo
+        v = at(w)
+        if v <= target:
+            lo = w
+            if v == target:                   # a word adds at least one token: w is the largest
+                break
+        else:
+            hi = w
+        halve = width is not None and (hi - lo) * 2 > width
+    ws = sorted(seen)
+    if len(ws) > 1 and ws[-1] - ws[0] >= 16 and seen[ws[-1]] > seen[ws[0]]:
+        hint["per_word"] = (seen[ws[-1]] - seen[ws[0]]) / (ws[-1] - ws[0])
+    if lo in seen:
+        hint["base"] = seen[lo] - hint.get("per_word", rate) * lo
+    return lo
+
+
 def build_prompt(spec: HaystackSpec, fmt: PromptFormat, counter: Counter, target_tokens: int,
-                 depth: float, seed: int) -> Prompt:
+                 depth: float, seed: int, hint: dict | None = None) -> Prompt:
     """The prompt with `target_tokens` tokens exactly (by `counter`), needle at `depth` %.
-    Search: largest word count w with count <= target (binary search; the count is
-    monotone in w up to merge effects at the tail), then characters of the next word for
-    w and its neighbours, with and without a closing full stop, then the same with one or
-    two trailing spaces; if nothing hits, the closest prompt below target (exact=False)."""
+    Search: largest word count w with count <= target (`largest_fit`, starting from the
+    tokens-per-word rate in `hint`, which carries it from one prompt to the next), then
+    characters of the next word for w and its neighbours, with and without a closing full
+    stop, then the same with one or two trailing spaces; if nothing hits, the closest
+    prompt below target (exact=False)."""
+    hint = {} if hint is None else hint
     b = _Builder(spec, fmt, depth, seed)
     memo: dict[tuple, tuple[int, Prompt]] = {}
 
@@ -284,16 +332,15 @@ def build_prompt(spec: HaystackSpec, fmt: PromptFormat, counter: Counter, target
         p.exact, p.count_source = exact and counter.exact, counter.source
         return p
 
-    if f(0) > target_tokens:
-        raise HaystackError(f"{target_tokens} tokens is below this template's minimum "
-                            f"({f(0)} tokens with no filler)")
-    lo, hi = 0, 16
-    while f(hi) <= target_tokens:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if f(mid) <= target_tokens else (lo, mid)
-    w = lo
+    def too_short():
+        return HaystackError(f"{target_tokens} tokens is below this template's minimum "
+                             f"({f(0)} tokens with no filler)")
+
+    if "base" not in hint and f(0) > target_tokens:          # the first prompt counts f(0)
+        raise too_short()
+    w = largest_fit(f, target_tokens, hint)
+    if w == 0 and f(0) > target_tokens:
+        raise too_short()
     if f(w) == target_tokens:
         return done((w, 0, True, 0), True)
     for pad in (0, 1, 2):

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from .haystack import Prompt
+from .models import pick_model
 
 
 SHARD = 8                                    # connections per httpx client (see aopen)
@@ -135,6 +136,7 @@ class HttpRunner:
         self._sem: asyncio.Semaphore | None = None
         self.startup_retries = 0                 # start-up requests retried (also logged)
         self.startup_errors: list[str] = []      # what they failed with
+        self._model_checked = False
 
     # ---- plumbing -----------------------------------------------------------------------
     def headers(self) -> dict:
@@ -187,23 +189,32 @@ class HttpRunner:
                 time.sleep(delay)
 
     def discover_model(self) -> str:
-        """The served model id (first of /v1/models) unless one was given."""
-        if self.model:
+        """The served model this arm queries (needle/models.py: the one named like the arm,
+        the one chosen, or the only one), from /v1/models. A chosen model is trusted when
+        the server lists none (404)."""
+        if self._model_checked:
             return self.model
 
-        def first_id(r: httpx.Response) -> str:
+        def ids(r: httpx.Response) -> list[str]:
             try:
                 data = r.json()
             except ValueError:
                 raise RequestFailed(f"malformed response body: {r.text[:120]!r}", True, r.status_code) from None
             try:
-                return str(data["data"][0]["id"])
-            except (KeyError, IndexError, TypeError):
+                return [str(m["id"]) for m in data["data"]]
+            except (KeyError, TypeError):
                 raise RequestFailed(f"no model listed: {r.text[:120]!r}", False, r.status_code) from None
 
         with httpx.Client(timeout=self.timeout(), headers=self.headers()) as c:
-            self.model = self.startup_request(c, "GET", self.v1 + "/models", first_id,
+            try:
+                served = self.startup_request(c, "GET", self.v1 + "/models", ids,
                                               hint="pass a model name (--model)")
+            except StartupError as e:
+                if self.model is None or e.status != 404:
+                    raise
+                served = []
+        self.model = pick_model(self.name, self.model, served)
+        self._model_checked = True
         return self.model
 
     async def aopen(self):
@@ -290,7 +301,7 @@ class HttpRunner:
         else:
             content, reasoning = ch.get("text"), None
         usage = data.get("usage") or {}
-        return {"response": content, "reasoning_content": reasoning,
+        return {"model": data.get("model"), "response": content, "reasoning_content": reasoning,
                 "finish_reason": ch.get("finish_reason"),
                 "prompt_tokens": usage.get("prompt_tokens"),
                 "completion_tokens": usage.get("completion_tokens"),

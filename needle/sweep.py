@@ -71,9 +71,9 @@ def build_prompts(cfg: SweepConfig, trials: list[Trial], counter, quiet=False) -
         counter.calibrate(*H.probe_prompts(cfg.spec, cfg.fmt, cfg.seed))
         _log(f"token counts calibrated from usage.prompt_tokens: {counter.a:.1f} + "
              f"{counter.b:.4f} * chars (not exact; residuals are reported)", quiet)
-    out = {}
+    out, hint = {}, {}                     # hint: tokens per word, carried prompt to prompt
     for t in trials:
-        out[t.trial_id] = H.build_prompt(cfg.spec, cfg.fmt, counter, t.length, t.depth, t.seed)
+        out[t.trial_id] = H.build_prompt(cfg.spec, cfg.fmt, counter, t.length, t.depth, t.seed, hint)
     return out
 
 
@@ -96,7 +96,9 @@ def make_row(trial: Trial, prompt: H.Prompt, runner, res: dict, cfg: SweepConfig
         "value_in_reasoning": bool(res.get("reasoning_content")) and any(
             contains_value(res["reasoning_content"], v) for v in prompt.expected),
     }
-    for k in ("response", "reasoning_content", "finish_reason", "completion_tokens", "latency_s",
+    if hasattr(runner, "model"):                     # endpoint arms: asked for / answered by
+        row["model_requested"] = runner.model
+    for k in ("model", "response", "reasoning_content", "finish_reason", "completion_tokens", "latency_s",
               "attempts", "error", "error_status", "errors", "mechanism", "value_token_positions"):
         if k in res:
             row[k] = res[k]
@@ -142,6 +144,8 @@ def run_sweep(cfg: SweepConfig, runners: list, results_path, fresh: bool = False
     names = [r.name for r in runners]
     if len(set(names)) != len(names):
         raise ValueError(f"arm names must be unique, got {names}")
+    for r in runners:                               # each endpoint arm's own model, before the header
+        getattr(r, "discover_model", lambda: None)()
     counter = runners[0].counter()
     try:
         header = {"trials": cfg.trial_settings(counter.source),

@@ -50,7 +50,11 @@ def add_arguments(p):
     g.add_argument("--max-tokens", type=int, default=None,
                    help="default: answer length + slack in-process; 128 (8192 thinking) for endpoints")
     g.add_argument("--no-seed", action="store_true", help="do not send per-trial seeds to endpoints")
-    g.add_argument("--model", default=None, help="model name on the endpoints (default: first listed)")
+    g.add_argument("--model", action="append", default=[], metavar="[ARM=]MODEL",
+                   help="served model an endpoint arm queries (repeatable): ARM=MODEL for one "
+                        "arm, a bare MODEL for the others (default: the model named like the "
+                        "arm, else the only one served; a server serving several models and "
+                        "none named like the arm is an error)")
     g.add_argument("--chat-template-kwargs", default=None,
                    help='JSON object sent as chat_template_kwargs, replacing the default '
                         '{"thinking": <--thinking>}; \'{}\' sends none')
@@ -111,14 +115,17 @@ def _runners(args):
                                            temperature=temp, top_p=args.top_p,
                                            max_tokens=args.max_tokens, placement=place))
     kw = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
-    for s in args.endpoint:
-        name, url = _named(s, "")
+    endpoints = [_named(s, "") for s in args.endpoint]
+    for (name, url), s in zip(endpoints, args.endpoint):
         if not name or not url.startswith(("http://", "https://")):
             raise SystemExit(f"error: --endpoint must be NAME=URL with an http(s) URL, got {s!r}")
+    from needle.models import model_options
+    every, per_arm = model_options(args.model, [n for n, _ in endpoints])   # ValueError: exit 2
+    for name, url in endpoints:
         sampling = Sampling(temperature=1.0 if args.temperature is None else args.temperature,
                             top_p=args.top_p, max_tokens=args.max_tokens, seed=not args.no_seed,
                             reasoning_effort=args.reasoning_effort, chat_template_kwargs=kw)
-        runners.append(HttpRunner(name, url, args.api, args.model, sampling,
+        runners.append(HttpRunner(name, url, args.api, per_arm.get(name, every), sampling,
                                   RetryPolicy(retries=args.retries, timeout=args.timeout),
                                   args.concurrency, args.api_key_env))
     return runners, notes
@@ -143,7 +150,11 @@ def run(args) -> int:
         rows = sorted(latest(rows), key=lambda r: order.get(r["arm"], len(order)))
         meta.update({"trials": header.get("trials"), "arms": header.get("arms")})
     else:
-        runners, notes = _runners(args)
+        try:
+            runners, notes = _runners(args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         lengths = _csv(args.lengths, int) or (DEFAULT_ENDPOINT_LENGTHS if args.endpoint and args.arm is None
                                               else DEFAULT_INPROCESS_LENGTHS)
         try:

@@ -1,0 +1,116 @@
+"""A real server behind a misbehaving one: a loopback HTTP proxy that forwards every
+request to an upstream server (e.g. a `fidelity serve` process) and, per route, spoils
+the answers it is told to, in order. Clients then meet faults a real engine or gateway
+produces, on top of real answers.
+
+A fault list per path (e.g. "/tokenize", "/generate", "/v1/chat/completions") is
+consumed one item per request to that path: "ok" (forward), an HTTP status ("500",
+"502", ...: that status with an error body, upstream not asked), "drop" (connection
+closed without an answer), "malformed" (200 with a truncated JSON body), or a callable
+taking the upstream's JSON answer and returning the 200 body to send instead (an
+answer of the wrong shape). Every request is recorded: (method, path, JSON body)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+
+from needle.stub import StubServer
+
+
+class FaultProxy:
+    def __init__(self, upstream: str, faults: dict[str, list] | None = None):
+        self.upstream = upstream.rstrip("/")
+        self.faults = {k: list(v) for k, v in (faults or {}).items()}
+        self.seen: list[tuple[str, str, dict | None]] = []
+        self.port: int | None = None
+        self._loop = self._thread = self._client = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def count(self, path: str, method: str = "POST") -> int:
+        return sum(1 for m, p, _ in self.seen if p == path and m == method)
+
+    def bodies(self, path: str) -> list[dict]:
+        return [b for _, p, b in self.seen if p == path and b is not None]
+
+    async def _forward(self, method, path, headers, raw) -> tuple[int, bytes, str]:
+        fwd = {k: v for k, v in headers.items() if k in ("content-type", "authorization")}
+        r = await self._client.request(method, self.upstream + path, content=raw, headers=fwd)
+        return r.status_code, r.content, r.headers.get("content-type", "application/json")
+
+    async def _handle(self, reader, writer):
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    return
+                method, path, _ = line.decode("latin-1").split(" ", 2)
+                headers = {}
+                while True:
+                    h = await reader.readline()
+                    if h in (b"\r\n", b"\n", b""):
+                        break
+                    k, _, v = h.decode("latin-1").partition(":")
+                    headers[k.strip().lower()] = v.strip()
+                n = int(headers.get("content-length", 0))
+                raw = await reader.readexactly(n) if n else b""
+                try:
+                    body = json.loads(raw) if raw else None
+                except ValueError:
+                    body = None
+                self.seen.append((method, path, body))
+                queue = self.faults.get(path, [])
+                fault = queue.pop(0) if queue else "ok"
+                if fault == "drop":
+                    writer.transport.abort()
+                    return
+                if fault == "malformed":
+                    out = StubServer._response(200, b'{"choices": [{"message": ')
+                elif isinstance(fault, str) and fault.isdigit():
+                    err = json.dumps({"error": {"message": f"injected {fault}"}}).encode()
+                    out = StubServer._response(int(fault), err)
+                else:
+                    status, content, ctype = await self._forward(method, path, headers, raw)
+                    if callable(fault) and status == 200:
+                        content = json.dumps(fault(json.loads(content))).encode()
+                    out = StubServer._response(status, content, ctype)
+                writer.write(out)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            return
+        finally:
+            if not writer.transport.is_closing():
+                writer.close()
+
+    def __enter__(self) -> "FaultProxy":
+        ready = threading.Event()
+
+        def main():
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0))
+            server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+            self.port = server.sockets[0].getsockname()[1]
+            ready.set()
+            self._loop.run_forever()
+            server.close()
+            tasks = asyncio.all_tasks(self._loop)
+            for t in tasks:
+                t.cancel()
+            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self._loop.run_until_complete(self._client.aclose())
+            self._loop.close()
+
+        self._thread = threading.Thread(target=main, daemon=True)
+        self._thread.start()
+        ready.wait(30)
+        return self
+
+    def __exit__(self, *exc):
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
