@@ -6,7 +6,8 @@ import sys
 
 HELP = ("compare two checkpoints' dequantised weights tensor by tensor (any layouts: FP8/FP4, "
         "NVFP4 experts, dense bf16), streamed layer by layer; report per tensor, family, layer "
-        "and expert")
+        "and expert. Exit status like diff/cmp: 0 identical (within --tolerance), 1 they differ, "
+        "2 an error")
 
 
 def add_arguments(p):
@@ -35,4 +36,4 @@ def run(args) -> int:
         return 2
     path = write_report(res, args.out, args.run_id)
     print(summary_text(res, path))
-    return 0
+    return 1 if res.totals["changed"] else 0
