@@ -13,6 +13,9 @@ def add_arguments(p):
                    help="plan: print each arm's command line and environment and write a launch "
                         "script; run: launch, score and report (resumes)")
     p.add_argument("spec", help="the engines spec (TOML); see fidelity/engines/spec.py")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output folder: writes <out>/engines/<run-id>/ (default: the spec's [run] out, "
+                        "else 'reports' in the current directory)")
     p.add_argument("--run-id", default=None, help="run folder under <out>/engines (default: the spec's name)")
     p.add_argument("--script", default=None, help="plan: where to write the launch script "
                    "(default <out>/engines/<run-id>/launch.sh)")
@@ -29,6 +32,8 @@ def run(args) -> int:
 
     try:
         spec = load_spec(args.spec)
+        if args.out:
+            spec.out = args.out
         run_id = args.run_id or Path(args.spec).stem
         if args.action == "plan":
             ps = plans(spec)

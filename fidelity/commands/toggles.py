@@ -16,8 +16,10 @@ def add_arguments(p):
     p.add_argument("--engine", choices=("sglang", "vllm"),
                    help="show each toggle's settings for this engine (with --arm: the "
                         "env/flags that realise the arm)")
-    p.add_argument("--category", choices=("optimization", "known-bug"),
-                   help="only toggles of this category")
+    from kernel_toggles.registry import CATEGORIES
+    p.add_argument("--category", choices=CATEGORIES,
+                   help="only toggles of this category (request: how a chat request is read "
+                        "and rendered)")
 
 
 def _settings(d) -> str:

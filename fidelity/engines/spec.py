@@ -6,6 +6,8 @@ it is under.
     [run]
     baseline = "golden"            # an arm name
     tasks = ["kld", "needle"]
+    out = "reports"                # output folder, relative to the current directory
+                                   # (default "reports"; `--out DIR` overrides it)
     [run.kld]                      # fidelity kld options: lengths, depths, reps, top_k, steps, exact
     [run.needle]                   # fidelity needle options: lengths, depths, reps, max_tokens, api, ...
 

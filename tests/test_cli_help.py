@@ -1,0 +1,49 @@
+"""What a new user reads first: `fidelity --help` is whole sentences (not a cut-off
+developer docstring), `toggles --category` reaches every category including `request`,
+and `engines --help` says where the output goes."""
+import re
+import subprocess
+
+import pytest
+
+from fidelity.cli import main
+
+from needle_util import ROOT, fidelity_cmd
+
+REQUEST_TOGGLES = {"thinking_default_off", "effort_medium_dropped", "chat_sglang_0523", "chat_vllm_033",
+                   "chat_template_v32"}          # kernel_toggles/request.py, research §3.3
+
+
+def _help(*args) -> str:
+    p = subprocess.run(fidelity_cmd(*args, "--help"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def test_top_level_help_is_whole_sentences():
+    out = _help()
+    description = out.split("\n\n")[1]              # usage, blank line, description
+    text = " ".join(description.split())
+    assert text.endswith(".") and "fidelity/commands" not in text and len(text) > 60
+    assert "fidelity COMMAND --help" in out
+
+
+@pytest.mark.parametrize("category", ["request", "optimization", "known-bug"])
+def test_toggles_category_selects_each_category(capsys, category):
+    assert main(["toggles", "--category", category]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    col = lines[0].index("category")                              # header, rule, rows
+    rows = [r for r in lines[2:] if r.strip()]
+    cats = {r[col:].split()[0] for r in rows}
+    names = {r.split()[0] for r in rows}
+    assert cats == {category}
+    if category == "request":
+        assert names == REQUEST_TOGGLES
+    else:
+        assert not names & REQUEST_TOGGLES
+
+
+def test_engines_help_names_the_output_folder():
+    text = " ".join(_help("engines").split())
+    assert re.search(r"--out DIR output folder: writes <out>/engines/<run-id>/ \(default: the spec's \[run\] out, "
+                     r"else 'reports' in the current directory\)", text)
