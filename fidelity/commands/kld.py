@@ -30,9 +30,11 @@ def add_arguments(p):
     g.add_argument("--no-floors", action="store_true",
                    help="skip the automatic floors (in-process floor arms, or the baseline "
                         "endpoint scored twice)")
-    g.add_argument("--model", default=None,
-                   help="model name on the endpoints (default: the one named like the arm, "
-                        "else the first listed)")
+    g.add_argument("--model", action="append", default=[], metavar="[ARM=]MODEL",
+                   help="served model an endpoint arm scores (repeatable): ARM=MODEL for one "
+                        "arm, a bare MODEL for the others (default: the model named like the "
+                        "arm, else the only one served; a server serving several models and "
+                        "none named like the arm is an error)")
     g.add_argument("--checkpoint", default=None, help="weights of in-process arms")
     g.add_argument("--tokenizer", default=None, help="tokenizer.json the prompts are built with")
     from fidelity.devices import add_options
@@ -40,10 +42,15 @@ def add_arguments(p):
     g = p.add_argument_group("prompts")
     g.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                    help="your own prompts: one JSON per line with text, messages or token_ids")
-    g.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
-    g.add_argument("--depths", default="10,50,90")
-    g.add_argument("--reps", type=int, default=1)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)),
+                   help="comma-separated prompt lengths in tokens for the built-in needle "
+                        "prompts (default: %(default)s)")
+    g.add_argument("--depths", default="10,50,90",
+                   help="comma-separated needle depths in percent (default: %(default)s)")
+    g.add_argument("--reps", type=int, default=1,
+                   help="prompts per (length, depth), different needles (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the prompts and of the bootstrap (default: %(default)s)")
     g = p.add_argument_group("scoring")
     g.add_argument("--top-k", type=int, default=20, help="top-k logprobs per position (default 20)")
     g.add_argument("--steps", type=int, default=8, help="greedy decode ladder length (default 8)")
@@ -51,14 +58,23 @@ def add_arguments(p):
                    help="arms also score the baseline's own top ids (SGLang token_ids_logprob; "
                         "vLLM prompt_logprobs -1): the KL bound becomes exact up to the "
                         "reported uncovered mass")
-    g.add_argument("--exact-k", type=int, default=64)
-    g.add_argument("--no-captures", action="store_true")
-    g.add_argument("--n-boot", type=int, default=1000)
-    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request attempt")
-    g.add_argument("--retries", type=int, default=4)
+    g.add_argument("--exact-k", type=int, default=64,
+                   help="with --exact on SGLang: how many of the baseline's top ids per position "
+                        "each arm scores (default: %(default)s)")
+    g.add_argument("--no-captures", action="store_true",
+                   help="do not ask for indexer top-k / routed-expert captures (default: ask "
+                        "where an arm offers them; coverage is reported)")
+    g.add_argument("--n-boot", type=int, default=1000,
+                   help="bootstrap resamples for confidence intervals (default: %(default)s)")
+    g.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds per request attempt (default: %(default)s)")
+    g.add_argument("--retries", type=int, default=4,
+                   help="retries per request on connection errors, timeouts, 5xx, 429 and "
+                        "malformed answers; counted per arm and route (default: %(default)s)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default="reports", help="<out>/kld/scores (resumable), <out>/kld/<run-id>/")
-    g.add_argument("--run-id", default=None)
+    g.add_argument("--run-id", default=None,
+                   help="report folder name under <out>/kld/ (default: kld-<timestamp>)")
     g.add_argument("--fresh", action="store_true", help="discard stored scores instead of resuming")
     g.add_argument("--quiet", action="store_true")
 
@@ -73,6 +89,9 @@ def build_entries(args, target, progress, place=None):
 
     from fidelity.cli import name_value_pairs as _pairs
     dialects = dict(_pairs(args.dialect, "--dialect"))
+    from needle.models import model_options
+    endpoints = _pairs(args.endpoint, "--endpoint")
+    every, per_arm = model_options(args.model, [n for n, _ in endpoints])
     policy = RetryPolicy(retries=args.retries, timeout=args.timeout)
     entries = []
     for name, spec in _pairs(args.inprocess, "--inprocess"):
@@ -81,8 +100,9 @@ def build_entries(args, target, progress, place=None):
         entries.append(ArmEntry(name, InProcessArm(name, nx, target.weights, arm.name,
                                                    place.model_devices if place else None),
                                 factors=frozenset({name})))
-    for name, url in _pairs(args.endpoint, "--endpoint"):
-        ep = Endpoint(name, url, dialects.pop(name, None), args.model, policy, target.tokenizer).connect()
+    for name, url in endpoints:
+        ep = Endpoint(name, url, dialects.pop(name, None), per_arm.get(name, every), policy,
+                      target.tokenizer, on_retry=progress.log).connect()
         progress(f"{name}: {ep.describe()['url']} model {ep.model}, dialect {ep.dialect}")
         entries.append(ArmEntry(name, ep, "floor" if name in args.floor else "arm", frozenset({name})))
     if dialects:
@@ -160,5 +180,17 @@ def run(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(res["verdict"]["sentence"])
+    _health_lines(res)
     print(f"report: {res['path']}")
     return 0
+
+
+def _health_lines(res) -> None:
+    """Retries and incomplete capture coverage, printed even with --quiet: numbers computed
+    on fewer prompts, or after retries, should never pass unnoticed."""
+    from fidelity.kld.health import incomplete, retry_line
+    if res["retries"]:
+        print(retry_line(res["retries"]))
+    for _, r in incomplete(res["coverage"]).iterrows():
+        print(f"warning: {r.arm}: {r.captures} captures ({r.signals}) on {r.prompts} of {r['of']} "
+              f"prompts" + (f": {r.missing_because}" if r.missing_because else ""), file=sys.stderr)

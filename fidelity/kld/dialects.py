@@ -38,6 +38,7 @@ class ArmScores:
     ladder: list[Known] = field(default_factory=list)   # before each ladder token
     indexer: np.ndarray | None = None               # (rows, CSA layers, index_topk)
     experts: np.ndarray | None = None               # (rows, layers, experts per token)
+    captures_missing: str | None = None             # why captures expected from the arm are absent
 
 
 @dataclass
@@ -123,10 +124,39 @@ def sglang_parse(data: dict, ids: list[int], r: Request, shape: dict | None = No
     s = ArmScores(list(ids), known + [ladder[0]], [inp[j + 1][0] for j in range(n - 1)] + [None],
                   [None] * n, [int(e[1]) for e in out_tok], ladder)
     if r.captures and shape and "indexer_topk" in m:
-        rows = n + len(out_tok) - 1
-        s.indexer = _b64_int32(m["indexer_topk"], rows, len(shape["indexer_layers"]), shape["index_topk"])
-        s.experts = _b64_int32(m["routed_experts"], rows, shape["num_hidden_layers"],
-                               shape["num_experts_per_tok"])
+        sglang_captures(s, m, shape)
+    return s
+
+
+CAPTURE_SHAPE_KEYS = ("indexer_layers", "index_topk", "num_hidden_layers", "num_experts_per_tok")
+
+
+def capture_shape(info) -> dict | None:
+    """The shape facts a client needs to read captures, from /get_model_info (None when
+    the answer does not give them all)."""
+    if isinstance(info, dict) and all(k in info for k in CAPTURE_SHAPE_KEYS):
+        return {k: info[k] for k in CAPTURE_SHAPE_KEYS}
+    return None
+
+
+def has_captures(data) -> bool:
+    m = data.get("meta_info") if isinstance(data, dict) else None
+    return isinstance(m, dict) and "indexer_topk" in m and "routed_experts" in m
+
+
+def sglang_captures(s: ArmScores, meta: dict, shape: dict) -> ArmScores:
+    """Decode a /generate answer's indexer top-k and routed experts into `s` (ScoringError
+    when their sizes do not fit the prompt and shape)."""
+    rows = len(s.ids) + len(s.ladder_tokens) - 1
+    try:
+        idx = _b64_int32(meta["indexer_topk"], rows, len(shape["indexer_layers"]), shape["index_topk"])
+        exp = _b64_int32(meta["routed_experts"], rows, shape["num_hidden_layers"],
+                         shape["num_experts_per_tok"])
+    except ScoringError:
+        raise
+    except (TypeError, ValueError) as e:                     # not base64, not a string
+        raise ScoringError(f"captures cannot be decoded ({e})") from None
+    s.indexer, s.experts = idx, exp
     return s
 
 

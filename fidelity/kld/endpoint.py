@@ -1,11 +1,16 @@
 """A running server as a scoring arm: its URL (root or /v1), model, dialect (detected:
 SGLang when /get_model_info answers, vLLM when /version does, else OpenAI's echo; or
 given), the shapes its captures need, and one scoring call per prompt. Every request is
-retried like the needle runner's (connection errors, timeouts, 5xx, 429 with Retry-After)
-and a final failure names the endpoint, route and status."""
+retried like the needle runner's (connection errors, timeouts, 5xx, 429 with Retry-After,
+and 200s whose body cannot be used), each retry counted per route and shown; a final
+failure names the endpoint, route and status or what was malformed. Captures the server
+offers but an answer lacks are retried too, then recorded as missing for that prompt (a
+resumed run asks again) -- never turned off silently."""
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
 from dataclasses import replace
 
 import httpx
@@ -13,9 +18,13 @@ import numpy as np
 
 from needle.http import (RequestFailed, RetryPolicy, backoff_delay, check_status, redact_url,
                          split_base, transport_failure)
+from needle.models import ModelChoiceError, pick_model
 
 from .bounds import Known
-from .dialects import DIALECTS, PARSERS, ArmScores, Request, ScoringError
+from .dialects import (CAPTURE_SHAPE_KEYS, DIALECTS, PARSERS, ArmScores, Request, ScoringError,
+                       capture_shape, has_captures, sglang_captures)
+
+log = logging.getLogger(__name__)
 
 HINTS = {"sglang": "SGLang: POST /generate with return_logprob (any recent SGLang)",
          "vllm": "vLLM: /v1/completions with prompt_logprobs (start vLLM with --max-logprobs "
@@ -50,7 +59,7 @@ class Endpoint:
     kind = "endpoint"
 
     def __init__(self, name: str, url: str, dialect: str | None = None, model: str | None = None,
-                 policy: RetryPolicy | None = None, tokenizer=None):
+                 policy: RetryPolicy | None = None, tokenizer=None, on_retry=None):
         if dialect is not None and dialect not in DIALECTS:
             raise EndpointError(f"{name}: unknown dialect {dialect!r} (one of {', '.join(DIALECTS)})")
         self.name, self.url = name, url
@@ -62,17 +71,33 @@ class Endpoint:
         self.detected = dialect is None          # a detected dialect may fall back to the others
         self.settled = False                     # a scoring request has succeeded
         self._piece_ids: dict | None = None
-        self.shape: dict | None = None
+        self.shape: dict | None = None           # capture shape, once known
         self.info: dict = {}
         self.ids_per_request = IDS_PER_REQUEST
+        self.retries: Counter = Counter()        # "METHOD /route" -> retries made
+        self.capture_failures: list[str] = []    # why captures were missing, per failed prompt
+        self.on_retry = on_retry                 # callable(message): shows retries on the console
 
     def close(self) -> None:
         self.client.close()
 
     # ---- HTTP ---------------------------------------------------------------------------
-    def call(self, method: str, path: str, body: dict | None = None, ok404: bool = False):
-        """JSON of `path` under the root, retried on transient failures (the needle
-        runner's rules). None on a 404 when `ok404` (a route the server does not have)."""
+    def _retry(self, route: str, attempt: int, why, retry_after: float | None = None) -> None:
+        """Count, show and wait before retry number `attempt` of `route`."""
+        self.retries[route] += 1
+        delay = backoff_delay(self.policy, attempt, retry_after)
+        msg = f"{self.name}: {route}: {why}; retry {attempt}/{self.policy.retries} in {delay:.1f}s"
+        log.warning(msg)
+        if self.on_retry is not None:
+            self.on_retry(msg)
+        time.sleep(delay)
+
+    def call(self, method: str, path: str, body: dict | None = None, ok404: bool = False,
+             parse=None, retry_malformed: bool = True):
+        """parse(JSON) of `path` under the root (the JSON itself without parse), retried on
+        transient failures (the needle runner's rules) and on bodies that are not JSON or
+        that parse rejects with ScoringError (unless `retry_malformed` is False). None on a
+        404 when `ok404` (a route the server does not have)."""
         url = self.root + path
         for attempt in range(1, self.policy.retries + 2):
             try:
@@ -84,42 +109,66 @@ class Endpoint:
                     return None
                 check_status(r)
                 try:
-                    return r.json()
+                    data = r.json()
                 except ValueError:
                     raise RequestFailed(f"HTTP {r.status_code} with a body that is not JSON: "
                                         f"{r.text[:120]!r}", True, r.status_code) from None
+                if parse is None:
+                    return data
+                try:
+                    return parse(data)
+                except ScoringError as e:
+                    raise RequestFailed(f"HTTP {r.status_code} with a malformed answer: {e}",
+                                        retry_malformed, r.status_code) from None
             except RequestFailed as e:
                 if not e.retryable or attempt > self.policy.retries:
-                    tries = f" after {attempt} attempts" if e.retryable else ""
+                    tries = f" after {attempt} attempts" if e.retryable and attempt > 1 else ""
                     raise EndpointError(f"{self.name}: {method} {redact_url(url)} failed{tries}: {e}") from None
-                time.sleep(backoff_delay(self.policy, attempt, e.retry_after))
+                self._retry(f"{method} {path}", attempt, e, e.retry_after)
 
     # ---- discovery ----------------------------------------------------------------------
     def connect(self) -> "Endpoint":
-        """Model id, dialect and (SGLang) capture shapes; the server's own view is kept."""
-        models = self.call("GET", "/v1/models")
+        """Model id (needle/models.py: named like the arm, chosen, or the only one), dialect
+        and (SGLang) capture shapes; the server's own view is kept."""
+        def model_ids(d):
+            try:
+                return [m["id"] for m in d["data"]]
+            except (KeyError, TypeError):
+                raise ScoringError(f"no model list in {str(d)[:200]}") from None
+        ids = self.call("GET", "/v1/models", parse=model_ids)
         try:
-            ids = [m["id"] for m in models["data"]]
-        except (KeyError, TypeError):
-            raise EndpointError(f"{self.name}: /v1/models answered {str(models)[:200]}") from None
-        if self.model is None:                 # a server with several arms names one after us
-            self.model = self.name if self.name in ids else ids[0]
-        elif self.model not in ids:
-            raise EndpointError(f"{self.name}: model {self.model!r} is not served (served: {', '.join(ids)})")
+            self.model = pick_model(self.name, self.model, ids)
+        except ModelChoiceError as e:
+            raise EndpointError(str(e)) from None
         info = self.call("GET", "/get_model_info", ok404=True)
         version = self.call("GET", "/version", ok404=True)
         if self.dialect is None:
             self.dialect = "sglang" if info is not None else "vllm" if version is not None else "openai"
-        self.shape = info if info and "indexer_layers" in info else None
+        self.shape = capture_shape(info)         # None: no captures, or learnt when they come
         self.info = {"models": ids, "model_info": info, "version": version,
                      "server_info": self.call("GET", "/get_server_info", ok404=True)}
         return self
 
+    def fetch_shape(self) -> dict:
+        """The capture shape from /get_model_info, for a server whose answers carry captures:
+        an answer without it is malformed here, so it is retried."""
+        def shape(d):
+            got = capture_shape(d)
+            if got is None:
+                raise ScoringError(f"no capture shape ({', '.join(CAPTURE_SHAPE_KEYS)}) in {str(d)[:120]}")
+            return got
+        self.shape = self.call("GET", "/get_model_info", parse=shape)
+        return self.shape
+
     def tokenize(self, text: str) -> list[int] | None:
         """The server's own token ids for a text (None when it has no /tokenize)."""
-        r = self.call("POST", "/tokenize", {"prompt": text, "model": self.model},
-                      ok404=True)
-        return None if r is None else list(r["tokens"])
+        def tokens(d):
+            t = d.get("tokens") if isinstance(d, dict) else None
+            if not isinstance(t, list):
+                raise ScoringError(f"no `tokens` list in the answer: {str(d)[:120]}")
+            return [int(x) for x in t]
+        return self.call("POST", "/tokenize", {"prompt": text, "model": self.model}, ok404=True,
+                         parse=tokens)
 
     def describe(self) -> dict:
         return {"name": self.name, "kind": self.kind, "url": redact_url(self.url),
@@ -136,7 +185,7 @@ class Endpoint:
             self._piece_ids = {t: v[0] for t, v in seen.items() if len(v) == 1}
         return self._piece_ids
 
-    def _score_as(self, dialect: str, ids: list[int], req: Request) -> ArmScores:
+    def _score_as(self, dialect: str, ids: list[int], req: Request, retry: bool = True) -> ArmScores:
         """One request; SGLang's exact mode in several, `ids_per_request` requested ids each
         (`token_ids_logprob` is scored at every position, so a long prompt times a large id
         set would be one huge response), merged position by position."""
@@ -144,18 +193,49 @@ class Endpoint:
                   for a in range(0, len(req.score_ids), self.ids_per_request)] or [()]
         out = None
         for c in chunks:
-            got = self._one(dialect, ids, replace(req, score_ids=tuple(c), captures=req.captures and out is None))
+            got = self._one(dialect, ids, replace(req, score_ids=tuple(c), captures=req.captures and out is None),
+                            retry)
             out = got if out is None else merge_scores(out, got)
         return out
 
-    def _one(self, dialect: str, ids: list[int], req: Request) -> ArmScores:
+    def _one(self, dialect: str, ids: list[int], req: Request, retry: bool = True) -> ArmScores:
+        """One scoring request; a malformed answer is retried unless `retry` is False (a
+        dialect tried as a fallback may simply be the wrong one)."""
         build, parse = PARSERS[dialect]
         path, body = build(ids, replace(req, model=self.model))
-        data = self.call("POST", path, body)
-        try:
-            return parse(data, ids, req, self.piece_ids() if dialect == "openai" else self.shape)
-        except ScoringError as e:
-            raise EndpointError(f"{self.name}: {e}") from None
+        aux = self.piece_ids() if dialect == "openai" else None
+        got = self.call("POST", path, body, retry_malformed=retry,
+                        parse=lambda d: (d, parse(d, ids, req, aux)))
+        if not (req.captures and dialect == "sglang"):
+            return got[1]
+        return self._with_captures(path, body, ids, req, parse, *got)
+
+    def _with_captures(self, path, body, ids, req, parse, data, scores) -> ArmScores:
+        """Scores with the answer's captures decoded. Captures the server offers (a known
+        shape) that an answer lacks or garbles are asked for again under the retry policy;
+        then the scores are kept with `captures_missing` saying why."""
+        route = f"POST {path} (captures)"
+        for attempt in range(1, self.policy.retries + 2):
+            why = None
+            if has_captures(data):
+                try:
+                    return sglang_captures(scores, data["meta_info"], self.shape or self.fetch_shape())
+                except ScoringError as e:
+                    why = f"malformed captures: {e}"
+                except EndpointError as e:            # the shape stays unknown: keep the scores
+                    why = f"captures returned but their shape is unknown: {e}"
+                    break
+            elif self.shape is None:
+                return scores                         # this server offers no captures
+            else:
+                why = "captures requested but absent from the answer"
+            if attempt > self.policy.retries:
+                break
+            self._retry(route, attempt, why)
+            data, scores = self.call("POST", path, body, parse=lambda d: (d, parse(d, ids, req, None)))
+        self.capture_failures.append(why)
+        scores.captures_missing = why
+        return scores
 
     def score(self, ids: list[int], req: Request) -> ArmScores:
         """The prompt's scores. Until one request has worked, a detected dialect that fails
@@ -165,6 +245,8 @@ class Endpoint:
             try:
                 out = self._score_as(self.dialect, ids, req)
             except EndpointError as e:
+                if self.settled:                      # the dialect has worked: it is not the cause
+                    raise
                 raise EndpointError(f"{e}\n  dialect: {HINTS[self.dialect]} (override with "
                                     f"--dialect {self.name}=sglang|vllm|openai)") from None
             self.settled = True
@@ -172,7 +254,7 @@ class Endpoint:
         tried = []
         for d in [self.dialect] + [x for x in DIALECTS if x != self.dialect]:
             try:
-                out = self._score_as(d, ids, req)
+                out = self._score_as(d, ids, req, retry=d == self.dialect)
             except EndpointError as e:
                 tried.append(f"  - {d}: {e}\n    needs {HINTS[d]}")
                 continue

@@ -25,6 +25,8 @@ class InProcessArm:
         cfg = weights.cfg
         self.csa = [i for i, r in enumerate(cfg.compress_ratios) if r == 4]
         self.n_layers = cfg.n_layers
+        self.shape = {"indexer_layers": self.csa, "index_topk": cfg.index_topk,
+                      "num_hidden_layers": cfg.n_layers, "num_experts_per_tok": cfg.n_activated_experts}
 
     def describe(self) -> dict:
         return {"name": self.name, "kind": self.kind, "arm": self.label}

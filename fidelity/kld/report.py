@@ -102,6 +102,8 @@ def write(out_dir, run_id: str, tables: dict, judged: dict, manifest: dict, arms
             w.table(name, tables[name], gzip=True)
         for name in ("ladder", "captures"):
             w.table(name, tables[name])
+        if len(tables.get("coverage", ())):
+            w.table("capture_coverage", tables["coverage"])
         w.table("kld_by_position", kt)
         w.table("ladder_summary", lt)
         w.table("signal_summary", judged["summary"])
@@ -119,7 +121,7 @@ def write(out_dir, run_id: str, tables: dict, judged: dict, manifest: dict, arms
                      "floor's upper 95% bound (log scale); > 1 (red) is above every floor.")
         named = pd.DataFrame(judged["verdict"].get("named", []))
         allk = kt[kt.bucket == "all"]
-        w.text("summary.md", _markdown(manifest, judged, allk, lt, named))
+        w.text("summary.md", _markdown(manifest, judged, allk, lt, named, tables.get("coverage")))
         w.html("dsv4-fidelity KLD report", f"<p class='verdict'>{judged['verdict']['sentence']}</p>",
                [("KLD vs baseline (all positions)", df_to_html(allk)),
                 ("By context position", df_to_html(kt[kt.bucket != "all"])),
@@ -135,7 +137,26 @@ def write(out_dir, run_id: str, tables: dict, judged: dict, manifest: dict, arms
         raise
 
 
-def _markdown(m, judged, allk, lt, named) -> str:
+def _health(m, cov) -> list[str]:
+    """Retries and capture coverage: what the numbers above were computed from."""
+    from .health import incomplete
+    out = ["## Requests retried", ""]
+    rt = m.get("retries") or {}
+    out += ([f"- `{a}`: {v['total']} (" + ", ".join(f"{r} {n}" for r, n in v["routes"].items()) + ")"
+             for a, v in rt.items()] or ["None."]) + [""]
+    if cov is None or not len(cov):
+        return out
+    out += ["## Capture coverage", "",
+            "Prompts each capture signal was computed on (baseline and arm both captured)."]
+    bad = incomplete(cov)
+    for _, r in bad.iterrows():
+        out.append(f"- **Incomplete:** `{r.arm}` {r.captures} ({r.signals}) on {r.prompts} of "
+                   f"{r['of']} prompts" + (f": {r.missing_because}" if r.missing_because else ""))
+    out += ["", df_to_markdown(cov.drop(columns=["missing_because"])), ""]
+    return out
+
+
+def _markdown(m, judged, allk, lt, named, cov=None) -> str:
     s = m["settings"]
     lines = ["# dsv4-fidelity KLD report", "", f"**Verdict.** {judged['verdict']['sentence']}", "",
              f"Baseline `{m['baseline']}`; {len(m['prompts'])} prompts; top-{s['k']} per position"
@@ -146,7 +167,8 @@ def _markdown(m, judged, allk, lt, named) -> str:
              "## Decode ladder", "", df_to_markdown(lt), "", "## Named by the verdict", "",
              df_to_markdown(named) if len(named) else "None.", "",
              "## Floors per signal", "", df_to_markdown(judged["floors"]) if len(judged["floors"])
-             else "No floor arm.", "", "## Arms", "", df_to_markdown(pd.DataFrame(m["arms"])), "",
+             else "No floor arm.", "", *_health(m, cov),
+             "## Arms", "", df_to_markdown(pd.DataFrame(m["arms"])), "",
              "Tables: `kld_by_position.csv`, `positions.csv.gz`, `ladder.csv`, `captures.csv`, "
              "`signal_attribution.csv`; plots in `index.html`.", ""]
     return "\n".join(lines)

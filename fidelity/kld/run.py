@@ -8,6 +8,7 @@ a second time (`<baseline>~repeat`: the engine's run-to-run noise) and any arm g
 role "floor" counts as well."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +17,7 @@ import pandas as pd
 from fidelity import signals as S
 from fidelity.progress import Progress
 
+from . import health as H
 from .compare import capture_rows, position_rows
 from .dialects import ArmScores, Request
 from .store import ScoreStore, request_key
@@ -62,12 +64,23 @@ def _key(s: KldSettings, entry: ArmEntry, ids: list[int]) -> str:
 
 def score_arm(entry: ArmEntry, prompts, s: KldSettings, store: ScoreStore, baseline: str | None,
               progress: Progress) -> int:
-    """Score the prompts this arm has not scored yet; returns how many were scored."""
-    todo = [p for p in prompts if store.get(entry.name, p.id, _key(s, entry, p.tokens.tolist())) is None]
+    """Score the prompts this arm has not scored yet, or scored without the captures it
+    should have returned (resume fills the gap); returns how many were scored."""
+    def pending(p):
+        got = store.get(entry.name, p.id, _key(s, entry, p.tokens.tolist()))
+        return (got is None or got.captures_missing is not None
+                or (s.captures and got.indexer is None and entry.scorer.kind == "endpoint"
+                    and getattr(entry.scorer, "shape", None) is not None))
+    todo = [p for p in prompts if pending(p)]
     with progress.task(f"scoring {entry.name}", len(todo)) as advance:
         for p in todo:
             _score_one(entry, p, s, store, baseline)
             advance(1, p.id)
+    # captures learnt of mid-run (their shape arrived late): ask once more for those before
+    again = [p for p in todo if pending(p) and store.get(entry.name, p.id, _key(s, entry, p.tokens.tolist()))
+             .captures_missing is None]
+    for p in again:
+        _score_one(entry, p, s, store, baseline)
     return len(todo)
 
 
@@ -91,15 +104,20 @@ def load(entry: ArmEntry, p, s: KldSettings, store: ScoreStore) -> ArmScores:
 
 def compare_all(entries: list[ArmEntry], prompts, s: KldSettings, store: ScoreStore,
                 shape: dict | None) -> dict[str, pd.DataFrame]:
-    """Per-position rows, ladder divergence and capture rows of every arm vs the baseline."""
+    """Per-position rows, ladder divergence and capture rows of every arm vs the baseline,
+    and each arm's capture coverage (prompts each capture signal could be computed on)."""
     base_e = next(e for e in entries if e.role == "baseline")
-    pos, ladder, caps = [], [], []
-    for p in prompts:
-        base = load(base_e, p, s, store)
-        for e in entries:
-            if e is base_e:
-                continue
+    pos, ladder, caps, cov = [], [], [], []
+    bases = [load(base_e, p, s, store) for p in prompts]
+    if s.captures:
+        cov += H.coverage_rows(base_e.name, "baseline", bases, bases, H.offers_captures(base_e.scorer, bases))
+    for e in entries:
+        if e is base_e:
+            continue
+        arms = []
+        for p, base in zip(prompts, bases):
             a = load(e, p, s, store)
+            arms.append(a)
             rows, first = position_rows(base, a)
             pos += [{"arm": e.name, "prompt": p.id, "group": p.group, **r} for r in rows]
             ladder.append({"arm": e.name, "prompt": p.id, "group": p.group, "steps": len(a.ladder_tokens),
@@ -108,7 +126,14 @@ def compare_all(entries: list[ArmEntry], prompts, s: KldSettings, store: ScoreSt
                 caps += [{"arm": e.name, "prompt": p.id, **r} for r in
                          capture_rows(base, a, shape["indexer_layers"], shape["num_hidden_layers"],
                                       p.needle_tokens)]
-    return {"positions": pd.DataFrame(pos), "ladder": pd.DataFrame(ladder), "captures": pd.DataFrame(caps)}
+        if s.captures:
+            cov += H.coverage_rows(e.name, e.role, bases, arms, H.offers_captures(e.scorer, arms))
+    if s.captures and not shape:               # nothing could be read: say so per arm
+        for r in cov:
+            if r["prompts"]:
+                r["prompts"], r["missing_because"] = 0, "the capture shape is unknown (/get_model_info)"
+    return {"positions": pd.DataFrame(pos), "ladder": pd.DataFrame(ladder), "captures": pd.DataFrame(caps),
+            "coverage": pd.DataFrame(cov)}
 
 
 def http_signals(t: dict[str, pd.DataFrame]) -> pd.DataFrame:
@@ -182,20 +207,49 @@ def check_tokenizers(entries: list[ArmEntry], tokenizer, probe: str) -> None:
 
 def run_kld(entries: list[ArmEntry], prompts, s: KldSettings, out_dir, run_id: str,
             manifest: dict, progress: Progress) -> dict:
-    """Score (resuming), compare, judge, report. Entries: the baseline first."""
+    """Score (resuming), compare, judge, report. Entries: the baseline first. Retries
+    (per arm and route) and capture coverage go to the console, manifest and summary."""
     from pathlib import Path
     from . import report
     store = ScoreStore(Path(out_dir) / "kld" / "scores")
     base = next(e for e in entries if e.role == "baseline")
+    retries, counted = {}, set()
     for e in [base] + [e for e in entries if e is not base]:
         check_identity(store, e)
+        sc = e.scorer
+        first = id(sc) not in counted          # start-up retries (connect, tokenize) go to the first
+        before = {} if first else dict(getattr(sc, "retries", {}))
+        counted.add(id(sc))
         n = score_arm(e, prompts, s, store, base.name, progress)
-        progress.log(f"{e.name}: {n} prompts scored, {len(prompts) - n} reused")
-    shape = next((getattr(e.scorer, "shape", None) for e in entries if getattr(e.scorer, "shape", None)),
-                 None)
-    tables = compare_all(entries, prompts, s, store, shape if s.captures else None)
+        after = getattr(sc, "retries", {})
+        retries[e.name] = Counter({r: c - before.get(r, 0) for r, c in after.items()
+                                     if c - before.get(r, 0)})
+        note = f"; {sum(retries[e.name].values())} retries" if retries[e.name] else ""
+        progress.log(f"{e.name}: {n} prompts scored, {len(prompts) - n} reused{note}")
+    shape = capture_shape_of(entries, prompts, s, store) if s.captures else None
+    tables = compare_all(entries, prompts, s, store, shape)
     tables["signals"] = http_signals(tables)
     judged = judge(entries, tables["signals"], s)
+    manifest["retries"] = H.retry_summary(retries)
+    manifest["capture_coverage"] = tables["coverage"].to_dict("records")
     path = report.write(Path(out_dir) / "kld", run_id, tables, judged, manifest,
                         [e.name for e in entries if e.role != "baseline"])
-    return {"path": path, **tables, **judged}
+    return {"path": path, **tables, **judged, "retries": manifest["retries"]}
+
+
+def capture_shape_of(entries: list[ArmEntry], prompts, s: KldSettings, store: ScoreStore) -> dict | None:
+    """The capture shape from any arm that knows it; else (a resumed run whose start-up
+    /get_model_info answer was unusable) asked again of an endpoint whose stored scores
+    hold captures."""
+    for e in entries:
+        if getattr(e.scorer, "shape", None):
+            return e.scorer.shape
+    for e in entries:
+        fetch = getattr(e.scorer, "fetch_shape", None)
+        if fetch and any(getattr(store.get(e.name, p.id, _key(s, e, p.tokens.tolist())), "indexer", None)
+                         is not None for p in prompts):
+            try:
+                return fetch()
+            except RuntimeError:                   # EndpointError: reported as coverage 0
+                return None
+    return None

@@ -2,7 +2,9 @@
 once and never rewritten: a rerun scores only what is missing (resume), and an engine arm
 scored in an earlier launch is compared later without relaunching it. A position keeps at
 most `keep` ids (the most likely, plus the token that follows), so an in-process arm's
-full vocabulary does not fill the disk; KL bounds stay valid on what is kept."""
+full vocabulary does not fill the disk; KL bounds stay valid on what is kept. Scores
+whose captures were expected but missing go to their own file (`-nocaptures`): a resumed
+run asks for that prompt again, and a complete answer is stored beside it, not over it."""
 from __future__ import annotations
 
 import hashlib
@@ -47,20 +49,24 @@ class ScoreStore:
     def __init__(self, root: Path, keep: int = 1024):
         self.root, self.keep = Path(root), keep
 
-    def path(self, arm: str, prompt: str, key: str) -> Path:
-        return self.root / arm / f"{prompt}-{key}.npz"
+    def path(self, arm: str, prompt: str, key: str, partial: bool = False) -> Path:
+        return self.root / arm / f"{prompt}-{key}{'-nocaptures' * partial}.npz"
 
     def get(self, arm: str, prompt: str, key: str) -> ArmScores | None:
+        """The stored scores, complete ones first (None when the prompt was not scored)."""
         p = self.path(arm, prompt, key)
         if not p.exists():
-            return None
+            p = self.path(arm, prompt, key, partial=True)
+            if not p.exists():
+                return None
         z = np.load(p)
         opt = {n: z[n] for n in ("indexer", "experts") if n in z}
         return ArmScores(z["prompt"].tolist(), _unpack(z["k_ids"], z["k_logp"], z["k_off"]),
                          [None if np.isnan(v) else float(v) for v in z["actual"]],
                          [None if v < 0 else int(v) for v in z["ranks"]],
                          z["ladder_tokens"].tolist(), _unpack(z["l_ids"], z["l_logp"], z["l_off"]),
-                         opt.get("indexer"), opt.get("experts"))
+                         opt.get("indexer"), opt.get("experts"),
+                         str(z["captures_missing"]) if "captures_missing" in z else None)
 
     def put(self, arm: str, prompt: str, key: str, s: ArmScores) -> None:
         ids = s.ids
@@ -76,7 +82,9 @@ class ScoreStore:
         arrays.update({f"l_{n}": v for n, v in _pack(ladder).items()})
         if s.indexer is not None:
             arrays["indexer"], arrays["experts"] = s.indexer, s.experts
-        p = self.path(arm, prompt, key)
+        if s.captures_missing:
+            arrays["captures_missing"] = np.array(s.captures_missing)
+        p = self.path(arm, prompt, key, partial=bool(s.captures_missing))
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_suffix(f".tmp{os.getpid()}.npz")
         np.savez_compressed(tmp, **arrays)
