@@ -108,10 +108,56 @@ def plan_arm(arm: ArmSpec, e: EngineSpec, captures: bool = False, max_logprobs: 
     return p
 
 
-def port_in_use(host: str, port: int) -> bool:
+def port_busy(host: str, port: int) -> str | None:
+    """Why an engine could not bind host:port, or None when it can: something answers
+    connections there, or a socket holds the port without listening. Binding with
+    SO_REUSEADDR, as servers do, so the previous arm's TIME_WAIT connections do not count."""
     with socket.socket() as s:
         s.settimeout(0.5)
-        return s.connect_ex((host, port)) == 0
+        if s.connect_ex((host, port)) == 0:
+            return "a process is listening on it"
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as ex:
+            return f"it cannot be bound ({ex.strerror or ex})"
+    return None
+
+
+def probe_status(response=None, error: Exception | None = None, timeout: float = 5.0) -> str:
+    """A readiness probe's answer in words: what a start-up log reader needs to know."""
+    if error is not None:
+        if isinstance(error, httpx.ConnectError):
+            return "connection refused (nothing listening on the port yet)"
+        if isinstance(error, httpx.TimeoutException):
+            return f"no answer within {timeout:.0f} s (the server is busy, e.g. loading weights)"
+        if isinstance(error, (httpx.RemoteProtocolError, httpx.ReadError)):
+            return "connection closed without an answer (the server is starting)"
+        return f"{type(error).__name__}: {error}"
+    code, why = response.status_code, response.reason_phrase
+    if code == 404:
+        return (f"HTTP 404 {why} (the server has no such route: check `ready` in the engine's "
+                "spec)")
+    if code == 503:
+        return f"HTTP 503 {why} (up, not ready yet)"
+    if code >= 500:
+        return f"HTTP {code} {why} (up, the readiness check fails)"
+    return f"HTTP {code} {why}"
+
+
+class ReadinessLog:
+    """Sparse start-up logging: a line when the probe's answer changes, else one every
+    `every` seconds (an engine can take many minutes to load)."""
+
+    def __init__(self, log, arm: str, path: str, every: float = 30.0):
+        self.log, self.arm, self.path, self.every = log, arm, path, every
+        self.last, self.at = None, 0.0
+
+    def __call__(self, waited: float, status: str) -> None:
+        if status != self.last or waited - self.at >= self.every:
+            self.log(f"{self.arm}: waiting for the engine ({waited:.0f} s): GET {self.path} -> {status}")
+            self.last, self.at = status, waited
 
 
 class EngineProcess:
@@ -125,12 +171,18 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    def start(self) -> None:
+    def check_port(self) -> None:
+        """LaunchError, before anything is started, when the arm's port is taken."""
         from urllib.parse import urlsplit
         u = urlsplit(self.plan.url)
-        if port_in_use(u.hostname, u.port):
-            raise LaunchError(f"arm {self.plan.arm}: port {u.port} on {u.hostname} is already in use "
-                              "(another server, or an arm that was not stopped)")
+        why = port_busy(u.hostname, u.port)
+        if why:
+            raise LaunchError(f"arm {self.plan.arm}: port {u.port} on {u.hostname} is already in use ({why}: "
+                              f"another server, or an arm that was not stopped); nothing was launched. "
+                              f"Stop that process or give engine {self.plan.engine} another port")
+
+    def start(self) -> None:
+        self.check_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         try:
@@ -151,11 +203,13 @@ class EngineProcess:
 
     def wait_ready(self, poll: float = 1.0, progress=None) -> float:
         """Seconds until the readiness probe answered 200; LaunchError if the process exits
-        first (exit code + last log lines) or the timeout passes."""
+        first (exit code + last log lines) or the timeout passes. `progress(waited, status)`
+        after every unready probe, the status in words (probe_status)."""
         t0 = time.monotonic()
         url = self.plan.url.rstrip("/") + self.plan.ready_path
         last = "no answer yet"
-        with httpx.Client(timeout=max(5.0, poll * 5)) as c:
+        timeout = max(5.0, poll * 5)
+        with httpx.Client(timeout=timeout) as c:
             while True:
                 code = self.proc.poll()
                 if code is not None:
@@ -165,9 +219,9 @@ class EngineProcess:
                     r = c.get(url)
                     if r.status_code == 200:
                         return time.monotonic() - t0
-                    last = f"HTTP {r.status_code}"
+                    last = probe_status(r)
                 except httpx.HTTPError as ex:
-                    last = type(ex).__name__
+                    last = probe_status(error=ex, timeout=timeout)
                 waited = time.monotonic() - t0
                 if waited > self.plan.start_timeout:
                     self.stop()
@@ -175,7 +229,7 @@ class EngineProcess:
                                       f"(GET {self.plan.ready_path}: {last}); last log lines "
                                       f"({self.log_path}):\n{self.tail()}")
                 if progress:
-                    progress(waited)
+                    progress(waited, last)
                 time.sleep(poll)
 
     def stop(self) -> int | None:
@@ -192,6 +246,18 @@ class EngineProcess:
         if _group_alive(pgid):
             _signal_group(pgid, signal.SIGKILL)
         return self.proc.wait()
+
+
+def describe_exit(code: int | None) -> str:
+    """An exit status in words: a negative code is the signal that ended the process."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"ended by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"ended by signal {-code}"
+    return f"exit code {code}"
 
 
 def _signal_group(pgid: int, sig) -> None:

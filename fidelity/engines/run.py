@@ -15,7 +15,7 @@ from fidelity.kld.run import (TOKENIZER_PROBE, ArmEntry, KldSettings, check_iden
 from fidelity.kld.store import ScoreStore
 from fidelity.progress import Progress
 
-from .launch import EngineProcess, LaunchPlan, plan_arm
+from .launch import EngineProcess, LaunchPlan, ReadinessLog, describe_exit, plan_arm
 from .spec import Spec, SpecError
 
 KLD_KEYS = {"lengths", "depths", "reps", "seed", "top_k", "steps", "exact", "exact_k", "captures",
@@ -141,15 +141,16 @@ def run_engines(spec: Spec, run_id: str, progress: Progress, fresh: bool = False
 
 def _run_arm(spec, arm, plan, st, state, root, prompts, s, store, base, tok, progress):
     proc = EngineProcess(plan, root / "logs" / f"{arm.name}.log") if plan.cmd else None
+    if proc:
+        proc.check_port()                       # a busy port: say so before launching anything
     try:
         if proc:
             progress.log(f"{arm.name}: launching {plan.kind} ({plan.shell()[:160]}...)")
             proc.start()
             st["pid"] = proc.pid
             state.save()
-            with progress.task(f"{arm.name}: waiting for GET {plan.ready_path}", None) as tick:
-                st["ready_s"] = proc.wait_ready(poll=1.0 if plan.kind != "fidelity" else 0.2,
-                                                progress=lambda w: tick(0, f"{w:.0f} s"))
+            st["ready_s"] = proc.wait_ready(poll=1.0 if plan.kind != "fidelity" else 0.2,
+                                            progress=ReadinessLog(progress.log, arm.name, plan.ready_path))
             progress.log(f"{arm.name}: ready after {st['ready_s']:.1f} s")
         ep = Endpoint(arm.name, plan.url, spec.kld.get("dialect"), name_or_none(plan.url, arm.name),
                       tokenizer=tok).connect()
@@ -173,11 +174,11 @@ def _run_arm(spec, arm, plan, st, state, root, prompts, s, store, base, tok, pro
             st["done"].append("needle")
             state.save()
     finally:
-        if proc:
+        if proc and proc.proc is not None:
             code = proc.stop()
             st["stopped"] = {"exit_code": code, "at": time.time()}
             state.save()
-            progress.log(f"{arm.name}: stopped (exit code {code})")
+            progress.log(f"{arm.name}: stopped ({describe_exit(code)})")
 
 
 def report(spec: Spec, root: Path, run_id: str, state: State, prompts, s: KldSettings,
@@ -215,7 +216,6 @@ def report(spec: Spec, root: Path, run_id: str, state: State, prompts, s: KldSet
         from needle.tables import by_arm
         out["recall"] = by_arm(rows)
     (root / "summary.md").write_text(_summary(spec, state, out))
-    progress.log(f"report: {root / 'summary.md'}")
     return out
 
 
