@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import haystack as H
+from .http import HttpRunner
 from .results import ResultsLog, latest
 from .scoring import contains_value, score
 
@@ -96,7 +97,7 @@ def make_row(trial: Trial, prompt: H.Prompt, runner, res: dict, cfg: SweepConfig
         "value_in_reasoning": bool(res.get("reasoning_content")) and any(
             contains_value(res["reasoning_content"], v) for v in prompt.expected),
     }
-    if hasattr(runner, "model"):                     # endpoint arms: asked for / answered by
+    if isinstance(runner, HttpRunner):               # endpoint arms: asked for / answered by
         row["model_requested"] = runner.model
     for k in ("model", "response", "reasoning_content", "finish_reason", "completion_tokens", "latency_s",
               "attempts", "error", "error_status", "errors", "mechanism", "value_token_positions"):

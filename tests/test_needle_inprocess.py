@@ -73,6 +73,7 @@ def test_inprocess_sweep_golden_vs_engine(target, tmp_path):
     assert rows[0]["prompt_sha256"] == rows[1]["prompt_sha256"]           # paired: same prompt
     assert all(r["n_tokens"] == r["prompt_tokens_reported"] == 259 for r in rows)
     assert all(len(r["mechanism"]) == 2 for r in rows)
+    assert not any("model_requested" in r for r in rows)     # in-process arms request no model
     out = write_report(rows, tmp_path / "report", {"note": "test"}, with_plots=False)
     t = json.loads((out / "summary.json").read_text())
     assert t["schema_version"] == 1
