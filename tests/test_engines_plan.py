@@ -157,6 +157,18 @@ def test_plan_command_prints_and_writes_script(tmp_path, capsys):
     assert main(["engines", "plan", str(tmp_path / "none.toml")]) == 2
 
 
+def test_out_option_overrides_the_specs_out(tmp_path, capsys, monkeypatch):
+    p = tmp_path / "s.toml"
+    p.write_text(f'[run]\nout = "{tmp_path / "from-spec"}"\n' + SGLANG)
+    assert main(["engines", "plan", str(p), "--out", str(tmp_path / "from-cli")]) == 0
+    assert (tmp_path / "from-cli" / "engines" / "s" / "launch.sh").exists()
+    assert not (tmp_path / "from-spec").exists()
+    p.write_text(SGLANG)                                   # no [run] out: reports/ in the cwd
+    monkeypatch.chdir(tmp_path)
+    assert main(["engines", "plan", str(p)]) == 0
+    assert (tmp_path / "reports" / "engines" / "s" / "launch.sh").exists()
+
+
 def test_transient_5xx_on_models_is_retried():
     from needle.http import RetryPolicy
     from needle.stub import StubServer

@@ -15,7 +15,9 @@ def add_arguments(p):
     p.add_argument("--generation", choices=("0731", "original"), default="0731",
                    help="checkpoint generation of the reference's effort tiers (research §3.2)")
     p.add_argument("--engine-profile", choices=("sglang", "vllm"), default=None,
-                   help="differences this engine is documented to make count as 'documented', not failures")
+                   help="differences this engine is documented to make count as 'documented', not "
+                        "failures, and those cases' responses are judged against the documented "
+                        "reading (e.g. SGLang's default thinking off: no reasoning_content expected)")
     p.add_argument("--tokenizer", default=None,
                    help="the served model's tokenizer.json: checks the engine's tokenizer and stands "
                         "in when the engine has no tokenize route (default: the embedded one)")
