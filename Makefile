@@ -18,6 +18,7 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/fidelity ab --out reports --run-id example
+	$(BIN)/fidelity needle --out reports --run-id example --results reports/needle/example-results.jsonl
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile tests

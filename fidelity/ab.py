@@ -20,12 +20,11 @@ import torch
 
 from reference_model import Numerics
 
-from . import ab_plots as plots
 from . import analysis as A
 from . import signals as S
 from .attribution import attribute, bootstrap_mean_ci
 from .lockstep import DEFAULT_TAPS, Arm, LockstepResult, LockstepRunner, Prompt
-from .report_io import ReportWriter, df_to_html, df_to_markdown
+from .ab_report import write_report
 
 GOLDEN = "golden"
 FLOOR = "floor:exact"              # reference vs exact: the QAT noise floor (verdict, attribution)
@@ -327,97 +326,3 @@ def _summary_table(drift, kld, sig_summary, sets) -> pd.DataFrame:
                      "needle_lost_max": ss.get("needle_lost", np.nan),
                      "expert_same_min": 1 - ss.get("expert_disagree", np.nan)})
     return pd.DataFrame(rows)
-
-
-def write_report(out_dir, run_id, tables: dict, result, sets, res):
-    w = ReportWriter(out_dir, run_id)
-    drift, kld, attr, summary = tables["drift"], tables["kld"], tables["attribution"], tables["summary"]
-    try:
-        for name, df in tables.items():
-            w.table(name, df, gzip=name in ("drift", "kld", "signals", "pairs"))
-        w.table("events", pd.DataFrame(res.events, columns=["prompt", "arm", "phase", "step", "layer",
-                                                            "event", "detail"]))
-        w.json("manifest", {k: result[k] for k in ("manifest", "verdict", "noise_floor", "floors",
-                                                    "first_divergence")})
-        if res.kept:
-            torch.save({"|".join(map(str, k)): v for k, v in res.kept.items()}, w.tmp / "kept_taps.pt")
-        arm_names = list(sets)
-        singles = [a for a in arm_names if len(sets[a]) == 1]
-        fhi = result["noise_floor"]["hi"]
-        base = [a for a in arm_names if len(sets[a]) > 1 and not any(sets[a] < sets[b] for b in arm_names)]
-        w.figure(plots.signal_board(tables["signal_summary"], tables["signal_attribution"], list(FLOORS) + arm_names),
-                 "signals", "Verdict signals vs their floors",
-                 "Each arm's mean of each signal divided by the highest floor's upper 95% bound for "
-                 "that signal and place (log scale); > 1 (red) is above every floor. Signals: "
-                 + "; ".join(f"{k}: {v}" for k, v in S.SIGNALS.items()) + ".")
-        w.figure(plots.drift_vs_layer(drift, FLOOR, list(FLOORS) + singles + base), "drift_vs_layer",
-                 "Drift vs layer", "Relative L2 of the residual stream after each layer vs golden "
-                 "(prefill, mean over prompts) for each single toggle and the full arm(s); grey "
-                 "band: reference-vs-exact noise floor; other arms are in drift.csv.gz.")
-        if singles:
-            w.figure(plots.toggle_layer_heatmap(drift, singles), "toggle_layer_heatmap",
-                     "Toggle × layer", "log10 relative L2 of each single-toggle arm per layer.")
-        if not attr.empty:
-            w.figure(plots.attribution_bars(attr, fhi), "attribution", "Attribution of final-logit KLD",
-                     "Bars: point estimate; whiskers: 95% bootstrap CI over prompts; red: clears the floor.")
-        w.figure(plots.kld_distribution(kld, [FLOOR] + arm_names), "kld_distribution",
-                 "KLD distribution per arm", "Per-position KLD(golden ‖ arm) of the final logits, prefill.")
-        w.figure(plots.topk_recall_vs_position(drift, list(FLOORS) + singles + base), "topk_recall",
-                 "Indexer top-k recall vs context position", "Fraction of golden's selected compressed "
-                 "entries the arm also selects, by query position bucket.")
-        w.figure(plots.decode_drift(kld, [FLOOR] + arm_names), "decode_drift", "Decode-step drift",
-                 "Teacher-forced decode on golden's greedy tokens.")
-        w.text("summary.md", _markdown(result, summary, attr))
-        named = pd.DataFrame(result["verdict"].get("named", []))
-        w.html("dsv4-fidelity A/B report", f"<p class='verdict'>{result['verdict']['sentence']}</p>",
-               [("Arms", df_to_html(summary)),
-                ("Named by the verdict", df_to_html(named) if len(named) else "<p>none</p>"),
-                ("Floors per signal", df_to_html(pd.DataFrame(result["floors"]))),
-                ("Attribution of mean final-logit KLD", df_to_html(attr)),
-                ("First divergence", df_to_html(pd.DataFrame(result["first_divergence"]))),
-                ("Events", df_to_html(pd.DataFrame(res.events)) if res.events else "<p>none</p>"),
-                ("Run", f"<pre>{_manifest_text(result['manifest'])}</pre>")])
-        import matplotlib.pyplot as plt
-        plt.close("all")
-        return w.commit()
-    except BaseException:
-        w.abort()
-        raise
-
-
-def _manifest_text(m) -> str:
-    import json
-    return json.dumps({k: v for k, v in m.items() if k != "config"}, indent=1, default=str)
-
-
-def _markdown(result, summary, attr) -> str:
-    m = result["manifest"]
-    nf = result["noise_floor"]
-    lines = ["# dsv4-fidelity A/B report", "", f"**Verdict.** {result['verdict']['sentence']}", "",
-             f"Model config `{m['config_hash']}` ({m['checkpoint']}), mode `{m['settings']['mode']}`, "
-             f"{len(m['prompts'])} prompts at lengths {sorted({p['length'] for p in m['prompts']})}, "
-             f"{m['settings']['decode_steps']} decode steps, seed {m['settings']['seed']}. "
-             f"QAT noise floor (reference vs exact, mean final-logit KLD at the longest length): "
-             f"{nf['mean']:.3g} [{nf['lo']:.3g}, {nf['hi']:.3g}].", "",
-             "## Arms", "", df_to_markdown(summary), "",
-             "## Named by the verdict", "",
-             "A toggle is named when, for some signal, its one-at-a-time / leave-one-out / Shapley "
-             "interval (95% paired bootstrap over prompts) lies wholly above the highest of the "
-             f"three floors ({', '.join(FLOORS)}) for that signal and place.", ""]
-    named = result["verdict"].get("named", [])
-    lines += [df_to_markdown(pd.DataFrame(named)) if named else "None.", "",
-              "## Floors per signal (upper 95% bound of the highest floor)", "",
-              df_to_markdown(pd.DataFrame(result["floors"])), "",
-              "## Attribution (Δ mean final-logit KLD at the longest length)", "",
-              df_to_markdown(attr), "", "## First divergent layer", "",
-              f"First place, in forward order (prefill, then decode), where an arm departs from "
-              f"`vs` (golden, or the --vs arm) by more than {m['settings']['floor_k']}× the "
-              f"reduction-order floor ({FLOOR_ORDER}: reference numerics with fp32 instead of fp64 "
-              f"accumulation). Departure: rel L2 (tensors), 1 − recall (indexer picks), "
-              f"1 − same expert set (routing).", ""]
-    fd = result["first_divergence"]
-    lines += [df_to_markdown(pd.DataFrame(fd)) if fd else "No arm exceeds the floor anywhere.", ""]
-    if result["events"]:
-        lines += ["## Events", "", df_to_markdown(pd.DataFrame(result["events"])), ""]
-    lines += ["Plots and full tables: `index.html`, `*.png`, `drift.csv.gz`, `kld.csv.gz`, `attribution.csv`.", ""]
-    return "\n".join(lines)

@@ -1,23 +1,25 @@
-"""Plots of an A/B run (matplotlib, Agg): drift vs layer with the noise-floor band,
-toggle × layer heatmap, attribution bars with CIs, KLD distribution per arm, indexer
-top-k recall vs context position, decode-step drift."""
+"""Plots of an A/B run: signals board, drift vs layer with the noise-floor band, toggle ×
+layer heatmap, attribution bars with CIs, KLD distribution per arm, indexer top-k recall
+vs context position, decode-step drift. No backend is forced here: the CLI selects Agg,
+a notebook keeps its inline one."""
 from __future__ import annotations
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 
 
-def _arm_order(df, golden):
-    return [a for a in dict.fromkeys(df.arm) if a != golden]
+def _legend_below(ax):
+    """Legend under the axes in columns, so the plot keeps the page's width."""
+    n = len(ax.get_legend_handles_labels()[1])
+    if n:
+        ax.legend(fontsize=8, ncol=min(4, max(1, (n + 5) // 6)), loc="upper center",
+                  bbox_to_anchor=(0.5, -0.16), frameon=False)
 
 
 def drift_vs_layer(drift: pd.DataFrame, floor_arm: str, arms: list[str], tap="out", phase="prefill"):
     d = drift[(drift.tap == tap) & (drift.phase == phase) & (drift.bucket == "all")]
-    fig, ax = plt.subplots(figsize=(9, 4.8))
+    fig, ax = plt.subplots(figsize=(7.5, 5))
     fl = d[d.arm == floor_arm].groupby("layer")["rel_l2"]
     if len(fl):
         lo, hi, mid = fl.min(), fl.max(), fl.mean()
@@ -33,7 +35,7 @@ def drift_vs_layer(drift: pd.DataFrame, floor_arm: str, arms: list[str], tap="ou
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel(f"relative L2 of `{tap}` vs golden")
     ax.grid(alpha=.3, which="both")
-    ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1))
+    _legend_below(ax)
     return fig
 
 
@@ -96,7 +98,7 @@ def topk_recall_vs_position(drift: pd.DataFrame, arms: list[str]):
     ax.set_xlabel("context position (bucket start + 1)")
     ax.set_ylabel("indexer top-k recall vs golden (mean over CSA layers)")
     ax.grid(alpha=.3)
-    ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1))
+    _legend_below(ax)
     return fig
 
 
@@ -111,24 +113,39 @@ def decode_drift(kld: pd.DataFrame, arms: list[str]):
     ax.set_xlabel("teacher-forced decode step")
     ax.set_ylabel("mean KLD(golden ‖ arm)")
     ax.grid(alpha=.3, which="both")
-    ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1))
+    _legend_below(ax)
     return fig
 
 
-def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[str]):
-    """Arm × (signal, place) heat map of mean / highest floor's upper bound (log10)."""
+def signal_ratios(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[str]) -> pd.DataFrame:
+    """Arm × "signal @ place": mean / highest floor's upper bound. NaN where there is
+    nothing to compare (no floor for that place, or 0 against a 0 floor); inf where the
+    floor is 0 and the arm is not."""
     fl = verdict.drop_duplicates(["signal", "where"]).set_index(["signal", "where"])["floor_hi"] \
         if len(verdict) else pd.Series(dtype=float)
     d = sig_summary[sig_summary.arm.isin(arms)].copy()
     d["col"] = d.signal + " @ " + d["where"].str.replace("final logits", "logits")
-    floor = d.set_index(["signal", "where"]).index.map(lambda k: fl.get(k, np.nan))
-    d["ratio"] = d["mean"].to_numpy() / np.maximum(np.asarray(floor, float), 1e-12)
-    piv = d.pivot_table(index="arm", columns="col", values="ratio", aggfunc="first")
-    piv = piv.reindex([a for a in arms if a in piv.index])
-    z = np.log10(piv.to_numpy(dtype=float).clip(1e-3, 1e4))
-    fig, ax = plt.subplots(figsize=(2 + 0.45 * piv.shape[1], 1.2 + 0.3 * len(piv)))
-    im = ax.imshow(z, aspect="auto", cmap="RdBu_r", vmin=-2, vmax=2)
-    ax.set_yticks(range(len(piv)), piv.index, fontsize=7)
-    ax.set_xticks(range(piv.shape[1]), piv.columns, rotation=60, ha="right", fontsize=7)
-    fig.colorbar(im, ax=ax, label="log10(mean / highest floor's upper bound)")
+    floor = np.asarray(d.set_index(["signal", "where"]).index.map(lambda k: fl.get(k, np.nan)), float)
+    mean = d["mean"].to_numpy(dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(floor > 0, mean / floor, np.where(mean > 0, np.inf, np.nan))
+    d["ratio"] = np.where(np.isnan(floor), np.nan, ratio)
+    piv = d.pivot_table(index="arm", columns="col", values="ratio", aggfunc="first", dropna=False)
+    return piv.reindex([a for a in arms if a in piv.index])
+
+
+def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[str]):
+    """Arm × (signal, place) heat map of mean / highest floor's upper bound (log10); grey
+    where there is no data (or 0 against a 0 floor), so "nothing to say" never looks like
+    "far below the floor"."""
+    piv = signal_ratios(sig_summary, verdict, arms)
+    z = np.ma.masked_invalid(np.log10(piv.to_numpy(dtype=float).clip(1e-3, 1e4)))
+    cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#cfcfcf")
+    fig, ax = plt.subplots(figsize=(2.5 + 0.42 * piv.shape[1], 1.4 + 0.3 * len(piv)))
+    im = ax.imshow(z, aspect="auto", cmap=cmap, vmin=-2, vmax=2)
+    ax.set_yticks(range(len(piv)), piv.index, fontsize=8)
+    ax.set_xticks(range(piv.shape[1]), piv.columns, rotation=60, ha="right", fontsize=8)
+    ax.set_xlabel("signal @ place (grey: no data, or 0 vs a floor of 0)")
+    fig.colorbar(im, ax=ax, label="log10(arm mean / highest floor's upper 95% bound); > 0: above every floor")
+    fig.tight_layout()
     return fig

@@ -1,9 +1,8 @@
-"""Report directory I/O shared by `fidelity ab` and `fidelity needle`: atomic writes of
-tables (CSV), JSON with a schema version, Markdown and a self-contained HTML page with the
-PNG plots embedded, and the `reports/latest` pointer."""
+"""Report directory I/O shared by every report: atomic writes of tables (CSV), JSON with a
+schema version, the page (`fidelity.report_page`: self-contained HTML with the PNG plots
+embedded, and summary.md in the same order), and the `reports/latest` pointer."""
 from __future__ import annotations
 
-import base64
 import html
 import json
 import os
@@ -12,6 +11,8 @@ import tempfile
 from pathlib import Path
 
 import pandas as pd
+
+from .report_page import CSS, FigureStore, Page, Table, render_html, render_markdown, table_html, table_markdown
 
 SCHEMA_VERSION = 1
 
@@ -43,22 +44,22 @@ class ReportWriter:
         fig.savefig(self.tmp / f"{name}.png", dpi=110, bbox_inches="tight")
         self.figures.append((f"{name}.png", title, caption))
 
+    def page(self, page: Page) -> None:
+        """index.html (self-contained) and summary.md of one `Page`, figures placed where
+        the page says (unplaced ones under "More plots")."""
+        store = FigureStore(self.tmp, self.figures)
+        (self.tmp / "index.html").write_text(render_html(page, store))
+        (self.tmp / "summary.md").write_text(render_markdown(page, store))
+
     def html(self, title: str, intro_md: str, sections: list[tuple[str, str]]) -> None:
-        """Self-contained page: every PNG inlined as base64."""
+        """Self-contained page from pre-rendered HTML sections, plots after them (reports
+        not yet laid out as a `Page`)."""
+        store = FigureStore(self.tmp, self.figures)
         parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
-                 "<style>body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;"
-                 "padding:0 1em;color:#222}table{border-collapse:collapse;font-size:13px}"
-                 "td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}"
-                 "th{background:#f3f3f3}img{max-width:100%}figure{margin:1.5em 0}"
-                 "figcaption{color:#555;font-size:13px}.verdict{font-size:1.15em;padding:.6em;"
-                 "background:#fff6e0;border-left:4px solid #e0a000}</style></head><body>",
-                 f"<h1>{html.escape(title)}</h1>", intro_md]
+                 f"<style>{CSS}</style></head><body>", f"<h1>{html.escape(title)}</h1>", intro_md]
         for head, body in sections:
             parts.append(f"<h2>{html.escape(head)}</h2>{body}")
-        for file, ftitle, cap in self.figures:
-            data = base64.b64encode((self.tmp / file).read_bytes()).decode()
-            parts.append(f"<figure><h3>{html.escape(ftitle)}</h3><img src='data:image/png;base64,{data}'>"
-                         f"<figcaption>{html.escape(cap)}</figcaption></figure>")
+        parts += [store.html(Path(f).stem) for f, _, _ in self.figures]
         parts.append("</body></html>")
         (self.tmp / "index.html").write_text("\n".join(parts))
 
@@ -86,17 +87,14 @@ class ReportWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def df_to_html(df: pd.DataFrame, floatfmt: str = "{:.4g}") -> str:
-    return df.to_html(index=False, border=0, float_format=lambda v: floatfmt.format(v))
+def df_to_html(df: pd.DataFrame) -> str:
+    """A table as the report pages print it (3 significant figures, own scroll box, folded
+    when long)."""
+    return table_html(Table(df))
 
 
-def df_to_markdown(df: pd.DataFrame, floatfmt: str = "{:.4g}") -> str:
-    cols = list(df.columns)
-    lines = ["| " + " | ".join(map(str, cols)) + " |", "|" + "---|" * len(cols)]
-    for _, r in df.iterrows():
-        cells = [floatfmt.format(v) if isinstance(v, float) else str(v) for v in r.tolist()]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+def df_to_markdown(df: pd.DataFrame) -> str:
+    return table_markdown(Table(df, fold=False))
 
 
 def _jsonable(o):

@@ -351,8 +351,6 @@ def _size(n: int) -> str:
 
 def plot_layers(layers: pd.DataFrame, tolerance):
     """Max rel L2 per layer, log scale; identical layers (0) as grey marks on the bottom."""
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
     fig, ax = plt.subplots(figsize=(9, 4.2))

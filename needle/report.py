@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
-from fidelity.report_io import ReportWriter, df_to_html, df_to_markdown
+from fidelity.report_io import ReportWriter
+from fidelity.report_page import Page, Section, Table
+from kernel_toggles import ToggleSet
 
 from .scoring import OUTCOMES
 from .tables import ALPHA, all_tables
@@ -30,9 +34,7 @@ def _slug(s: str) -> str:
 
 
 def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt      # lazy: a report without plots never loads matplotlib
     return plt
 
 
@@ -42,7 +44,9 @@ def _axes(cells):
 
 def _heatmap(plt, Ls, Ds, m, title, cmap, vmin, vmax, marks=None, fmt="{:.2f}"):
     fig, ax = plt.subplots(figsize=(1.1 + 0.85 * len(Ls), 1.0 + 0.55 * len(Ds)))
-    im = ax.imshow(m, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", origin="upper")
+    cmap = plt.get_cmap(cmap).with_extremes(bad="#cfcfcf")   # no scored trial: grey, never a recall
+    im = ax.imshow(np.ma.masked_invalid(np.array(m, dtype=float)), cmap=cmap, vmin=vmin, vmax=vmax,
+                   aspect="auto", origin="upper")
     ax.set_xticks(range(len(Ls)), [str(x) for x in Ls], rotation=45)
     ax.set_yticks(range(len(Ds)), [f"{d:g}%" for d in Ds])
     ax.set_xlabel("context length (tokens)")
@@ -87,13 +91,14 @@ def figures(t: dict, arms: list[str]):
                f"{arms[0]} − {b}", "Paired recall difference per cell (trials both arms scored); "
                f"* = McNemar p < {ALPHA}, per cell, uncorrected.")
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for a in arms:
+    for k, a in enumerate(arms):
         rs = [r for r in t["lengths"] if r["arm"] == a and r["recall"] is not None]
         if rs:
+            style = dict(ls="--", color="k") if k == 0 else {}     # the baseline arm dashed
             ax.errorbar([r["length"] for r in rs], [r["recall"] for r in rs],
                         yerr=[[max(0.0, r["recall"] - r["ci_low"]) for r in rs],
                               [max(0.0, r["ci_high"] - r["recall"]) for r in rs]],
-                        marker="o", capsize=3, label=a)
+                        marker="o", capsize=3, label=a, **style)
     if Ls and max(Ls) >= 4 * min(Ls):
         ax.set_xscale("log", base=2)
     if ax.lines:
@@ -104,7 +109,8 @@ def figures(t: dict, arms: list[str]):
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("recall (95% Wilson)")
     fig.tight_layout()
-    yield fig, "recall_vs_length", "Recall vs context length", "All depths pooled; 95% Wilson intervals."
+    yield fig, "recall_vs_length", "Recall vs context length", (
+        f"All depths pooled; 95% Wilson intervals; {arms[0]} (the baseline) dashed.")
     fig, axes = plt.subplots(1, len(arms), figsize=(3.2 * len(arms) + 1.5, 3.6), squeeze=False)
     for ax, a in zip(axes[0], arms):
         rs = [r for r in t["lengths"] if r["arm"] == a]
@@ -139,25 +145,22 @@ def figures(t: dict, arms: list[str]):
             "indexer's top-k at the question position (needle outside the window).")
 
 
-SECTIONS = [
-    ("Arms", "arms", ["arm", "n", "n_scored", "recall", "ci_low", "ci_high", "correct", "partial",
-                      "wrong", "refused", "other", "empty", "truncated", "server_error",
-                      "exact_length_rate", "residual_max_abs", "latency_median_s", "retried_rows"]),
-    ("Recall by length (all depths)", "lengths", ["arm", "length", "n_scored", "recall", "ci_low",
-                                                   "ci_high", "truncated", "server_error"]),
-    ("Paired comparison (McNemar)", "pairs", ["arm_a", "arm_b", "scope", "length", "depth", "n_pairs",
-                                              "a_only", "b_only", "recall_a", "recall_b", "delta",
-                                              "p_value", "test", "significant"]),
-    ("Mechanism: indexer top-k at the question position", "mechanism",
-     ["arm", "layer", "n", "in_topk_rate", "ci_low", "ci_high", "median_rank", "topk",
-      "in_topk_rate_correct", "in_topk_rate_missed"]),
-    ("Mechanism, paired: indexer picks vs the first arm", "mechanism_pairs",
-     ["arm_a", "arm_b", "layer", "n", "picks_jaccard_mean", "identical_picks", "a_only", "b_only",
-      "p_value", "test"]),
-    ("Cells", "cells", ["arm", "length", "depth", "n", "n_scored", "recall", "ci_low", "ci_high",
-                        "correct", "wrong", "truncated", "server_error"]),
-    ("Server errors", "errors", ["arm", "error", "count"]),
-]
+ARM_COLUMNS = ["arm", "n", "n_scored", "recall", "ci_low", "ci_high", "correct", "partial", "wrong",
+               "refused", "other", "empty", "truncated", "server_error", "exact_length_rate",
+               "residual_max_abs", "latency_median_s", "retried_rows"]
+COLUMNS = {
+    "arms": ARM_COLUMNS,
+    "lengths": ["arm", "length", "n_scored", "recall", "ci_low", "ci_high", "truncated", "server_error"],
+    "pairs": ["arm_a", "arm_b", "scope", "length", "depth", "n_pairs", "a_only", "b_only", "recall_a",
+              "recall_b", "delta", "p_value", "test", "significant"],
+    "mechanism": ["arm", "layer", "n", "in_topk_rate", "ci_low", "ci_high", "median_rank", "topk",
+                  "in_topk_rate_correct", "in_topk_rate_missed"],
+    "mechanism_pairs": ["arm_a", "arm_b", "layer", "n", "picks_jaccard_mean", "identical_picks", "a_only",
+                        "b_only", "p_value", "test"],
+    "cells": ["arm", "length", "depth", "n", "n_scored", "recall", "ci_low", "ci_high", "correct", "wrong",
+              "truncated", "server_error"],
+    "errors": ["arm", "error", "count"],
+}
 
 INTRO = ("Recall counts correct (1) and partial (found fraction) over scored trials; truncated "
          "(finish_reason length) and server errors are reported beside it, never as misses. "
@@ -165,8 +168,127 @@ INTRO = ("Recall counts correct (1) and partial (found fraction) over scored tri
          "prompts, McNemar (exact binomial below 25 discordant pairs).")
 
 
-def _frame(rows: list[dict], cols: list[str]) -> pd.DataFrame:
+def _frame(rows: list[dict], key: str) -> pd.DataFrame:
+    cols = COLUMNS[key]
     return pd.DataFrame(rows, columns=cols) if rows else pd.DataFrame(columns=cols)
+
+
+def _ci(r: dict) -> str:
+    return f"{r['recall']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
+
+
+def verdict(t: dict, arms: list[str]) -> list[str]:
+    """The recall finding in words: each arm's recall, then each arm against the baseline
+    overall and where (by length) the paired test says they differ."""
+    by_arm = {a["arm"]: a for a in t["arms"]}
+    if not arms:
+        return ["No trials."]
+    base = arms[0]
+    out = []
+    b = by_arm[base]
+    if b["recall"] is not None:
+        trend = ", ".join(f"{r['recall']:.2f} at {r['length']}" for r in t["lengths"]
+                          if r["arm"] == base and r["recall"] is not None)
+        out.append(f"`{base}` recall {_ci(b)} over {b['n_scored']} scored trials ({trend}).")
+    for a in arms[1:]:
+        r = by_arm[a]
+        if r["recall"] is None:
+            out.append(f"`{a}`: no scored trials.")
+            continue
+        overall = next((p for p in t["pairs"] if p["arm_b"] == a and p["scope"] == "all"), None)
+        line = f"`{a}` recall {_ci(r)}"
+        if overall and overall["n_pairs"]:
+            disc = overall["a_only"] + overall["b_only"]
+            sig = "significantly different" if overall["significant"] else "no significant difference"
+            line += (f"; {base} − {a} = {overall['delta']:+.2f} over {overall['n_pairs']} paired trials "
+                     f"({disc} discordant, McNemar p = {overall['p_value']:.3g}): {sig}")
+        worse = [p for p in t["pairs"] if p["arm_b"] == a and p["scope"] == "length" and p["significant"]]
+        if worse:
+            line += "; differs at " + ", ".join(f"{p['length']} tokens ({p['delta']:+.2f}, p = {p['p_value']:.2g})"
+                                                for p in worse)
+        out.append(line + ".")
+    lost = [a for a in t["arms"] if a["truncated"] or a["server_error"]]
+    if lost:
+        out.append("Not scored (never counted as misses): " + "; ".join(
+            f"`{a['arm']}` {a['truncated']} truncated, {a['server_error']} server errors" for a in lost) + ".")
+    return out
+
+
+def _informative(pairs: pd.DataFrame) -> pd.Series:
+    """Pairs with something to say: overall / per-length rows, or a cell with a discordant pair."""
+    if pairs.empty:
+        return pd.Series(dtype=bool)
+    return (pairs.scope != "cell") | ((pairs.a_only + pairs.b_only) > 0)
+
+
+def _suspects(pairs: pd.DataFrame) -> pd.DataFrame:
+    """Where the arms disagree most: rows with discordant pairs, smallest p first."""
+    if pairs.empty:
+        return pairs
+    d = pairs[(pairs.a_only + pairs.b_only) > 0]
+    return d.sort_values(["p_value", "scope"]).head(8).reset_index(drop=True)
+
+
+def _same_arm(label: str, toggles: str) -> bool:
+    """Whether an arm label (`engine`, `golden`, ...) names exactly these toggles, so the
+    suggested command can use the short name."""
+    try:
+        return set(ToggleSet.parse(label).names) == set(ToggleSet.parse(toggles).names)
+    except (ValueError, KeyError):
+        return False
+
+
+def _next_steps(meta: dict, t: dict) -> list[str]:
+    arms = meta.get("trials", {}).get("arms") if isinstance(meta.get("trials"), dict) else None
+    specs = []
+    for a in meta.get("arms") or arms or []:
+        if a.get("kind") == "inprocess":
+            spec = a["name"] if _same_arm(a["name"], str(a["arm"])) else str(a["arm"])
+            specs.append(f"--arm {a['name']}={shlex.quote(spec)}")
+        elif a.get("url"):
+            specs.append(f"--endpoint {a['name']}={a['url']}")
+    lengths = sorted({r["length"] for r in t["lengths"]})
+    longer = lengths + [2 * lengths[-1]] if lengths else []
+    cmd = " ".join(["fidelity needle", *specs, "--lengths", ",".join(map(str, longer)),
+                    "--reps", str(2 * int(meta.get("reps") or 1))])
+    return [cmd + "   # more trials per cell and one longer context: power for the difference"]
+
+
+def build_page(t: dict, arms: list[str], meta: dict, figures: list[str]) -> Page:
+    lengths = sorted({r["length"] for r in t["lengths"]})
+    depths = sorted({c["depth"] for c in t["cells"]})
+    n = {a["arm"]: a["n"] for a in t["arms"]}
+    compared = (f"{', '.join(f'`{a}`' for a in arms)} on {max(n.values()) if n else 0} trials each: "
+                f"lengths {', '.join(map(str, lengths))} tokens × depths "
+                f"{', '.join(f'{d:g}' for d in depths)}%"
+                + (f" × {meta['reps']} rep(s)" if meta.get("reps") else "") + ".")
+    pairs = _frame(t["pairs"], "pairs")
+    keep = _informative(pairs)
+    sus = _suspects(pairs)
+    lead = ["recall_vs_length"] + [f for f in figures if f.startswith("delta_")][:1]
+    sections = [
+        Section("Arms", INTRO, [Table(_frame(t["arms"], "arms"), fold=False)], ["outcomes"]),
+        Section("Recall by length (all depths)", "", [Table(_frame(t["lengths"], "lengths"))],
+                [f for f in figures if f.startswith("heatmap_")]),
+        Section("Paired comparison (McNemar)", "Overall and per length, then every cell with a "
+                "discordant pair; cells where both arms agree on every trial are folded below.",
+                [Table(pairs[keep].reset_index(drop=True), fold=False),
+                 Table(pairs[~keep].reset_index(drop=True), fold=True,
+                       summary=f"{int((~keep).sum())} cells with no discordant pair (nothing to test)")],
+                [f for f in figures if f.startswith("delta_")][1:]),
+        Section("Mechanism: indexer top-k at the question position",
+                "Share of trials whose needle entry was in the indexer's top-k, per CSA layer "
+                "(in-process arms only).", [Table(_frame(t["mechanism"], "mechanism"))], ["mechanism"]),
+        Section("Mechanism, paired: indexer picks vs the first arm", "",
+                [Table(_frame(t["mechanism_pairs"], "mechanism_pairs"))]),
+        Section("Cells", "", [Table(_frame(t["cells"], "cells"), fold=True,
+                                     summary=f"{len(t['cells'])} cells (arm × length × depth)")]),
+        Section("Server errors", "", [Table(_frame(t["errors"], "errors"))]),
+    ]
+    return Page("Needle-in-a-haystack recall", compared, verdict(t, arms), lead,
+                Table(sus, caption="Where the arms disagree: rows with discordant trials, smallest p first.",
+                      fold=False) if len(sus) else None,
+                _next_steps(meta, t), sections, meta)
 
 
 def write_report(rows: list[dict], root: str | Path, meta: dict | None = None,
@@ -178,24 +300,17 @@ def write_report(rows: list[dict], root: str | Path, meta: dict | None = None,
     arms = [a["arm"] for a in t["arms"]]
     w = ReportWriter(root, run_id or time.strftime("needle-%Y%m%d-%H%M%S"))
     try:
-        cols = {key: c for _, key, c in SECTIONS}
         for key, tab in t.items():
-            w.table(key, pd.DataFrame(tab) if tab else pd.DataFrame(columns=cols.get(key, [])))
+            w.table(key, pd.DataFrame(tab) if tab else pd.DataFrame(columns=COLUMNS.get(key, [])))
         w.json("summary", {"meta": meta, "tables": t})
+        stems = []
         if with_plots and rows:
             import matplotlib.pyplot as plt
             for fig, stem, title, cap in figures(t, arms):
                 w.figure(fig, stem, title, cap)
+                stems.append(stem)
                 plt.close(fig)
-        md = ["# Needle-in-a-haystack recall", "", INTRO, ""]
-        md += [f"- **{k}**: {v}" for k, v in meta.items() if not isinstance(v, (dict, list))]
-        for title, key, cols in SECTIONS:
-            md += ["", f"## {title}", "", df_to_markdown(_frame(t[key], cols)) if t[key] else "(none)"]
-        md += ["", "## Plots", ""] + [f"![{title}]({f})" for f, title, _ in w.figures] + [""]
-        w.text("summary.md", "\n".join(md))
-        w.html("Needle-in-a-haystack recall", f"<p>{INTRO}</p>",
-               [(title, df_to_html(_frame(t[key], cols)) if t[key] else "<p>none</p>")
-                for title, key, cols in SECTIONS])
+        w.page(build_page(t, arms, meta, stems))
         return w.commit()
     except BaseException:
         w.abort()

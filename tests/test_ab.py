@@ -123,29 +123,39 @@ def test_unknown_arm_is_an_error_listing_valid_names(weights):
 
 
 def test_interrupted_report_leaves_nothing(weights, tmp_path, monkeypatch):
-    import fidelity.ab as ab
+    import fidelity.ab_report as report
 
     def boom(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(ab.plots, "decode_drift", boom)
+    monkeypatch.setattr(report.plots, "decode_drift", boom)
     with pytest.raises(KeyboardInterrupt):
         run_ab(weights, _settings(arms=["lm_head_bf16"], base="lm_head_bf16"), tmp_path, "r",
                progress=lambda m: None)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_notebook_executes_on_a_report(small_report):
+def test_notebook_executes_on_a_report_and_shows_its_plots(small_report):
+    """Executed in a real kernel against a fresh report (B: the committed example), every
+    cell that draws a figure must carry an image/png output: a notebook whose plots go to
+    a non-interactive backend shows a user tables only."""
     nbclient = pytest.importorskip("nbclient")
     import nbformat
     out, _ = small_report
     nb = nbformat.read(ROOT / "notebooks" / "layer_drift.ipynb", as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "outputs must be stripped"
-    os.environ["DSV4_REPORT"] = str(out / "run1")
+    env = {"DSV4_REPORT": str(out / "run1"), "DSV4_REPORT_B": str(ROOT / "reports" / "example")}
+    os.environ.update(env)
     try:
         nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                                 resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
     finally:
-        del os.environ["DSV4_REPORT"]
+        for k in env:
+            del os.environ[k]
+    plotting = [c for c in nb.cells if c.cell_type == "code" and "plt.show()" in c.source]
+    assert len(plotting) >= 5
+    for c in plotting:
+        kinds = {k for o in c.outputs for k in o.get("data", {})}
+        assert "image/png" in kinds, c.source[:80]
 
 
 def test_lockstep_propagated_equals_standalone_and_isolated_feeds_golden(weights):
