@@ -46,8 +46,9 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def servers():
-    with served("golden", *EXPECTED, "chat_sglang_0523") as urls:
-        yield dict(zip(["golden", *EXPECTED, "chat_sglang_0523"], urls))
+    names = ["golden", *EXPECTED, "chat_sglang_0523", "chat_vllm_033"]
+    with served(*names) as urls:
+        yield dict(zip(names, urls))
 
 
 def test_golden_server_renders_every_case_like_the_reference(tmp_path, servers):
@@ -91,6 +92,15 @@ def test_engine_profile_marks_documented_behaviour(tmp_path, servers):
     assert len(absent) >= 3 and (absent.status == "documented").all()
     assert all(not _sglang_thinks(CASES[c]) and _thinking(CASES[c]) for c in absent.case)
     assert "No undocumented difference" in (rep / "summary.md").read_text()
+
+
+def test_vllm_reading_passes_its_own_profile_and_fails_sglangs(tmp_path, servers):
+    rc, df, _ = _run(tmp_path, servers["chat_vllm_033"], "vl-doc", "--engine-profile", "vllm")
+    assert rc == 0 and set(df.status) == {"identical", "documented"}
+    assert (df.behaviour.dropna() == "ok").all()
+    rc, df, rep = _run(tmp_path, servers["chat_vllm_033"], "vl-sg", "--no-behaviour", "--engine-profile", "sglang")
+    n = int((df.status == "differs").sum())
+    assert rc == 1 and n > 0 and f"{n} case(s) differ" in (rep / "summary.md").read_text()
 
 
 def test_engine_profile_still_fails_an_undocumented_rendering(tmp_path, servers):
