@@ -141,11 +141,11 @@ def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[st
     piv = signal_ratios(sig_summary, verdict, arms)
     z = np.ma.masked_invalid(np.log10(piv.to_numpy(dtype=float).clip(1e-3, 1e4)))
     cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#cfcfcf")
-    fig, ax = plt.subplots(figsize=(2.5 + 0.42 * piv.shape[1], 1.4 + 0.3 * len(piv)))
+    fig, ax = plt.subplots(figsize=(2.5 + 0.42 * piv.shape[1], 2.2 + 0.3 * len(piv)))
     im = ax.imshow(z, aspect="auto", cmap=cmap, vmin=-2, vmax=2)
     ax.set_yticks(range(len(piv)), piv.index, fontsize=8)
     ax.set_xticks(range(piv.shape[1]), piv.columns, rotation=60, ha="right", fontsize=8)
     ax.set_xlabel("signal @ place (grey: no data, or 0 vs a floor of 0)")
-    fig.colorbar(im, ax=ax, label="log10(arm mean / highest floor's upper 95% bound); > 0: above every floor")
+    fig.colorbar(im, ax=ax, label="log10(mean / floor)", shrink=min(1.0, 0.3 + 0.07 * len(piv)))
     fig.tight_layout()
     return fig

@@ -99,9 +99,12 @@ class Page:
 
 
 def _inline(text: str) -> str:
-    """Escape, then turn `code` spans into <code>."""
+    """Escape, then the little Markdown the pages use: `code`, **bold**, line breaks."""
     parts = html.escape(text).split("`")
-    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
+    out = "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
+    bold = out.split("**")
+    out = "".join(f"<strong>{p}</strong>" if i % 2 else p for i, p in enumerate(bold)) if len(bold) % 2 else out
+    return out.replace("\n", "<br>")
 
 
 def _ratio_class(r) -> str:

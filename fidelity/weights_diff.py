@@ -27,6 +27,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from fidelity.report_io import ReportWriter
+from fidelity.report_page import Page, Section, Table
+
 CHUNK = 1 << 22          # elements per fp64 comparison step (32 MB per operand)
 _EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 
@@ -411,41 +414,50 @@ def _expert_lines(layers: pd.DataFrame) -> list[str]:
             for r in layers.itertuples() if r.n_changed_experts]
 
 
-def _markdown(res: DiffResult) -> str:
+def _compared(res: DiffResult) -> str:
     m, tot = res.manifest, res.totals
-    tol = m["settings"]["tolerance"]
     sel = ("all layers" if len(m["settings"]["layers"]) == m["config"]["n_layers"]
            else f"layers {_ranges(m['settings']['layers'])}" if m["settings"]["layers"] else "no layers")
     sel += " and the globals" if m["settings"]["globals"] else " (globals not compared)"
-    from fidelity.report_io import df_to_markdown
-    L = ["# dsv4-fidelity weights-diff", "", f"**{res.verdict}.**", "",
-         f"Model config `{m['config_hash']}`; compared {sel}: {tot['tensors']} tensors on their "
-         f"dequantised values (fp64 rel L2 = ‖A−B‖/‖A‖); changed = {_criterion(tol)}. "
-         f"{tot['seconds']:.1f} s.", "",
-         "## Checkpoints", "", df_to_markdown(_inputs_table(res)), "",
-         "## Totals", "",
-         f"- tensors compared: {tot['tensors']}; changed: {tot['changed']}; bit-identical: "
-         f"{tot['identical']}",
-         f"- changed layers: {_ranges(tot['changed_layers']) or 'none'}; changed globals: "
-         f"{tot['globals_changed'] if tot['globals_compared'] else 'not compared'}",
-         f"- changed routed experts: {tot['changed_experts']}",
-         f"- on-disk bytes of the compared tensors: A {tot['bytes_a']} ({_size(tot['bytes_a'])}), "
-         f"B {tot['bytes_b']} ({_size(tot['bytes_b'])})", "",
-         "## Changed routed experts per layer", ""]
-    L += _expert_lines(res.layers) or ["None."]
-    L += ["", "## Layers", "", df_to_markdown(res.layers), "",
-          "## Tensor families", "", df_to_markdown(res.families), "",
-          "## Largest changes", ""]
-    top = _top_changed(res.tensors)
-    L += [df_to_markdown(top) if len(top) else "None.", "",
-          "Every tensor: `tensors.csv.gz`; per family / layer / expert: `families.csv`, "
-          "`layers.csv`, `experts.csv`; plot and tables: `index.html`.", ""]
-    return "\n".join(L)
+    return (f"A `{m['a']['path']}` ({m['a']['layout']}) vs B `{m['b']['path']}` ({m['b']['layout']}), "
+            f"model config `{m['config_hash']}`: {sel}, {tot['tensors']} tensors on their dequantised "
+            f"values (fp64 rel L2 = ‖A−B‖/‖A‖); changed = {_criterion(m['settings']['tolerance'])}. "
+            f"{tot['seconds']:.1f} s.")
+
+
+def _totals(res: DiffResult) -> str:
+    tot = res.totals
+    return "\n".join([
+        f"- tensors compared: {tot['tensors']}; changed: {tot['changed']}; bit-identical: {tot['identical']}",
+        f"- changed layers: {_ranges(tot['changed_layers']) or 'none'}; changed globals: "
+        f"{tot['globals_changed'] if tot['globals_compared'] else 'not compared'}",
+        f"- changed routed experts: {tot['changed_experts']}",
+        f"- on-disk bytes of the compared tensors: A {tot['bytes_a']} ({_size(tot['bytes_a'])}), "
+        f"B {tot['bytes_b']} ({_size(tot['bytes_b'])})"])
+
+
+def build_page(res: DiffResult) -> Page:
+    top = _top_changed(res.tensors) if res.totals["changed"] else pd.DataFrame()
+    sections = [
+        Section("Checkpoints", "", [Table(_inputs_table(res), fold=False)]),
+        Section("Totals", _totals(res)),
+        Section("Changed routed experts per layer", "\n".join(_expert_lines(res.layers)) or "None."),
+        Section("Layers", "", [Table(res.layers, summary=f"{len(res.layers)} layers")]),
+        Section("Tensor families", "", [Table(res.families)]),
+    ]
+    nxt = []
+    if res.totals["changed"]:
+        m = res.manifest
+        nxt = [f"fidelity ab --weights a={m['a']['path']} --weights b={m['b']['path']}   "
+               "# what the changed weights do to drift, KLD and the verdict's signals"]
+    return Page("dsv4-fidelity weights-diff", _compared(res), [res.verdict + "."], ["max_rel_l2_per_layer"],
+                Table(top, caption="Largest changes (every tensor: tensors.csv.gz).", fold=False)
+                if len(top) else None, nxt, sections,
+                {k: v for k, v in res.manifest.items() if k != "config"})
 
 
 def write_report(res: DiffResult, out_dir="reports", run_id: str | None = None) -> Path:
     """<out_dir>/weights-diff/<run_id>/ (+ a `latest` link there)."""
-    from fidelity.report_io import ReportWriter, df_to_html
     run_id = run_id or time.strftime("weights-diff-%Y%m%d-%H%M%S")
     w = ReportWriter(Path(out_dir) / "weights-diff", run_id)
     try:
@@ -461,15 +473,7 @@ def write_report(res: DiffResult, out_dir="reports", run_id: str | None = None) 
                      "Largest ‖A−B‖/‖A‖ (fp64, dequantised values) over each layer's tensors, log "
                      "scale; grey crosses on the axis: layers whose tensors are all identical "
                      "(rel L2 0).")
-        w.text("summary.md", _markdown(res))
-        exp = _expert_lines(res.layers)
-        w.html("dsv4-fidelity weights-diff", f"<p class='verdict'>{res.verdict}.</p>",
-               [("Checkpoints", df_to_html(_inputs_table(res))),
-                ("Changed routed experts", "<pre>" + ("\n".join(exp) or "none") + "</pre>"),
-                ("Layers", df_to_html(res.layers)),
-                ("Tensor families", df_to_html(res.families)),
-                ("Largest changes", df_to_html(_top_changed(res.tensors)) if res.totals["changed"]
-                 else "<p>none</p>")])
+        w.page(build_page(res))
         import matplotlib.pyplot as plt
         plt.close("all")
         return w.commit()

@@ -138,6 +138,7 @@ def test_three_arms_kld_and_needle_name_the_bug(tmp_path):
     assert named["routed_scaling_double"]["method"] == "leave_one_out"
     summary = (root / "summary.md").read_text()
     assert "needle recall" in summary and (root / "needle" / "needle-report" / "index.html").exists()
+    assert (root / "index.html").read_text().count("data:image/png;base64,") == 2    # both lead plots
     assert (root / "logs" / "engine.log").exists() and (root / "launch.sh").stat().st_mode & 0o100
     # start-up logged sparsely and in words; every arm stopped by our SIGTERM
     _check_sparse(p.stderr)

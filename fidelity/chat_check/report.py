@@ -1,11 +1,16 @@
-"""The chat-check report: Markdown + HTML like the other reports, cases.csv, and the run's
+"""The chat-check report on the common page layout (verdict, a thinking × effort status
+grid, the failing cases first), cases.csv, and the run's
 manifest (endpoint, the engine's own view, generation, engine profile, how prompt ids were
 obtained). `failed` = any undocumented difference, error or behaviour problem."""
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pandas as pd
 
-from fidelity.report_io import ReportWriter, df_to_html, df_to_markdown
+from fidelity.report_io import ReportWriter
+from fidelity.report_page import Page, Section, Table
 
 FAIL = ("differs", "error")
 COLUMNS = ["case", "status", "reference_state", "engine_state", "became", "behaviour", "detail"]
@@ -27,6 +32,58 @@ def headline(df, wrong) -> str:
     return "; ".join(parts)
 
 
+# worst first: what colours a cell of the status grid
+SEVERITY = ["error", "differs", "undefined", "same-count", "documented", "identical"]
+SEVERITY_COLORS = {"error": "#7f7f7f", "differs": "#d62728", "undefined": "#c5b0d5", "same-count": "#ffdd71",
+                   "documented": "#9ecae1", "identical": "#2ca02c"}
+
+
+def _axis(case: str, key: str) -> str:
+    m = re.search(rf"{key}=([^-]+)", case)
+    return m.group(1) if m else "absent"
+
+
+def status_grid(df: pd.DataFrame):
+    """Thinking setting × reasoning effort: each cell coloured by its worst case status, with
+    how many cases it holds; behaviour problems marked '!'. Where an engine reads a request
+    parameter differently, a whole row or column changes colour."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    d = df.assign(think=[_axis(c, "think") for c in df.case], effort=[_axis(c, "effort") for c in df.case])
+    thinks, efforts = sorted(d.think.unique()), sorted(d.effort.unique())
+    z = np.full((len(thinks), len(efforts)), np.nan)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.0 * len(efforts), 1.2 + 0.6 * len(thinks)))
+    for (t, e), g in d.groupby(["think", "effort"]):
+        i, j = thinks.index(t), efforts.index(e)
+        z[i, j] = min(SEVERITY.index(x) if x in SEVERITY else 0 for x in g.status)
+        failing = int(g.status.isin(FAIL).sum())
+        bad = int((g.behaviour.notna() & (g.behaviour != "ok")).sum())
+        ax.text(j, i, f"{failing}/{len(g)}" + ("!" if bad else ""), ha="center", va="center", fontsize=9,
+                fontweight="bold" if bad else "normal")
+    cmap = ListedColormap([SEVERITY_COLORS[x] for x in SEVERITY]).with_extremes(bad="#f0f0f0")
+    ax.imshow(np.ma.masked_invalid(z), cmap=cmap, vmin=-0.5, vmax=len(SEVERITY) - 0.5, aspect="auto")
+    ax.set_xticks(range(len(efforts)), efforts)
+    ax.set_yticks(range(len(thinks)), thinks)
+    ax.set_xlabel("reasoning_effort in the request")
+    ax.set_ylabel("thinking in the request")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=SEVERITY_COLORS[x]) for x in SEVERITY]
+    ax.legend(handles, SEVERITY, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def _next_steps(meta: dict, failed: bool) -> list[str]:
+    url = meta["endpoint"]["url"]
+    if not meta.get("engine_profile"):
+        return [f"fidelity chat-check --endpoint {url} --engine-profile sglang   # or vllm: judge "
+                "documented readings as documented"]
+    if failed:
+        other = "original" if meta.get("generation") == "0731" else "0731"
+        return [f"fidelity chat-check --endpoint {url} --engine-profile {meta['engine_profile']} "
+                f"--generation {other}   # if the checkpoint is the {other} generation (its effort tiers)"]
+    return []
+
+
 def write(rows: list[dict], meta: dict, out_dir, run_id: str):
     df = pd.DataFrame(rows)
     for c in COLUMNS:
@@ -35,7 +92,7 @@ def write(rows: list[dict], meta: dict, out_dir, run_id: str):
     wrong = df.behaviour.notna() & (df.behaviour != "ok")
     failed = bool(df.status.isin(FAIL).any() or wrong.any())
     counts = df.status.value_counts().rename_axis("status").reset_index(name="cases")
-    bad = df[df.status.isin(FAIL) | wrong][COLUMNS]
+    bad = df[df.status.isin(FAIL) | wrong][COLUMNS].reset_index(drop=True)
     verdict = headline(df, wrong) if failed else "Every case renders as DeepSeek's encoder does"
     if not failed and (df.status == "documented").any():
         verdict = (f"No undocumented difference: {int((df.status == 'identical').sum())} case(s) render as "
@@ -48,19 +105,26 @@ def write(rows: list[dict], meta: dict, out_dir, run_id: str):
         w.table("cases", df)
         w.json("manifest", {"meta": meta, "verdict": verdict, "failed": failed,
                             "counts": dict(zip(counts.status, counts.cases.astype(int)))})
-        md = ["# dsv4-fidelity chat-check", "", f"**{verdict}.**", "",
-              f"Endpoint `{meta['endpoint']['url']}` (model `{meta['endpoint']['model']}`); reference: "
-              f"deepseek-recipe, generation `{meta['generation']}`; engine profile "
-              f"`{meta['engine_profile'] or 'none'}`; prompt ids via `{meta['method']}`, raw text tokenized "
-              f"by `{meta['raw_tokenizer']}`.", "", "## Cases by status", "", df_to_markdown(counts), "",
-              "## Differences, errors and behaviour problems", "",
-              df_to_markdown(bad) if len(bad) else "None.", "",
-              "All cases: `cases.csv`.", ""]
-        w.text("summary.md", "\n".join(md))
-        w.html("dsv4-fidelity chat-check", f"<p class='verdict'>{verdict}.</p>",
-               [("Cases by status", df_to_html(counts)),
-                ("Differences, errors and behaviour problems", df_to_html(bad) if len(bad) else "<p>none</p>"),
-                ("All cases", df_to_html(df[COLUMNS]))])
+        import matplotlib.pyplot as plt
+        w.figure(status_grid(df), "status_grid", "Cases by thinking × effort",
+                 "Each cell: the worst status among its cases (colour), failing cases (differs or "
+                 "refused) of all; '!' = a response that does not behave as its rendering says.")
+        plt.close("all")
+        compared = (f"Endpoint `{meta['endpoint']['url']}` (model `{meta['endpoint']['model']}`) against "
+                    f"DeepSeek's encoder (deepseek-recipe, generation `{meta['generation']}`) on {len(df)} chat "
+                    f"requests; engine profile `{meta['engine_profile'] or 'none'}`; prompt ids via "
+                    f"`{meta['method']}`, raw text tokenized by `{meta['raw_tokenizer']}`.")
+        page = Page("dsv4-fidelity chat-check", compared, [verdict + "."], ["status_grid"],
+                    Table(bad.head(8), fold=False, caption=f"Undocumented differences, refusals and behaviour "
+                          f"problems: {min(8, len(bad))} of {len(bad)} (all below and in cases.csv).")
+                    if len(bad) else None,
+                    _next_steps(meta, failed),
+                    [Section("Cases by status", "", [Table(counts, fold=False)]),
+                     Section("Differences, errors and behaviour problems", "",
+                             [Table(bad, summary=f"{len(bad)} cases")]),
+                     Section("All cases", "", [Table(df[COLUMNS], summary=f"{len(df)} cases")])],
+                    meta)
+        w.page(page)
         return w.commit(), failed
     except BaseException:
         w.abort()

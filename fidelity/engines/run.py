@@ -9,11 +9,14 @@ import json
 import time
 from pathlib import Path
 
+import pandas as pd
+
 from fidelity.kld.endpoint import Endpoint
 from fidelity.kld.run import (TOKENIZER_PROBE, ArmEntry, KldSettings, check_identity, check_tokenizers,
                               compare_all, http_signals, judge, score_arm)
 from fidelity.kld.store import ScoreStore
 from fidelity.progress import Progress
+from fidelity.report_page import FigureStore, Page, Section, Table, render_html, render_markdown
 
 from .launch import EngineProcess, LaunchPlan, ReadinessLog, describe_exit, plan_arm
 from .spec import Spec, SpecError
@@ -215,33 +218,45 @@ def report(spec: Spec, root: Path, run_id: str, state: State, prompts, s: KldSet
                                      with_plots=True)
         from needle.tables import by_arm
         out["recall"] = by_arm(rows)
-    (root / "summary.md").write_text(_summary(spec, state, out))
+    write_summary(root, _page(spec, state, out), out)
     return out
 
 
-def _summary(spec: Spec, state: State, out: dict) -> str:
-    lines = [f"# fidelity engines: {spec.path.name}", ""]
-    if "verdict" in out:
-        lines += [f"**Verdict.** {out['verdict']['sentence']}", ""]
-    lines += ["| arm | engine | role | toggles | env | flags | ready s | tasks done |", "|---|---|---|---|---|---|---:|---|"]
-    for a in spec.arms:
-        st = state.arm(a.name)
-        lines.append(f"| {a.name} | {a.engine} | {a.role} | {a.toggles if a.toggles is not None else '-'} | "
-                     f"{' '.join(f'{k}={v}' for k, v in a.env.items()) or '-'} | {' '.join(a.flags) or '-'} | "
-                     f"{st.get('ready_s', float('nan')):.1f} | {', '.join(st['done']) or '-'} |")
-    lines += [""]
-    if out.get("recall"):
-        lines += ["| arm | needle recall | 95% CI | scored trials | truncated | server errors |",
-                  "|---|---:|---|---:|---:|---:|"]
-        for r in out["recall"]:
-            rec = "-" if r["recall"] is None else f"{r['recall']:.3f}"
-            ci = "-" if r["recall"] is None else f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
-            lines.append(f"| {r['arm']} | {rec} | {ci} | {r['n_scored']} | {r['truncated']} | "
-                         f"{r['server_error']} |")
-        lines.append("")
+def _page(spec: Spec, state: State, out: dict) -> Page:
+    """The run's first page: the KLD verdict and each arm's needle recall, the two
+    sub-reports' lead plots, the arms as launched, and where everything else is."""
+    verdict = [out["verdict"]["sentence"]] if "verdict" in out else []
+    for r in out.get("recall") or []:
+        verdict.append(f"`{r['arm']}` needle recall " + ("– (no scored trial)" if r["recall"] is None else
+                       f"{r['recall']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] over {r['n_scored']} "
+                       f"scored trials ({r['truncated']} truncated, {r['server_error']} server errors)"))
+    arms = pd.DataFrame([{"arm": a.name, "engine": a.engine, "role": a.role,
+                          "toggles": a.toggles if a.toggles is not None else "-",
+                          "env": " ".join(f"{k}={v}" for k, v in a.env.items()) or "-",
+                          "flags": " ".join(a.flags) or "-", "ready_s": state.arm(a.name).get("ready_s"),
+                          "tasks_done": ", ".join(state.arm(a.name)["done"]) or "-"} for a in spec.arms])
+    where = [f"{k} report: `{Path(out[k]).relative_to(out['root'])}/index.html`" for k in ("kld", "needle")
+             if k in out]
+    where.append("Launch commands: `launch.sh`; engine logs: `logs/`; state: `state.json`.")
+    compared = (f"Spec `{spec.path.name}`: " + ", ".join(f"`{a.name}` ({a.engine})" for a in spec.arms)
+                + f"; tasks {', '.join(spec.tasks)}.")
+    return Page(f"fidelity engines: {spec.path.name}", compared, verdict or ["No task finished."],
+                ["signals", "recall_vs_length"], None, [],
+                [Section("Arms as launched", "", [Table(arms, fold=False)]), Section("Reports", "\n".join(where))])
+
+
+def write_summary(root: Path, page: Page, out: dict) -> None:
+    """index.html and summary.md at the run's root (beside its state and logs), the lead
+    plots taken from the KLD and needle reports; each file written whole, then renamed."""
+    figs = []
     if "kld" in out:
-        lines.append(f"KLD report: `{out['kld']}`")
+        figs.append((f"{Path(out['kld']).relative_to(root)}/signals.png", "KLD: signals vs their floors",
+                     "Each arm's mean of each signal over the highest floor (red: above every floor)."))
     if "needle" in out:
-        lines.append(f"Needle report: `{out['needle']}`")
-    lines.append("Launch commands: `launch.sh`; engine logs: `logs/`; state: `state.json`.")
-    return "\n".join(lines) + "\n"
+        figs.append((f"{Path(out['needle']).relative_to(root)}/recall_vs_length.png", "Needle recall vs context length",
+                     "95% Wilson intervals; the baseline arm dashed."))
+    store = FigureStore(root, [f for f in figs if (root / f[0]).exists()])
+    for name, text in (("index.html", render_html(page, store)), ("summary.md", render_markdown(page, store))):
+        tmp = root / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(root / name)

@@ -10,7 +10,11 @@ import pandas as pd
 
 from fidelity import ab_plots as plots
 from fidelity.attribution import bootstrap_mean_ci
-from fidelity.report_io import ReportWriter, df_to_html, df_to_markdown
+from fidelity.ab_report import suspects
+from fidelity.report_io import ReportWriter
+from fidelity.report_page import Page, Section, Table
+
+from .health import incomplete
 
 from .run import KldSettings
 
@@ -118,17 +122,8 @@ def write(out_dir, run_id: str, tables: dict, judged: dict, manifest: dict, arms
         if len(judged["summary"]):
             w.figure(plots.signal_board(judged["summary"], judged["attribution"], arms), "signals",
                      "Signals vs their floors", "Each arm's mean of each signal over the highest "
-                     "floor's upper 95% bound (log scale); > 1 (red) is above every floor.")
-        named = pd.DataFrame(judged["verdict"].get("named", []))
-        allk = kt[kt.bucket == "all"]
-        w.text("summary.md", _markdown(manifest, judged, allk, lt, named, tables.get("coverage")))
-        w.html("dsv4-fidelity KLD report", f"<p class='verdict'>{judged['verdict']['sentence']}</p>",
-               [("KLD vs baseline (all positions)", df_to_html(allk)),
-                ("By context position", df_to_html(kt[kt.bucket != "all"])),
-                ("Decode ladder", df_to_html(lt)),
-                ("Named by the verdict", df_to_html(named) if len(named) else "<p>none</p>"),
-                ("Floors per signal", df_to_html(judged["floors"])),
-                ("Arms", df_to_html(pd.DataFrame(manifest["arms"])))])
+                     "floor's upper 95% bound (log scale): red above every floor, grey no data.")
+        w.page(build_page(manifest, judged, kt, lt, tables.get("coverage")))
         import matplotlib.pyplot as plt
         plt.close("all")
         return w.commit()
@@ -137,38 +132,76 @@ def write(out_dir, run_id: str, tables: dict, judged: dict, manifest: dict, arms
         raise
 
 
-def _health(m, cov) -> list[str]:
-    """Retries and capture coverage: what the numbers above were computed from."""
-    from .health import incomplete
-    out = ["## Requests retried", ""]
-    rt = m.get("retries") or {}
-    out += ([f"- `{a}`: {v['total']} (" + ", ".join(f"{r} {n}" for r, n in v["routes"].items()) + ")"
-             for a, v in rt.items()] or ["None."]) + [""]
+def _incomplete_lines(cov) -> list[str]:
+    """Capture signals computed on fewer prompts than the run has: said in the verdict,
+    never left for the reader to notice in a table."""
     if cov is None or not len(cov):
-        return out
-    out += ["## Capture coverage", "",
-            "Prompts each capture signal was computed on (baseline and arm both captured)."]
-    bad = incomplete(cov)
-    for _, r in bad.iterrows():
-        out.append(f"- **Incomplete:** `{r.arm}` {r.captures} ({r.signals}) on {r.prompts} of "
-                   f"{r['of']} prompts" + (f": {r.missing_because}" if r.missing_because else ""))
-    out += ["", df_to_markdown(cov.drop(columns=["missing_because"])), ""]
+        return []
+    return [f"**Incomplete:** `{r.arm}` {r.captures} ({r.signals}) on {r.prompts} of {r['of']} prompts"
+            + (f": {r.missing_because}" if r.missing_because else "") for _, r in incomplete(cov).iterrows()]
+
+
+def _retry_lines(m) -> list[str]:
+    return [f"- `{a}`: {v['total']} (" + ", ".join(f"{r} {n}" for r, n in v["routes"].items()) + ")"
+            for a, v in (m.get("retries") or {}).items()]
+
+
+def _arm_flag(a: dict) -> str:
+    return f"--endpoint {a['name']}={a['url']}" if a.get("url") else f"--inprocess {a['name']}={a.get('arm', a['name'])}"
+
+
+def _next_steps(m: dict, sus: pd.DataFrame) -> list[str]:
+    s = m["settings"]
+    arms = {a["name"]: a for a in m["arms"]}
+    base = arms.get(m["baseline"])
+    if base is None:
+        return []
+    out = []
+    others = [a for n, a in arms.items() if n != m["baseline"] and a.get("role", "arm") != "floor"]
+    if not s.get("exact") and others:
+        flags = " ".join(_arm_flag(a) for a in [base] + others)
+        out.append(f"fidelity kld {flags} --exact   # exact KL instead of a top-{s['k']} lower bound")
+    named = sus[sus.named] if len(sus) else sus
+    for _, r in named.head(2).iterrows():
+        a = arms.get(r.toggle)
+        if a is not None and a.get("url"):
+            out.append(f"fidelity needle --endpoint {m['baseline']}={base.get('url', '')} "
+                       f"--endpoint {a['name']}={a['url']}   # does {a['name']} cost recall?"
+                       if base.get("url") else
+                       f"fidelity needle --arm golden=golden --endpoint {a['name']}={a['url']}"
+                       f"   # does {a['name']} cost recall?")
     return out
 
 
-def _markdown(m, judged, allk, lt, named, cov=None) -> str:
+def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov) -> Page:
     s = m["settings"]
-    lines = ["# dsv4-fidelity KLD report", "", f"**Verdict.** {judged['verdict']['sentence']}", "",
-             f"Baseline `{m['baseline']}`; {len(m['prompts'])} prompts; top-{s['k']} per position"
-             f"{' + the baseline’s own top ids (exact mode)' if s['exact'] else ''}; "
-             f"{s['steps']}-step greedy decode ladder. KL values are lower bounds "
-             "(research §1.4); `uncovered` is the baseline mass outside the ids both sides "
-             "reported (0 = exact).", "", "## KLD vs baseline", "", df_to_markdown(allk), "",
-             "## Decode ladder", "", df_to_markdown(lt), "", "## Named by the verdict", "",
-             df_to_markdown(named) if len(named) else "None.", "",
-             "## Floors per signal", "", df_to_markdown(judged["floors"]) if len(judged["floors"])
-             else "No floor arm.", "", *_health(m, cov),
-             "## Arms", "", df_to_markdown(pd.DataFrame(m["arms"])), "",
-             "Tables: `kld_by_position.csv`, `positions.csv.gz`, `ladder.csv`, `captures.csv`, "
-             "`signal_attribution.csv`; plots in `index.html`.", ""]
-    return "\n".join(lines)
+    others = [a["name"] for a in m["arms"] if a["name"] != m["baseline"]]
+    compared = (f"Baseline `{m['baseline']}` vs {', '.join(f'`{a}`' for a in others)} on "
+                f"{len(m['prompts'])} prompts: top-{s['k']} logprobs per position"
+                f"{' + the baseline’s own top ids (exact mode)' if s['exact'] else ''}, "
+                f"{s['steps']}-step greedy decode ladder. KL values are lower bounds; `uncovered` is the "
+                "baseline mass outside the ids both sides reported (0 = exact).")
+    sus = suspects(judged["attribution"])
+    named = pd.DataFrame(judged["verdict"].get("named", []))
+    allk = kt[kt.bucket == "all"].reset_index(drop=True)
+    sections = [
+        Section("KLD vs baseline (all positions)", "llama.cpp's statistics over prefill positions; the "
+                "mean's interval is a bootstrap over prompts.", [Table(allk, fold=False)], ["decode_ladder"]),
+        Section("By context position", "", [Table(kt[kt.bucket != "all"].reset_index(drop=True),
+                                                  summary="per arm and position bucket")]),
+        Section("Decode ladder", "", [Table(lt)]),
+        Section("Named by the verdict", "", [Table(named)]),
+        Section("Floors per signal", "Upper 95% bound of the highest floor, per signal and place.",
+                [Table(judged["floors"])]),
+    ]
+    retries = _retry_lines(m)
+    sections.append(Section("Requests retried", "\n".join(retries) if retries else "None."))
+    if cov is not None and len(cov):
+        sections.append(Section("Capture coverage", "Prompts each capture signal was computed on "
+                                "(baseline and arm both captured).",
+                                [Table(cov.drop(columns=["missing_because"]).reset_index(drop=True))]))
+    sections.append(Section("Arms", "", [Table(pd.DataFrame(m["arms"]))]))
+    lead = ["signals", "kld_vs_position"] if len(judged["summary"]) else ["kld_vs_position"]
+    return Page("dsv4-fidelity KLD report", compared, [judged["verdict"]["sentence"], *_incomplete_lines(cov)],
+                lead, Table(sus, ratio=sus[["x_floor"]], fold=False) if len(sus) else None,
+                _next_steps(m, sus), sections, m)
