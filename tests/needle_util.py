@@ -23,7 +23,7 @@ def fidelity_cmd(*args) -> list[str]:
     return [sys.executable, "-m", "fidelity.cli", *args]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900.0) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:

@@ -17,7 +17,9 @@ from needle.sweep import SweepConfig, run_sweep
 from needle.tables import by_arm
 from reference_model.tokenizer import load_tokenizer
 
-FAST = dict(timeout=0.5, connect_timeout=0.5, backoff=0.01, backoff_max=0.05)
+# Attempts may wait long: only the "timeout" fault should ever time out, however busy the
+# machine is (a healthy stub answer can take seconds on a loaded 2-core box).
+FAST = dict(timeout=6.0, connect_timeout=6.0, backoff=0.01, backoff_max=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ def _one(stub, tok, retries, api="chat"):
 @pytest.mark.parametrize("api", ["chat", "completions"])
 def test_every_fault_is_retried_then_succeeds(tok, api):
     faults = ["500", "malformed", "drop", "timeout", "429"]
-    with StubServer(faults=faults, hang=2, tokenizer=tok, wrong_every=0) as s:
+    with StubServer(faults=faults, hang=9, tokenizer=tok, wrong_every=0) as s:
         res, p = _one(s, tok, retries=5, api=api)
         assert s.requests == 6
     assert res["error"] is None and res["attempts"] == 6
