@@ -1,7 +1,7 @@
 """The `fidelity ab` report as a person reads it: what was compared, the verdict, the
 signals board and drift vs layer, the suspects (each toggle's strongest signal against
 its floor) and the command that would confirm it; then the evidence tables, each beside
-its plot, and the manifest folded at the end (fidelity.report_page)."""
+its plot, and the manifest folded at the end (infra.report_page)."""
 from __future__ import annotations
 
 import shlex
@@ -13,8 +13,8 @@ import torch
 
 from . import ab_plots as plots
 from . import signals as S
-from .report_io import ReportWriter
-from .report_page import Page, Section, Table
+from infra.report_page import Page, Section, Table
+from infra.report_writer import ReportWriter
 
 # summary-table column -> (verdict signal, how the column relates to it)
 SUMMARY_SIGNALS = {"kld_mean": ("kld_mean", 1), "kld_p99": ("kld_p99", 1), "answer_kld": ("answer_kld", 1),

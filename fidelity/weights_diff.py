@@ -27,8 +27,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from fidelity.report_io import ReportWriter
-from fidelity.report_page import Page, Section, Table
+from infra.report_page import Page, Section, Table
+from infra.report_writer import ReportWriter
 
 CHUNK = 1 << 22          # elements per fp64 comparison step (32 MB per operand)
 _EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")

@@ -1,7 +1,7 @@
-"""The needle report, in the same format as `fidelity ab` (fidelity.report_io.ReportWriter):
-tables as CSV, summary.json with schema_version, summary.md, a self-contained index.html
-with the PNGs embedded, written to a temporary directory and renamed into place, with a
-`latest` link beside it.
+"""The needle report, in the layout every report shares (infra.report_page, written by
+infra.report_writer): tables as CSV, summary.json with schema_version, summary.md and a
+self-contained index.html with the PNGs embedded, written to a temporary directory and
+renamed into place, with a `latest` link beside it.
 
 Plots (matplotlib, Agg): depth x length recall heatmap per arm (NIAH/RULER style), A-B
 delta heatmap per arm pair with McNemar-significant cells marked, recall vs length with
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fidelity.report_io import ReportWriter
-from fidelity.report_page import Page, Section, Table
+from infra.report_page import Page, Section, Table
+from infra.report_writer import ReportWriter
 from kernel_toggles import ToggleSet
 
 from .scoring import OUTCOMES

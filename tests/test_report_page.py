@@ -1,4 +1,4 @@
-"""The report page layout (fidelity.report_page): numbers at 3 significant figures, long
+"""The report page layout (infra.report_page): numbers at 3 significant figures, long
 tables folded, cells coloured by their ratio to a floor, the finding and its plots before
 the evidence, the manifest last; and, where Debian's chromium is installed, the committed
 example reports rendered in a real browser at 1400 px: no page wider than the viewport,
@@ -20,8 +20,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from fidelity.report_io import ReportWriter  # noqa: E402
-from fidelity.report_page import FOLD_ROWS, Page, Section, Table, fmt, table_html  # noqa: E402
+from infra.report_page import FOLD_ROWS, Page, Section, Table, fmt, table_html  # noqa: E402
+from infra.report_writer import ReportWriter  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

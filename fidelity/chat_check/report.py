@@ -9,8 +9,8 @@ import re
 import numpy as np
 import pandas as pd
 
-from fidelity.report_io import ReportWriter
-from fidelity.report_page import Page, Section, Table
+from infra.report_page import Page, Section, Table
+from infra.report_writer import ReportWriter
 
 FAIL = ("differs", "error")
 COLUMNS = ["case", "status", "reference_state", "engine_state", "became", "behaviour", "detail"]

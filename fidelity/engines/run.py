@@ -16,7 +16,7 @@ from fidelity.kld.run import (TOKENIZER_PROBE, ArmEntry, KldSettings, check_iden
                               compare_all, http_signals, judge, score_arm)
 from fidelity.kld.store import ScoreStore
 from fidelity.progress import Progress
-from fidelity.report_page import FigureStore, Page, Section, Table, render_html, render_markdown
+from infra.report_page import FigureStore, Page, Section, Table, render_html, render_markdown
 
 from .launch import EngineProcess, LaunchPlan, ReadinessLog, describe_exit, plan_arm
 from .spec import Spec, SpecError

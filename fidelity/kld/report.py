@@ -11,8 +11,8 @@ import pandas as pd
 from fidelity import ab_plots as plots
 from fidelity.attribution import bootstrap_mean_ci
 from fidelity.ab_report import suspects
-from fidelity.report_io import ReportWriter
-from fidelity.report_page import Page, Section, Table
+from infra.report_page import Page, Section, Table
+from infra.report_writer import ReportWriter
 
 from .health import incomplete
 

@@ -1,5 +1,5 @@
 """Report directory I/O shared by every report: atomic writes of tables (CSV), JSON with a
-schema version, the page (`fidelity.report_page`: self-contained HTML with the PNG plots
+schema version, the page (`infra.report_page`: self-contained HTML with the PNG plots
 embedded, and summary.md in the same order), and the `reports/latest` pointer."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .report_page import CSS, FigureStore, Page, Table, render_html, render_markdown, table_html, table_markdown
+from infra.report_page import CSS, FigureStore, Page, Table, render_html, render_markdown, table_html, table_markdown
 
 SCHEMA_VERSION = 1
 
