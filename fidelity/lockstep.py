@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from needle.haystack import needle_entries
 from reference_model import Model, Numerics, Taps
 
 from . import metrics as M
@@ -70,13 +71,6 @@ class LockstepResult:
         for name in ("drift", "kld", "events", "pairs", "pair_kld", "needle"):
             getattr(self, name).extend(getattr(other, name))
         self.kept.update(other.kept)
-
-
-def needle_entries(needle_tokens, pos: int, ratio: int = 4) -> list[int]:
-    """Compressed entries (ratio 4, overlapping) holding a needle token and visible to the
-    query at `pos`: entry j pools tokens 4j..4j+3 and, in half its channels, 4j-4..4j-1."""
-    own = {t // ratio for t in needle_tokens}
-    return sorted(j for j in own | {j + 1 for j in own} if j < (pos + 1) // ratio)
 
 
 def position_buckets(n: int, window: int) -> list[tuple[str, int, int]]:

@@ -262,6 +262,13 @@ def value_token_positions(offsets, value_spans) -> list[int]:
     return [j for j, (a, b) in enumerate(offsets) if any(a < e and b > s for s, e in value_spans)]
 
 
+def needle_entries(needle_tokens, pos: int, ratio: int = 4) -> list[int]:
+    """Compressed entries (ratio 4, overlapping) holding a needle token and visible to the
+    query at `pos`: entry j pools tokens 4j..4j+3 and, in half its channels, 4j-4..4j-1."""
+    own = {t // ratio for t in needle_tokens}
+    return sorted(j for j in own | {j + 1 for j in own} if j < (pos + 1) // ratio)
+
+
 def largest_fit(f, target: int, hint: dict) -> int:
     """Largest w with f(w) <= target, for f non-decreasing. Each f is a /tokenize request
     over HTTP, so the search guesses from a line (`hint`: tokens per word and the count

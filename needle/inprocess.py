@@ -21,11 +21,10 @@ import time
 import torch
 
 from fidelity.arms import as_arm
-from fidelity.lockstep import needle_entries
 from reference_model import Model, Taps
 from reference_model.generate import generate
 
-from .haystack import LocalCounter, Prompt, value_token_positions
+from .haystack import LocalCounter, Prompt, needle_entries, value_token_positions
 
 _COMPUTE = threading.Lock()          # one model computation at a time on this machine
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fidelity.lockstep import needle_entries
+from needle.haystack import needle_entries
 
 from .bounds import compare
 from .dialects import ArmScores
