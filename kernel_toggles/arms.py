@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from . import profiles
 from . import registry as R
 from .registry import ToggleError
 
@@ -277,6 +278,12 @@ def golden() -> ToggleSet:
     return ToggleSet()
 
 
+def reference_closest(engine: str, version: str | None = None) -> ToggleSet:
+    """The arm closest to the reference an engine can be configured to run
+    (kernel_toggles.profiles.closest_items)."""
+    return ToggleSet(profiles.closest_items(engine, version).items())
+
+
 def optimizations() -> list[str]:
     return [t.name for t in R.all_toggles("optimization")]
 
@@ -285,8 +292,7 @@ def engine(name: str | None = None) -> ToggleSet:
     """All optimizations (the first of each exclusive group, in canonical order), or with
     `name` the toggles engine_profiles.json marks as that engine's default behaviour."""
     if name is not None:
-        from . import profiles
-        return profiles.default_arm(name)
+        return ToggleSet(profiles.default_items(name).items())
     taken: set[str] = set()
     out = []
     opts = R.all_toggles("optimization")

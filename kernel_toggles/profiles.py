@@ -100,9 +100,9 @@ def _check_engine(engine: str):
         raise ToggleError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
 
 
-def default_arm(engine: str):
-    """The arm reproducing the engine's default numerics (entries with default: true)."""
-    from .arms import ToggleSet
+def default_items(engine: str) -> dict:
+    """{toggle: params} of the arm reproducing the engine's default numerics (entries with
+    default: true), subsumed toggles left out (kernel_toggles.arms.engine makes the arm)."""
     _check_engine(engine)
     items = {}
     for name, per in load()["toggles"].items():
@@ -110,7 +110,7 @@ def default_arm(engine: str):
         if e["default"] is True:
             items[name] = e["params"]
     subsumed = R.subsumed_by(items)
-    return ToggleSet((n, p) for n, p in items.items() if n not in subsumed)
+    return {n: p for n, p in items.items() if n not in subsumed}
 
 
 @dataclass
@@ -172,15 +172,15 @@ def fixed_on(arm, engine: str, version: str | None = None):
     return arm.with_(*add) if add else arm
 
 
-def reference_closest(engine: str, version: str | None = None):
-    """The arm an engine runs when every toggle with a known reference setting is set to
-    it: its default arm minus the toggles some setting turns off (research
-    engine-divergences.md §7). What remains is what no known setting can change."""
-    from .arms import ToggleSet
+def closest_items(engine: str, version: str | None = None) -> dict:
+    """{toggle: params} of the arm an engine runs when every toggle with a known reference
+    setting is set to it: its default arm minus the toggles some setting turns off
+    (research engine-divergences.md §7). What remains is what no known setting can change
+    (kernel_toggles.arms.reference_closest makes the arm)."""
     items = {}
     for name in load()["toggles"]:
         e = entry(name, engine, version)
         if e["default"] is True and e["off"] is None:
             items[name] = e["params"]
     subsumed = R.subsumed_by(items)
-    return ToggleSet((n, p) for n, p in items.items() if n not in subsumed)
+    return {n: p for n, p in items.items() if n not in subsumed}

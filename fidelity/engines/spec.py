@@ -157,11 +157,11 @@ def _toggles(text, where):
 
 def _closest(e: EngineSpec, where: str):
     """toggles = "closest": the engine with every known reference setting applied."""
-    from kernel_toggles import profiles
+    from kernel_toggles.arms import reference_closest
     if e.kind not in ("sglang", "vllm"):
         raise SpecError(f"{where}: \"closest\" needs an sglang or vllm engine")
     try:
-        return profiles.reference_closest(e.kind, e.version)
+        return reference_closest(e.kind, e.version)
     except ValueError as ex:
         raise SpecError(f"{where}: {ex}") from None
 
