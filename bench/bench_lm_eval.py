@@ -36,7 +36,7 @@ def make_task(n: int = 20, seed: int = 26) -> None:
     """n single-needle prompts (completion format, 240-544 tokens, depths 0-100 %, the
     answer prefix ending in ':' as the model writes it): the needle's 7-digit value and
     three other 7-digit numbers as choices."""
-    from fidelity.target import load_target
+    from fidelity.weights.target import load_target
     from needle.haystack import HaystackSpec, LocalCounter, PromptFormat, build_prompt
 
     tok = load_target(None).tokenizer
@@ -78,7 +78,7 @@ def continuation_logprob(model, tok, context: str, continuation: str) -> tuple[f
 def truth(arm: str, items: list[dict]) -> dict:
     """Per item: every choice's loglikelihood, the pick, and the greedy generation."""
     from fidelity.arms import parse_arm
-    from fidelity.target import load_target
+    from fidelity.weights.target import load_target
     from reference_model import Model
     from reference_model.generate import Decoder, Sampling
 

@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fidelity.plan_memory import GiB, per_sequence_line, plan_memory, render  # noqa: E402
+from fidelity.weights.plan import GiB, per_sequence_line, plan_memory, render  # noqa: E402
 from reference_model.config import flash  # noqa: E402
 
 SETUPS = [("8 x 96 GB", [f"cuda:{i}" for i in range(8)], "96GB"),
@@ -29,7 +29,7 @@ def main() -> int:
     L = ["# Memory plans for DeepSeek-V4-Flash", "",
          "`python bench/bench_plan_memory.py` = `fidelity plan-memory --preset flash --prompts "
          f"{PROMPTS} --arms {ARMS} --weights {WEIGHTS}` per setup, computed from the config "
-         "(fidelity/plan_memory.py; nothing loaded or measured). Profile reference (state in "
+         "(fidelity/weights/plan.py; nothing loaded or measured). Profile reference (state in "
          "fp64 except the fp32 indexer keys, bf16 streams), prefill logits of every position, "
          "placement balanced by weight bytes. GiB = 2^30 bytes; 96 GB = 89.41 GiB, "
          "141 GB = 131.32 GiB. " + " ".join(per_sequence_line(by_len[n]) for n in LENGTHS),

@@ -70,7 +70,7 @@ def test_decoder_steps_equal_generate(target_model):
 
 @pytest.fixture(scope="module")
 def target_model():
-    from fidelity.target import load_target
+    from fidelity.weights.target import load_target
     from reference_model import Model, Numerics
     t = load_target(None)
     return Model(t.weights, Numerics("reference")), t.tokenizer.encode("The river keeps talking.")

@@ -11,7 +11,7 @@ from fidelity.arms import parse_arm
 from fidelity.cli import main
 from fidelity.metrics import kld_per_position
 from fidelity.prompt_sets import grid_prompts
-from fidelity.target import load_target
+from fidelity.weights.target import load_target
 from reference_model import Model
 
 from needle_util import served

@@ -10,7 +10,7 @@ import pytest
 
 from fidelity import signals as S
 from fidelity.ab import ABSettings, FLOOR, FLOOR_ORDER, FLOOR_TIES, run_ab
-from fidelity.weights_source import load_tokenizer_for, load_weights
+from fidelity.weights.source import load_tokenizer_for, load_weights
 from kernel_toggles import toggle
 from kernel_toggles.plugins import load_plugins
 from reference_model.numerics import topk_highest_index_ties

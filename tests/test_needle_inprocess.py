@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fidelity.arms import parse_arm
-from fidelity.target import load_target
+from fidelity.weights.target import load_target
 from needle.haystack import HaystackSpec, PromptFormat, build_prompt
 from needle.inprocess import InProcessRunner
 from needle.report import write_report

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fidelity import plan_memory as PM
+from fidelity.weights import plan as PM
 from reference_model import Model, Numerics, random_weights, tiny
 from reference_model.checkpoint_format import expected_entries
 from reference_model.checkpoint_write import hf_config_dict

@@ -7,7 +7,7 @@ import pytest
 
 from fidelity.cli import main
 from fidelity.prompt_sets import PromptFileError, file_prompts, grid_prompts
-from fidelity.target import load_target
+from fidelity.weights.target import load_target
 
 T = load_target(None)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fidelity.arms import parse_arm
-from fidelity.target import load_target
+from fidelity.weights.target import load_target
 from reference_model import Model
 from reference_model.taps import Taps
 

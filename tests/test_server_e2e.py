@@ -22,7 +22,7 @@ def test_two_servers_one_sweep_one_report(tmp_path):
     assert "report:" in p.stdout
     header, rows = read_rows(tmp_path / "needle" / "results.jsonl")
     assert [a["name"] for a in header["arms"]] == ["golden", "engine"]
-    from fidelity.target import load_target
+    from fidelity.weights.target import load_target
     assert header["trials"]["count_source"] == f"server-tokenize:{load_target(None).name}"
     assert len(rows) == 8 and {r["arm"] for r in rows} == {"golden", "engine"}
     for r in rows:

@@ -8,7 +8,7 @@ import torch
 
 from needle.haystack import HaystackSpec, PromptFormat, build_prompt
 from needle.http import HttpRunner, TokenizeCounter
-from fidelity.target import load_target
+from fidelity.weights.target import load_target
 from reference_model import Model, Numerics
 from reference_model.tokenizer import load_tokenizer, render_chat
 

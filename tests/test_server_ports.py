@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from fidelity.target import load_target
+from fidelity.weights.target import load_target
 from reference_model.tokenizer import BOS, EOS
 
 from needle_util import ROOT, fidelity_cmd, free_port, served, wait_healthy

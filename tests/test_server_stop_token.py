@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fidelity.arms import parse_arm
-from fidelity.target import load_target
+from fidelity.weights.target import load_target
 from reference_model import Model
 from reference_model.generate import Decoder, Sampling, Scoring
 from reference_model.tokenizer import EOS, render_chat

@@ -15,7 +15,7 @@ from reference_model.checkpoint import save_checkpoint
 from reference_model.checkpoint_format import is_routed_expert
 from reference_model.weights import InMemoryWeights, random_weights
 
-from fidelity.weights_source import EMBEDDED
+from fidelity.weights.source import EMBEDDED
 from reference_model.checkpoint import load_checkpoint
 
 W = load_checkpoint(EMBEDDED)            # the trained tiny model: floors well below the plant

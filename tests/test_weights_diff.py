@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fidelity.cli import main
-from fidelity.weights_diff import compare_tensors, family
+from fidelity.weights.diff import compare_tensors, family
 from reference_model import tiny
 from reference_model.checkpoint import save_checkpoint, scan_checkpoint
 from reference_model.specs import all_specs

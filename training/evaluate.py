@@ -17,7 +17,7 @@ SWEEP_SEED = 0
 
 
 def load_target(checkpoint):
-    from fidelity.target import Target
+    from fidelity.weights.target import Target
     from reference_model.checkpoint import load_checkpoint
     from reference_model.tokenizer import load_tokenizer
     root = Path(checkpoint)

@@ -55,7 +55,7 @@ def add_arguments(p):
 
 def run(args) -> int:
     from fidelity.ab import ABSettings, run_ab
-    from fidelity.weights_source import load_tokenizer_for, load_weights
+    from fidelity.weights.source import load_tokenizer_for, load_weights
 
     from fidelity.devices import DeviceError, from_args
     try:
@@ -86,7 +86,7 @@ def run(args) -> int:
         print("error: give one of --long, --lengths, --prompts", file=sys.stderr)
         return 2
     lengths = LONG_LENGTHS if args.long else (args.lengths or ABSettings.lengths)
-    from fidelity.sizes import parse_bytes
+    from fidelity.weights.sizes import parse_bytes
     try:
         budget = parse_bytes(args.activation_budget) if args.activation_budget else None
     except (DeviceError, ValueError) as e:

@@ -144,7 +144,7 @@ def run(args) -> int:
     from fidelity.kld.run import KldSettings, run_kld
     from fidelity.kld.endpoint import EndpointError
     from fidelity.prompt_sets import PromptFileError, file_prompts, grid_prompts
-    from fidelity.target import load_target
+    from fidelity.weights.target import load_target
 
     from fidelity.progress import Progress
     progress = Progress(args.quiet)

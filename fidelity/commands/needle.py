@@ -99,7 +99,7 @@ def _runners(args):
             place = from_args(args)
         except DeviceError as e:
             raise SystemExit(f"error: {e}")
-        from fidelity.target import load_target
+        from fidelity.weights.target import load_target
         from needle.inprocess import InProcessRunner
         target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
                              place.model_devices)

@@ -1,6 +1,6 @@
 """`fidelity plan-memory`: will a lockstep run fit on these devices? Bytes per device for
 weights, dequantisation buffers, per-sequence state, residual streams, logits and workspace,
-from the config alone (fidelity/plan_memory.py has the formulas). Exit 0 if it fits, 1 if
+from the config alone (fidelity/weights/plan.py has the formulas). Exit 0 if it fits, 1 if
 not (with what would fit), 2 on bad input."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ HELP = ("Plan memory per device for a run (weights, dequant buffers, KV/compress
 
 
 def add_arguments(p):
-    from fidelity.plan_memory import (DEQUANT_MODES, LOGITS_MODES, PROFILES,
+    from fidelity.weights.plan import (DEQUANT_MODES, LOGITS_MODES, PROFILES,
                                       WEIGHT_MODES)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR",
@@ -64,7 +64,7 @@ def load_config(args):
 
 
 def run(args) -> int:
-    from fidelity.plan_memory import PlanError, plan_memory, render
+    from fidelity.weights.plan import PlanError, plan_memory, render
     from reference_model.config import ConfigError
     try:
         cfg = load_config(args)

@@ -58,7 +58,7 @@ def _log_to_stderr(level: str) -> None:
 def run(args) -> int:
     from fidelity.arms import ArmError, arm_from_env, parse_arm
     from fidelity.serve import Engine, create_app, parse_arm_options
-    from fidelity.target import load_target
+    from fidelity.weights.target import load_target
 
     from fidelity.devices import DeviceError, from_args
     try:

@@ -1,5 +1,5 @@
 """`fidelity weights-diff A B`: do two checkpoints of one architecture hold the same
-weights? The static half of "is it the checkpoint or the engine?" (fidelity/weights_diff.py)."""
+weights? The static half of "is it the checkpoint or the engine?" (fidelity/weights/diff.py)."""
 from __future__ import annotations
 
 import sys
@@ -27,7 +27,7 @@ def add_arguments(p):
 
 def run(args) -> int:
     from fidelity.progress import Progress
-    from fidelity.weights_diff import WeightsDiffError, diff_checkpoints, summary_text, write_report
+    from fidelity.weights.diff import WeightsDiffError, diff_checkpoints, summary_text, write_report
     try:
         res = diff_checkpoints(args.a, args.b, layers=args.layers, tolerance=args.tolerance,
                                progress=Progress(args.quiet))

@@ -118,7 +118,7 @@ class State:
 
 
 def run_engines(spec: Spec, run_id: str, progress: Progress, fresh: bool = False) -> dict:
-    from fidelity.target import load_target
+    from fidelity.weights.target import load_target
     root = Path(spec.out) / "engines" / run_id
     if fresh and root.exists():
         import shutil

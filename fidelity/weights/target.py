@@ -1,6 +1,6 @@
 """What the in-process needle runner and `fidelity serve` run: weights plus tokenizer.
 
-The embedded default is whatever `fidelity.weights_source.load_weights(None)` gives (the
+The embedded default is whatever `fidelity.weights.source.load_weights(None)` gives (the
 same model `fidelity ab` uses: the trained tiny model in models/tiny-needle with its
 tokenizer, or seeded random tiny weights when that folder is absent, where needle recall
 is ~0 by construction). A checkpoint directory is
@@ -30,13 +30,13 @@ def load_target(checkpoint: str | Path | None = None, tokenizer: str | Path | No
     from reference_model.tokenizer import load_tokenizer
 
     if checkpoint is None:
-        from fidelity.weights_source import load_weights
+        from fidelity.weights.source import load_weights
         weights, label = load_weights(None)
         name = label.split(":", 1)[-1].split("(")[0]
         desc = f"embedded default {label}"
         if name == "tiny-random":
             desc += " (untrained: needle recall near 0 is expected)"
-        from fidelity.weights_source import EMBEDDED
+        from fidelity.weights.source import EMBEDDED
         if tokenizer is None and (EMBEDDED / "tokenizer.json").is_file():
             tokenizer = EMBEDDED / "tokenizer.json"
         tok = load_tokenizer(tokenizer)
@@ -44,7 +44,7 @@ def load_target(checkpoint: str | Path | None = None, tokenizer: str | Path | No
         root = Path(checkpoint)
         if not root.exists():
             raise SystemExit(f"error: checkpoint not found: {root}")
-        from fidelity.weights_source import load_weights
+        from fidelity.weights.source import load_weights
         weights, label = load_weights(str(root), mode=weights_mode, devices=devices)
         name, desc = root.name, f"checkpoint {label}"
         if tokenizer is None and (root / "tokenizer.json").is_file():

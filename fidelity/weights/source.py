@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-EMBEDDED = Path(__file__).resolve().parents[1] / "models" / "tiny-needle"
+EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tiny-needle"
 
 
 WEIGHT_MODES = ("streamed", "resident-quantised", "dense")

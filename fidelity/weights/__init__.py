@@ -1,0 +1,11 @@
+"""Weights as the commands see them, from the config and the checkpoint files:
+
+  source   which weights a command runs on (a checkpoint streamed / resident-quantised /
+           dense, or the embedded default) and its tokenizer
+  target   weights + tokenizer for generation (`fidelity serve`, the needle runners, kld)
+  plan     memory plan of a lockstep run per device, from the config alone (`plan-memory`)
+  diff     two checkpoints compared tensor by tensor on dequantised values (`weights-diff`)
+  sizes    byte sizes as people write them (96GB, 141GiB)
+
+Everything here raises typed errors (ValueError subclasses) on bad input; the commands
+turn them into fidelity.errors.CommandError."""
