@@ -1,12 +1,16 @@
 """`fidelity` command line. Each subcommand lives in fidelity/commands/<name>.py and
 defines HELP, add_arguments(parser) and run(args) -> exit code. DESCRIPTION is what
-`fidelity --help` says (the docstring is for readers of the code)."""
+`fidelity --help` says (the docstring is for readers of the code). A command raises
+fidelity.errors.CommandError for a usage error; `main` prints "error: <message>" and
+exits 2."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
 import sys
+
+from fidelity.errors import CommandError
 
 DESCRIPTION = ("DeepSeek-V4 fidelity toolkit: a golden reference forward beside engine numerics, "
                "with drift, next-token KLD, needle recall and attribution to the toggle that "
@@ -74,7 +78,7 @@ def _set_threads(n: int | None) -> None:
     spinning OpenMP threads were measured 20x slower (bench/results)."""
     if n is None and "OMP_NUM_THREADS" in os.environ:
         return
-    import torch
+    import torch                          # lazy: start-up cost, not needed for --help
     from fidelity.devices import default_threads
     torch.set_num_threads(n or default_threads())
 
@@ -83,17 +87,24 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MPLBACKEND", "Agg")   # reports are written to files, never shown
     args = build_parser().parse_args(argv)
     _set_threads(args.threads)
-    from kernel_toggles.plugins import PluginError, load_plugins
     try:
-        load_plugins(args.plugin)
-    except PluginError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
+        _load_plugins(args.plugin)
         return int(args._run(args) or 0)
+    except CommandError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _load_plugins(specs: list[str]) -> None:
+    # lazy: kernel_toggles imports torch, which `fidelity --help` should not wait for
+    from kernel_toggles.plugins import PluginError, load_plugins
+    try:
+        load_plugins(specs)
+    except PluginError as e:
+        raise CommandError(str(e)) from None
 
 
 if __name__ == "__main__":

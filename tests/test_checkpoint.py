@@ -404,6 +404,7 @@ def test_inspect_prints_config_schedule_and_dtype_table(flash_sparse, monkeypatc
 def test_inspect_exit_codes(tiny_ckpt, tmp_path, capsys):
     import argparse
     import shutil
+    from fidelity import cli
     from fidelity.commands import inspect as I
     ap = argparse.ArgumentParser()
     I.add_arguments(ap)
@@ -414,7 +415,7 @@ def test_inspect_exit_codes(tiny_ckpt, tmp_path, capsys):
     assert I.run(ap.parse_args([str(bad)])) == 1
     out = capsys.readouterr().out
     assert "INVALID" in out and "unexpected tensor: layers.4.attn.wq_a.weight" in out
-    assert I.run(ap.parse_args([str(tmp_path / "missing")])) == 2
+    assert cli.main(["inspect", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 

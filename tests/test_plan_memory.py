@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from fidelity.cli import main
 from fidelity.weights import plan as PM
 from reference_model import Model, Numerics, random_weights, tiny
 from reference_model.checkpoint_format import expected_entries
@@ -18,11 +19,7 @@ BIG = 10 ** 15           # a budget nothing exceeds
 
 
 def _cli(argv):
-    from fidelity.commands import plan_memory as C
-    import argparse
-    ap = argparse.ArgumentParser()
-    C.add_arguments(ap)
-    return C.run(ap.parse_args(argv))
+    return main(["plan-memory", *argv])
 
 
 # ---- weights ---------------------------------------------------------------------------------
@@ -284,7 +281,7 @@ def test_inspect_config_only_tiny_all_tensors_and_bad_config(tmp_path, capsys):
     for name, e in expected_entries(tiny()).items():
         assert f"| {name} | {e.dtype} | {list(e.shape)} | 1 | {e.nbytes} |" in out
     (tmp_path / "config.json").write_text("{}")
-    assert I.run(ap.parse_args([str(tmp_path)])) == 2
+    assert main(["inspect", str(tmp_path)]) == 2
     assert "is invalid" in capsys.readouterr().err
 
 

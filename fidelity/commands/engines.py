@@ -1,8 +1,12 @@
 """`fidelity engines plan|run SPEC.toml`: real engine configurations as arms."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
+
+from fidelity.errors import CommandError
+
+# Lazy imports inside the functions: building the parser imports every command module,
+# and only the command that runs should pay for its machinery (pandas, plots, readers).
 
 HELP = ("Launch SGLang / vLLM / fidelity-serve configurations from a spec, one at a time, "
         "score them over HTTP (KLD, needle) and attribute drift across them.")
@@ -48,8 +52,7 @@ def run(args) -> int:
             return 0
         out = run_engines(spec, run_id, Progress(args.quiet), args.fresh)
     except (SpecError, LaunchError, EndpointError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     if "verdict" in out:
         print(out["verdict"]["sentence"])
     print(f"report: {out['root'] / 'summary.md'}")

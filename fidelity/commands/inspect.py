@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
+from fidelity.errors import CommandError
+from reference_model.checkpoint import CheckpointError, scan_checkpoint
 from reference_model.checkpoint_format import INDEX_NAME, expected_entries
+from reference_model.checkpoint_read import _quant_problems
+from reference_model.config import ConfigError, ModelConfig
 
 HELP = "show a checkpoint's config, layer schedule and tensor table (headers only)"
 
@@ -121,8 +124,6 @@ def config_summary(root: Path, all_tensors: bool = False) -> dict:
     """What a checkpoint for this folder's config holds: schedule with tensors and bytes per
     layer, entries by dtype, and the entry table (folded over layers and experts: one row
     per name pattern, dtype and shape, with its count)."""
-    from reference_model.checkpoint_read import _quant_problems
-    from reference_model.config import ConfigError, ModelConfig
     cfg_file = _config_file(root)
     try:
         raw = json.loads(cfg_file.read_text())
@@ -189,21 +190,17 @@ def render_config_only(s: dict) -> str:
 
 
 def run(args) -> int:
-    from reference_model.checkpoint import CheckpointError, scan_checkpoint
-    from reference_model.config import ConfigError
     if is_config_only(args.checkpoint):
         try:
             s = config_summary(Path(args.checkpoint), args.all_tensors)
         except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            raise CommandError(str(e)) from None
         print(json.dumps(s, indent=2) if args.json else render_config_only(s))
         return 1 if s["problems"] else 0
     try:
         info = scan_checkpoint(args.checkpoint, strict=False)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     s = summary(info)
     print(json.dumps(s, indent=2) if args.json else render(s))
     return 1 if info.problems else 0

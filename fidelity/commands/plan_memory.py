@@ -5,8 +5,12 @@ not (with what would fit), 2 on bad input."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
+
+from fidelity.errors import CommandError
+
+# Lazy imports inside the functions: building the parser imports every command module,
+# and only the command that runs should pay for its machinery (pandas, plots, readers).
 
 HELP = ("Plan memory per device for a run (weights, dequant buffers, KV/compressor/indexer "
         "state, residual streams, logits) from the config alone; exit 0 fits, 1 does not, 2 bad input")
@@ -72,7 +76,6 @@ def run(args) -> int:
         plan = plan_memory(cfg, args.devices, args.length, args.prompts, args.arms, args.weights,
                            mem, profile=args.profile, dequant=args.dequant, logits=args.logits)
     except (PlanError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))
     return 0 if plan.fits else 1

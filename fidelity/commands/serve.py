@@ -2,7 +2,13 @@
 OpenAI's, vLLM's and SGLang's HTTP APIs."""
 from __future__ import annotations
 
+import logging
 import sys
+
+from fidelity.errors import CommandError
+
+# Lazy imports inside the functions: building the parser imports every command module,
+# and only the command that runs should pay for its machinery (the reference model, uvicorn).
 
 HELP = ("Serve the reference model under one or more arms over OpenAI-, vLLM- and "
         "SGLang-compatible HTTP APIs.")
@@ -46,7 +52,6 @@ def add_arguments(p):
 
 def _log_to_stderr(level: str) -> None:
     """The server's own warnings (ignored request fields) on stderr, beside uvicorn's."""
-    import logging
     log = logging.getLogger("fidelity.serve")
     h = logging.StreamHandler(sys.stderr)
     h.setFormatter(logging.Formatter("%(levelname)s:  %(message)s"))
@@ -58,9 +63,8 @@ def _log_to_stderr(level: str) -> None:
 def run(args) -> int:
     from fidelity.arms import ArmError, arm_from_env, parse_arm
     from fidelity.serve import Engine, create_app, parse_arm_options
-    from fidelity.weights.target import load_target
-
     from fidelity.devices import DeviceError, from_args
+    from fidelity.weights.target import load_target
     try:
         place = from_args(args)
         if args.arm:
@@ -68,12 +72,9 @@ def run(args) -> int:
         else:
             arms = [(None, arm_from_env())]
     except (ArmError, DeviceError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     if args.max_queue < 1 or args.max_logprobs < -1 or args.time_slice < 0:
-        print("error: --max-queue must be >= 1, --max-logprobs >= -1, --time-slice >= 0",
-              file=sys.stderr)
-        return 2
+        raise CommandError("--max-queue must be >= 1, --max-logprobs >= -1, --time-slice >= 0")
     import uvicorn
 
     target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
@@ -82,8 +83,7 @@ def run(args) -> int:
         engine = Engine(target, arms, args.model_name, args.max_queue, args.max_logprobs,
                         args.time_slice, args.generation, place, args.default_arm)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: binding {args.host}: the server has no authentication", file=sys.stderr)
     served = ", ".join(f"{s.id} = arm {s.arm.name}" for s in engine.arms.values())

@@ -1,7 +1,10 @@
 """`fidelity toggles`: the kernel-toggle registry, arms and engine settings."""
 from __future__ import annotations
 
-import sys
+from fidelity.errors import CommandError
+
+# Lazy imports inside the functions: building the parser imports every command module,
+# and only the command that runs should pay for its machinery (pandas, plots, readers).
 
 HELP = "List the engine-numerics toggles (or check an arm, or show engine settings)."
 
@@ -75,5 +78,4 @@ def run(args) -> int:
             print(K.render_text(toggles))
         return 0
     except K.ToggleError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None

@@ -2,7 +2,10 @@
 weights? The static half of "is it the checkpoint or the engine?" (fidelity/weights/diff.py)."""
 from __future__ import annotations
 
-import sys
+from fidelity.errors import CommandError
+
+# Lazy imports inside the functions: building the parser imports every command module,
+# and only the command that runs should pay for its machinery (pandas, plots, readers).
 
 HELP = ("compare two checkpoints' dequantised weights tensor by tensor (any layouts: FP8/FP4, "
         "NVFP4 experts, dense bf16), streamed layer by layer; report per tensor, family, layer "
@@ -32,8 +35,7 @@ def run(args) -> int:
         res = diff_checkpoints(args.a, args.b, layers=args.layers, tolerance=args.tolerance,
                                progress=Progress(args.quiet))
     except WeightsDiffError as e:
-        print("error: " + "\n  ".join(e.problems), file=sys.stderr)
-        return 2
+        raise CommandError("\n  ".join(e.problems)) from None
     path = write_report(res, args.out, args.run_id)
     print(summary_text(res, path))
     return 1 if res.totals["changed"] else 0

@@ -5,35 +5,42 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fidelity.errors import CommandError
+from reference_model import random_weights, tiny
+from reference_model.checkpoint import StreamingWeights, load_checkpoint
+from reference_model.resident import QuantisedResidentWeights
+from reference_model.tokenizer import load_tokenizer
+
 EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tiny-needle"
 
-
 WEIGHT_MODES = ("streamed", "resident-quantised", "dense")
+
+
+class WeightsError(CommandError, ValueError):
+    """Weights the user named that cannot be loaded: a missing checkpoint, an unknown
+    weights mode, a tokenizer larger than the model's vocabulary. Always a usage error, so
+    it is a CommandError (the CLI prints it and exits 2) and a ValueError (for the
+    commands and callers that catch bad input as ValueError)."""
 
 
 def load_weights(checkpoint: str | None, device: str = "cpu", mode: str = "streamed", devices=None):
     """Returns (WeightSource, label for the manifest). A checkpoint is `streamed` (one
     dequantised layer resident; each pass re-reads it), `resident-quantised` (the
     checkpoint's own tensors resident on `devices`, dequantised on use) or `dense` (all
-    dequantised in memory)."""
+    dequantised in memory). Raises WeightsError."""
     if checkpoint:
         path = Path(checkpoint)
         if not path.exists():
-            raise SystemExit(f"error: checkpoint not found: {path}")
+            raise WeightsError(f"checkpoint not found: {path}")
         if mode not in WEIGHT_MODES:
-            raise SystemExit(f"error: weights mode must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
+            raise WeightsError(f"weights mode must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
         if mode == "resident-quantised":
-            from reference_model.resident import QuantisedResidentWeights
             return QuantisedResidentWeights(path, device=device, devices=devices), f"{path} (resident-quantised)"
         if mode == "dense":
-            from reference_model.checkpoint import load_checkpoint
             return load_checkpoint(path, device=device), f"{path} (dense)"
-        from reference_model.checkpoint import StreamingWeights
         return StreamingWeights(path, device=device), str(path)
     if (EMBEDDED / "config.json").is_file():
-        from reference_model.checkpoint import load_checkpoint
         return load_checkpoint(EMBEDDED, device=device), "embedded:tiny-needle"
-    from reference_model import random_weights, tiny
     return random_weights(tiny(), 0), "embedded:tiny-random(seed=0)"
 
 
@@ -42,6 +49,5 @@ def load_tokenizer_for(checkpoint: str | None):
     that has none (prompts are then random token ids)."""
     root = Path(checkpoint) if checkpoint else EMBEDDED
     if (root / "tokenizer.json").is_file():
-        from reference_model.tokenizer import load_tokenizer
         return load_tokenizer(root / "tokenizer.json")
     return None

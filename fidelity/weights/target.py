@@ -12,6 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from reference_model.tokenizer import load_tokenizer
+
+from .source import EMBEDDED, WeightsError, load_weights
+
 
 @dataclass
 class Target:
@@ -27,30 +31,25 @@ class Target:
 
 def load_target(checkpoint: str | Path | None = None, tokenizer: str | Path | None = None,
                 weights_mode: str = "dense", devices=None) -> Target:
-    from reference_model.tokenizer import load_tokenizer
-
+    """Raises WeightsError for a missing checkpoint, a bad weights mode or a tokenizer
+    with more tokens than the model's vocabulary."""
     if checkpoint is None:
-        from fidelity.weights.source import load_weights
         weights, label = load_weights(None)
         name = label.split(":", 1)[-1].split("(")[0]
         desc = f"embedded default {label}"
         if name == "tiny-random":
             desc += " (untrained: needle recall near 0 is expected)"
-        from fidelity.weights.source import EMBEDDED
-        if tokenizer is None and (EMBEDDED / "tokenizer.json").is_file():
-            tokenizer = EMBEDDED / "tokenizer.json"
-        tok = load_tokenizer(tokenizer)
+        root = EMBEDDED
     else:
         root = Path(checkpoint)
         if not root.exists():
-            raise SystemExit(f"error: checkpoint not found: {root}")
-        from fidelity.weights.source import load_weights
+            raise WeightsError(f"checkpoint not found: {root}")
         weights, label = load_weights(str(root), mode=weights_mode, devices=devices)
         name, desc = root.name, f"checkpoint {label}"
-        if tokenizer is None and (root / "tokenizer.json").is_file():
-            tokenizer = root / "tokenizer.json"
-        tok = load_tokenizer(tokenizer)
+    if tokenizer is None and (root / "tokenizer.json").is_file():
+        tokenizer = root / "tokenizer.json"
+    tok = load_tokenizer(tokenizer)
     if tok.vocab_size > weights.cfg.vocab_size:
-        raise SystemExit(f"error: tokenizer {tok.name} has {tok.vocab_size} tokens but the model's "
-                         f"vocab_size is {weights.cfg.vocab_size}; pass --tokenizer")
+        raise WeightsError(f"tokenizer {tok.name} has {tok.vocab_size} tokens but the model's "
+                           f"vocab_size is {weights.cfg.vocab_size}; pass --tokenizer")
     return Target(name, weights, tok, desc)
