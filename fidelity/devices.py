@@ -6,6 +6,7 @@ an existing engine's parallelism, not this."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ FAST_FP64 = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
 
 
 class DeviceError(ValueError):
-    pass
+    """A device list, or an accumulation dtype, that cannot be used."""
 
 
 @dataclass(frozen=True)
@@ -33,29 +34,42 @@ class Placement:
         return {"devices": list(self.devices), "accumulate": str(self.compute_dtype).replace("torch.", "")}
 
 
-def parse_devices(text: str | None) -> tuple[str, ...]:
-    """'cpu', 'cuda', 'cuda:0,cuda:1', ...: each one must exist on this machine."""
-    items = [x.strip() for x in (text or "cpu").split(",") if x.strip()]
-    if not items:
+_DEVICE = re.compile(r"cpu|cuda(?::(\d+))?")
+
+
+def parse_devices(text: str | list[str] | tuple[str, ...] | None, *,
+                  on_this_machine: bool = True) -> tuple[str, ...]:
+    """'cpu', 'cuda', 'cuda:N', comma-separated (or a list); None or '' is cpu, 'cuda' is
+    cuda:0. cpu may repeat (the transfer path, or several host-memory budgets); a CUDA device
+    may be listed once. `on_this_machine`: each CUDA device must exist here (a run); False
+    checks the spelling only (`plan-memory` plans for machines you may not have).
+    Raises DeviceError."""
+    items = (text or "cpu").split(",") if text is None or isinstance(text, str) else list(text)
+    out: list[str] = []
+    for raw in (x.strip() for x in items):
+        if not raw:
+            continue
+        m = _DEVICE.fullmatch(raw.lower())
+        if not m:
+            raise DeviceError(f"--devices: unknown device {raw!r}: not a device this runs on; use "
+                              "cpu, cuda or cuda:N (comma-separated, e.g. cuda:0,cuda:1)")
+        d = "cpu" if raw.lower() == "cpu" else f"cuda:{int(m[1] or 0)}"
+        if d != "cpu" and d in out:
+            raise DeviceError(f"--devices: {d} is listed twice")
+        out.append(d)
+    if not out:
         raise DeviceError("--devices is empty")
-    n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    out = []
-    for d in items:
-        try:
-            dev = torch.device(d)
-        except RuntimeError as e:
-            raise DeviceError(f"--devices: {d!r} is not a device ({e})") from None
-        if dev.type == "cuda":
-            idx = 0 if dev.index is None else dev.index
-            if idx >= n_cuda:
-                raise DeviceError(f"--devices: {d} does not exist: this machine has {n_cuda} CUDA "
-                                  f"device(s)" + (" (torch was built without CUDA)" if not torch.version.cuda else ""))
-            out.append(f"cuda:{idx}")
-        elif dev.type == "cpu":
-            out.append("cpu")
-        else:
-            raise DeviceError(f"--devices: {d}: only cpu and cuda devices are supported")
+    if on_this_machine:
+        _check_present(out)
     return tuple(out)
+
+
+def _check_present(devices: list[str]) -> None:
+    n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for d in devices:
+        if d.startswith("cuda:") and int(d.split(":")[1]) >= n_cuda:
+            raise DeviceError(f"--devices: {d} does not exist: this machine has {n_cuda} CUDA "
+                              f"device(s)" + (" (torch was built without CUDA)" if not torch.version.cuda else ""))
 
 
 def has_fast_fp64(device: str) -> bool:

@@ -39,15 +39,18 @@ splits the layers so per-device weight bytes (with the globals) are as even as p
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
+import torch
+
+from fidelity.devices import DeviceError, parse_devices
 from reference_model.checkpoint_format import disk_entries
 from reference_model.config import ModelConfig
+from reference_model.numerics import Numerics
 from reference_model.placement import MEM_BYTES, place_layers
+from reference_model.specs import FP4, FP8, TensorSpec, global_specs, layer_specs
 
 from .sizes import parse_bytes
-from reference_model.specs import FP4, FP8, TensorSpec, global_specs, layer_specs
 
 WEIGHT_MODES = ("resident-quantised", "resident-bf16", "streamed")
 DEQUANT_MODES = ("full", "expert-sparse")
@@ -55,9 +58,6 @@ PROFILES = ("reference", "reference-fp32", "exact")
 LOGITS_MODES = ("all", "last")
 FIRST_GLOBALS = ("embed.weight",)               # the rest of the globals go with the head
 GiB = 1 << 30
-
-# bytes per element of each checkpoint format in memory (reference_model/weights.py:
-# FP8/FP4 dequantised to bf16, everything else as stored)
 
 
 class PlanError(ValueError):
@@ -70,26 +70,6 @@ def parse_size(text: str) -> int:
         return parse_bytes(text)
     except ValueError as e:
         raise PlanError(str(e)) from None
-
-
-def parse_devices(text: str | list[str]) -> list[str]:
-    """'cpu', 'cuda', 'cuda:N' separated by commas; 'cuda' means cuda:0. A CUDA device may
-    be listed once (cpu may repeat: several host-memory budgets)."""
-    items = text.split(",") if isinstance(text, str) else list(text)
-    out = []
-    for raw in items:
-        d = raw.strip().lower()
-        if d == "cuda":
-            d = "cuda:0"
-        if d != "cpu" and not re.fullmatch(r"cuda:\d+", d):
-            raise PlanError(f"unknown device {raw.strip()!r}: use cpu, cuda or cuda:N "
-                            "(comma-separated, e.g. cuda:0,cuda:1)")
-        if d != "cpu" and d in out:
-            raise PlanError(f"device {d} is listed twice")
-        out.append(d)
-    if not out:
-        raise PlanError("no devices given")
-    return out
 
 
 def device_budgets(devices: list[str], device_memory) -> list[int]:
@@ -108,7 +88,6 @@ def device_budgets(devices: list[str], device_memory) -> list[int]:
     if "cpu" in devices:
         raise PlanError("--device-memory is required for cpu devices (the host-memory budget)")
     try:
-        import torch
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:                                  # noqa: BLE001 - no usable CUDA
         n = 0
@@ -137,8 +116,6 @@ def state_dtypes(profile="reference") -> StateDtypes:
     """Probe the profile's kernels on one small row each (a Numerics or a profile name:
     'reference' = fp64 compute, 'reference-fp32' = fp32 compute, 'exact'), so toggles that
     change a stored dtype are followed without restating them here."""
-    import torch
-    from reference_model.numerics import Numerics
     if isinstance(profile, Numerics):
         nx = profile
     elif profile == "reference-fp32":
@@ -299,6 +276,33 @@ class MemoryPlan:
         return d
 
 
+@dataclass(frozen=True)
+class PassSpec:
+    """One pass to plan: `prompts` x `arms` sequences of `length` tokens on `devices`, each
+    with its memory budget in bytes. `_advice` varies these fields to find what would fit."""
+    devices: tuple[str, ...]
+    budgets: tuple[int, ...]
+    length: int
+    prompts: int
+    arms: int
+    weights_mode: str = "resident-quantised"
+    dequant: str = "full"
+    logits_mode: str = "all"
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts * self.arms
+
+
+@dataclass(frozen=True)
+class PlanNumerics:
+    """What the numerics and the kernels keep, fixed for one plan and its advice."""
+    dtypes: StateDtypes
+    profile: str                  # its name in the plan ("custom" for a Numerics)
+    chunk_tokens: int = 2048
+    attn_budget: int = 1 << 25
+
+
 def plan_memory(cfg: ModelConfig, devices, length: int, prompts: int = 1, arms: int = 1,
                 weights_mode: str = "resident-quantised", device_memory=None, *,
                 profile="reference", dequant: str = "full", logits: str = "all",
@@ -310,24 +314,36 @@ def plan_memory(cfg: ModelConfig, devices, length: int, prompts: int = 1, arms: 
     read CUDA devices' total memory. Raises PlanError on bad input. When the plan does not
     fit and `advise`, `advice` says what would: fewer prompts per pass, a shorter length,
     more devices, streamed weights, last-position logits."""
-    devices = parse_devices(devices)
-    if weights_mode not in WEIGHT_MODES:
-        raise PlanError(f"unknown weights mode {weights_mode!r}; valid: {', '.join(WEIGHT_MODES)}")
-    if dequant not in DEQUANT_MODES:
-        raise PlanError(f"unknown dequant mode {dequant!r}; valid: {', '.join(DEQUANT_MODES)}")
-    if logits not in LOGITS_MODES:
-        raise PlanError(f"unknown logits mode {logits!r}; valid: {', '.join(LOGITS_MODES)}")
+    # the public entry keeps one parameter per `plan-memory` option (keyword-only past
+    # device_memory); inside, they travel as PassSpec + PlanNumerics
+    try:
+        devices = parse_devices(devices, on_this_machine=False)
+    except DeviceError as e:
+        raise PlanError(str(e)) from None
+    _check_modes(weights_mode, dequant, logits)
     for name, v in (("length", length), ("prompts", prompts), ("arms", arms)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise PlanError(f"{name} must be a positive integer, got {v!r}")
     if length > cfg.max_seq_len:
         raise PlanError(f"length {length} exceeds the config's max_seq_len {cfg.max_seq_len} "
                         f"(by {length - cfg.max_seq_len} tokens)")
-    budgets = device_budgets(devices, device_memory)
-    dt = profile if isinstance(profile, StateDtypes) else state_dtypes(profile)
-    prof_name = profile if isinstance(profile, str) else "custom"
-    return _plan(cfg, devices, budgets, length, prompts, arms, weights_mode, dt, prof_name,
-                 dequant, logits, chunk_tokens, attn_budget, advise)
+    spec = PassSpec(devices, tuple(device_budgets(list(devices), device_memory)), length,
+                    prompts, arms, weights_mode, dequant, logits)
+    nx = PlanNumerics(profile if isinstance(profile, StateDtypes) else state_dtypes(profile),
+                      profile if isinstance(profile, str) else "custom", chunk_tokens, attn_budget)
+    plan = _plan(cfg, spec, nx)
+    if advise and not plan.fits:
+        plan.advice = _advice(cfg, spec, nx, plan)
+    return plan
+
+
+def _check_modes(weights_mode: str, dequant: str, logits: str) -> None:
+    if weights_mode not in WEIGHT_MODES:
+        raise PlanError(f"unknown weights mode {weights_mode!r}; valid: {', '.join(WEIGHT_MODES)}")
+    if dequant not in DEQUANT_MODES:
+        raise PlanError(f"unknown dequant mode {dequant!r}; valid: {', '.join(DEQUANT_MODES)}")
+    if logits not in LOGITS_MODES:
+        raise PlanError(f"unknown logits mode {logits!r}; valid: {', '.join(LOGITS_MODES)}")
 
 
 def _layer_table(cfg: ModelConfig) -> list[dict]:
@@ -349,68 +365,82 @@ def _layer_table(cfg: ModelConfig) -> list[dict]:
 _CACHE: dict = {}
 
 
-def _plan(cfg, devices, budgets, length, prompts, arms, weights_mode, dt, prof_name, dequant,
-          logits_mode, chunk_tokens, attn_budget, advise) -> MemoryPlan:
-    table = _layer_table(cfg)
-    wkey = "quantised" if weights_mode == "resident-quantised" else "bf16"
+@dataclass(frozen=True)
+class _PassSizes:
+    """Byte counts of one pass that do not depend on the device."""
+    table: list                   # _layer_table(cfg)
+    first_g: list                 # global tensors on the first device (embed)
+    last_g: list                  # global tensors on the last device (head, norms)
+    wkey: str                     # "quantised" or "bf16": the resident weights' format
+    state_layer: list             # one sequence's state bytes per layer
+    stream_seq: int               # one sequence's residual stream
+    logit_rows: int               # prefill logits rows kept per sequence
+    act: int                      # attention / q,o workspace of one chunk
+
+
+def _pass_sizes(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics) -> _PassSizes:
+    dt = nx.dtypes
+    chunk = min(spec.length, nx.chunk_tokens)
     gspecs = global_specs(cfg)
-    first_g = [s for s in gspecs if s.name in FIRST_GLOBALS]
-    last_g = [s for s in gspecs if s.name not in FIRST_GLOBALS]
-    g_first = sum(spec_bytes(s, wkey) for s in first_g)
-    g_last = sum(spec_bytes(s, wkey) for s in last_g)
-    ranges = place_layers([r[wkey] for r in table], len(devices), g_first, g_last)
+    return _PassSizes(
+        table=_layer_table(cfg),
+        first_g=[s for s in gspecs if s.name in FIRST_GLOBALS],
+        last_g=[s for s in gspecs if s.name not in FIRST_GLOBALS],
+        wkey="quantised" if spec.weights_mode == "resident-quantised" else "bf16",
+        state_layer=[sequence_state_bytes(cfg, i, spec.length, dt) for i in range(cfg.n_layers)],
+        stream_seq=spec.length * cfg.hc_mult * cfg.dim * dt.stream,
+        logit_rows=spec.length if spec.logits_mode == "all" else 1,
+        act=4 * chunk * cfg.n_heads * cfg.head_dim * dt.compute + nx.attn_budget * dt.compute)
 
-    seqs = prompts * arms
-    stream_seq = length * cfg.hc_mult * cfg.dim * dt.stream
-    logit_rows = length if logits_mode == "all" else 1
-    logits_seq = logit_rows * cfg.vocab_size * 4
-    state_layer = [sequence_state_bytes(cfg, i, length, dt) for i in range(cfg.n_layers)]
-    chunk = min(length, chunk_tokens)
-    act = 4 * chunk * cfg.n_heads * cfg.head_dim * dt.compute + attn_budget * dt.compute
-    pass_tokens = prompts * length                  # tokens one layer pass routes
 
-    plans = []
-    last = len(devices) - 1
-    for k, (dev, budget, rng) in enumerate(zip(devices, budgets, ranges)):
-        layers = list(rng)
-        gl = (first_g if k == 0 else []) + (last_g if k == last else [])
-        p = DevicePlan(dev, budget, layers, [s.name for s in gl])
-        g_bytes = sum(spec_bytes(s, wkey) for s in gl)
-        if weights_mode == "streamed":
-            p.weights = g_bytes + max((table[i]["bf16"] for i in layers), default=0)
-        else:
-            p.weights = g_bytes + sum(table[i][wkey] for i in layers)
-        if weights_mode == "resident-quantised":
-            p.dequant = max((_dequant(table[i]["dequant"], cfg, dequant, pass_tokens)
-                             for i in layers), default=0)
-        p.state = seqs * sum(state_layer[i] for i in layers)
-        p.streams = (seqs + 2) * stream_seq if (layers or gl) else 0
-        largest = max([table[i]["largest"] for i in layers]
-                      + [s.numel for s in gl if s.name != "embed.weight"], default=0)
-        p.workspace = (largest * dt.compute + act) if layers else largest * dt.compute
-        if k == last:
-            p.logits = arms * logits_seq
-            if dt.compute != 4:
-                p.workspace += logit_rows * cfg.vocab_size * dt.compute
-        plans.append(p)
-
+def _plan(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics) -> MemoryPlan:
+    sz = _pass_sizes(cfg, spec, nx)
+    gspecs = global_specs(cfg)
+    ranges = place_layers([r[sz.wkey] for r in sz.table], len(spec.devices),
+                          sum(spec_bytes(s, sz.wkey) for s in sz.first_g),
+                          sum(spec_bytes(s, sz.wkey) for s in sz.last_g))
+    plans = [_device_plan(cfg, spec, nx, sz, k, list(rng)) for k, rng in enumerate(ranges)]
+    table, seqs = sz.table, spec.sequences
     totals = {
         "weights_quantised": sum(spec_bytes(s, "quantised") for s in gspecs)
         + sum(r["quantised"] for r in table),
         "weights_bf16": sum(spec_bytes(s, "bf16") for s in gspecs) + sum(r["bf16"] for r in table),
         "largest_layer_bf16": max(r["bf16"] for r in table),
-        "state": seqs * sum(state_layer),
+        "state": seqs * sum(sz.state_layer),
     }
-    per_seq = {"state": sum(state_layer), "stream": stream_seq, "logits": logits_seq,
-               "state_by_kind": _state_by_kind(cfg, state_layer)}
-    plan = MemoryPlan(cfg.name, cfg.n_layers, cfg.max_seq_len, length, prompts, arms,
-                      weights_mode, dequant, prof_name, logits_mode, dt, plans,
-                      per_seq, totals)
-    if advise and not plan.fits:
-        plan.advice = _advice(cfg, devices, budgets, length, prompts, arms, weights_mode, dt,
-                              prof_name, dequant, logits_mode, chunk_tokens,
-                              attn_budget, plan)
-    return plan
+    per_seq = {"state": sum(sz.state_layer), "stream": sz.stream_seq,
+               "logits": sz.logit_rows * cfg.vocab_size * 4,
+               "state_by_kind": _state_by_kind(cfg, sz.state_layer)}
+    return MemoryPlan(cfg.name, cfg.n_layers, cfg.max_seq_len, spec.length, spec.prompts,
+                      spec.arms, spec.weights_mode, spec.dequant, nx.profile, spec.logits_mode,
+                      nx.dtypes, plans, per_seq, totals)
+
+
+def _device_plan(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics, sz: _PassSizes,
+                 k: int, layers: list[int]) -> DevicePlan:
+    """Device k of the pass, holding `layers` (and embed if first, the head if last)."""
+    table, dt, last = sz.table, nx.dtypes, len(spec.devices) - 1
+    gl = (sz.first_g if k == 0 else []) + (sz.last_g if k == last else [])
+    p = DevicePlan(spec.devices[k], spec.budgets[k], layers, [s.name for s in gl])
+    g_bytes = sum(spec_bytes(s, sz.wkey) for s in gl)
+    if spec.weights_mode == "streamed":
+        p.weights = g_bytes + max((table[i]["bf16"] for i in layers), default=0)
+    else:
+        p.weights = g_bytes + sum(table[i][sz.wkey] for i in layers)
+    if spec.weights_mode == "resident-quantised":
+        pass_tokens = spec.prompts * spec.length          # tokens one layer pass routes
+        p.dequant = max((_dequant(table[i]["dequant"], cfg, spec.dequant, pass_tokens)
+                         for i in layers), default=0)
+    p.state = spec.sequences * sum(sz.state_layer[i] for i in layers)
+    p.streams = (spec.sequences + 2) * sz.stream_seq if (layers or gl) else 0
+    largest = max([table[i]["largest"] for i in layers]
+                  + [s.numel for s in gl if s.name != "embed.weight"], default=0)
+    p.workspace = (largest * dt.compute + sz.act) if layers else largest * dt.compute
+    if k == last:
+        p.logits = spec.arms * sz.logit_rows * cfg.vocab_size * 4
+        if dt.compute != 4:
+            p.workspace += sz.logit_rows * cfg.vocab_size * dt.compute
+    return p
 
 
 def _state_by_kind(cfg, state_layer) -> dict:
@@ -422,81 +452,95 @@ def _state_by_kind(cfg, state_layer) -> dict:
     return {k: {"layers": n, "bytes": b} for k, (n, b) in out.items()}
 
 
-def _advice(cfg, devices, budgets, length, prompts, arms, weights_mode, dt, prof, dequant,
-            logits_mode, chunk_tokens, attn_budget, plan) -> list[str]:
-    def fits(**kw) -> bool:
-        a = dict(devices=devices, budgets=budgets, length=length, prompts=prompts,
-                 weights_mode=weights_mode, logits_mode=logits_mode)
-        a.update(kw)
-        return _plan(cfg, a["devices"], a["budgets"], a["length"], a["prompts"], arms,
-                     a["weights_mode"], dt, prof, dequant, a["logits_mode"],
-                     chunk_tokens, attn_budget, False).fits
+# ---- advice: what would fit ------------------------------------------------------------------
+def _largest_ok(lo: int, hi: int, f) -> int | None:
+    """Largest v in [lo, hi] with f(v) (f monotone: true then false), or None."""
+    if not f(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if f(mid) else (lo, mid - 1)
+    return lo
 
-    def largest_ok(lo, hi, f):
-        """Largest v in [lo, hi] with f(v) (f monotone: true then false), or None."""
-        if not f(lo):
-            return None
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if f(mid) else (lo, mid - 1)
-        return lo
 
-    out, any_ok = [], False
-    p = largest_ok(1, prompts - 1, lambda v: fits(prompts=v)) if prompts > 1 else None
+def _s(n: int) -> str:
+    return "s" if n != 1 else ""
+
+
+def _advice(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics, plan: MemoryPlan) -> list[str]:
+    """One line per remedy, each tried on its own; if none fits alone, the combination."""
+    def fits(**changes) -> bool:
+        return _plan(cfg, replace(spec, **changes), nx).fits
+
+    out: list[str] = []
+    ok = [_advise_prompts(spec, fits, out), _advise_length(spec, fits, out),
+          _advise_devices(cfg, spec, nx, fits, out)]
+    if spec.weights_mode != "streamed":
+        ok.append(fits(weights_mode="streamed"))
+        out.append("streamed weights (--weights streamed): " + (
+            "fits" if ok[-1] else "not enough on its own"))
+    if spec.logits_mode == "all" and plan.devices[-1].logits > 0:
+        ok.append(fits(logits_mode="last"))
+        out.append(f"logits of the last position only (--logits last; prefill logits "
+                   f"{_gib(plan.devices[-1].logits)} on {plan.devices[-1].device}): "
+                   + ("fits" if ok[-1] else "not enough on its own"))
+    if not any(ok):
+        out.append(_advise_together(spec, fits))
+    return out
+
+
+def _advise_prompts(spec: PassSpec, fits, out: list[str]) -> bool:
+    prompts, arms = spec.prompts, spec.arms
+    p = _largest_ok(1, prompts - 1, lambda v: fits(prompts=v)) if prompts > 1 else None
     if p:
-        any_ok = True
-        out.append(f"fewer prompts per pass: {p} prompt{'s' if p != 1 else ''} x {arms} arm"
-                   f"{'s' if arms != 1 else ''} fit{'s' if p == 1 else ''} "
-                   f"({math.ceil(prompts / p)} passes for {prompts} prompts)")
+        out.append(f"fewer prompts per pass: {p} prompt{_s(p)} x {arms} arm{_s(arms)} "
+                   f"fit{'s' if p == 1 else ''} ({math.ceil(prompts / p)} passes for {prompts} "
+                   "prompts)")
     elif prompts > 1:
         out.append("fewer prompts per pass: not enough (1 prompt per pass does not fit either)")
-    n = largest_ok(1, length - 1, lambda v: fits(length=v)) if length > 1 else None
-    any_ok |= bool(n)
+    return bool(p)
+
+
+def _advise_length(spec: PassSpec, fits, out: list[str]) -> bool:
+    length, prompts, arms = spec.length, spec.prompts, spec.arms
+    n = _largest_ok(1, length - 1, lambda v: fits(length=v)) if length > 1 else None
     out.append(f"shorter length: up to {n} tokens fit with {prompts} prompts x {arms} arms"
                if n else f"shorter length: not enough (1 token does not fit with {prompts} "
                          f"prompts x {arms} arms)")
-    kind = "cpu" if all(d == "cpu" for d in devices) else "cuda"
-    budget = min(budgets)
+    return bool(n)
 
-    def devs(m: int) -> list[str]:
-        return ["cpu"] * m if kind == "cpu" else [f"cuda:{j}" for j in range(m)]
 
-    cap = max(len(devices), cfg.n_layers)
-    more = largest_ok(-cap, -(len(devices) + 1),
-                      lambda v: fits(devices=devs(-v), budgets=[budget] * -v)) \
-        if cap > len(devices) else None          # smallest device count that fits
+def _advise_devices(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics, fits, out: list[str]) -> bool:
+    """The smallest count of devices like the smallest one that fits (up to one per layer)."""
+    kind = "cpu" if all(d == "cpu" for d in spec.devices) else "cuda"
+    budget, have = min(spec.budgets), len(spec.devices)
+
+    def devs(m: int) -> tuple[str, ...]:
+        return ("cpu",) * m if kind == "cpu" else tuple(f"cuda:{j}" for j in range(m))
+
+    cap = max(have, cfg.n_layers)
+    more = _largest_ok(-cap, -(have + 1),
+                       lambda v: fits(devices=devs(-v), budgets=(budget,) * -v)) \
+        if cap > have else None                  # negated: the smallest count that fits
     if more is not None:
-        any_ok = True
         out.append(f"more devices: {-more} x {_size(budget)} fit (pipeline over {-more} devices)")
-    else:
-        w = _plan(cfg, devs(cap), [budget] * cap, length, prompts, arms, weights_mode, dt, prof,
-                  dequant, logits_mode, chunk_tokens, attn_budget, False).tightest
-        out.append(f"more devices: not enough (with {cap} devices of {_size(budget)}, "
-                   f"{w.device} still needs {_gib(w.total)}: logits {_gib(w.logits)}, streams "
-                   f"{_gib(w.streams)}, workspace {_gib(w.workspace)}, weights {_gib(w.weights)})")
-    if weights_mode != "streamed":
-        ok = fits(weights_mode="streamed")
-        any_ok |= ok
-        out.append("streamed weights (--weights streamed): " + (
-            "fits" if ok else "not enough on its own"))
-    if logits_mode == "all" and plan.devices[-1].logits > 0:
-        ok = fits(logits_mode="last")
-        any_ok |= ok
-        out.append(f"logits of the last position only (--logits last; prefill logits "
-                   f"{_gib(plan.devices[-1].logits)} on {plan.devices[-1].device}): "
-                   + ("fits" if ok else "not enough on its own"))
-    if not any_ok:
-        both = dict(weights_mode="streamed", logits_mode="last")
-        p = largest_ok(1, prompts, lambda v: fits(prompts=v, **both))
-        if p == prompts:
-            out.append("together: streamed weights and last-position logits fit")
-        elif p:
-            out.append(f"together: streamed weights, last-position logits and {p} prompt"
-                       f"{'s' if p != 1 else ''} per pass fit")
-        else:
-            out.append("together: streamed weights, last-position logits and 1 prompt per pass "
-                       "do not fit either")
-    return out
+        return True
+    w = _plan(cfg, replace(spec, devices=devs(cap), budgets=(budget,) * cap), nx).tightest
+    out.append(f"more devices: not enough (with {cap} devices of {_size(budget)}, "
+               f"{w.device} still needs {_gib(w.total)}: logits {_gib(w.logits)}, streams "
+               f"{_gib(w.streams)}, workspace {_gib(w.workspace)}, weights {_gib(w.weights)})")
+    return False
+
+
+def _advise_together(spec: PassSpec, fits) -> str:
+    both = dict(weights_mode="streamed", logits_mode="last")
+    p = _largest_ok(1, spec.prompts, lambda v: fits(prompts=v, **both))
+    if p == spec.prompts:
+        return "together: streamed weights and last-position logits fit"
+    if p:
+        return f"together: streamed weights, last-position logits and {p} prompt{_s(p)} per pass fit"
+    return ("together: streamed weights, last-position logits and 1 prompt per pass "
+            "do not fit either")
 
 
 # ---- rendering --------------------------------------------------------------------------------
