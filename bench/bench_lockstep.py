@@ -12,7 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fidelity.lockstep import Arm, LockstepRunner, Prompt  # noqa: E402
+from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt  # noqa: E402
 from reference_model import Model, Numerics, random_weights, tiny  # noqa: E402
 
 
@@ -21,7 +21,7 @@ def main(length=1024, n_arms=4, decode_steps=4, repeats=2):
     w = random_weights(cfg, 0)
     toks = torch.randint(2, cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(1))
     prompt = Prompt("p", toks)
-    arms = [Arm("golden", Numerics(), role="golden")] + [Arm(f"copy{i}", Numerics()) for i in range(n_arms - 1)]
+    arms = [LockstepArm("golden", Numerics(), role="golden")] + [LockstepArm(f"copy{i}", Numerics()) for i in range(n_arms - 1)]
 
     def single():
         m = Model(w, Numerics())

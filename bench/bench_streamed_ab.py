@@ -29,14 +29,14 @@ BEFORE = "14e7892"
 CHILD = r"""
 import json, sys, time, torch
 torch.set_num_threads(1)
-from fidelity.lockstep import Arm, LockstepRunner, Prompt
+from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt
 from kernel_toggles import ToggleSet
 from reference_model import Numerics
 from reference_model.checkpoint import StreamingWeights
 path, P, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 w = StreamingWeights(path)
-arms = [Arm("golden", Numerics("reference"), role="golden"),
-        Arm("engine", ToggleSet.parse("engine").numerics())]
+arms = [LockstepArm("golden", Numerics("reference"), role="golden"),
+        LockstepArm("engine", ToggleSet.parse("engine").numerics())]
 g = torch.Generator().manual_seed(0)
 prompts = [Prompt(f"p{j}", torch.randint(2, w.cfg.vocab_size, (n,), generator=g)) for j in range(P)]
 t = time.perf_counter()

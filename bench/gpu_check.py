@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fidelity.metrics import kld_per_position  # noqa: E402
+from fidelity.ab.metrics import kld_per_position  # noqa: E402
 from reference_model import Model, Numerics, flash, tiny  # noqa: E402
 from reference_model import quant as Q  # noqa: E402
 from reference_model.checkpoint import decode_fp4, decode_fp8  # noqa: E402

@@ -11,8 +11,9 @@ import pandas as pd
 import pytest
 import torch
 
-from fidelity.ab import ABSettings, run_ab
-from fidelity.lockstep import Arm, LockstepRunner, Prompt
+from fidelity.ab.design import ABSettings
+from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt
+from fidelity.ab.run import run_ab
 from reference_model import Numerics, random_weights, tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +50,7 @@ def test_planted_bug_ranked_first_with_ci_above_floor(small_report):
     """engine + routed_scaling_double: leave-one-out over the arm's 11 toggles ranks the bug
     first, its CI clears the reference-vs-exact floor, and against the engine arm it first
     diverges where it first acts: the MoE output of layer 0."""
-    from fidelity.analysis import first_divergence
+    from fidelity.ab.drift import first_divergence
     _, res = small_report
     attr = res["attribution"]
     loo = attr[attr.method == "leave_one_out"].sort_values("value", ascending=False)
@@ -67,7 +68,7 @@ def test_planted_q_only_hadamard_is_ranked_first(weights):
     res = run_ab(weights, _settings(arms=arms, base=base, lengths=(160,)), None, progress=lambda m: None)
     loo = res["attribution"][res["attribution"].method == "leave_one_out"].sort_values("value", ascending=False)
     assert loo.iloc[0].toggle == "index_hadamard_q_only" and loo.iloc[0].lo > 0
-    from fidelity.analysis import first_divergence
+    from fidelity.ab.drift import first_divergence
     fd = first_divergence(res["drift"], base, "engine", 2.0)
     assert fd["layer"] == 1          # the first CSA layer: where the indexer first acts
 
@@ -108,8 +109,8 @@ def test_nan_arm_is_reported_not_fatal(weights):
     def nan_wo_a(golden, o, w):
         y = golden.wo_a(o, w)
         return y * float("nan") if o.shape[0] > 1 else y
-    arms = [Arm("golden", Numerics(), role="golden"),
-            Arm("nan", Numerics().with_kernels("nan", wo_a=nan_wo_a))]
+    arms = [LockstepArm("golden", Numerics(), role="golden"),
+            LockstepArm("nan", Numerics().with_kernels("nan", wo_a=nan_wo_a))]
     res = LockstepRunner(weights, arms, decode_steps=1).run([Prompt("p", torch.arange(2, 66))])
     ev = [e for e in res.events if e["arm"] == "nan"]
     assert ev and ev[0]["event"] == "non-finite" and "layers.0.attn.out" in ev[0]["detail"]
@@ -123,7 +124,7 @@ def test_unknown_arm_is_an_error_listing_valid_names(weights):
 
 
 def test_interrupted_report_leaves_nothing(weights, tmp_path, monkeypatch):
-    import fidelity.ab_report as report
+    import fidelity.ab.report as report
 
     def boom(*a, **k):
         raise KeyboardInterrupt
@@ -164,11 +165,11 @@ def test_lockstep_propagated_equals_standalone_and_isolated_feeds_golden(weights
     so an arm that only changes the lm head has zero drift at every layer."""
     toks = torch.arange(2, 90)
     f32 = Numerics("reference", torch.float32)
-    arms = [Arm("golden", Numerics(), role="golden"), Arm("fp32", f32)]
+    arms = [LockstepArm("golden", Numerics(), role="golden"), LockstepArm("fp32", f32)]
     keep = ("layers.4.out",)
     res = LockstepRunner(weights, arms, "propagated", 2, keep=keep).run([Prompt("p", toks)])
     from reference_model import Model, Taps
-    from fidelity.metrics import kld_per_position
+    from fidelity.ab.metrics import kld_per_position
     t = Taps(list(keep))
     golden, arm = Model(weights, Numerics()), Model(weights, f32)
     lg_arm, st = arm.extend(toks, logits="all", taps=t)
@@ -188,7 +189,7 @@ def test_lockstep_propagated_equals_standalone_and_isolated_feeds_golden(weights
 
     def lm_bf16(golden, x, w):
         return golden.rs(golden.lm_head(x, w))
-    arms = [Arm("golden", Numerics(), role="golden"), Arm("lm", Numerics().with_kernels("lm", lm_head=lm_bf16))]
+    arms = [LockstepArm("golden", Numerics(), role="golden"), LockstepArm("lm", Numerics().with_kernels("lm", lm_head=lm_bf16))]
     iso = pd.DataFrame(LockstepRunner(weights, arms, "isolated", 1).run([Prompt("p", toks)]).drift)
     layers = iso[(iso.arm == "lm") & (iso.tap == "out")]
     assert (layers.rel_l2 == 0).all()
@@ -196,7 +197,7 @@ def test_lockstep_propagated_equals_standalone_and_isolated_feeds_golden(weights
 
 
 def test_builtin_prompts_with_a_tokenizer_are_exact_length_haystacks():
-    from fidelity.ab import builtin_prompts
+    from fidelity.prompts import builtin_prompts
     from reference_model.tokenizer import load_tokenizer
     tok = load_tokenizer(None)
     ps = builtin_prompts(tiny(), (250, 301), 2, seed=0, tokenizer=tok)
@@ -224,12 +225,12 @@ def test_check_gate_relative_to_floors_by_default(small_report):
 
 
 def test_verdict_warns_with_too_few_prompts():
-    from fidelity import signals as S
+    from fidelity.verdict import judge as J
     attr = pd.DataFrame([{"signal": "kld_mean", "where": "final logits", "toggle": "t", "method": "one_at_a_time",
                           "value": 0.5, "lo": 0.4, "hi": 0.6}])
     floors = pd.DataFrame([{"signal": "kld_mean", "where": "final logits", "floor_hi": 0.01, "floor_arm": "f"}])
-    few, _ = S.verdict(attr, floors, 2)
-    many, _ = S.verdict(attr, floors, 6)
+    few, _ = J.verdict(attr, floors, 2)
+    many, _ = J.verdict(attr, floors, 6)
     assert few["culprit"] == many["culprit"] == "t"
     assert few.get("few_prompts") and "only 2 prompt(s)" in few["sentence"]
     assert "Caution" not in many["sentence"] and not many.get("few_prompts")

@@ -7,7 +7,7 @@ import torch
 
 from fidelity.cli import main
 from fidelity.devices import DeviceError, accumulate_dtype, default_threads, parse_devices
-from fidelity.lockstep import Arm, LockstepRunner, Prompt
+from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt
 from kernel_toggles import ToggleSet
 from reference_model import Model, Numerics, tiny
 from reference_model.weights import random_weights
@@ -37,8 +37,8 @@ def test_placement_over_two_devices_is_bit_identical():
         a, _ = one.extend(torch.tensor([7]), sa, "last")
         b, _ = two.extend(torch.tensor([7]), sb, "last")
         assert torch.equal(a, b)
-    arms = [Arm("golden", Numerics("reference"), role="golden"),
-            Arm("engine", ToggleSet.parse("engine").numerics())]
+    arms = [LockstepArm("golden", Numerics("reference"), role="golden"),
+            LockstepArm("engine", ToggleSet.parse("engine").numerics())]
     ps = [Prompt("p", t)]
     x = pd.DataFrame(LockstepRunner(w, arms, decode_steps=1).run(ps).drift)
     y = pd.DataFrame(LockstepRunner(w, arms, decode_steps=1, devices=["cpu", "cpu"]).run(ps).drift)

@@ -9,8 +9,8 @@ import pytest
 
 from fidelity.arms import parse_arm
 from fidelity.cli import main
-from fidelity.metrics import kld_per_position
-from fidelity.prompt_sets import grid_prompts
+from fidelity.ab.metrics import kld_per_position
+from fidelity.prompts import grid_prompts
 from fidelity.weights.target import load_target
 from reference_model import Model
 

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-from fidelity.lockstep import Arm, LockstepRunner, Prompt, StreamStore
+from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt, StreamStore
 from kernel_toggles import ToggleSet
 from reference_model import Numerics, tiny
 from reference_model.checkpoint import StreamingWeights, save_checkpoint
@@ -14,9 +14,9 @@ from reference_model.weights import random_weights
 
 
 def _arms():
-    return [Arm("golden", Numerics("reference"), role="golden"),
-            Arm("engine", ToggleSet.parse("engine").numerics(), frozenset({"engine"})),
-            Arm("bug", ToggleSet.parse("engine,routed_scaling_double").numerics(), frozenset({"b"}))]
+    return [LockstepArm("golden", Numerics("reference"), role="golden"),
+            LockstepArm("engine", ToggleSet.parse("engine").numerics(), frozenset({"engine"})),
+            LockstepArm("bug", ToggleSet.parse("engine,routed_scaling_double").numerics(), frozenset({"b"}))]
 
 
 def _prompts():

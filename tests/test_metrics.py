@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from fidelity import attribution as A
-from fidelity import metrics as M
+from fidelity.ab import metrics as M
+from fidelity.verdict import attribution as A
 
 
 def test_tensor_metrics_known_perturbation():

@@ -8,8 +8,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from fidelity import signals as S
-from fidelity.ab import ABSettings, FLOOR, FLOOR_ORDER, FLOOR_TIES, run_ab
+from fidelity.ab.design import ABSettings, FLOOR, FLOOR_ORDER, FLOOR_TIES
+from fidelity.ab.run import run_ab
+from fidelity.verdict import judge as J
+from fidelity.verdict import signals as S
 from fidelity.weights.source import load_tokenizer_for, load_weights
 from kernel_toggles import toggle
 from kernel_toggles.plugins import load_plugins
@@ -102,7 +104,7 @@ def test_floors_as_arms_are_not_named(bugs, model):
     for fl in (FLOOR, FLOOR_ORDER, FLOOR_TIES):
         sets = {fl: frozenset({"as_arm"})}
         attr = S.attribute_signals(sig, sets, ["as_arm"], "golden", 500, 0)
-        verdict, _ = S.verdict(attr, floors)
+        verdict, _ = J.verdict(attr, floors)
         assert verdict["culprit"] is None, (fl, verdict["sentence"])
 
 

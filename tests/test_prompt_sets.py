@@ -6,7 +6,7 @@ import json
 import pytest
 
 from fidelity.cli import main
-from fidelity.prompt_sets import PromptFileError, file_prompts, grid_prompts
+from fidelity.prompts import PromptFileError, file_prompts, grid_prompts
 from fidelity.weights.target import load_target
 
 T = load_target(None)

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from fidelity.lockstep import Arm, LockstepRunner, Prompt
+from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt
 from kernel_toggles import ToggleSet
 from reference_model import Model, Numerics, tiny
 from reference_model.checkpoint import CheckpointError, StreamingWeights, load_checkpoint, save_checkpoint
@@ -58,8 +58,8 @@ def test_only_routed_experts_are_decoded(ckpt):
 
 def test_lockstep_decodes_each_layer_once_per_pass(ckpt):
     rq = QuantisedResidentWeights(ckpt)
-    arms = [Arm("golden", Numerics("reference"), role="golden"),
-            Arm("engine", ToggleSet.parse("engine").numerics())]
+    arms = [LockstepArm("golden", Numerics("reference"), role="golden"),
+            LockstepArm("engine", ToggleSet.parse("engine").numerics())]
     ps = [Prompt("a", _tokens(90, 1)), Prompt("b", _tokens(60, 2))]
     a = LockstepRunner(rq, arms, decode_steps=1).run(ps)
     assert rq.loads == 2 * rq.cfg.n_layers

@@ -26,15 +26,15 @@ def load_target(checkpoint):
 
 
 def golden_arm(compute_dtype=None):
-    from fidelity.arms import Arm
+    from fidelity.arms import NumericsArm
     from reference_model import Numerics
-    return Arm("golden", lambda profile="reference": Numerics(profile, compute_dtype))
+    return NumericsArm("golden", lambda profile="reference": Numerics(profile, compute_dtype))
 
 
 def sweep(target, lengths, depths, reps, results, seed: int = SWEEP_SEED, profile="reference",
           compute_dtype=None, quiet=True, fresh=False) -> list[dict]:
     from needle.haystack import HaystackSpec, PromptFormat
-    from needle.inprocess import InProcessRunner
+    from fidelity.needle_runner import InProcessRunner
     from needle.sweep import SweepConfig, run_sweep
     cfg = SweepConfig(lengths=list(lengths), depths=[float(d) for d in depths], reps=reps,
                       spec=HaystackSpec(), fmt=PromptFormat("chat"), seed=seed)

@@ -54,7 +54,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from fidelity.ab import ABSettings, run_ab
+    from fidelity.ab.design import LONG_LENGTHS, ABSettings
+    from fidelity.ab.run import run_ab
     from fidelity.weights.source import load_tokenizer_for, load_weights
 
     from fidelity.devices import DeviceError, from_args
@@ -81,7 +82,6 @@ def run(args) -> int:
                   f"in {', '.join(diff)})", file=sys.stderr)
             return 2
     tokenizer = load_tokenizer_for(args.checkpoint)
-    from fidelity.ab import LONG_LENGTHS
     if args.long and args.lengths or args.prompts and (args.long or args.lengths):
         print("error: give one of --long, --lengths, --prompts", file=sys.stderr)
         return 2

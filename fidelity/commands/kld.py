@@ -1,12 +1,16 @@
-"""`fidelity kld`: logit-level A/B of running servers (and in-process arms) over HTTP."""
+"""`fidelity kld`: logit-level A/B of running servers (and in-process arms) over HTTP.
+The defaults are fidelity.kld.settings' (shared with the engines spec). Heavy modules
+(torch, the model, the report) are imported inside the functions: `fidelity --help`
+stays quick."""
 from __future__ import annotations
 
 import sys
 import time
 
+from fidelity.kld.settings import HttpSettings, KldSettings, PromptGrid
+
 HELP = ("KLD of live endpoints (and in-process arms) against a baseline over HTTP: "
         "llama.cpp-style statistics, decode ladder, captures, attribution and verdict.")
-DEFAULT_LENGTHS = [250, 511, 1023]
 
 
 def _csv(text, typ):
@@ -42,33 +46,35 @@ def add_arguments(p):
     g = p.add_argument_group("prompts")
     g.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                    help="your own prompts: one JSON per line with text, messages or token_ids")
-    g.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)),
+    g.add_argument("--lengths", default=",".join(map(str, PromptGrid.lengths)),
                    help="comma-separated prompt lengths in tokens for the built-in needle "
                         "prompts (default: %(default)s)")
-    g.add_argument("--depths", default="10,50,90",
+    g.add_argument("--depths", default=",".join(f"{d:g}" for d in PromptGrid.depths),
                    help="comma-separated needle depths in percent (default: %(default)s)")
-    g.add_argument("--reps", type=int, default=1,
+    g.add_argument("--reps", type=int, default=PromptGrid.reps,
                    help="prompts per (length, depth), different needles (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=0,
+    g.add_argument("--seed", type=int, default=PromptGrid.seed,
                    help="seed of the prompts and of the bootstrap (default: %(default)s)")
     g = p.add_argument_group("scoring")
-    g.add_argument("--top-k", type=int, default=20, help="top-k logprobs per position (default 20)")
-    g.add_argument("--steps", type=int, default=8, help="greedy decode ladder length (default 8)")
+    g.add_argument("--top-k", type=int, default=KldSettings.k,
+                   help="top-k logprobs per position (default %(default)s)")
+    g.add_argument("--steps", type=int, default=KldSettings.steps,
+                   help="greedy decode ladder length (default %(default)s)")
     g.add_argument("--exact", action="store_true",
                    help="arms also score the baseline's own top ids (SGLang token_ids_logprob; "
                         "vLLM prompt_logprobs -1): the KL bound becomes exact up to the "
                         "reported uncovered mass")
-    g.add_argument("--exact-k", type=int, default=64,
+    g.add_argument("--exact-k", type=int, default=KldSettings.exact_k,
                    help="with --exact on SGLang: how many of the baseline's top ids per position "
                         "each arm scores (default: %(default)s)")
     g.add_argument("--no-captures", action="store_true",
                    help="do not ask for indexer top-k / routed-expert captures (default: ask "
                         "where an arm offers them; coverage is reported)")
-    g.add_argument("--n-boot", type=int, default=1000,
+    g.add_argument("--n-boot", type=int, default=KldSettings.n_boot,
                    help="bootstrap resamples for confidence intervals (default: %(default)s)")
-    g.add_argument("--timeout", type=float, default=600.0,
+    g.add_argument("--timeout", type=float, default=HttpSettings.timeout,
                    help="seconds per request attempt (default: %(default)s)")
-    g.add_argument("--retries", type=int, default=4,
+    g.add_argument("--retries", type=int, default=HttpSettings.retries,
                    help="retries per request on connection errors, timeouts, 5xx, 429 and "
                         "malformed answers; counted per arm and route (default: %(default)s)")
     g = p.add_argument_group("output")
@@ -80,12 +86,12 @@ def add_arguments(p):
 
 
 def build_entries(args, target, progress, place=None):
-    """ArmEntry list, the baseline first, plus each arm's description for the manifest."""
+    """ScoredArm list, the baseline first."""
     from needle.http import RetryPolicy
     from fidelity.arms import parse_arm
     from fidelity.kld.endpoint import Endpoint
-    from fidelity.kld.inprocess import InProcessArm
-    from fidelity.kld.run import ArmEntry
+    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.kld.run import ScoredArm
 
     from fidelity.cli import name_value_pairs as _pairs
     dialects = dict(_pairs(args.dialect, "--dialect"))
@@ -97,14 +103,14 @@ def build_entries(args, target, progress, place=None):
     for name, spec in _pairs(args.inprocess, "--inprocess"):
         arm = parse_arm(spec)
         nx = arm.numerics(compute_dtype=place.compute_dtype) if place else arm.numerics()
-        entries.append(ArmEntry(name, InProcessArm(name, nx, target.weights, arm.name,
-                                                   place.model_devices if place else None),
-                                factors=frozenset({name})))
+        entries.append(ScoredArm(name, InProcessScorer(name, nx, target.weights, arm.name,
+                                                       place.model_devices if place else None),
+                                 factors=frozenset({name})))
     for name, url in endpoints:
         ep = Endpoint(name, url, dialects.pop(name, None), per_arm.get(name, every), policy,
                       target.tokenizer, on_retry=progress.log).connect()
         progress(f"{name}: {ep.describe()['url']} model {ep.model}, dialect {ep.dialect}")
-        entries.append(ArmEntry(name, ep, "floor" if name in args.floor else "arm", frozenset({name})))
+        entries.append(ScoredArm(name, ep, "floor" if name in args.floor else "arm", frozenset({name})))
     if dialects:
         raise ValueError(f"--dialect names no endpoint: {', '.join(dialects)}")
     if not entries:
@@ -129,21 +135,21 @@ def build_entries(args, target, progress, place=None):
 def auto_floors(base, target, place=None):
     """In-process baseline: `fidelity ab`'s floor arms; endpoint baseline: itself again."""
     import torch
-    from fidelity.ab import floor_arms
-    from fidelity.kld.inprocess import InProcessArm
-    from fidelity.kld.run import ArmEntry
+    from fidelity.ab.design import floor_arms
+    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.kld.run import ScoredArm, repeat_floor
     if base.scorer.kind == "inprocess":
         cd = place.compute_dtype if place else torch.float64
-        return [ArmEntry(a.name, InProcessArm(a.name, a.numerics, target.weights, None,
-                                              place.model_devices if place else None), "floor")
+        return [ScoredArm(a.name, InProcessScorer(a.name, a.numerics, target.weights, None,
+                                                  place.model_devices if place else None), "floor")
                 for a in floor_arms(cd)]
-    return [ArmEntry(f"{base.name}~repeat", base.scorer, "floor")]
+    return [repeat_floor(base)]
 
 
 def run(args) -> int:
-    from fidelity.kld.run import KldSettings, run_kld
+    from fidelity.kld.run import run_kld
     from fidelity.kld.endpoint import EndpointError
-    from fidelity.prompt_sets import PromptFileError, file_prompts, grid_prompts
+    from fidelity.prompts import PromptFileError, file_prompts, grid_prompts
     from fidelity.weights.target import load_target
 
     from fidelity.progress import Progress

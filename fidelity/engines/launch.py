@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from .spec import ArmSpec, EngineSpec, SpecError
+from .spec import EngineArm, EngineSpec, SpecError
 
 READY = {"sglang": "/health_generate", "vllm": "/health", "fidelity": "/health_generate",
          "external": "/v1/models"}
@@ -62,7 +62,7 @@ def _base_cmd(e: EngineSpec) -> list[str]:
     return cmd + (["--checkpoint", e.model] if e.model else [])
 
 
-def plan_arm(arm: ArmSpec, e: EngineSpec, captures: bool = False, max_logprobs: int | None = None) -> LaunchPlan:
+def plan_arm(arm: EngineArm, e: EngineSpec, captures: bool = False, max_logprobs: int | None = None) -> LaunchPlan:
     """The launch of one arm; refuses (SpecError naming the toggle) what the engine cannot
     be set to, and unconfirmed mappings unless the engine allows them."""
     url = e.url if e.kind == "external" else f"http://{e.host}:{e.port}"

@@ -12,9 +12,11 @@ from pathlib import Path
 import pandas as pd
 
 from fidelity.kld.endpoint import Endpoint
-from fidelity.kld.run import (TOKENIZER_PROBE, ArmEntry, KldSettings, check_identity, check_tokenizers,
-                              compare_all, http_signals, judge, score_arm)
+from fidelity.kld.run import (TOKENIZER_PROBE, ScoredArm, check_tokenizers, evaluate, repeat_floor,
+                              score_entry)
+from fidelity.kld.settings import KldSettings, PromptGrid
 from fidelity.kld.store import ScoreStore
+from fidelity.prompts import file_prompts, grid_prompts
 from fidelity.progress import Progress
 from infra.report_page import FigureStore, Page, Section, Table, render_html, render_markdown
 
@@ -57,18 +59,19 @@ def _settings(spec: Spec) -> KldSettings:
     bad = sorted(set(k) - KLD_KEYS)
     if bad:
         raise SpecError(f"run.kld: unknown key {bad[0]!r} (allowed: {', '.join(sorted(KLD_KEYS))})")
-    return KldSettings(k=int(k.get("top_k", 20)), steps=int(k.get("steps", 8)), exact=bool(k.get("exact")),
-                       exact_k=int(k.get("exact_k", 64)), captures=bool(k.get("captures", True)),
-                       n_boot=int(k.get("n_boot", 1000)), seed=int(k.get("seed", 0)))
+    d = KldSettings()                 # fidelity kld's defaults (fidelity.kld.settings)
+    return KldSettings(k=int(k.get("top_k", d.k)), steps=int(k.get("steps", d.steps)),
+                       exact=bool(k.get("exact", d.exact)), exact_k=int(k.get("exact_k", d.exact_k)),
+                       captures=bool(k.get("captures", d.captures)), n_boot=int(k.get("n_boot", d.n_boot)),
+                       seed=int(k.get("seed", d.seed)))
 
 
 def _kld_prompts(spec: Spec, tok, vocab: int):
-    from fidelity.prompt_sets import file_prompts, grid_prompts
-    k = spec.kld
+    k, g = spec.kld, PromptGrid()     # fidelity kld's defaults (fidelity.kld.settings)
     if k.get("prompts"):
         return file_prompts(spec.path.parent / k["prompts"], tok, vocab)
-    return grid_prompts(tok, k.get("lengths", [250, 511]), [float(d) for d in k.get("depths", [50])],
-                        int(k.get("reps", 1)), int(k.get("seed", 0)))
+    return grid_prompts(tok, k.get("lengths", list(g.lengths)), [float(d) for d in k.get("depths", g.depths)],
+                        int(k.get("reps", g.reps)), int(k.get("seed", g.seed)))
 
 
 def _needle(spec: Spec, name: str, url: str, results: Path, quiet: bool) -> list[dict]:
@@ -158,18 +161,17 @@ def _run_arm(spec, arm, plan, st, state, root, prompts, s, store, base, tok, pro
         ep = Endpoint(arm.name, plan.url, spec.kld.get("dialect"), name_or_none(plan.url, arm.name),
                       tokenizer=tok).connect()
         if "kld" in spec.tasks:
-            check_tokenizers([ArmEntry(arm.name, ep)], tok, TOKENIZER_PROBE)
+            check_tokenizers([ScoredArm(arm.name, ep)], tok, TOKENIZER_PROBE)
         st["engine"] = ep.info
         st["dialect"] = ep.dialect
         st["shape"] = ep.shape
         state.save()
         if "kld" in spec.tasks and "kld" not in st["done"]:
-            entries = [ArmEntry(arm.name, ep, arm.role, arm.factors)]
+            entries = [ScoredArm(arm.name, ep, arm.role, arm.factors)]
             if arm.role == "baseline":
-                entries.append(ArmEntry(f"{arm.name}~repeat", ep, "floor"))
+                entries.append(repeat_floor(entries[0]))
             for e in entries:
-                check_identity(store, e)
-                score_arm(e, prompts, s, store, base, progress)
+                score_entry(e, prompts, s, store, base, progress)
             st["done"].append("kld")
             state.save()
         if "needle" in spec.tasks and "needle" not in st["done"]:
@@ -190,22 +192,18 @@ def report(spec: Spec, root: Path, run_id: str, state: State, prompts, s: KldSet
     out = {"root": root}
     arms = spec.arms
     if "kld" in spec.tasks:
-        from fidelity.kld import report as R
-        entries = [ArmEntry(a.name, None, a.role, a.factors) for a in arms]
-        entries.insert(1, ArmEntry(f"{arms[0].name}~repeat", None, "floor"))
+        entries = [ScoredArm(a.name, None, a.role, a.factors) for a in arms]
+        entries.insert(1, repeat_floor(entries[0]))
         shape = next((state.arm(a.name).get("shape") for a in arms if state.arm(a.name).get("shape")), None)
-        tables = compare_all(entries, prompts, s, store, shape if s.captures else None)
-        tables["signals"] = http_signals(tables)
-        judged = judge(entries, tables["signals"], s)
         manifest = {"spec": str(spec.path), "baseline": arms[0].name, "settings": s.__dict__,
                     "arms": [{"name": a.name, "engine": a.engine, "role": a.role,
                               "toggles": None if a.toggles is None else str(a.toggles),
                               "env": a.env, "flags": a.flags, "factors": sorted(a.factors)} for a in arms],
                     "servers": {a.name: state.arm(a.name).get("engine") for a in arms},
                     "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in prompts]}
-        out["kld"] = R.write(root, "kld-report", tables, judged, manifest,
-                             [e.name for e in entries if e.role != "baseline"])
-        out["verdict"] = judged["verdict"]
+        res = evaluate(entries, prompts, s, store, shape if s.captures else None, root, "kld-report",
+                       manifest, coverage=False)
+        out["kld"], out["verdict"] = res["path"], res["verdict"]
     if "needle" in spec.tasks:
         from needle.report import write_report
         from needle.results import latest, read_rows

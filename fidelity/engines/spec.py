@@ -9,6 +9,7 @@ it is under.
     out = "reports"                # output folder, relative to the current directory
                                    # (default "reports"; `--out DIR` overrides it)
     [run.kld]                      # fidelity kld options: lengths, depths, reps, top_k, steps, exact
+                                   # (defaults: fidelity kld's, fidelity.kld.settings)
     [run.needle]                   # fidelity needle options: lengths, depths, reps, max_tokens, api, ...
 
     [engines.sg]
@@ -68,7 +69,9 @@ class EngineSpec:
 
 
 @dataclass
-class ArmSpec:
+class EngineArm:
+    """An arm of an engines run: one engine started with our toggles and/or the user's env
+    and flags."""
     name: str
     engine: str
     toggles: object | None = None                # kernel_toggles ToggleSet, None = as started
@@ -82,7 +85,7 @@ class ArmSpec:
 class Spec:
     path: Path
     engines: dict[str, EngineSpec]
-    arms: list[ArmSpec]                           # the baseline first
+    arms: list[EngineArm]                           # the baseline first
     tasks: list[str]
     kld: dict
     needle: dict
@@ -166,7 +169,7 @@ def _closest(e: EngineSpec, where: str):
         raise SpecError(f"{where}: {ex}") from None
 
 
-def _arm(i: int, d: dict, engines) -> ArmSpec:
+def _arm(i: int, d: dict, engines) -> EngineArm:
     where = f"arms[{i}]"
     _only(d, {"name", "engine", "toggles", "env", "flags", "role", "factors"}, where)
     name, eng = d.get("name"), d.get("engine")
@@ -189,10 +192,10 @@ def _arm(i: int, d: dict, engines) -> ArmSpec:
         factors = set(ts.names) if ts is not None else set()
         if env or flags or not factors:
             factors.add(name)
-    return ArmSpec(name, eng, ts, env, flags, role, frozenset(_str_list(list(factors), f"{where}.factors")))
+    return EngineArm(name, eng, ts, env, flags, role, frozenset(_str_list(list(factors), f"{where}.factors")))
 
 
-def _design(i: int, d: dict, engines) -> list[ArmSpec]:
+def _design(i: int, d: dict, engines) -> list[EngineArm]:
     from kernel_toggles import ToggleSet
     from kernel_toggles import arms as K
     where = f"designs[{i}]"
@@ -226,7 +229,7 @@ def _design(i: int, d: dict, engines) -> list[ArmSpec]:
                 ts = profiles.fixed_on(ts, e.kind, e.version)
             except ValueError as ex:
                 raise SpecError(f"{where}: {ex}") from None
-        out.append(ArmSpec(f"{prefix}:{label}", d["engine"], ts, factors=frozenset(ts.names)))
+        out.append(EngineArm(f"{prefix}:{label}", d["engine"], ts, factors=frozenset(ts.names)))
     return out
 
 

@@ -16,7 +16,9 @@ from .dialects import ArmScores, Request
 CAPTURE_TAPS = ["layers.*.attn.index.topk", "layers.*.ffn.router.experts"]
 
 
-class InProcessArm:
+class InProcessScorer:
+    """Scores prompts on an arm computed here (see the module docstring)."""
+
     kind = "inprocess"
 
     def __init__(self, name: str, numerics, weights, label: str | None = None, devices=None):

@@ -8,15 +8,15 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from fidelity import ab_plots as plots
-from fidelity.attribution import bootstrap_mean_ci
-from fidelity.ab_report import suspects
+import matplotlib.pyplot as plt
+
+from fidelity.verdict.attribution import bootstrap_mean_ci
+from fidelity.verdict.board import signal_board, suspects
 from infra.report_page import Page, Section, Table
 from infra.report_writer import ReportWriter
 
 from .health import incomplete
-
-from .run import KldSettings
+from .settings import KldSettings
 
 BUCKET0 = 128                   # position buckets [0,128), [128,512), [512,2048), ...
 
@@ -65,7 +65,6 @@ def ladder_table(pos: pd.DataFrame, ladder: pd.DataFrame) -> pd.DataFrame:
 
 
 def _position_plot(pos: pd.DataFrame):
-    import matplotlib.pyplot as plt
     pre = pos[pos.phase == "prefill"].copy()
     pre["bucket"] = _bucket(pre.position)
     fig, ax = plt.subplots(figsize=(7, 3.6))
@@ -82,7 +81,6 @@ def _position_plot(pos: pd.DataFrame):
 
 
 def _ladder_plot(pos: pd.DataFrame):
-    import matplotlib.pyplot as plt
     dec = pos[pos.phase.isin(["decode"])]
     fig, ax = plt.subplots(figsize=(6, 3.2))
     for arm, g in dec.groupby("arm", sort=False):
@@ -120,11 +118,10 @@ def write(out_dir, run_id: str, tables: dict, judged: dict, manifest: dict, arms
         w.figure(_ladder_plot(tables["positions"]), "decode_ladder", "Decode ladder",
                  "KL per greedy decode step, up to the step where the arm's greedy token departs.")
         if len(judged["summary"]):
-            w.figure(plots.signal_board(judged["summary"], judged["attribution"], arms), "signals",
+            w.figure(signal_board(judged["summary"], judged["attribution"], arms), "signals",
                      "Signals vs their floors", "Each arm's mean of each signal over the highest "
                      "floor's upper 95% bound (log scale): red above every floor, grey no data.")
         w.page(build_page(manifest, judged, kt, lt, tables.get("coverage")))
-        import matplotlib.pyplot as plt
         plt.close("all")
         return w.commit()
     except BaseException:

@@ -1,6 +1,8 @@
 """Logit-level A/B over HTTP: score every prompt on every arm (resumable), compare each arm
 with the baseline position by position, and judge the arms with the same signals,
-floors, attribution and verdict as `fidelity ab` (fidelity/signals.py).
+floors, attribution and verdict as `fidelity ab` (fidelity.verdict.judge). The one KLD
+orchestration: `fidelity kld` scores then evaluates (run_kld); `fidelity engines` scores
+arm by arm while each engine is up (score_entry), then evaluates the same way.
 
 Floors: when the baseline runs in-process, `fidelity ab`'s three floor arms (exact,
 fp32-accum, tie-order) run in-process too; when it is an endpoint, the baseline is scored
@@ -8,44 +10,45 @@ a second time (`<baseline>~repeat`: the engine's run-to-run noise) and any arm g
 role "floor" counts as well."""
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from fidelity import signals as S
 from fidelity.progress import Progress
+from fidelity.verdict.judge import Design, judge
+from fidelity.verdict.signals import http_signals
 
 from . import health as H
+from . import report
 from .compare import capture_rows, position_rows
 from .dialects import ArmScores, Request
+from .settings import KldSettings
 from .store import ScoreStore, request_key
 
-
-@dataclass
-class KldSettings:
-    k: int = 20                     # top-k per position asked of every endpoint
-    steps: int = 8                  # greedy decode ladder length
-    exact: bool = False             # arms also score the baseline's own top ids
-    exact_k: int = 64               # how many of the baseline's top ids per position (sglang)
-    captures: bool = True           # indexer / expert captures where an endpoint offers them
-    floors: bool = True
-    n_boot: int = 1000
-    seed: int = 0
+REPEAT_SUFFIX = "~repeat"
 
 
 @dataclass
-class ArmEntry:
-    """An arm as the run sees it: the scorer (Endpoint or InProcessArm), its role and the
-    factors attribution credits (toggles, patches; its own name by default)."""
+class ScoredArm:
+    """An arm as the KLD run sees it: the scorer (Endpoint or InProcessScorer; None when
+    only its stored scores are read), its role and the factors attribution credits
+    (toggles, patches; its own name by default)."""
     name: str
     scorer: object
     role: str = "arm"               # baseline | arm | floor
     factors: frozenset = field(default_factory=frozenset)
 
 
-def _request(s: KldSettings, entry: ArmEntry, base: ArmScores | None) -> Request:
+def repeat_floor(base: ScoredArm) -> ScoredArm:
+    """The baseline scored a second time by the same scorer: its run-to-run noise, a floor."""
+    return ScoredArm(f"{base.name}{REPEAT_SUFFIX}", base.scorer, "floor")
+
+
+def _request(s: KldSettings, entry: ScoredArm, base: ArmScores | None) -> Request:
     r = Request(k=s.k, steps=s.steps, captures=s.captures)
     if s.exact and base is not None and entry.role != "baseline":
         if getattr(entry.scorer, "dialect", None) == "sglang":
@@ -58,11 +61,11 @@ def _request(s: KldSettings, entry: ArmEntry, base: ArmScores | None) -> Request
     return r
 
 
-def _key(s: KldSettings, entry: ArmEntry, ids: list[int]) -> str:
+def _key(s: KldSettings, entry: ScoredArm, ids: list[int]) -> str:
     return request_key(s.k, s.steps, s.exact and entry.role != "baseline", s.captures, ids)
 
 
-def score_arm(entry: ArmEntry, prompts, s: KldSettings, store: ScoreStore, baseline: str | None,
+def score_arm(entry: ScoredArm, prompts, s: KldSettings, store: ScoreStore, baseline: str | None,
               progress: Progress) -> int:
     """Score the prompts this arm has not scored yet, or scored without the captures it
     should have returned (resume fills the gap); returns how many were scored."""
@@ -84,7 +87,7 @@ def score_arm(entry: ArmEntry, prompts, s: KldSettings, store: ScoreStore, basel
     return len(todo)
 
 
-def _score_one(entry: ArmEntry, p, s: KldSettings, store: ScoreStore, baseline: str | None) -> None:
+def _score_one(entry: ScoredArm, p, s: KldSettings, store: ScoreStore, baseline: str | None) -> None:
     ids = p.tokens.tolist()
     key = _key(s, entry, ids)
     base = None
@@ -95,14 +98,14 @@ def _score_one(entry: ArmEntry, p, s: KldSettings, store: ScoreStore, baseline: 
     store.put(entry.name, p.id, key, entry.scorer.score(ids, _request(s, entry, base)))
 
 
-def load(entry: ArmEntry, p, s: KldSettings, store: ScoreStore) -> ArmScores:
+def load(entry: ScoredArm, p, s: KldSettings, store: ScoreStore) -> ArmScores:
     got = store.get(entry.name, p.id, _key(s, entry, p.tokens.tolist()))
     if got is None:
         raise RuntimeError(f"{entry.name} has no scores for prompt {p.id}")
     return got
 
 
-def compare_all(entries: list[ArmEntry], prompts, s: KldSettings, store: ScoreStore,
+def compare_all(entries: list[ScoredArm], prompts, s: KldSettings, store: ScoreStore,
                 shape: dict | None) -> dict[str, pd.DataFrame]:
     """Per-position rows, ladder divergence and capture rows of every arm vs the baseline,
     and each arm's capture coverage (prompts each capture signal could be computed on)."""
@@ -136,46 +139,18 @@ def compare_all(entries: list[ArmEntry], prompts, s: KldSettings, store: ScoreSt
             "coverage": pd.DataFrame(cov)}
 
 
-def http_signals(t: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """The verdict's per-(arm, prompt) signals from HTTP comparisons: KL lower bound mean
-    and p99 over the prompt, KL where the answer is produced (last prompt position and the
-    ladder), top-1 disagreement, and the capture signals per layer."""
-    pos = t["positions"]
-    pre = pos[pos.phase == "prefill"]
-    g = pre.groupby(["arm", "prompt"])
-    parts = [g.kl_lb.mean().rename("kld_mean"), g.kl_lb.quantile(0.99).rename("kld_p99"),
-             (1 - g.same_top1.mean()).rename("top1_disagree")]
-    last = pre.groupby(["arm", "prompt"]).position.transform("max") == pre.position
-    ans = pd.concat([pre[last], pos[pos.phase == "decode"]]).groupby(["arm", "prompt"]).kl_lb.mean()
-    parts.append(ans.rename("answer_kld"))
-    rows = []
-    for ser in parts:
-        for (arm, prompt), v in ser.items():
-            rows.append({"arm": arm, "prompt": prompt, "signal": ser.name, "where": "final logits",
-                         "value": float(v)})
-    caps = t["captures"]
-    for _, r in caps.iterrows():
-        rows.append({"arm": r.arm, "prompt": r.prompt, "signal": r.signal, "where": f"layer {int(r.layer)}",
-                     "value": float(r.value)})
-    return pd.DataFrame(rows, columns=S.COLUMNS)
-
-
-def judge(entries: list[ArmEntry], sig: pd.DataFrame, s: KldSettings) -> dict:
+def judge_arms(entries: list[ScoredArm], sig: pd.DataFrame, s: KldSettings) -> dict:
     """Summary, floors, attribution and verdict, exactly as `fidelity ab` judges its arms."""
     base = next(e for e in entries if e.role == "baseline")
-    summary = S.signal_summary(sig, s.n_boot, s.seed)
-    floors = S.floor_levels(summary, [e.name for e in entries if e.role == "floor"])
     sets = {e.name: e.factors for e in entries if e.role == "arm"}
     factors = sorted(set().union(*sets.values())) if sets else []
-    attr = S.attribute_signals(sig[sig.arm.isin(list(sets))], sets, factors, base.name, s.n_boot, s.seed)
-    verdict, table = S.verdict(attr, floors, sig.prompt.nunique())
-    return {"summary": summary, "floors": floors, "attribution": table, "verdict": verdict}
+    floors = [e.name for e in entries if e.role == "floor"]
+    return judge(sig, Design(base.name, sets, factors, floors), s.n_boot, s.seed)
 
 
-def check_identity(store: ScoreStore, entry: ArmEntry) -> None:
+def check_identity(store: ScoreStore, entry: ScoredArm) -> None:
     """Scores kept under an arm's name must come from the same server/arm: a relaunched,
     changed engine under an old name would otherwise be compared from stale files."""
-    import json
     desc = {k: v for k, v in entry.scorer.describe().items() if k != "dialect"}
     f = store.root / entry.name / "arm.json"
     if f.exists():
@@ -191,7 +166,7 @@ def check_identity(store: ScoreStore, entry: ArmEntry) -> None:
 TOKENIZER_PROBE = "The quick brown fox: 12345, naïve café. "
 
 
-def check_tokenizers(entries: list[ArmEntry], tokenizer, probe: str) -> None:
+def check_tokenizers(entries: list[ScoredArm], tokenizer, probe: str) -> None:
     """Every endpoint with a /tokenize must turn the probe text into our ids: arms fed the
     same ids but tokenizing differently would be compared on different text."""
     want = tokenizer.encode(probe)
@@ -205,39 +180,53 @@ def check_tokenizers(entries: list[ArmEntry], tokenizer, probe: str) -> None:
                                f"difference at id {j}; pass --tokenizer with the served model's")
 
 
-def run_kld(entries: list[ArmEntry], prompts, s: KldSettings, out_dir, run_id: str,
+def score_entry(e: ScoredArm, prompts, s: KldSettings, store: ScoreStore, baseline: str,
+                progress: Progress) -> int:
+    """Check the stored scores are this arm's, then score what it has not scored yet."""
+    check_identity(store, e)
+    return score_arm(e, prompts, s, store, baseline, progress)
+
+
+def run_kld(entries: list[ScoredArm], prompts, s: KldSettings, out_dir, run_id: str,
             manifest: dict, progress: Progress) -> dict:
     """Score (resuming), compare, judge, report. Entries: the baseline first. Retries
     (per arm and route) and capture coverage go to the console, manifest and summary."""
-    from pathlib import Path
-    from . import report
     store = ScoreStore(Path(out_dir) / "kld" / "scores")
     base = next(e for e in entries if e.role == "baseline")
     retries, counted = {}, set()
     for e in [base] + [e for e in entries if e is not base]:
-        check_identity(store, e)
         sc = e.scorer
         first = id(sc) not in counted          # start-up retries (connect, tokenize) go to the first
         before = {} if first else dict(getattr(sc, "retries", {}))
         counted.add(id(sc))
-        n = score_arm(e, prompts, s, store, base.name, progress)
+        n = score_entry(e, prompts, s, store, base.name, progress)
         after = getattr(sc, "retries", {})
         retries[e.name] = Counter({r: c - before.get(r, 0) for r, c in after.items()
                                      if c - before.get(r, 0)})
         note = f"; {sum(retries[e.name].values())} retries" if retries[e.name] else ""
         progress.log(f"{e.name}: {n} prompts scored, {len(prompts) - n} reused{note}")
     shape = capture_shape_of(entries, prompts, s, store) if s.captures else None
+    manifest["retries"] = H.retry_summary(retries)
+    res = evaluate(entries, prompts, s, store, shape, Path(out_dir) / "kld", run_id, manifest)
+    return {**res, "retries": manifest["retries"]}
+
+
+def evaluate(entries: list[ScoredArm], prompts, s: KldSettings, store: ScoreStore, shape: dict | None,
+             out_dir, run_id: str, manifest: dict, coverage: bool = True) -> dict:
+    """From stored scores to the report: compare every arm with the baseline, the verdict's
+    signals, judge, write <out_dir>/<run_id>. `coverage`: record the capture coverage in
+    the manifest."""
     tables = compare_all(entries, prompts, s, store, shape)
     tables["signals"] = http_signals(tables)
-    judged = judge(entries, tables["signals"], s)
-    manifest["retries"] = H.retry_summary(retries)
-    manifest["capture_coverage"] = tables["coverage"].to_dict("records")
-    path = report.write(Path(out_dir) / "kld", run_id, tables, judged, manifest,
+    judged = judge_arms(entries, tables["signals"], s)
+    if coverage:
+        manifest["capture_coverage"] = tables["coverage"].to_dict("records")
+    path = report.write(out_dir, run_id, tables, judged, manifest,
                         [e.name for e in entries if e.role != "baseline"])
-    return {"path": path, **tables, **judged, "retries": manifest["retries"]}
+    return {"path": path, **tables, **judged}
 
 
-def capture_shape_of(entries: list[ArmEntry], prompts, s: KldSettings, store: ScoreStore) -> dict | None:
+def capture_shape_of(entries: list[ScoredArm], prompts, s: KldSettings, store: ScoreStore) -> dict | None:
     """The capture shape from any arm that knows it; else (a resumed run whose start-up
     /get_model_info answer was unusable) asked again of an endpoint whose stored scores
     hold captures."""

@@ -26,7 +26,7 @@ CONTENT_ROLES = ("system", "developer", "user")
 @dataclass
 class ServedArm:
     id: str                     # the `model` a request names
-    arm: object                 # fidelity.arms.Arm
+    arm: object                 # fidelity.arms.NumericsArm
     model: Model
 
 

@@ -12,6 +12,7 @@ import math
 from typing import Callable, Iterable, Mapping
 
 import numpy as np
+import pandas as pd
 from scipy import stats
 
 Subset = frozenset
@@ -125,3 +126,25 @@ def bootstrap_mean_ci(x: Iterable[float], n_boot: int = 1000, seed: int = 0, ci:
                           method="percentile", vectorized=True,
                           random_state=np.random.default_rng(seed))
     return float(x.mean()), float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def prompt_outcomes(kld: pd.DataFrame, group: str | None = None, phase: str = "prefill") -> pd.DataFrame:
+    """Outcome per (arm, prompt): mean final-logit KLD over positions (optionally one group)."""
+    d = kld[kld.phase == phase]
+    if group is not None:
+        d = d[d.group == group]
+    return d.groupby(["arm", "prompt"], as_index=False)["kld"].mean()
+
+
+def outcome_matrix(outcomes: pd.DataFrame, arms_to_sets: dict[str, frozenset],
+                   golden: str) -> dict[frozenset, np.ndarray]:
+    """{toggle subset: per-prompt outcome array} for attribution; golden's outcome is 0."""
+    prompts = sorted(outcomes.prompt.unique())
+    table = {frozenset(): np.zeros(len(prompts))}
+    for arm, s in arms_to_sets.items():
+        if arm == golden:
+            continue
+        v = outcomes[outcomes.arm == arm].set_index("prompt")["kld"].reindex(prompts)
+        if v.notna().all():
+            table[frozenset(s)] = v.to_numpy(dtype=float)
+    return table

@@ -26,6 +26,7 @@ import torch
 from needle.haystack import needle_entries
 from reference_model import Model, Numerics, Taps
 
+from ..prompts import Prompt
 from . import metrics as M
 
 MODES = ("propagated", "isolated")
@@ -37,24 +38,13 @@ DEFAULT_TAPS = ("layers.*.attn.kv", "layers.*.attn.index.topk", "layers.*.attn.o
 
 
 @dataclass(frozen=True)
-class Arm:
+class LockstepArm:
+    """One arm of a lockstep run: its numerics, the toggles attribution credits, its role."""
     name: str
     numerics: Numerics
     toggles: frozenset = frozenset()
     role: str = "arm"                   # "golden", "floor" or "arm"
     weights: object | None = None       # another checkpoint of the same architecture (None: the run's)
-
-
-@dataclass
-class Prompt:
-    id: str
-    tokens: torch.Tensor
-    group: str = ""                     # e.g. the length bucket it was built for
-    needle_tokens: tuple[int, ...] = ()  # positions of the needle value's tokens (if any)
-
-    @property
-    def length(self) -> int:
-        return int(self.tokens.numel())
 
 
 @dataclass
@@ -167,7 +157,7 @@ class StreamStore:
 
 
 class LockstepRunner:
-    def __init__(self, weights, arms: list[Arm], mode: str = "propagated", decode_steps: int = 4,
+    def __init__(self, weights, arms: list[LockstepArm], mode: str = "propagated", decode_steps: int = 4,
                  taps=DEFAULT_TAPS, keep=(), progress: Callable[[str], None] | None = None,
                  chunk_tokens: int = 2048, pairs: dict[str, str] | None = None,
                  activation_budget: int | None = None, devices: list | None = None):

@@ -6,14 +6,16 @@ produced, indexer top-k recall per CSA layer, whether the needle's entry is stil
 at the question, expert-set agreement per MoE layer and how KLD grows along the context.
 Each signal is one number per (arm, prompt, where), so the attribution machinery and the
 paired bootstrap apply unchanged; a toggle is named when the lower end of its interval
-clears the highest floor's upper end for that signal."""
+clears the highest floor's upper end for that signal (judge.py).
+
+A new signal goes here only: its name and meaning in SIGNALS, its smallest floor in
+FLOOR_EPS, and its extraction in prompt_signals (from `fidelity ab`'s lockstep tables)
+and/or http_signals (from `fidelity kld`'s comparisons over HTTP)."""
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 
-from . import analysis as A
-from .attribution import attribute, bootstrap_mean_ci
+from .attribution import attribute, bootstrap_mean_ci, outcome_matrix
 
 # signal -> what it measures (larger = worse for every signal)
 SIGNALS = {
@@ -29,7 +31,7 @@ SIGNALS = {
                      "baseline's (HTTP arms)",
 }
 # smallest floor a ratio is taken against (a floor of exactly 0 would make any change infinite)
-_FLOOR_EPS = {"kld_mean": 1e-6, "kld_p99": 1e-6, "answer_kld": 1e-6, "late_kld_excess": 1e-6,
+FLOOR_EPS = {"kld_mean": 1e-6, "kld_p99": 1e-6, "answer_kld": 1e-6, "late_kld_excess": 1e-6,
               "topk_loss": 1e-3, "needle_lost": 1e-3, "expert_disagree": 1e-3, "top1_disagree": 1e-3}
 COLUMNS = ["arm", "prompt", "signal", "where", "value"]
 
@@ -84,6 +86,31 @@ def _frame(series: pd.Series, signal: str, per_layer: bool = False) -> pd.DataFr
     return df
 
 
+def http_signals(t: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """The verdict's per-(arm, prompt) signals from HTTP comparisons (fidelity.kld.compare's
+    tables): KL lower bound mean and p99 over the prompt, KL where the answer is produced
+    (last prompt position and the ladder), top-1 disagreement, and the capture signals per
+    layer."""
+    pos = t["positions"]
+    pre = pos[pos.phase == "prefill"]
+    g = pre.groupby(["arm", "prompt"])
+    parts = [g.kl_lb.mean().rename("kld_mean"), g.kl_lb.quantile(0.99).rename("kld_p99"),
+             (1 - g.same_top1.mean()).rename("top1_disagree")]
+    last = pre.groupby(["arm", "prompt"]).position.transform("max") == pre.position
+    ans = pd.concat([pre[last], pos[pos.phase == "decode"]]).groupby(["arm", "prompt"]).kl_lb.mean()
+    parts.append(ans.rename("answer_kld"))
+    rows = []
+    for ser in parts:
+        for (arm, prompt), v in ser.items():
+            rows.append({"arm": arm, "prompt": prompt, "signal": ser.name, "where": "final logits",
+                         "value": float(v)})
+    caps = t["captures"]
+    for _, r in caps.iterrows():
+        rows.append({"arm": r.arm, "prompt": r.prompt, "signal": r.signal, "where": f"layer {int(r.layer)}",
+                     "value": float(r.value)})
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
 def signal_summary(sig: pd.DataFrame, n_boot: int, seed: int) -> pd.DataFrame:
     """Per arm, signal and place: mean over prompts with a bootstrap 95% CI."""
     rows = []
@@ -113,7 +140,7 @@ def attribute_signals(sig: pd.DataFrame, arm_sets: dict[str, frozenset], toggles
     `added_to_base` effect: signal(base + t) - signal(base)."""
     rows = []
     for (s, w), grp in sig.groupby(["signal", "where"], sort=False):
-        table = A.outcome_matrix(grp.rename(columns={"value": "kld"}), arm_sets, golden)
+        table = outcome_matrix(grp.rename(columns={"value": "kld"}), arm_sets, golden)
         if len(table) < 2:
             continue
         for r in attribute(toggles, table, n_boot, seed):
@@ -140,53 +167,3 @@ def direct_effects(pair_sig: pd.DataFrame, arm_sets: dict[str, frozenset], base:
         rows.append({"signal": s, "where": w, "toggle": next(iter(extra)), "method": "vs_base",
                      "value": m, "lo": lo, "hi": hi})
     return pd.DataFrame(rows, columns=["signal", "where", "toggle", "method", "value", "lo", "hi"])
-
-
-MIN_PROMPTS = 3          # below this a bootstrap over prompts says little
-
-
-def verdict(attr: pd.DataFrame, floors: pd.DataFrame, n_prompts: int | None = None) -> tuple[dict, pd.DataFrame]:
-    """Name every toggle whose interval, for some signal and method, lies wholly above that
-    signal's highest floor; the culprit is the one clearing by the largest factor. With
-    fewer than MIN_PROMPTS prompts the sentence says the intervals are not to be trusted."""
-    v, t = _verdict(attr, floors)
-    if n_prompts is not None and n_prompts < MIN_PROMPTS:
-        v["sentence"] += (f" Caution: only {n_prompts} prompt(s); the intervals are a bootstrap "
-                          f"over prompts and mean little below {MIN_PROMPTS}.")
-        v["few_prompts"] = True
-    return v, t
-
-
-def _verdict(attr: pd.DataFrame, floors: pd.DataFrame) -> tuple[dict, pd.DataFrame]:
-    if attr.empty:
-        return ({"culprit": None, "named": [], "sentence": "No attribution was computed (need at "
-                 "least one toggle arm besides golden)."}, attr.assign(floor_hi=[], clears=[]))
-    t = attr.merge(floors, on=["signal", "where"], how="left")
-    t["floor_hi"] = t["floor_hi"].fillna(0.0)
-    eps = t.signal.map(_FLOOR_EPS).fillna(1e-9)
-    t["clears"] = (t.lo > t.floor_hi) & (t.value > 0)
-    t["x_floor"] = t.lo / np.maximum(t.floor_hi, eps)
-    hits = t[t.clears].sort_values("x_floor", ascending=False)
-    if hits.empty:
-        k = t[t.signal == "kld_mean"].sort_values("value", ascending=False)
-        top = k.iloc[0] if len(k) else t.sort_values("value", ascending=False).iloc[0]
-        return ({"culprit": None, "named": [], "sentence":
-                 f"No toggle stands out: for no signal does a toggle's interval clear its floor "
-                 f"(largest mean-KLD effect: {top.toggle}, {top.value:.3g} "
-                 f"[{top.lo:.3g}, {top.hi:.3g}] vs floor {top.floor_hi:.3g})."}, t)
-    best = hits.drop_duplicates("toggle")
-    c = best.iloc[0]
-    named = [{"toggle": r.toggle, "signal": r.signal, "where": r["where"], "method": r.method,
-              "value": float(r.value), "lo": float(r.lo), "hi": float(r.hi),
-              "floor_hi": float(r.floor_hi), "x_floor": float(r.x_floor),
-              "signals": sorted(set(hits[hits.toggle == r.toggle].signal))}
-             for _, r in best.iterrows()]
-    others = ", ".join(f"{n['toggle']} ({n['signal']}, {n['where']})" for n in named[1:])
-    sentence = (f"{c.toggle} breaks coherence: its {c.method.replace('_', '-')} effect on "
-                f"{c.signal} ({SIGNALS[c.signal]}) at {c['where']} is {c.value:.3g} "
-                f"(95% CI [{c.lo:.3g}, {c.hi:.3g}]), above the highest floor's {c.floor_hi:.3g}; "
-                f"signals cleared: {', '.join(named[0]['signals'])}."
-                + (f" Also above their floors: {others}." if others else ""))
-    return {"culprit": c.toggle, "named": named, "method": c.method, "signal": c.signal,
-            "where": c["where"], "value": float(c.value), "lo": float(c.lo), "hi": float(c.hi),
-            "sentence": sentence}, t

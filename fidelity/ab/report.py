@@ -11,10 +11,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import ab_plots as plots
-from . import signals as S
 from infra.report_page import Page, Section, Table
 from infra.report_writer import ReportWriter
+
+from ..verdict.board import signal_board, signal_ratios, suspects
+from ..verdict.signals import SIGNALS
+from . import plots
 
 # summary-table column -> (verdict signal, how the column relates to it)
 SUMMARY_SIGNALS = {"kld_mean": ("kld_mean", 1), "kld_p99": ("kld_p99", 1), "answer_kld": ("answer_kld", 1),
@@ -56,11 +58,11 @@ def _figures(w: ReportWriter, tables, result, sets):
     qat_floor = result["manifest"]["floor"]
     arm_names = list(sets)
     singles, full = _plotted_arms(sets)
-    w.figure(plots.signal_board(tables["signal_summary"], tables["signal_attribution"], list(floor_arms) + arm_names),
+    w.figure(signal_board(tables["signal_summary"], tables["signal_attribution"], list(floor_arms) + arm_names),
              "signals", "Verdict signals vs their floors",
              "Each arm's mean of each signal over the highest floor's upper 95% bound for that "
              "signal and place (log scale): red is above every floor, blue below, grey no data. "
-             "Signals: " + "; ".join(f"{k}: {v}" for k, v in S.SIGNALS.items()) + ".")
+             "Signals: " + "; ".join(f"{k}: {v}" for k, v in SIGNALS.items()) + ".")
     w.figure(plots.drift_vs_layer(drift, qat_floor, list(floor_arms) + singles + full), "drift_vs_layer",
              "Drift vs layer", "Relative L2 of the residual stream after each layer vs golden "
              "(prefill, mean over prompts) for each single toggle and the full arm(s); grey "
@@ -84,27 +86,13 @@ def _figures(w: ReportWriter, tables, result, sets):
 def summary_ratios(summary: pd.DataFrame, sig_summary: pd.DataFrame, floors: pd.DataFrame) -> pd.DataFrame:
     """For each arm row of the summary table and each signal column: the worst place's mean
     over that place's highest floor (what colours the arms table)."""
-    board = plots.signal_ratios(sig_summary, floors, list(summary.arm))
+    board = signal_ratios(sig_summary, floors, list(summary.arm))
     out = pd.DataFrame(index=range(len(summary)))
     for col, (signal, _) in SUMMARY_SIGNALS.items():
         cols = [c for c in board.columns if c.startswith(signal + " @ ")]
         worst = board[cols].max(axis=1) if cols else pd.Series(dtype=float)
         out[col] = [worst.get(a, np.nan) for a in summary.arm]
     return out
-
-
-def suspects(verdict_table: pd.DataFrame, limit: int = 8) -> pd.DataFrame:
-    """Each toggle's strongest signal against its floor, strongest first: named ones (their
-    interval clears the floor) then the rest."""
-    if verdict_table.empty:
-        return verdict_table
-    v = verdict_table.copy()
-    v["rank"] = v["clears"].astype(int) * 1e9 + v["x_floor"].replace(np.inf, 1e8).fillna(0)
-    best = v.sort_values("rank", ascending=False).drop_duplicates("toggle").head(limit)
-    return pd.DataFrame({"toggle": best.toggle, "signal": best.signal, "where": best["where"],
-                         "method": best.method, "value": best.value, "ci_low": best.lo, "ci_high": best.hi,
-                         "floor": best.floor_hi, "x_floor": best.x_floor, "named": best.clears}
-                        ).reset_index(drop=True)
 
 
 def next_steps(result, sus: pd.DataFrame) -> list[str]:

@@ -1,5 +1,6 @@
-"""From tidy lockstep tables to answers: drift as a multiple of the noise floor, the first
-divergent layer of each arm, per-prompt outcomes for attribution, and the verdict."""
+"""Drift in the tidy lockstep tables: as a multiple of the noise floor, and the first
+divergent layer of each arm. (Per-prompt outcomes for attribution and the verdict are
+fidelity.verdict.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -21,12 +22,6 @@ def with_floor_multiple(drift: pd.DataFrame, floor_arm: str) -> pd.DataFrame:
     out = drift.merge(fl, on=KEYS, how="left")
     out["x_floor"] = out["rel_l2"] / out["floor_rel_l2"].replace(0, np.nan)
     return out
-
-
-def layer_profile(drift: pd.DataFrame, tap: str = "out", phase: str = "prefill") -> pd.DataFrame:
-    """Mean rel_l2 per arm and layer over prompts (bucket 'all')."""
-    d = drift[(drift.tap == tap) & (drift.phase == phase) & (drift.bucket == "all")]
-    return d.groupby(["arm", "layer"], as_index=False)["rel_l2"].mean()
 
 
 # per tap kind: the column that measures departure (larger = further away)
@@ -67,25 +62,3 @@ def first_divergence(drift: pd.DataFrame, arm: str, floor_arm: str, k: float = 2
                         "tap": lt[1], "departure": va, "floor": vr,
                         "ratio": va / vr if vr > 0 and np.isfinite(va) else np.inf}
     return None
-
-
-def prompt_outcomes(kld: pd.DataFrame, group: str | None = None, phase: str = "prefill") -> pd.DataFrame:
-    """Outcome per (arm, prompt): mean final-logit KLD over positions (optionally one group)."""
-    d = kld[kld.phase == phase]
-    if group is not None:
-        d = d[d.group == group]
-    return d.groupby(["arm", "prompt"], as_index=False)["kld"].mean()
-
-
-def outcome_matrix(outcomes: pd.DataFrame, arms_to_sets: dict[str, frozenset],
-                   golden: str) -> dict[frozenset, np.ndarray]:
-    """{toggle subset: per-prompt outcome array} for attribution; golden's outcome is 0."""
-    prompts = sorted(outcomes.prompt.unique())
-    table = {frozenset(): np.zeros(len(prompts))}
-    for arm, s in arms_to_sets.items():
-        if arm == golden:
-            continue
-        v = outcomes[outcomes.arm == arm].set_index("prompt")["kld"].reindex(prompts)
-        if v.notna().all():
-            table[frozenset(s)] = v.to_numpy(dtype=float)
-    return table

@@ -1,0 +1,211 @@
+"""`fidelity ab`'s run: prompts -> the arms' design (design.py) -> lockstep stage one ->
+the factorial stage over the most effective toggles -> signals judged by
+fidelity.verdict (the same judge as `fidelity kld`) -> tidy tables -> report. Everything
+is computed from tidy tables."""
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ..prompts import Prompt, all_token_ids, builtin_prompts, file_prompts
+from ..verdict.attribution import attribute, bootstrap_mean_ci, outcome_matrix, prompt_outcomes
+from ..verdict.judge import Design, judge
+from ..verdict.signals import direct_effects, prompt_signals, with_longest
+from .design import (FLOOR, FLOOR_ORDER, FLOORS, GOLDEN, WEIGHTS_PREFIX, ABSettings, base_toggles,
+                     design, factorial_arms, floor_arms, golden_arm, toggle_arms, top_toggles, vs_pairs,
+                     weight_arms)
+from .drift import first_divergence, with_floor_multiple
+from .lockstep import LockstepResult, LockstepRunner
+from .report import write_report
+
+
+@dataclass
+class _Stages:
+    """What the lockstep stages ran and measured."""
+    res: LockstepResult
+    sets: dict              # candidate arm -> its toggles (factors)
+    toggles: list           # what attribution ranges over
+    label_sets: dict        # stage one's toggle arms: label -> ToggleSet
+    pairs: dict             # arm -> the --vs arm it is compared with directly
+    outcomes: pd.DataFrame  # mean final-logit KLD per (arm, prompt) at the longest length
+    table: dict             # toggle subset -> per-prompt outcomes (attribution's input)
+    top: list               # toggles of the factorial stage
+
+
+def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None = None,
+           progress=print, tokenizer=None, variants: dict | None = None) -> dict:
+    """`variants`: {name: WeightSource} of other checkpoints of the same architecture; each
+    becomes an arm `weights:<name>` (golden numerics on those weights), so drift and KLD
+    are attributed to the checkpoint as well as to the numerics toggles."""
+    t_start = time.time()
+    cfg = weights.cfg
+    prompts, longest = _prompts(cfg, settings, tokenizer)
+    st = _stage_one(weights, settings, prompts, longest, progress, variants)
+    _stage_two(weights, settings, prompts, longest, progress, st)
+    tables, judged = _judged_tables(cfg, settings, prompts, longest, st)
+    result = {"manifest": _manifest(cfg, settings, st, prompts, run_id, t_start),
+              "verdict": judged["verdict"], "noise_floor": _noise_floor(st.outcomes, settings),
+              "floors": judged["floors"].to_dict("records"),
+              "first_divergence": _first_divergences(tables["drift"], tables["pairs"], st.sets, st.pairs,
+                                                     settings.floor_k),
+              "events": st.res.events}
+    if out_dir is not None:
+        path = write_report(out_dir, run_id or time.strftime("ab-%Y%m%d-%H%M%S"), tables, result,
+                            st.sets, st.res)
+        result["path"] = str(path)
+    result.update(tables)
+    return result
+
+
+def _prompts(cfg, settings: ABSettings, tokenizer) -> tuple[list[Prompt], str]:
+    """The prompts and the group of the longest ones."""
+    if settings.prompts_file:
+        if tokenizer is None and not all_token_ids(settings.prompts_file):
+            raise ValueError("--prompts with text or messages needs a tokenizer")
+        return file_prompts(settings.prompts_file, tokenizer, cfg.vocab_size, group="file"), "file"
+    return (builtin_prompts(cfg, settings.lengths, settings.prompts_per_length, settings.seed, tokenizer),
+            f"L{max(settings.lengths)}")
+
+
+def _stage_one(weights, settings, prompts, longest, progress, variants) -> _Stages:
+    """Golden, the floors, the design's toggle arms and the weight variants."""
+    label_sets, toggles = design(settings)
+    pairs = vs_pairs(settings, label_sets)
+    cd = getattr(torch, settings.accumulate)
+    w_arms = weight_arms(variants, cd)
+    toggles = toggles + [a.name for a in w_arms]
+    arms = [golden_arm(cd)] + floor_arms(cd) + toggle_arms(label_sets, cd) + w_arms
+    progress(f"stage 1: {len(arms)} arms × {len(prompts)} prompts, mode {settings.mode}")
+    res = _run(weights, arms, prompts, settings, progress, pairs)
+    sets = {a.name: a.toggles for a in arms if a.role == "arm"}
+    outcomes = prompt_outcomes(pd.DataFrame(res.kld), group=longest)
+    return _Stages(res, sets, toggles, label_sets, pairs, outcomes,
+                   outcome_matrix(outcomes, sets, GOLDEN), [])
+
+
+def _stage_two(weights, settings, prompts, longest, progress, st: _Stages) -> None:
+    """Full factorial over the toggles with the largest single or leave-one-out effect."""
+    st.top = top_toggles([t for t in st.toggles if not t.startswith(WEIGHTS_PREFIX)], st.table,
+                         settings.shapley_top)
+    new = factorial_arms(st.top, st.table, st.sets) if len(st.top) >= 2 else {}
+    if not new:
+        return
+    progress(f"stage 2: factorial over {', '.join(st.top)} ({len(new)} more arms)")
+    cd = getattr(torch, settings.accumulate)
+    extra = _run(weights, [golden_arm(cd)] + toggle_arms(new, cd), prompts, settings, progress)
+    extra.needle = [r for r in extra.needle if r["arm"] != GOLDEN]   # already in stage 1
+    st.res.extend(extra)
+    st.sets.update({k: frozenset(v.names) for k, v in new.items()})
+    st.outcomes = prompt_outcomes(pd.DataFrame(st.res.kld), group=longest)
+    st.table = outcome_matrix(st.outcomes, st.sets, GOLDEN)
+
+
+def _judged_tables(cfg, settings, prompts, longest, st: _Stages) -> tuple[dict, dict]:
+    """The run's tidy tables, its signals judged by fidelity.verdict (floors, attribution,
+    verdict) with the --vs arm's direct effects."""
+    res = st.res
+    drift = with_floor_multiple(pd.DataFrame(res.drift), FLOOR)
+    kld, needle = pd.DataFrame(res.kld), pd.DataFrame(res.needle)
+    groups = {p.id: p.group for p in prompts}
+    sig = with_longest(prompt_signals(drift, kld, needle, cfg.window_size), groups, longest)
+    pair_df, pair_kld = pd.DataFrame(res.pairs), pd.DataFrame(res.pair_kld)
+    direct = None
+    if len(pair_kld):
+        pair_sig = with_longest(prompt_signals(pair_df, pair_kld, None, cfg.window_size), groups, longest)
+        direct = direct_effects(pair_sig, st.sets, frozenset(st.label_sets[settings.vs].names),
+                                settings.n_boot, settings.seed)
+    judged = judge(sig, Design(GOLDEN, st.sets, st.toggles, list(FLOORS), base_toggles(settings)),
+                   settings.n_boot, settings.seed, len(prompts), direct)
+    tables = {"drift": drift, "kld": kld, "attribution": _attribution(st.toggles, st.top, st.table, settings),
+              "attribution_by_length": _per_length_attr(kld, st.sets, st.toggles, settings),
+              "summary": _summary_table(drift, kld, judged["summary"], st.sets), "signals": sig,
+              "signal_summary": judged["summary"], "signal_attribution": judged["attribution"],
+              "pairs": pair_df, "needle": needle}
+    return tables, judged
+
+
+def _noise_floor(outcomes: pd.DataFrame, settings) -> dict:
+    """The QAT floor's mean final-logit KLD at the longest length, with its CI."""
+    floor_vals = outcomes[outcomes.arm == FLOOR].sort_values("prompt").kld.to_numpy()
+    fmean, flo, fhi = bootstrap_mean_ci(floor_vals, settings.n_boot, settings.seed)
+    return {"mean": fmean, "lo": flo, "hi": fhi}
+
+
+def _manifest(cfg, settings, st: _Stages, prompts, run_id, t_start) -> dict:
+    return {
+        "run_id": run_id, "config": cfg.to_dict(), "config_hash": cfg.config_hash(),
+        "checkpoint": settings.checkpoint, "settings": asdict(settings),
+        "arms": {k: sorted(v) for k, v in st.sets.items()}, "golden": GOLDEN, "floor": FLOOR,
+        "floors": list(FLOORS), "vs": settings.vs,
+        "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in prompts],
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "numpy": np.__version__, "pandas": pd.__version__},
+        "seconds": round(time.time() - t_start, 1),
+    }
+
+
+def _run(weights, arms, prompts, settings, progress, pairs=None) -> LockstepResult:
+    return LockstepRunner(weights, arms, settings.mode, settings.decode_steps, settings.taps,
+                          settings.keep, progress=progress, pairs=pairs,
+                          activation_budget=settings.activation_budget,
+                          devices=list(settings.devices) if settings.devices != ("cpu",) else None
+                          ).run(prompts)
+
+
+def _first_divergences(drift, pair_df, sets, pairs, k) -> list[dict]:
+    """Per arm: first divergence from golden and, for arms with a --vs arm, from it; both
+    thresholds are k × the reduction-order floor."""
+    out = []
+    for a in sets:
+        for vs in (None, pairs.get(a)) if a in pairs else (None,):
+            f = first_divergence(drift, a, FLOOR_ORDER, k, pair_df, vs)
+            if f:
+                out.append(f)
+    return out
+
+
+def _attribution(toggles, top, table, settings) -> pd.DataFrame:
+    rows = [r for r in attribute(toggles, table, settings.n_boot, settings.seed)
+            if r["method"] != "shapley" or len(toggles) <= 6]
+    if len(top) >= 2:
+        sub = {k: v for k, v in table.items() if k <= frozenset(top)}
+        rows += [r for r in attribute(top, sub, settings.n_boot, settings.seed) if r["method"] == "shapley"]
+    return pd.DataFrame(rows, columns=["toggle", "method", "value", "lo", "hi"])
+
+
+def _per_length_attr(kld, sets, toggles, settings) -> pd.DataFrame:
+    rows = []
+    for group in sorted(kld.group.unique(), key=lambda g: int(g[1:]) if g[1:].isdigit() else 0):
+        t = outcome_matrix(prompt_outcomes(kld, group=group), sets, GOLDEN)
+        for r in attribute(toggles, t, max(200, settings.n_boot // 5), settings.seed):
+            if r["method"] != "shapley":
+                rows.append({"group": group, **r})
+    return pd.DataFrame(rows)
+
+
+def _summary_table(drift, kld, sig_summary, sets) -> pd.DataFrame:
+    """Per arm: final-logit KLD summary (prefill, all buckets), decode KLD, and the worst
+    place of each verdict signal (answer KLD, top-k recall, needle entry, experts)."""
+    d = drift[(drift.tap == "logits") & (drift.bucket == "all")]
+    rows = []
+    for arm in list(FLOORS) + list(sets):
+        p = d[(d.arm == arm) & (d.phase == "prefill")]
+        dec = kld[(kld.arm == arm) & (kld.phase == "decode")]
+        if p.empty:
+            continue
+        ss = sig_summary[sig_summary.arm == arm].groupby("signal")["mean"].max()
+        rows.append({"arm": arm, "kld_mean": p.kld_mean.mean(), "kld_p99": p.kld_p99.mean(),
+                     "kld_max": p.kld_max.max(), "same_top1": p.same_top1.mean(),
+                     "dp_mean": p.dp_mean.mean(),
+                     "decode_kld_mean": dec.kld.mean() if len(dec) else np.nan,
+                     "answer_kld": ss.get("answer_kld", np.nan),
+                     "late_kld_excess": ss.get("late_kld_excess", np.nan),
+                     "topk_recall_min": 1 - ss.get("topk_loss", np.nan),
+                     "needle_lost_max": ss.get("needle_lost", np.nan),
+                     "expert_same_min": 1 - ss.get("expert_disagree", np.nan)})
+    return pd.DataFrame(rows)

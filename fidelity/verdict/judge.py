@@ -1,0 +1,87 @@
+"""The one judging sequence of `fidelity ab`, `fidelity kld` and `fidelity engines`:
+per-prompt signals -> summary per (arm, signal, place) with bootstrap CIs -> each
+signal's highest floor -> attribution of every signal to the factors -> the verdict,
+which names every factor whose interval clears its signal's floor."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from .signals import FLOOR_EPS, SIGNALS, attribute_signals, floor_levels, signal_summary
+
+
+@dataclass(frozen=True)
+class Design:
+    """What the arms are, as the verdict sees them."""
+    baseline: str                        # the arm every signal is measured against (outcome 0)
+    arms: dict[str, frozenset]           # candidate arm -> the factors (toggles, patches) it holds
+    factors: list[str]                   # what attribution ranges over
+    floors: list[str]                    # arms that are noise floors, not candidates
+    added_to: frozenset | None = None    # base: every base + t arm gives t an added_to_base effect
+
+
+def judge(sig: pd.DataFrame, design: Design, n_boot: int, seed: int, n_prompts: int | None = None,
+          direct: pd.DataFrame | None = None) -> dict:
+    """Summary, floors, attribution and verdict of the signals `sig` (signals.COLUMNS).
+    `direct`: attribution rows measured directly between arms (signals.direct_effects),
+    judged with the rest. `n_prompts` defaults to the prompts in `sig`."""
+    summary = signal_summary(sig, n_boot, seed)
+    floors = floor_levels(summary, design.floors)
+    attr = attribute_signals(sig[sig.arm.isin(list(design.arms))], design.arms, design.factors,
+                             design.baseline, n_boot, seed, design.added_to)
+    if direct is not None:
+        attr = pd.concat([attr, direct], ignore_index=True)
+    v, table = verdict(attr, floors, sig.prompt.nunique() if n_prompts is None else n_prompts)
+    return {"summary": summary, "floors": floors, "attribution": table, "verdict": v}
+
+
+MIN_PROMPTS = 3          # below this a bootstrap over prompts says little
+
+
+def verdict(attr: pd.DataFrame, floors: pd.DataFrame, n_prompts: int | None = None) -> tuple[dict, pd.DataFrame]:
+    """Name every toggle whose interval, for some signal and method, lies wholly above that
+    signal's highest floor; the culprit is the one clearing by the largest factor. With
+    fewer than MIN_PROMPTS prompts the sentence says the intervals are not to be trusted."""
+    v, t = _verdict(attr, floors)
+    if n_prompts is not None and n_prompts < MIN_PROMPTS:
+        v["sentence"] += (f" Caution: only {n_prompts} prompt(s); the intervals are a bootstrap "
+                          f"over prompts and mean little below {MIN_PROMPTS}.")
+        v["few_prompts"] = True
+    return v, t
+
+
+def _verdict(attr: pd.DataFrame, floors: pd.DataFrame) -> tuple[dict, pd.DataFrame]:
+    if attr.empty:
+        return ({"culprit": None, "named": [], "sentence": "No attribution was computed (need at "
+                 "least one toggle arm besides golden)."}, attr.assign(floor_hi=[], clears=[]))
+    t = attr.merge(floors, on=["signal", "where"], how="left")
+    t["floor_hi"] = t["floor_hi"].fillna(0.0)
+    eps = t.signal.map(FLOOR_EPS).fillna(1e-9)
+    t["clears"] = (t.lo > t.floor_hi) & (t.value > 0)
+    t["x_floor"] = t.lo / np.maximum(t.floor_hi, eps)
+    hits = t[t.clears].sort_values("x_floor", ascending=False)
+    if hits.empty:
+        k = t[t.signal == "kld_mean"].sort_values("value", ascending=False)
+        top = k.iloc[0] if len(k) else t.sort_values("value", ascending=False).iloc[0]
+        return ({"culprit": None, "named": [], "sentence":
+                 f"No toggle stands out: for no signal does a toggle's interval clear its floor "
+                 f"(largest mean-KLD effect: {top.toggle}, {top.value:.3g} "
+                 f"[{top.lo:.3g}, {top.hi:.3g}] vs floor {top.floor_hi:.3g})."}, t)
+    best = hits.drop_duplicates("toggle")
+    c = best.iloc[0]
+    named = [{"toggle": r.toggle, "signal": r.signal, "where": r["where"], "method": r.method,
+              "value": float(r.value), "lo": float(r.lo), "hi": float(r.hi),
+              "floor_hi": float(r.floor_hi), "x_floor": float(r.x_floor),
+              "signals": sorted(set(hits[hits.toggle == r.toggle].signal))}
+             for _, r in best.iterrows()]
+    others = ", ".join(f"{n['toggle']} ({n['signal']}, {n['where']})" for n in named[1:])
+    sentence = (f"{c.toggle} breaks coherence: its {c.method.replace('_', '-')} effect on "
+                f"{c.signal} ({SIGNALS[c.signal]}) at {c['where']} is {c.value:.3g} "
+                f"(95% CI [{c.lo:.3g}, {c.hi:.3g}]), above the highest floor's {c.floor_hi:.3g}; "
+                f"signals cleared: {', '.join(named[0]['signals'])}."
+                + (f" Also above their floors: {others}." if others else ""))
+    return {"culprit": c.toggle, "named": named, "method": c.method, "signal": c.signal,
+            "where": c["where"], "value": float(c.value), "lo": float(c.lo), "hi": float(c.hi),
+            "sentence": sentence}, t
