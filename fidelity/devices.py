@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fidelity.weights.source import WEIGHT_MODES
+
 # compute capabilities whose fp64 runs at half (or better) the fp32 rate: P100, V100,
 # A100 / A30, H100 / H200, B200 / B300 (data-centre parts)
 FAST_FP64 = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
@@ -104,7 +106,7 @@ def add_options(p) -> None:
     g.add_argument("--devices", "--device", dest="devices", default=None, metavar="DEV[,DEV...]",
                    help="where the golden runs: cpu (default), cuda, cuda:0,...,cuda:7 (layers "
                         "placed contiguously across the list)")
-    g.add_argument("--weights-mode", default=None, choices=("streamed", "resident-quantised", "dense"),
+    g.add_argument("--weights-mode", default=None, choices=WEIGHT_MODES,
                    help="how a --checkpoint is held: streamed (one dequantised layer at a time; "
                         "default for ab), resident-quantised (the checkpoint's own FP8/FP4 "
                         "tensors resident, dequantised on use), dense (default for serve, "

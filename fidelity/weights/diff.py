@@ -24,11 +24,18 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import matplotlib.pyplot as plt
+import matplotlib.transforms as mtransforms
+import numpy as np
 import pandas as pd
 import torch
 
 from infra.report_page import Page, Section, Table
 from infra.report_writer import ReportWriter
+from reference_model.checkpoint import CheckpointError, StreamingWeights, scan_checkpoint
+from reference_model.checkpoint_format import disk_entries
+from reference_model.config import ConfigError
+from reference_model.specs import global_specs, layer_specs
 
 CHUNK = 1 << 22          # elements per fp64 comparison step (32 MB per operand)
 _EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
@@ -133,8 +140,6 @@ class DiffResult:
 
 
 def _scan(label: str, path):
-    from reference_model.checkpoint import CheckpointError, scan_checkpoint
-    from reference_model.config import ConfigError
     if not Path(path).exists():
         raise WeightsDiffError([f"checkpoint {label} ({path}): no such file or directory"])
     try:
@@ -154,20 +159,35 @@ def config_differences(cfg_a, cfg_b) -> list[str]:
 
 def _disk(info, spec) -> tuple[int, str]:
     """Bytes and dtypes ('+'-joined, weight first) of the entries storing one tensor."""
-    from reference_model.checkpoint_format import disk_entries
     hs = [info.tensors[e.name] for e in disk_entries(spec, info.layout, info.float_dtype)]
     return sum(h.nbytes for h in hs), "+".join(h.dtype for h in hs)
 
 
-def _rows(specs, wa: dict, wb: dict, strip: str, info_a, info_b, layer, tolerance) -> list[dict]:
-    out = []
+@dataclass(frozen=True)
+class _Pair:
+    """The two scanned checkpoints (one architecture) and what is compared."""
+    path_a: object
+    path_b: object
+    info_a: object                # reference_model CheckpointInfo of A
+    info_b: object
+    layer_ids: list
+    with_globals: bool
+    tolerance: float | None
+
+    @property
+    def cfg(self):
+        return self.info_a.cfg
+
+
+def _rows(specs, wa: dict, wb: dict, strip: str, layer, pair: _Pair) -> list[dict]:
+    out, tolerance = [], pair.tolerance
     for s in specs:
         k = s.name[len(strip):]
         d = compare_tensors(wa[k], wb[k])
         changed = (not d.identical) and (tolerance is None or not (d.rel_l2 <= tolerance))
         m = _EXPERT.match(s.name)
-        ba, da = _disk(info_a, s)
-        bb, db = _disk(info_b, s)
+        ba, da = _disk(pair.info_a, s)
+        bb, db = _disk(pair.info_b, s)
         out.append({"tensor": s.name, "family": family(s.name), "layer": layer,
                     "expert": int(m[2]) if m else None, "shape": "x".join(map(str, s.shape)),
                     "numel": s.numel, "rel_l2": d.rel_l2, "max_abs_diff": d.max_abs,
@@ -196,11 +216,17 @@ def diff_checkpoints(path_a, path_b, layers: str | None = None, tolerance: float
     """Compare two checkpoints of one architecture (see module doc). `layers`: the
     `--layers` text (None = all layers and the globals). `progress`: fidelity.progress
     Progress or None. Raises WeightsDiffError on bad input."""
-    from reference_model.checkpoint import CheckpointError, StreamingWeights
-    from reference_model.specs import global_specs, layer_specs
-
     if tolerance is not None and not (tolerance >= 0):
         raise WeightsDiffError([f"--tolerance must be >= 0, got {tolerance}"])
+    pair = _open_pair(path_a, path_b, layers, tolerance)
+    t0 = time.monotonic()
+    rows = _compare(pair, progress)
+    return _assemble(rows, pair, time.monotonic() - t0)
+
+
+def _open_pair(path_a, path_b, layers: str | None, tolerance) -> _Pair:
+    """Scan both headers (every problem of both reported at once) and check that they are
+    one architecture."""
     problems = []
     infos = {}
     for label, p in (("A", path_a), ("B", path_b)):
@@ -214,11 +240,14 @@ def diff_checkpoints(path_a, path_b, layers: str | None = None, tolerance: float
     mism = config_differences(ia.cfg, ib.cfg)
     if mism:
         raise WeightsDiffError([f"A ({path_a}) and B ({path_b}) are different architectures:"] + mism)
-    cfg = ia.cfg
-    layer_ids, with_globals = parse_layers(layers, cfg.n_layers)
+    layer_ids, with_globals = parse_layers(layers, ia.cfg.n_layers)
+    return _Pair(path_a, path_b, ia, ib, layer_ids, with_globals, tolerance)
 
-    t0 = time.monotonic()
-    A, B = StreamingWeights(ia), StreamingWeights(ib)
+
+def _compare(pair: _Pair, progress) -> list[dict]:
+    """One row per compared tensor, streaming one layer of each checkpoint at a time."""
+    cfg, layer_ids = pair.cfg, pair.layer_ids
+    A, B = StreamingWeights(pair.info_a), StreamingWeights(pair.info_b)
     rows: list[dict] = []
     quiet = lambda n=1, note="": None    # noqa: E731
     task = (progress.task("comparing layers", len(layer_ids)) if progress is not None and layer_ids
@@ -227,27 +256,54 @@ def diff_checkpoints(path_a, path_b, layers: str | None = None, tolerance: float
         with task as adv:
             for i in layer_ids:
                 la, lb = A.layer_weights(i), B.layer_weights(i)
-                r = _rows(layer_specs(cfg, i), la, lb, f"layers.{i}.", ia, ib, i, tolerance)
+                r = _rows(layer_specs(cfg, i), la, lb, f"layers.{i}.", i, pair)
                 del la, lb
                 A.release(), B.release()
                 rows += r
                 adv(1, f"layer {i}: {sum(x['changed'] for x in r)} changed")
-        if with_globals:                 # last: not resident while the layers stream
-            rows = _rows(global_specs(cfg), A.global_weights(), B.global_weights(), "", ia, ib,
-                         None, tolerance) + rows
+        if pair.with_globals:            # last: not resident while the layers stream
+            rows = _rows(global_specs(cfg), A.global_weights(), B.global_weights(), "", None,
+                         pair) + rows
     except CheckpointError as e:         # bad data the headers could not show
         raise WeightsDiffError(list(e.problems)) from None
     finally:
         A.release(), B.release()
-    elapsed = time.monotonic() - t0
-    return _assemble(rows, cfg, ia, ib, path_a, path_b, layer_ids, with_globals, tolerance, elapsed)
+    return rows
 
 
-def _assemble(rows, cfg, ia, ib, path_a, path_b, layer_ids, with_globals, tolerance, elapsed) -> DiffResult:
+def _assemble(rows: list[dict], pair: _Pair, elapsed: float) -> DiffResult:
     t = pd.DataFrame(rows)
     t["layer"] = t["layer"].astype("Int64")
     t["expert"] = t["expert"].astype("Int64")
+    families = _families(t)
+    experts = _experts(t)
+    layers = _layers(t, experts, pair)
+    ia, ib, cfg = pair.info_a, pair.info_b, pair.cfg
+    g = t[t.layer.isna()]
+    totals = {
+        "tensors": len(t), "changed": int(t.changed.sum()), "identical": int(t.identical.sum()),
+        "changed_layers": [int(x) for x in layers[layers.changed > 0].layer],
+        "globals_compared": pair.with_globals, "globals_changed": int(g.changed.sum()),
+        "max_rel_l2": _max_or_zero(t.rel_l2), "max_rel_l2_tensor": _argmax_name(t),
+        "bytes_a": int(t.bytes_a.sum()), "bytes_b": int(t.bytes_b.sum()),
+        "checkpoint_bytes_a": int(ia.total_bytes), "checkpoint_bytes_b": int(ib.total_bytes),
+        "changed_experts": int(experts.changed.sum()),
+        "seconds": round(elapsed, 2),
+    }
+    verdict = _verdict(totals, pair.tolerance, layers)
+    manifest = {
+        "a": {"path": str(pair.path_a), "layout": ia.layout, "float_dtype": ia.float_dtype,
+              "shards": len(ia.shards), "notes": ia.notes},
+        "b": {"path": str(pair.path_b), "layout": ib.layout, "float_dtype": ib.float_dtype,
+              "shards": len(ib.shards), "notes": ib.notes},
+        "config": cfg.to_dict(), "config_hash": cfg.config_hash(),
+        "settings": {"layers": pair.layer_ids, "globals": pair.with_globals,
+                     "tolerance": pair.tolerance},
+    }
+    return DiffResult(t, families, layers, experts, totals, verdict, manifest)
 
+
+def _families(t: pd.DataFrame) -> pd.DataFrame:
     fam = []
     for name, g in t.groupby("family", sort=False):
         fam.append({"family": name, "tensors": len(g), "changed": int(g.changed.sum()),
@@ -256,10 +312,12 @@ def _assemble(rows, cfg, ia, ib, path_a, path_b, layer_ids, with_globals, tolera
                     "bytes_a": int(g.bytes_a.sum()), "bytes_b": int(g.bytes_b.sum()),
                     "dtype_a": ", ".join(dict.fromkeys(g.dtype_a)),
                     "dtype_b": ", ".join(dict.fromkeys(g.dtype_b))})
-    families = pd.DataFrame(fam, columns=["family", "tensors", "changed", "identical", "max_rel_l2",
-                                          "max_rel_l2_tensor", "max_abs_diff", "bytes_a", "bytes_b",
-                                          "dtype_a", "dtype_b"])
+    return pd.DataFrame(fam, columns=["family", "tensors", "changed", "identical", "max_rel_l2",
+                                      "max_rel_l2_tensor", "max_abs_diff", "bytes_a", "bytes_b",
+                                      "dtype_a", "dtype_b"])
 
+
+def _experts(t: pd.DataFrame) -> pd.DataFrame:
     ex = t[t.expert.notna()]
     exp_rows = []
     for (layer, e), g in ex.groupby(["layer", "expert"], sort=True):
@@ -269,44 +327,24 @@ def _assemble(rows, cfg, ia, ib, path_a, path_b, layer_ids, with_globals, tolera
             gw = g[g.tensor.str.endswith(f".{w}.weight")]
             row[f"{w}_rel_l2"] = float(gw.rel_l2.iloc[0]) if len(gw) else float("nan")
         exp_rows.append(row)
-    experts = pd.DataFrame(exp_rows, columns=["layer", "expert", "changed", "identical", "max_rel_l2",
-                                              "w1_rel_l2", "w2_rel_l2", "w3_rel_l2"])
+    return pd.DataFrame(exp_rows, columns=["layer", "expert", "changed", "identical", "max_rel_l2",
+                                           "w1_rel_l2", "w2_rel_l2", "w3_rel_l2"])
 
+
+def _layers(t: pd.DataFrame, experts: pd.DataFrame, pair: _Pair) -> pd.DataFrame:
     lay = []
-    for i in layer_ids:
+    for i in pair.layer_ids:
         g = t[t.layer == i]
         ce = experts[(experts.layer == i) & experts.changed].expert.tolist()
-        lay.append({"layer": i, "kind": cfg.layer_kind(i), "tensors": len(g),
+        lay.append({"layer": i, "kind": pair.cfg.layer_kind(i), "tensors": len(g),
                     "changed": int(g.changed.sum()), "identical": int(g.identical.sum()),
                     "max_rel_l2": _max_or_zero(g.rel_l2), "max_rel_l2_tensor": _argmax_name(g),
                     "max_abs_diff": _max_or_zero(g.max_abs_diff),
                     "changed_experts": " ".join(map(str, ce)), "n_changed_experts": len(ce),
                     "bytes_a": int(g.bytes_a.sum()), "bytes_b": int(g.bytes_b.sum())})
-    layers = pd.DataFrame(lay, columns=["layer", "kind", "tensors", "changed", "identical", "max_rel_l2",
-                                        "max_rel_l2_tensor", "max_abs_diff", "changed_experts",
-                                        "n_changed_experts", "bytes_a", "bytes_b"])
-
-    g = t[t.layer.isna()]
-    totals = {
-        "tensors": len(t), "changed": int(t.changed.sum()), "identical": int(t.identical.sum()),
-        "changed_layers": [int(x) for x in layers[layers.changed > 0].layer],
-        "globals_compared": with_globals, "globals_changed": int(g.changed.sum()),
-        "max_rel_l2": _max_or_zero(t.rel_l2), "max_rel_l2_tensor": _argmax_name(t),
-        "bytes_a": int(t.bytes_a.sum()), "bytes_b": int(t.bytes_b.sum()),
-        "checkpoint_bytes_a": int(ia.total_bytes), "checkpoint_bytes_b": int(ib.total_bytes),
-        "changed_experts": int(experts.changed.sum()),
-        "seconds": round(elapsed, 2),
-    }
-    verdict = _verdict(totals, tolerance, layers)
-    manifest = {
-        "a": {"path": str(path_a), "layout": ia.layout, "float_dtype": ia.float_dtype,
-              "shards": len(ia.shards), "notes": ia.notes},
-        "b": {"path": str(path_b), "layout": ib.layout, "float_dtype": ib.float_dtype,
-              "shards": len(ib.shards), "notes": ib.notes},
-        "config": cfg.to_dict(), "config_hash": cfg.config_hash(),
-        "settings": {"layers": layer_ids, "globals": with_globals, "tolerance": tolerance},
-    }
-    return DiffResult(t, families, layers, experts, totals, verdict, manifest)
+    return pd.DataFrame(lay, columns=["layer", "kind", "tensors", "changed", "identical", "max_rel_l2",
+                                      "max_rel_l2_tensor", "max_abs_diff", "changed_experts",
+                                      "n_changed_experts", "bytes_a", "bytes_b"])
 
 
 def _criterion(tolerance) -> str:
@@ -354,8 +392,6 @@ def _size(n: int) -> str:
 
 def plot_layers(layers: pd.DataFrame, tolerance):
     """Max rel L2 per layer, log scale; identical layers (0) as grey marks on the bottom."""
-    import matplotlib.pyplot as plt
-    import numpy as np
     fig, ax = plt.subplots(figsize=(9, 4.2))
     x = layers.layer.to_numpy(dtype=float)
     y = layers.max_rel_l2.to_numpy(dtype=float)
@@ -369,7 +405,6 @@ def plot_layers(layers: pd.DataFrame, tolerance):
         ax.plot(x[pos], y[pos], marker="o", ms=4, lw=1.3, color="C3", label="max rel L2 (> 0)")
     zero = y == 0
     if zero.any():
-        import matplotlib.transforms as mtransforms
         ax.scatter(x[zero], np.full(zero.sum(), 0.0), marker="x", color="0.5", clip_on=False,
                    transform=mtransforms.blended_transform_factory(ax.transData, ax.transAxes),
                    label="identical (rel L2 0, off the log axis)", zorder=3)
@@ -474,7 +509,6 @@ def write_report(res: DiffResult, out_dir="reports", run_id: str | None = None) 
                      "scale; grey crosses on the axis: layers whose tensors are all identical "
                      "(rel L2 0).")
         w.page(build_page(res))
-        import matplotlib.pyplot as plt
         plt.close("all")
         return w.commit()
     except BaseException:
