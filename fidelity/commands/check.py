@@ -1,8 +1,9 @@
 """`fidelity check`: re-threshold a saved A/B report without re-running (a CI gate)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
+
+from fidelity.errors import CommandError
 
 HELP = ("Check a saved `fidelity ab` report; exit 1 if any arm fails. Default: thresholds "
         "relative to the report's noise floors; absolute thresholds on request.")
@@ -42,15 +43,12 @@ def run(args) -> int:
     root = Path(args.results)
     summary_csv = root if root.suffix == ".csv" else root / "summary.csv"
     if not summary_csv.exists():
-        print(f"error: no summary.csv in {root} (is it a `fidelity ab` report?)", file=sys.stderr)
-        return 2
+        raise CommandError(f"no summary.csv in {root} (is it a `fidelity ab` report?)")
     summary = pd.read_csv(summary_csv)
     arms = args.arm or [a for a in summary.arm if not str(a).startswith("floor:")]
     unknown = sorted(set(arms) - set(summary.arm))
     if unknown:
-        print(f"error: arm(s) {unknown} not in the report; present: {', '.join(summary.arm)}",
-              file=sys.stderr)
-        return 2
+        raise CommandError(f"arm(s) {unknown} not in the report; present: {', '.join(summary.arm)}")
     thresholds = {k: getattr(args, k) for k in CHECKS if getattr(args, k) is not None}
     absolute = bool(thresholds) or args.min_topk_recall is not None
     failures = []
@@ -58,9 +56,8 @@ def run(args) -> int:
         k = 3.0 if args.kld_x_floor is None else args.kld_x_floor
         rel = _relative_failures(summary, arms, k, args.recall_margin)
         if rel is None:
-            print(f"error: {summary_csv} has no floor rows (floor:...) to be relative to; "
-                  "give absolute thresholds", file=sys.stderr)
-            return 2
+            raise CommandError(f"{summary_csv} has no floor rows (floor:...) to be relative to; "
+                               "give absolute thresholds")
         failures += rel
     for arm in arms:
         row = summary[summary.arm == arm].iloc[0]
