@@ -1,7 +1,10 @@
 """`fidelity ab`: the main command (golden vs engine numerics, drift report)."""
 from __future__ import annotations
 
+import argparse
 import sys
+
+from fidelity.errors import CommandError
 
 HELP = "A/B: golden vs engine numerics layer by layer, attribution to toggles, report."
 
@@ -10,7 +13,7 @@ def _ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise SystemExit(f"--lengths expects comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expects comma-separated integers, got {text!r}") from None
 
 
 def add_arguments(p):
@@ -62,14 +65,12 @@ def run(args) -> int:
     try:
         place = from_args(args)
     except DeviceError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     from fidelity.cli import name_value_pairs
     try:
         variants = name_value_pairs(args.weights, "--weights", "DIR")
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     if not args.checkpoint and variants:
         args.checkpoint = variants.pop(0)[1]
     mode = args.weights_mode or "streamed"
@@ -78,20 +79,17 @@ def run(args) -> int:
     for n, w in others.items():
         diff = weights.cfg.differences(w.cfg)
         if diff:
-            print(f"error: --weights {n}: another architecture than {args.checkpoint} (config differs "
-                  f"in {', '.join(diff)})", file=sys.stderr)
-            return 2
+            raise CommandError(f"--weights {n}: another architecture than {args.checkpoint} "
+                               f"(config differs in {', '.join(diff)})")
     tokenizer = load_tokenizer_for(args.checkpoint)
     if args.long and args.lengths or args.prompts and (args.long or args.lengths):
-        print("error: give one of --long, --lengths, --prompts", file=sys.stderr)
-        return 2
+        raise CommandError("give one of --long, --lengths, --prompts")
     lengths = LONG_LENGTHS if args.long else (args.lengths or ABSettings.lengths)
     from fidelity.weights.sizes import parse_bytes
     try:
         budget = parse_bytes(args.activation_budget) if args.activation_budget else None
     except (DeviceError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     settings = ABSettings(arms=args.arms, base=args.base, mode=args.mode, lengths=lengths,
                           prompts_per_length=args.prompts_per_length, decode_steps=args.decode_steps,
                           seed=args.seed, shapley_top=args.shapley_top, n_boot=args.n_boot,
@@ -104,8 +102,7 @@ def run(args) -> int:
                      progress=lambda m: print(m, file=sys.stderr, flush=True), tokenizer=tokenizer,
                      variants=others)
     except ValueError as e:              # unknown arm/toggle, bad parameters
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     print(res["verdict"]["sentence"])
     print(res["summary"].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"report: {res['path']}")
