@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
+from fidelity.errors import CommandError
 from fidelity.kld.settings import HttpSettings, KldSettings, PromptGrid
 
 HELP = ("KLD of live endpoints (and in-process arms) against a baseline over HTTP: "
@@ -183,8 +184,7 @@ def run(args) -> int:
         res = run_kld(entries, prompts, s, args.out, args.run_id or time.strftime("kld-%Y%m%d-%H%M%S"),
                       manifest, progress)
     except (ValueError, RuntimeError, EndpointError, PromptFileError, DeviceError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     print(res["verdict"]["sentence"])
     _health_lines(res)
     print(f"report: {res['path']}")
