@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 import time
 
+from fidelity.errors import CommandError
+
 HELP = ("Check that an engine renders chat requests (system, tools, thinking, reasoning effort, "
         "multi-turn, tool results) exactly as DeepSeek's own encoder does; exit 1 on any "
         "undocumented difference.")
@@ -58,8 +60,7 @@ def run(args) -> int:
                 rows.append(row)
                 advance(1, c.id)
     except (EndpointError, ProbeError, TokenizerMismatch, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CommandError(str(e)) from None
     meta = {"endpoint": ep.describe(), "server": ep.info, "generation": args.generation,
             "engine_profile": args.engine_profile, "method": probe.method,
             "weak": probe.method == WEAK, "raw_tokenizer": probe.raw_route or f"local {probe.local.name}",
