@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from fidelity.errors import CommandError
+
 HELP = "Needle-in-a-haystack recall sweep (in-process arms and/or --endpoint servers) + report."
 
 # residues 3,0,1,2,3 mod 4 and 127,0,1,2,127 mod 128; with 5 depths and golden + engine,
@@ -98,7 +100,7 @@ def _runners(args):
         try:
             place = from_args(args)
         except DeviceError as e:
-            raise SystemExit(f"error: {e}")
+            raise CommandError(str(e)) from None
         from fidelity.weights.target import load_target
         from needle.inprocess import InProcessRunner
         target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
@@ -110,7 +112,7 @@ def _runners(args):
             try:
                 arm = parse_arm(text)
             except ArmError as e:
-                raise SystemExit(f"error: --arm {s!r}: {e}")
+                raise CommandError(f"--arm {s!r}: {e}") from None
             runners.append(InProcessRunner(name, target, arm,
                                            temperature=temp, top_p=args.top_p,
                                            max_tokens=args.max_tokens, placement=place))
@@ -118,7 +120,7 @@ def _runners(args):
     endpoints = [_named(s, "") for s in args.endpoint]
     for (name, url), s in zip(endpoints, args.endpoint):
         if not name or not url.startswith(("http://", "https://")):
-            raise SystemExit(f"error: --endpoint must be NAME=URL with an http(s) URL, got {s!r}")
+            raise CommandError(f"--endpoint must be NAME=URL with an http(s) URL, got {s!r}")
     from needle.models import model_options
     every, per_arm = model_options(args.model, [n for n, _ in endpoints])   # ValueError: exit 2
     for name, url in endpoints:
@@ -144,8 +146,7 @@ def run(args) -> int:
     if args.report_only:
         header, rows = read_rows(results)
         if header is None:
-            print(f"error: no results at {results}", file=sys.stderr)
-            return 2
+            raise CommandError(f"no results at {results}")
         order = {a["name"]: i for i, a in enumerate(header.get("arms") or [])}
         rows = sorted(latest(rows), key=lambda r: order.get(r["arm"], len(order)))
         meta.update({"trials": header.get("trials"), "arms": header.get("arms")})
@@ -153,8 +154,7 @@ def run(args) -> int:
         try:
             runners, notes = _runners(args)
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            raise CommandError(str(e)) from None
         lengths = _csv(args.lengths, int) or (DEFAULT_ENDPOINT_LENGTHS if args.endpoint and args.arm is None
                                               else DEFAULT_INPROCESS_LENGTHS)
         try:
@@ -167,8 +167,7 @@ def run(args) -> int:
                 print(n, file=sys.stderr)
             rows = run_sweep(cfg, runners, results, fresh=args.fresh, quiet=args.quiet)
         except (HaystackError, ResultsError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            raise CommandError(str(e)) from None
         meta.update({"notes": notes, "lengths": lengths, "depths": cfg.depths, "reps": cfg.reps,
                      "trials": {"spec": cfg.spec.to_dict(), "format": cfg.fmt.to_dict(),
                                 "seed": cfg.seed},
