@@ -29,8 +29,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from needle.haystack import HaystackSpec, LocalCounter, PromptFormat, build_prompt  # noqa: E402
+from infra.http import RetryPolicy  # noqa: E402
 import needle.http as H  # noqa: E402
-from needle.http import HttpRunner, RetryPolicy, Sampling  # noqa: E402
+from needle.http import HttpRunner, RequestOptions  # noqa: E402
 from reference_model.tokenizer import load_tokenizer  # noqa: E402
 
 CHILD = """
@@ -72,7 +73,7 @@ async def _run(runner: HttpRunner, prompt, n: int) -> tuple[float, float, list[f
 
 def measure(url: str, prompt, n: int, concurrency: int, api: str = "chat", model=None) -> dict:
     r = HttpRunner("bench", url, api=api, model=model, concurrency=concurrency,
-                   sampling=Sampling(temperature=0.0, max_tokens=1),
+                   options=RequestOptions(temperature=0.0, max_tokens=1),
                    policy=RetryPolicy(retries=0, timeout=600))
     wall, cpu, lat = asyncio.run(_run(r, prompt, n))
     return {"concurrency": concurrency, "requests": n, "req_per_s": n / wall,

@@ -1,8 +1,9 @@
 """Needle-in-a-haystack recall sweeps (RULER-style haystacks sized exactly in the target
 tokenizer), in-process over reference-model arms and over any OpenAI-compatible server.
+The in-process runner is built from an arm, so it lives in fidelity (fidelity.needle_runner);
+needle imports nothing of fidelity.
 
     haystack   needle kinds, values, filler, exact-length prompt building
-    inprocess  runner on a reference-model arm, plus the indexer mechanism per CSA layer
     http       httpx async runner: bounded concurrency, timeouts, retries, /tokenize counting
     sweep      lengths x depths x reps over arms, append-only JSONL with resume
     scoring    substring scoring and the failure taxonomy

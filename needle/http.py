@@ -3,10 +3,11 @@
 httpx async with bounded concurrency per endpoint, a timeout per attempt, and retries
 with exponential backoff (full jitter) on connection errors, timeouts, dropped
 connections, 5xx, 429 and unparsable 200 bodies -- but not on other 4xx, which are the
-request's fault and would fail again. The start-up requests (model list, /tokenize probe and
-counts, calibration probes) follow the same policy; when they still fail, StartupError says
-which endpoint, route and status. `content` and `reasoning_content` are kept apart.
-Sampling defaults follow DeepSeek's recommendation (temperature 1.0, top_p 1.0). The API
+request's fault and would fail again (the transport: infra/http.py). The start-up requests
+(model list, /tokenize probe and counts, calibration probes) follow the same policy; when
+they still fail, StartupError says which endpoint, route and status. `content` and
+`reasoning_content` are kept apart. RequestOptions defaults follow DeepSeek's
+recommendation (temperature 1.0, top_p 1.0). The API
 key is read from an environment variable at request time and goes only into the
 Authorization header: never into rows, logs or error messages."""
 from __future__ import annotations
@@ -14,39 +15,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import time
 from dataclasses import asdict, dataclass, field
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import httpx
 
+from infra.http import (RequestFailed, RetryPolicy, StartupError, aretry, check_status, pick_model,
+                        redact_url, send, split_base, transport_failure)
+
 from .haystack import Prompt
-from .models import pick_model
 
 
 SHARD = 8                                    # connections per httpx client (see aopen)
 log = logging.getLogger(__name__)
 
 
-class RequestFailed(Exception):
-    def __init__(self, message: str, retryable: bool, status: int | None = None,
-                 retry_after: float | None = None):
-        super().__init__(message)
-        self.retryable, self.status, self.retry_after = retryable, status, retry_after
-
-
-class StartupError(RequestFailed, ValueError):
-    """A start-up request that failed for good: a 4xx (or an answer that cannot be used),
-    or a retryable failure after every retry (`exhausted`). A ValueError so that the
-    `fidelity needle` command reports it as one line, without a traceback."""
-    def __init__(self, message: str, cause: RequestFailed, attempts: int):
-        super().__init__(message, False, cause.status)
-        self.exhausted, self.attempts = cause.retryable, attempts
-
-
 @dataclass
-class Sampling:
+class RequestOptions:
+    """What a needle request sends besides the prompt (not the in-process sampler,
+    reference_model.generate.Sampling)."""
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int | None = None            # None: 128, or 8192 when thinking
@@ -59,75 +47,17 @@ class Sampling:
         return asdict(self)
 
 
-@dataclass
-class RetryPolicy:
-    retries: int = 4                         # extra attempts after the first
-    timeout: float = 300.0                   # seconds per attempt
-    connect_timeout: float = 10.0
-    backoff: float = 0.5                     # first backoff ceiling, doubled each retry
-    backoff_max: float = 16.0
-
-
-def redact_url(url: str) -> str:
-    """The URL without user:password (never recorded)."""
-    p = urlsplit(url)
-    host = p.hostname or ""
-    if p.port:
-        host += f":{p.port}"
-    return urlunsplit((p.scheme, host, p.path, p.query, ""))
-
-
-def check_status(r: httpx.Response) -> None:
-    """RequestFailed for an error status: retryable for 429 and 5xx (with Retry-After in
-    seconds when given), not for other 4xx."""
-    if r.status_code == 429 or r.status_code >= 500:
-        ra = r.headers.get("retry-after")
-        try:
-            ra = float(ra) if ra is not None else None
-        except ValueError:
-            ra = None
-        raise RequestFailed(f"HTTP {r.status_code}: {r.text[:200]}", True, r.status_code, ra)
-    if r.status_code >= 400:
-        raise RequestFailed(f"HTTP {r.status_code}: {r.text[:300]}", False, r.status_code)
-
-
-def transport_failure(e: httpx.HTTPError) -> RequestFailed:
-    """A request that got no usable response: always retryable."""
-    if isinstance(e, httpx.TimeoutException):
-        return RequestFailed(f"timeout ({type(e).__name__})", True)
-    if isinstance(e, httpx.TransportError):
-        return RequestFailed(f"connection error ({type(e).__name__}: {e})", True)
-    return RequestFailed(f"HTTP error ({type(e).__name__}: {e})", True)   # e.g. undecodable body
-
-
-def backoff_delay(policy: RetryPolicy, attempts: int, retry_after: float | None) -> float:
-    """Seconds to wait after failed attempt number `attempts`: full jitter under a ceiling
-    doubling from policy.backoff, at least Retry-After, at most policy.backoff_max."""
-    cap = min(policy.backoff_max, policy.backoff * 2 ** (attempts - 1))
-    delay = random.uniform(0, cap)
-    if retry_after is not None:
-        delay = min(policy.backoff_max, max(delay, retry_after))
-    return delay
-
-
-def split_base(url: str) -> tuple[str, str]:
-    """(server root, OpenAI base ending in /v1) from either form."""
-    u = url.rstrip("/")
-    root = u[:-3] if u.endswith("/v1") else u
-    return root, root + "/v1"
-
-
 class HttpRunner:
     kind = "http"
 
     def __init__(self, name: str, url: str, api: str = "chat", model: str | None = None,
-                 sampling: Sampling | None = None, policy: RetryPolicy | None = None,
+                 options: RequestOptions | None = None, policy: RetryPolicy | None = None,
                  concurrency: int = 4, api_key_env: str | None = "OPENAI_API_KEY"):
         if api not in ("chat", "completions"):
             raise ValueError(f"api must be chat or completions, got {api!r}")
         self.name, self.url, self.api, self.model = name, url, api, model
         self.root, self.v1 = split_base(url)
-        self.sampling = sampling or Sampling()
+        self.options = options or RequestOptions()
         self.policy = policy or RetryPolicy()
         self.concurrency = max(1, int(concurrency))
         self.api_key_env = api_key_env
@@ -152,7 +82,7 @@ class HttpRunner:
 
     def describe(self) -> dict:
         return {"name": self.name, "kind": self.kind, "url": self.detail, "api": self.api,
-                "model": self.model, "sampling": self.sampling.to_dict(),
+                "model": self.model, "sampling": self.options.to_dict(),
                 "concurrency": self.concurrency}
 
     def startup_request(self, client: httpx.Client, method: str, url: str, parse,
@@ -162,34 +92,25 @@ class HttpRunner:
         Retries are counted in startup_retries and logged; a final failure is a
         StartupError naming the endpoint, the method and route, and the status."""
         route = urlsplit(url).path
-        attempts = 0
-        while True:
-            attempts += 1
-            try:
-                try:
-                    r = client.request(method, url, json=json)
-                except httpx.HTTPError as e:
-                    raise transport_failure(e) from None
-                check_status(r)
-                return parse(r)
-            except RequestFailed as e:
-                if not e.retryable or attempts > self.policy.retries:
-                    why = (f"failed after {attempts} attempt{'s' * (attempts > 1)}" if e.retryable
-                           else "failed" + (" (not retried)" if attempts == 1 else
-                                            f" on attempt {attempts}"))
-                    raise StartupError(f"endpoint {self.name!r} ({redact_url(self.root)}): "
-                                       f"{method} {route} {why}: {e}"
-                                       + (f"; {hint}" if hint and not e.retryable else ""),
-                                       e, attempts) from None
-                delay = backoff_delay(self.policy, attempts, e.retry_after)
-                self.startup_retries += 1
-                self.startup_errors.append(f"{method} {route}: {e}")
-                log.warning("endpoint %r: %s %s: %s; retry %d/%d in %.2fs", self.name, method,
-                            route, e, attempts, self.policy.retries, delay)
-                time.sleep(delay)
+
+        def retrying(attempts: int, e: RequestFailed, delay: float) -> None:
+            self.startup_retries += 1
+            self.startup_errors.append(f"{method} {route}: {e}")
+            log.warning("endpoint %r: %s %s: %s; retry %d/%d in %.2fs", self.name, method,
+                        route, e, attempts, self.policy.retries, delay)
+        try:
+            return send(client, method, url, parse, self.policy, json=json, on_retry=retrying)
+        except RequestFailed as e:
+            attempts = e.attempts
+            why = (f"failed after {attempts} attempt{'s' * (attempts > 1)}" if e.retryable
+                   else "failed" + (" (not retried)" if attempts == 1 else f" on attempt {attempts}"))
+            raise StartupError(f"endpoint {self.name!r} ({redact_url(self.root)}): "
+                               f"{method} {route} {why}: {e}"
+                               + (f"; {hint}" if hint and not e.retryable else ""),
+                               e, attempts) from None
 
     def discover_model(self) -> str:
-        """The served model this arm queries (needle/models.py: the one named like the arm,
+        """The served model this arm queries (infra.http.pick_model: the one named like the arm,
         the one chosen, or the only one), from /v1/models. A chosen model is trusted when
         the server lists none (404)."""
         if self._model_checked:
@@ -237,11 +158,11 @@ class HttpRunner:
     def template_kwargs(self, thinking: bool) -> dict:
         """chat_template_kwargs to send: {"thinking": ...} (DeepSeek templates on SGLang and
         vLLM), unless the user gave their own ({} sends none, e.g. for APIs that reject it)."""
-        kw = self.sampling.chat_template_kwargs
+        kw = self.options.chat_template_kwargs
         return {"thinking": thinking} if kw is None else dict(kw)
 
     def body(self, prompt: Prompt, seed: int) -> dict:
-        s = self.sampling
+        s = self.options
         thinking = prompt.fmt.thinking
         max_tokens = s.max_tokens or (8192 if thinking else 128)
         b: dict = {"model": self.model, "max_tokens": max_tokens, "temperature": s.temperature,
@@ -276,21 +197,17 @@ class HttpRunner:
     async def arun(self, prompt: Prompt, seed: int) -> dict:
         body = self.body(prompt, seed)
         path = "/chat/completions" if self.api == "chat" else "/completions"
-        attempts, errors = 0, []
+        errors = []
         async with self._sem:
             t0 = time.perf_counter()                  # latency excludes local queueing
-            while True:
-                attempts += 1
-                try:
-                    data = await self._post(path, body)
-                    break
-                except RequestFailed as e:
-                    errors.append(str(e))
-                    if not e.retryable or attempts > self.policy.retries:
-                        return {"error": str(e), "error_status": e.status, "attempts": attempts,
-                                "errors": errors, "latency_s": time.perf_counter() - t0}
-                    await asyncio.sleep(backoff_delay(self.policy, attempts, e.retry_after))
-        return self._row(data, attempts, errors, time.perf_counter() - t0)
+            try:
+                data = await aretry(lambda: self._post(path, body), self.policy,
+                                    on_retry=lambda attempts, e, delay: errors.append(str(e)))
+            except RequestFailed as e:
+                errors.append(str(e))
+                return {"error": str(e), "error_status": e.status, "attempts": e.attempts,
+                        "errors": errors, "latency_s": time.perf_counter() - t0}
+        return self._row(data, len(errors) + 1, errors, time.perf_counter() - t0)
 
     def _row(self, data: dict, attempts: int, errors: list, latency: float) -> dict:
         ch = data["choices"][0]

@@ -21,6 +21,32 @@ import threading
 _Q = re.compile(r"special magic \w+ for ([a-z]+-[a-z]+) mentioned")
 
 
+async def read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict, bytes] | None:
+    """(method, path, lower-cased headers, body) of the next HTTP/1.1 request on a
+    connection, None when the client has closed it."""
+    line = await reader.readline()
+    if not line:
+        return None
+    method, path, _ = line.decode("latin-1").split(" ", 2)
+    headers = {}
+    while True:
+        h = await reader.readline()
+        if h in (b"\r\n", b"\n", b""):
+            break
+        k, _, v = h.decode("latin-1").partition(":")
+        headers[k.strip().lower()] = v.strip()
+    n = int(headers.get("content-length", 0))
+    return method, path, headers, await reader.readexactly(n) if n else b""
+
+
+def _chat_text(body: dict) -> str:
+    """The prompt text of a chat request, rendered with DeepSeek-V4's chat template."""
+    # lazy: reference_model loads torch; the stub serves completions without it
+    from reference_model.tokenizer import render_chat
+    kw = body.get("chat_template_kwargs") or {}
+    return render_chat(body["messages"], bool(kw.get("thinking")))
+
+
 class StubServer:
     def __init__(self, faults=(), delay: float = 0.0, hang: float = 5.0, wrong_every: int = 3,
                  tokenizer=None, tokenize: bool = True, models_faults=(), tokenize_faults=()):
@@ -54,9 +80,7 @@ class StubServer:
 
     def _generate(self, path: str, body: dict) -> dict:
         if path.endswith("/chat/completions"):
-            from reference_model.tokenizer import render_chat
-            kw = body.get("chat_template_kwargs") or {}
-            text = render_chat(body["messages"], bool(kw.get("thinking")))
+            text = _chat_text(body)
             out = self.answer(body["messages"][-1]["content"])
             choice = {"index": 0, "message": {"role": "assistant", "content": out},
                       "finish_reason": "stop"}
@@ -71,9 +95,7 @@ class StubServer:
 
     def _tokenize(self, body: dict) -> dict:
         if "messages" in body:
-            from reference_model.tokenizer import render_chat
-            kw = body.get("chat_template_kwargs") or {}
-            text = render_chat(body["messages"], bool(kw.get("thinking")))
+            text = _chat_text(body)
         else:
             text = body.get("prompt", "")
         ids = self.tok.encode(text) if self.tok is not None else list(range(self._count(text)))
@@ -91,19 +113,10 @@ class StubServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         try:
             while True:
-                line = await reader.readline()
-                if not line:
+                req = await read_request(reader)
+                if req is None:
                     return
-                method, path, _ = line.decode("latin-1").split(" ", 2)
-                headers = {}
-                while True:
-                    h = await reader.readline()
-                    if h in (b"\r\n", b"\n", b""):
-                        break
-                    k, _, v = h.decode("latin-1").partition(":")
-                    headers[k.strip().lower()] = v.strip()
-                n = int(headers.get("content-length", 0))
-                raw = await reader.readexactly(n) if n else b""
+                method, path, headers, raw = req
                 if "authorization" in headers:
                     self.auth_sha256.add(hashlib.sha256(headers["authorization"].encode()).hexdigest())
                 status, payload = 200, None

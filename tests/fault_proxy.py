@@ -17,7 +17,7 @@ import threading
 
 import httpx
 
-from needle.stub import StubServer
+from needle.stub import StubServer, read_request
 
 
 class FaultProxy:
@@ -46,19 +46,10 @@ class FaultProxy:
     async def _handle(self, reader, writer):
         try:
             while True:
-                line = await reader.readline()
-                if not line:
+                req = await read_request(reader)
+                if req is None:
                     return
-                method, path, _ = line.decode("latin-1").split(" ", 2)
-                headers = {}
-                while True:
-                    h = await reader.readline()
-                    if h in (b"\r\n", b"\n", b""):
-                        break
-                    k, _, v = h.decode("latin-1").partition(":")
-                    headers[k.strip().lower()] = v.strip()
-                n = int(headers.get("content-length", 0))
-                raw = await reader.readexactly(n) if n else b""
+                method, path, headers, raw = req
                 try:
                     body = json.loads(raw) if raw else None
                 except ValueError:

@@ -170,7 +170,7 @@ def test_out_option_overrides_the_specs_out(tmp_path, capsys, monkeypatch):
 
 
 def test_transient_5xx_on_models_is_retried():
-    from needle.http import RetryPolicy
+    from infra.http import RetryPolicy
     from needle.stub import StubServer
     from fidelity.kld.endpoint import Endpoint
     s = StubServer(models_faults=["500", "502"]).start()

@@ -9,8 +9,9 @@ import logging
 
 import pytest
 
+from infra.http import RetryPolicy, StartupError, redact_url
 from needle.haystack import HaystackSpec, PromptFormat, build_prompt
-from needle.http import HttpRunner, RetryPolicy, Sampling, StartupError, redact_url
+from needle.http import HttpRunner, RequestOptions
 from needle.report import write_report
 from needle.stub import StubServer
 from needle.sweep import SweepConfig, run_sweep
@@ -74,7 +75,7 @@ def test_sweep_counts_faults_as_errors_not_misses(tok, tmp_path, monkeypatch):
     # 6 trials, 1 request each when healthy; the first two trials exhaust their retries
     faults = ["500", "500", "drop", "drop", "ok", "malformed"] + ["ok"] * 10
     with StubServer(faults=faults, tokenizer=tok, wrong_every=2) as s:
-        r = HttpRunner("stub", s.url + "/", sampling=Sampling(), concurrency=1,
+        r = HttpRunner("stub", s.url + "/", options=RequestOptions(), concurrency=1,
                        policy=RetryPolicy(retries=1, **FAST), api_key_env="NEEDLE_TEST_KEY")
         cfg = SweepConfig(lengths=[300, 420], depths=[0, 50, 100])
         rows = run_sweep(cfg, [r], tmp_path / "res.jsonl", quiet=True)

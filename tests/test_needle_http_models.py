@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from fidelity.cli import main
+from infra.http import ModelChoiceError
 from needle.haystack import HaystackSpec, LocalCounter, PromptFormat, _Builder
 from needle.http import HttpRunner
-from needle.models import ModelChoiceError
 from needle.results import latest, read_rows
 from needle.sweep import SweepConfig
 from reference_model.tokenizer import load_tokenizer

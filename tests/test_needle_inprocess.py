@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from fidelity.arms import parse_arm
+from fidelity.needle_runner import InProcessRunner
 from fidelity.weights.target import load_target
 from needle.haystack import HaystackSpec, PromptFormat, build_prompt
-from needle.inprocess import InProcessRunner
 from needle.report import write_report
 from needle.sweep import SweepConfig, run_sweep
 from reference_model import Model, Numerics, Taps

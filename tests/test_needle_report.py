@@ -2,8 +2,9 @@
 through tables, McNemar and the report files."""
 import json
 
+from infra.http import RetryPolicy
 from needle.haystack import HaystackSpec
-from needle.http import HttpRunner, RetryPolicy
+from needle.http import HttpRunner
 from needle.report import write_report
 from needle.stub import StubServer
 from needle.sweep import SweepConfig, run_sweep

@@ -1,4 +1,6 @@
-"""`fidelity chat-check`: does the engine render chat requests the way DeepSeek does?"""
+"""`fidelity chat-check`: does the engine render chat requests the way DeepSeek does?
+Heavy modules (torch, the tokenizer, httpx) are imported inside run(): `fidelity --help`
+imports every command module and stays quick."""
 from __future__ import annotations
 
 import sys
@@ -32,7 +34,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from needle.http import RetryPolicy
+    from infra.http import RetryPolicy
     from fidelity.chat_check import report
     from fidelity.chat_check.cases import all_cases
     from fidelity.chat_check.check import (TokenizerMismatch, behaviour, check_specials, expected_reading,

@@ -88,7 +88,7 @@ def add_arguments(p):
 
 def build_entries(args, target, progress, place=None):
     """ScoredArm list, the baseline first."""
-    from needle.http import RetryPolicy
+    from infra.http import RetryPolicy, model_options
     from fidelity.arms import parse_arm
     from fidelity.kld.endpoint import Endpoint
     from fidelity.kld.inprocess import InProcessScorer
@@ -96,7 +96,6 @@ def build_entries(args, target, progress, place=None):
 
     from fidelity.cli import name_value_pairs as _pairs
     dialects = dict(_pairs(args.dialect, "--dialect"))
-    from needle.models import model_options
     endpoints = _pairs(args.endpoint, "--endpoint")
     every, per_arm = model_options(args.model, [n for n, _ in endpoints])
     policy = RetryPolicy(retries=args.retries, timeout=args.timeout)

@@ -1,5 +1,7 @@
 """`fidelity needle`: needle-in-a-haystack recall sweeps over in-process arms of the
-reference model and/or live OpenAI-compatible endpoints, with a paired A/B report."""
+reference model and/or live OpenAI-compatible endpoints, with a paired A/B report.
+Heavy modules (torch, the model, httpx) are imported inside the functions: `fidelity
+--help` imports every command module and stays quick."""
 from __future__ import annotations
 
 import json
@@ -85,7 +87,8 @@ def _named(spec: str, default_name: str) -> tuple[str, str]:
 
 def _runners(args):
     from fidelity.arms import ArmError, engine_arm, parse_arm
-    from needle.http import HttpRunner, RetryPolicy, Sampling
+    from infra.http import RetryPolicy, model_options
+    from needle.http import HttpRunner, RequestOptions
 
     notes, runners = [], []
     arm_specs = args.arm
@@ -102,7 +105,7 @@ def _runners(args):
         except DeviceError as e:
             raise CommandError(str(e)) from None
         from fidelity.weights.target import load_target
-        from needle.inprocess import InProcessRunner
+        from fidelity.needle_runner import InProcessRunner
         target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
                              place.model_devices)
         notes.append(f"in-process model: {target.description}")
@@ -121,13 +124,12 @@ def _runners(args):
     for (name, url), s in zip(endpoints, args.endpoint):
         if not name or not url.startswith(("http://", "https://")):
             raise CommandError(f"--endpoint must be NAME=URL with an http(s) URL, got {s!r}")
-    from needle.models import model_options
     every, per_arm = model_options(args.model, [n for n, _ in endpoints])   # ValueError: exit 2
     for name, url in endpoints:
-        sampling = Sampling(temperature=1.0 if args.temperature is None else args.temperature,
-                            top_p=args.top_p, max_tokens=args.max_tokens, seed=not args.no_seed,
-                            reasoning_effort=args.reasoning_effort, chat_template_kwargs=kw)
-        runners.append(HttpRunner(name, url, args.api, per_arm.get(name, every), sampling,
+        options = RequestOptions(temperature=1.0 if args.temperature is None else args.temperature,
+                                 top_p=args.top_p, max_tokens=args.max_tokens, seed=not args.no_seed,
+                                 reasoning_effort=args.reasoning_effort, chat_template_kwargs=kw)
+        runners.append(HttpRunner(name, url, args.api, per_arm.get(name, every), options,
                                   RetryPolicy(retries=args.retries, timeout=args.timeout),
                                   args.concurrency, args.api_key_env))
     return runners, notes

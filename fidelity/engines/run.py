@@ -76,7 +76,7 @@ def _kld_prompts(spec: Spec, tok, vocab: int):
 
 def _needle(spec: Spec, name: str, url: str, results: Path, quiet: bool) -> list[dict]:
     from needle.haystack import HaystackSpec, PromptFormat
-    from needle.http import HttpRunner, Sampling
+    from needle.http import HttpRunner, RequestOptions
     from needle.sweep import SweepConfig, run_sweep
     n = spec.needle
     bad = sorted(set(n) - NEEDLE_KEYS)
@@ -88,7 +88,7 @@ def _needle(spec: Spec, name: str, url: str, results: Path, quiet: bool) -> list
                       spec=HaystackSpec(n.get("kind", "single"), n.get("value_type", "number")),
                       fmt=PromptFormat("chat" if api == "chat" else "completion"), seed=int(n.get("seed", 0)))
     runner = HttpRunner(name, url + "/v1", api, name_or_none(url, name),
-                        Sampling(temperature=float(n.get("temperature", 0.0)), max_tokens=n.get("max_tokens")),
+                        RequestOptions(temperature=float(n.get("temperature", 0.0)), max_tokens=n.get("max_tokens")),
                         concurrency=int(n.get("concurrency", 4)))
     return run_sweep(cfg, [runner], results, quiet=quiet)
 

@@ -1,8 +1,9 @@
 """A running server as a scoring arm: its URL (root or /v1), model, dialect (detected:
 SGLang when /get_model_info answers, vLLM when /version does, else OpenAI's echo; or
-given), the shapes its captures need, and one scoring call per prompt. Every request is
-retried like the needle runner's (connection errors, timeouts, 5xx, 429 with Retry-After,
-and 200s whose body cannot be used), each retry counted per route and shown; a final
+given), the shapes its captures need, and one scoring call per prompt. Every request goes
+through the shared transport (infra/http.py: connection errors, timeouts, 5xx, 429 with
+Retry-After, and 200s whose body cannot be used are retried), each retry counted per route
+and shown; a final
 failure names the endpoint, route and status or what was malformed. Captures the server
 offers but an answer lacks are retried too, then recorded as missing for that prompt (a
 resumed run asks again) -- never turned off silently."""
@@ -16,9 +17,8 @@ from dataclasses import replace
 import httpx
 import numpy as np
 
-from needle.http import (RequestFailed, RetryPolicy, backoff_delay, check_status, redact_url,
-                         split_base, transport_failure)
-from needle.models import ModelChoiceError, pick_model
+from infra.http import (ModelChoiceError, RequestFailed, RetryPolicy, backoff_delay, pick_model, redact_url,
+                        send, split_base)
 
 from .bounds import Known
 from .dialects import (CAPTURE_SHAPE_KEYS, DIALECTS, PARSERS, ArmScores, Request, ScoringError,
@@ -82,53 +82,51 @@ class Endpoint:
         self.client.close()
 
     # ---- HTTP ---------------------------------------------------------------------------
-    def _retry(self, route: str, attempt: int, why, retry_after: float | None = None) -> None:
-        """Count, show and wait before retry number `attempt` of `route`."""
+    def _note_retry(self, route: str, attempt: int, why, delay: float) -> None:
+        """Count and show retry number `attempt` of `route`, due in `delay` seconds."""
         self.retries[route] += 1
-        delay = backoff_delay(self.policy, attempt, retry_after)
         msg = f"{self.name}: {route}: {why}; retry {attempt}/{self.policy.retries} in {delay:.1f}s"
         log.warning(msg)
         if self.on_retry is not None:
             self.on_retry(msg)
+
+    def _retry(self, route: str, attempt: int, why) -> None:
+        """Count, show and wait before retry number `attempt` of `route`."""
+        delay = backoff_delay(self.policy, attempt, None)
+        self._note_retry(route, attempt, why, delay)
         time.sleep(delay)
 
     def call(self, method: str, path: str, body: dict | None = None, ok404: bool = False,
              parse=None, retry_malformed: bool = True):
         """parse(JSON) of `path` under the root (the JSON itself without parse), retried on
-        transient failures (the needle runner's rules) and on bodies that are not JSON or
+        transient failures (the shared transport's rules) and on bodies that are not JSON or
         that parse rejects with ScoringError (unless `retry_malformed` is False). None on a
         404 when `ok404` (a route the server does not have)."""
-        url = self.root + path
-        for attempt in range(1, self.policy.retries + 2):
+        url, route = self.root + path, f"{method} {path}"
+
+        def answer(r: httpx.Response):
             try:
-                try:
-                    r = self.client.request(method, url, json=body)
-                except httpx.HTTPError as e:
-                    raise transport_failure(e) from None
-                if r.status_code == 404 and ok404:
-                    return None
-                check_status(r)
-                try:
-                    data = r.json()
-                except ValueError:
-                    raise RequestFailed(f"HTTP {r.status_code} with a body that is not JSON: "
-                                        f"{r.text[:120]!r}", True, r.status_code) from None
-                if parse is None:
-                    return data
-                try:
-                    return parse(data)
-                except ScoringError as e:
-                    raise RequestFailed(f"HTTP {r.status_code} with a malformed answer: {e}",
-                                        retry_malformed, r.status_code) from None
-            except RequestFailed as e:
-                if not e.retryable or attempt > self.policy.retries:
-                    tries = f" after {attempt} attempts" if e.retryable and attempt > 1 else ""
-                    raise EndpointError(f"{self.name}: {method} {redact_url(url)} failed{tries}: {e}") from None
-                self._retry(f"{method} {path}", attempt, e, e.retry_after)
+                data = r.json()
+            except ValueError:
+                raise RequestFailed(f"HTTP {r.status_code} with a body that is not JSON: "
+                                    f"{r.text[:120]!r}", True, r.status_code) from None
+            if parse is None:
+                return data
+            try:
+                return parse(data)
+            except ScoringError as e:
+                raise RequestFailed(f"HTTP {r.status_code} with a malformed answer: {e}",
+                                    retry_malformed, r.status_code) from None
+        try:
+            return send(self.client, method, url, answer, self.policy, json=body, missing_ok=ok404,
+                        on_retry=lambda attempt, e, delay: self._note_retry(route, attempt, e, delay))
+        except RequestFailed as e:
+            tries = f" after {e.attempts} attempts" if e.retryable and e.attempts > 1 else ""
+            raise EndpointError(f"{self.name}: {method} {redact_url(url)} failed{tries}: {e}") from None
 
     # ---- discovery ----------------------------------------------------------------------
     def connect(self) -> "Endpoint":
-        """Model id (needle/models.py: named like the arm, chosen, or the only one), dialect
+        """Model id (infra.http.pick_model: named like the arm, chosen, or the only one), dialect
         and (SGLang) capture shapes; the server's own view is kept."""
         def model_ids(d):
             try:

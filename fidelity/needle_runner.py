@@ -1,5 +1,8 @@
-"""In-process runner: one arm of the reference model, greedy or sampled, plus the
-mechanism behind a hit or a miss.
+"""In-process needle runner: one arm of the reference model, greedy or sampled, plus the
+mechanism behind a hit or a miss. A runner for needle's sweep (needle/sweep.py takes any
+object with aopen/arun/aclose/counter/describe, like needle.http.HttpRunner); it lives in
+fidelity because it is built from an arm (fidelity.arms), and needle imports nothing of
+fidelity.
 
 Mechanism, per CSA layer, at the question's last position (the last prompt token): which
 compressed entries hold the needle value, whether the indexer picked one of them, and
@@ -21,10 +24,9 @@ import time
 import torch
 
 from fidelity.arms import as_arm
+from needle.haystack import LocalCounter, Prompt, needle_entries, value_token_positions
 from reference_model import Model, Taps
 from reference_model.generate import generate
-
-from .haystack import LocalCounter, Prompt, needle_entries, value_token_positions
 
 _COMPUTE = threading.Lock()          # one model computation at a time on this machine
 
