@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     common = _common_options()
     for name, mod_name in COMMANDS.items():
         mod = importlib.import_module(f"fidelity.commands.{mod_name}")
-        sp = sub.add_parser(name, help=mod.HELP, description=mod.HELP, parents=[common])
+        sp = sub.add_parser(name, help=mod.HELP, description=mod.HELP, parents=[common],
+                            epilog="examples:\n" + mod.EXAMPLES,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(sp)
         sp.set_defaults(_run=mod.run)
     return p

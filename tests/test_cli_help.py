@@ -47,3 +47,24 @@ def test_engines_help_names_the_output_folder():
     text = " ".join(_help("engines").split())
     assert re.search(r"--out DIR output folder: writes <out>/engines/<run-id>/ \(default: the spec's \[run\] out, "
                      r"else 'reports' in the current directory\)", text)
+
+
+def test_every_subcommand_help_ends_with_examples_that_parse():
+    """Each subcommand's --help ends with real examples, and each example is a command
+    line the parser accepts (an example that no longer parses is a broken promise)."""
+    import argparse
+    import shlex
+
+    from fidelity.cli import COMMANDS, build_parser
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name in COMMANDS:
+        sp = sub.choices[name]
+        assert sp.epilog.startswith("examples:\n"), name
+        lines = [ln.split("#")[0].strip() for ln in sp.epilog.splitlines()[1:] if ln.strip()]
+        assert lines, name
+        for line in lines:
+            argv = shlex.split(line)
+            assert argv[:2] == ["fidelity", name], line
+            parser.parse_args(argv[1:])                      # raises SystemExit if it does not parse
+        assert sp.format_help().rstrip().endswith(sp.epilog.rstrip().splitlines()[-1].rstrip())

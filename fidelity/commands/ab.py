@@ -7,6 +7,11 @@ import sys
 from fidelity.errors import CommandError
 
 HELP = "A/B: golden vs engine numerics layer by layer, attribution to toggles, report."
+EXAMPLES = """\
+    fidelity ab                                     # the embedded model: golden, floors, every toggle, the engine
+    fidelity ab --checkpoint /models/DeepSeek-V4-Flash --devices cuda:0,cuda:1,cuda:2,cuda:3 --long
+    fidelity ab --arms engine --arms engine-wo_a_fp8 --vs engine   # does removing wo_a_fp8 from the engine explain it?
+"""
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -11,6 +11,9 @@ from fidelity.errors import CommandError
 HELP = ("Check that an engine renders chat requests (system, tools, thinking, reasoning effort, "
         "multi-turn, tool results) exactly as DeepSeek's own encoder does; exit 1 on any "
         "undocumented difference.")
+EXAMPLES = """\
+    fidelity chat-check --endpoint http://127.0.0.1:30000 --engine-profile sglang   # exit 1 on an undocumented difference
+"""
 
 
 def add_arguments(p):

@@ -7,6 +7,10 @@ from fidelity.errors import CommandError
 
 HELP = ("Check a saved `fidelity ab` report; exit 1 if any arm fails. Default: thresholds "
         "relative to the report's noise floors; absolute thresholds on request.")
+EXAMPLES = """\
+    fidelity check reports/latest                   # against the report's own floors
+    fidelity check reports/latest --arm engine --max-kld 1e-3 --min-topk-recall 0.9
+"""
 
 # relative checks: summary column -> ("max": <= k x worst floor, "min": >= worst floor - margin)
 RELATIVE = {"kld_mean": "max", "kld_p99": "max", "answer_kld": "max",

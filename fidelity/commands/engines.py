@@ -10,6 +10,10 @@ from fidelity.errors import CommandError
 
 HELP = ("Launch SGLang / vLLM / fidelity-serve configurations from a spec, one at a time, "
         "score them over HTTP (KLD, needle) and attribute drift across them.")
+EXAMPLES = """\
+    fidelity engines plan examples/engines/sglang-v4-flash.toml   # each arm's command line and env, nothing launched
+    fidelity engines run examples/engines/fidelity-demo.toml --out reports
+"""
 
 
 def add_arguments(p):

@@ -16,6 +16,10 @@ from reference_model.checkpoint_read import _quant_problems
 from reference_model.config import ConfigError, ModelConfig
 
 HELP = "show a checkpoint's config, layer schedule and tensor table (headers only)"
+EXAMPLES = """\
+    fidelity inspect models/tiny-needle             # the embedded model
+    fidelity inspect /models/DeepSeek-V4-Flash --json
+"""
 
 
 def add_arguments(p):

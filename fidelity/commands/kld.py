@@ -12,6 +12,10 @@ from fidelity.kld.settings import HttpSettings, KldSettings, PromptGrid
 
 HELP = ("KLD of live endpoints (and in-process arms) against a baseline over HTTP: "
         "llama.cpp-style statistics, decode ladder, captures, attribution and verdict.")
+EXAMPLES = """\
+    fidelity kld --inprocess golden=golden --endpoint engine=http://127.0.0.1:30000   # a live engine vs the golden
+    fidelity kld --endpoint base=http://127.0.0.1:30000 --endpoint new=http://127.0.0.1:30001 --exact
+"""
 
 
 def _csv(text, typ):

@@ -11,6 +11,10 @@ from pathlib import Path
 from fidelity.errors import CommandError
 
 HELP = "Needle-in-a-haystack recall sweep (in-process arms and/or --endpoint servers) + report."
+EXAMPLES = """\
+    fidelity needle                                 # in-process: golden vs engine on the embedded model
+    fidelity needle --endpoint golden=http://127.0.0.1:8000/v1 --endpoint engine=http://127.0.0.1:8001/v1 --lengths 2048,4096,8192 --reps 4
+"""
 
 # residues 3,0,1,2,3 mod 4 and 127,0,1,2,127 mod 128; with 5 depths and golden + engine,
 # 50 trials: about two minutes on 2 cores (shared) with the embedded tiny model

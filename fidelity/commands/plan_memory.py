@@ -14,6 +14,10 @@ from fidelity.errors import CommandError
 
 HELP = ("Plan memory per device for a run (weights, dequant buffers, KV/compressor/indexer "
         "state, residual streams, logits) from the config alone; exit 0 fits, 1 does not, 2 bad input")
+EXAMPLES = """\
+    fidelity plan-memory --preset flash --devices cuda:0,cuda:1,cuda:2,cuda:3,cuda:4,cuda:5,cuda:6,cuda:7 --device-memory 96GB --length 65536
+    fidelity plan-memory --checkpoint /models/DeepSeek-V4-Flash --devices cuda:0 --device-memory 141GB --length 8192
+"""
 
 
 def add_arguments(p):

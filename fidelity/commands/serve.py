@@ -12,6 +12,10 @@ from fidelity.errors import CommandError
 
 HELP = ("Serve the reference model under one or more arms over OpenAI-, vLLM- and "
         "SGLang-compatible HTTP APIs.")
+EXAMPLES = """\
+    fidelity serve --port 8000                      # the golden as an OpenAI/vLLM/SGLang-compatible server
+    fidelity serve --arm golden=golden --arm engine=engine --default-arm golden
+"""
 
 
 def add_arguments(p):

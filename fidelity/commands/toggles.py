@@ -7,6 +7,10 @@ from fidelity.errors import CommandError
 # and only the command that runs should pay for its machinery (pandas, plots, readers).
 
 HELP = "List the engine-numerics toggles (or check an arm, or show engine settings)."
+EXAMPLES = """\
+    fidelity toggles                                # every toggle, its kernel and the engines' settings
+    fidelity toggles --category known-bug
+"""
 
 
 def add_arguments(p):

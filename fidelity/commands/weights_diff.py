@@ -11,6 +11,9 @@ HELP = ("compare two checkpoints' dequantised weights tensor by tensor (any layo
         "NVFP4 experts, dense bf16), streamed layer by layer; report per tensor, family, layer "
         "and expert. Exit status like diff/cmp: 0 identical (within --tolerance), 1 they differ, "
         "2 an error")
+EXAMPLES = """\
+    fidelity weights-diff /models/DeepSeek-V4-Flash /models/DeepSeek-V4-Flash-NVFP4   # exit 1 when they differ
+"""
 
 
 def add_arguments(p):
