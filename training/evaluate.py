@@ -13,29 +13,33 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
+from fidelity.arms import NumericsArm
+from fidelity.needle_runner import InProcessRunner
+from fidelity.weights.target import Target
+from needle.haystack import HaystackSpec, PromptFormat
+from needle.sweep import SweepConfig, run_sweep
+from needle.tables import by_length, cells, mechanism
+from reference_model import Numerics
+from reference_model.checkpoint import load_checkpoint
+from reference_model.tokenizer import load_tokenizer
+
 SWEEP_SEED = 0
 
 
 def load_target(checkpoint):
-    from fidelity.weights.target import Target
-    from reference_model.checkpoint import load_checkpoint
-    from reference_model.tokenizer import load_tokenizer
     root = Path(checkpoint)
     return Target(root.name, load_checkpoint(root), load_tokenizer(root / "tokenizer.json"),
                   f"checkpoint {root}")
 
 
 def golden_arm(compute_dtype=None):
-    from fidelity.arms import NumericsArm
-    from reference_model import Numerics
     return NumericsArm("golden", lambda profile="reference": Numerics(profile, compute_dtype))
 
 
 def sweep(target, lengths, depths, reps, results, seed: int = SWEEP_SEED, profile="reference",
           compute_dtype=None, quiet=True, fresh=False) -> list[dict]:
-    from needle.haystack import HaystackSpec, PromptFormat
-    from fidelity.needle_runner import InProcessRunner
-    from needle.sweep import SweepConfig, run_sweep
     cfg = SweepConfig(lengths=list(lengths), depths=[float(d) for d in depths], reps=reps,
                       spec=HaystackSpec(), fmt=PromptFormat("chat"), seed=seed)
     runner = InProcessRunner("golden", target, golden_arm(compute_dtype), profile=profile)
@@ -43,7 +47,6 @@ def sweep(target, lengths, depths, reps, results, seed: int = SWEEP_SEED, profil
 
 
 def summary(rows) -> dict:
-    from needle.tables import by_length, cells, mechanism
     return {"cells": cells(rows), "by_length": by_length(rows), "mechanism": mechanism(rows)}
 
 
@@ -58,7 +61,6 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--fresh", action="store_true")
     a = p.parse_args(argv)
-    import torch
     torch.set_num_threads(a.threads)
     rows = sweep(load_target(a.checkpoint), [int(x) for x in a.lengths.split(",")],
                  [float(x) for x in a.depths.split(",")], a.reps, a.results, a.seed,

@@ -18,8 +18,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
+
+from kernel_toggles import profiles
 
 from .spec import EngineArm, EngineSpec, SpecError
 
@@ -79,7 +82,6 @@ def plan_arm(arm: EngineArm, e: EngineSpec, captures: bool = False, max_logprobs
         if max_logprobs is not None:
             flags += ["--max-logprobs", str(max_logprobs)]
     elif arm.toggles is not None:
-        from kernel_toggles import profiles
         try:
             ls = profiles.launch_settings(arm.toggles, e.kind, e.version)
         except ValueError as ex:
@@ -173,7 +175,6 @@ class EngineProcess:
 
     def check_port(self) -> None:
         """LaunchError, before anything is started, when the arm's port is taken."""
-        from urllib.parse import urlsplit
         u = urlsplit(self.plan.url)
         why = port_busy(u.hostname, u.port)
         if why:
