@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fidelity.commands.options import output_options
 from fidelity.errors import CommandError
 
 HELP = "A/B: golden vs engine numerics layer by layer, attribution to toggles, report."
@@ -57,8 +58,7 @@ def add_arguments(p):
                         "they wait on disk (default: no limit)")
     from fidelity.devices import add_options
     add_options(p)
-    p.add_argument("--out", default="reports", help="reports directory")
-    p.add_argument("--run-id", help="report folder name (default: ab-<timestamp>)")
+    output_options(p, "", "ab-<timestamp>", quiet=False)
 
 
 def run(args) -> int:

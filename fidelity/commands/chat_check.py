@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
+from fidelity.commands.options import http_options, output_options
 from fidelity.errors import CommandError
 
 HELP = ("Check that an engine renders chat requests (system, tools, thinking, reasoning effort, "
@@ -30,10 +31,7 @@ def add_arguments(p):
                         "in when the engine has no tokenize route (default: the embedded one)")
     p.add_argument("--no-behaviour", action="store_true",
                    help="skip the short completions (reasoning_content present, tool round trip)")
-    p.add_argument("--out", default="reports", help="writes <out>/chat-check/<run-id>/")
-    p.add_argument("--run-id", default=None)
-    p.add_argument("--retries", type=int, default=2)
-    p.add_argument("--quiet", action="store_true")
+    http_options(output_options(p, "chat-check", "chat-check-<timestamp>"))
 
 
 def run(args) -> int:
@@ -51,7 +49,7 @@ def run(args) -> int:
     try:
         tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
         ep = Endpoint("engine", args.endpoint, "openai", args.model,
-                      RetryPolicy(retries=args.retries, timeout=300.0)).connect()
+                      RetryPolicy(retries=args.retries, timeout=args.timeout)).connect()
         probe = ChatProbe(ep, tok or load_tokenizer())
         cases = all_cases()
         prof = profile_numerics(args.engine_profile)

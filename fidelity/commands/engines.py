@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fidelity.commands.options import output_options
 from fidelity.errors import CommandError
 
 # Lazy imports inside the functions: building the parser imports every command module,
@@ -21,14 +22,11 @@ def add_arguments(p):
                    help="plan: print each arm's command line and environment and write a launch "
                         "script; run: launch, score and report (resumes)")
     p.add_argument("spec", help="the engines spec (TOML); see fidelity/engines/spec.py")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="output folder: writes <out>/engines/<run-id>/ (default: the spec's [run] out, "
-                        "else 'reports' in the current directory)")
-    p.add_argument("--run-id", default=None, help="run folder under <out>/engines (default: the spec's name)")
-    p.add_argument("--script", default=None, help="plan: where to write the launch script "
+    g = output_options(p, "engines", "the spec's name", fresh="run: discard earlier results of this run",
+                       out_default=None, out_help="output folder: writes <out>/engines/<run-id>/ (default: "
+                       "the spec's [run] out, else 'reports' in the current directory)")
+    g.add_argument("--script", default=None, help="plan: where to write the launch script "
                    "(default <out>/engines/<run-id>/launch.sh)")
-    p.add_argument("--fresh", action="store_true", help="run: discard earlier results of this run")
-    p.add_argument("--quiet", action="store_true")
 
 
 def run(args) -> int:

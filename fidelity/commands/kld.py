@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
+from fidelity.commands.options import http_options, output_options
 from fidelity.errors import CommandError
 from fidelity.kld.settings import HttpSettings, KldSettings, PromptGrid
 
@@ -77,17 +78,9 @@ def add_arguments(p):
                         "where an arm offers them; coverage is reported)")
     g.add_argument("--n-boot", type=int, default=KldSettings.n_boot,
                    help="bootstrap resamples for confidence intervals (default: %(default)s)")
-    g.add_argument("--timeout", type=float, default=HttpSettings.timeout,
-                   help="seconds per request attempt (default: %(default)s)")
-    g.add_argument("--retries", type=int, default=HttpSettings.retries,
-                   help="retries per request on connection errors, timeouts, 5xx, 429 and "
-                        "malformed answers; counted per arm and route (default: %(default)s)")
-    g = p.add_argument_group("output")
-    g.add_argument("--out", default="reports", help="<out>/kld/scores (resumable), <out>/kld/<run-id>/")
-    g.add_argument("--run-id", default=None,
-                   help="report folder name under <out>/kld/ (default: kld-<timestamp>)")
-    g.add_argument("--fresh", action="store_true", help="discard stored scores instead of resuming")
-    g.add_argument("--quiet", action="store_true")
+    http_options(g, timeout=HttpSettings.timeout)
+    output_options(p, "kld", "kld-<timestamp>", fresh="discard stored scores instead of resuming",
+                   out_help="writes <out>/kld/scores (resumable) and <out>/kld/<run-id>/ (default: %(default)s)")
 
 
 def build_entries(args, target, progress, place=None):

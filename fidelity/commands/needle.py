@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from fidelity.commands.options import http_options, output_options
 from fidelity.errors import CommandError
 
 HELP = "Needle-in-a-haystack recall sweep (in-process arms and/or --endpoint servers) + report."
@@ -67,19 +68,15 @@ def add_arguments(p):
                    help='JSON object sent as chat_template_kwargs, replacing the default '
                         '{"thinking": <--thinking>}; \'{}\' sends none')
     g.add_argument("--concurrency", type=int, default=4, help="requests in flight per endpoint")
-    g.add_argument("--timeout", type=float, default=300.0, help="seconds per request attempt")
-    g.add_argument("--retries", type=int, default=4, help="retries on connection errors/5xx/429")
+    http_options(g)
     g.add_argument("--api-key-env", default="OPENAI_API_KEY",
                    help="environment variable holding the API key (never written anywhere)")
-    g = p.add_argument_group("output")
-    g.add_argument("--out", default="reports",
-                   help="writes <out>/needle/results.jsonl and <out>/needle/<run-id>/ (+ latest link)")
-    g.add_argument("--run-id", default=None, help="report folder name (default needle-<timestamp>)")
+    g = output_options(p, "needle", "needle-<timestamp>", fresh="discard existing results instead of resuming",
+                       out_help="writes <out>/needle/results.jsonl and <out>/needle/<run-id>/ (+ latest "
+                                "link) (default: %(default)s)")
     g.add_argument("--results", default=None, help="results JSONL (default <out>/needle/results.jsonl)")
-    g.add_argument("--fresh", action="store_true", help="discard existing results instead of resuming")
     g.add_argument("--report-only", action="store_true", help="only rebuild the report from results")
     g.add_argument("--no-plots", action="store_true")
-    g.add_argument("--quiet", action="store_true")
 
 
 def _named(spec: str, default_name: str) -> tuple[str, str]:

@@ -2,6 +2,7 @@
 weights? The static half of "is it the checkpoint or the engine?" (fidelity/weights/diff.py)."""
 from __future__ import annotations
 
+from fidelity.commands.options import output_options
 from fidelity.errors import CommandError
 
 # Lazy imports inside the functions: building the parser imports every command module,
@@ -26,9 +27,7 @@ def add_arguments(p):
     p.add_argument("--tolerance", type=float, default=None, metavar="REL_L2",
                    help="a tensor counts as changed when its rel L2 exceeds this (default: any "
                         "difference from bit-identical dequantised values)")
-    p.add_argument("--out", default="reports", help="writes <out>/weights-diff/<run-id>/ (+ latest link)")
-    p.add_argument("--run-id", default=None, help="report folder name (default weights-diff-<timestamp>)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    output_options(p, "weights-diff", "weights-diff-<timestamp>")
 
 
 def run(args) -> int:

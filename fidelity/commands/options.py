@@ -1,0 +1,35 @@
+"""Options several subcommands share, declared once so their names, defaults and help
+cannot drift apart: where results go (--out, --run-id, --fresh, --quiet) and how requests
+to a server are retried (--timeout, --retries; infra.http.RetryPolicy's defaults unless a
+command's requests need longer attempts)."""
+from __future__ import annotations
+
+import argparse
+
+from infra.http import RetryPolicy
+
+
+def output_options(p: argparse.ArgumentParser, what: str, run_id_default: str, *,
+                   fresh: str | None = None, quiet: bool = True, out_default: str | None = "reports",
+                   out_help: str | None = None):
+    """The "output" group: <out>/<what>/<run-id>/ (<out>/<run-id>/ when `what` is empty);
+    returns it for a command's own extras."""
+    where = f"<out>/{what}/" if what else "<out>/"
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default=out_default, metavar="DIR",
+                   help=out_help or f"writes {where}<run-id>/ (default: %(default)s)")
+    g.add_argument("--run-id", default=None, help=f"folder name under {where} (default: {run_id_default})")
+    if fresh:
+        g.add_argument("--fresh", action="store_true", help=fresh)
+    if quiet:
+        g.add_argument("--quiet", action="store_true", help="no progress lines")
+    return g
+
+
+def http_options(g, timeout: float = RetryPolicy.timeout) -> None:
+    """--timeout and --retries on a group of a command that talks to servers."""
+    g.add_argument("--timeout", type=float, default=timeout,
+                   help="seconds per request attempt (default: %(default)s)")
+    g.add_argument("--retries", type=int, default=RetryPolicy.retries,
+                   help="retries per request on connection errors, timeouts, 5xx, 429 and malformed "
+                        "answers (default: %(default)s)")
