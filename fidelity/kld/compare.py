@@ -10,10 +10,10 @@ import numpy as np
 from needle.haystack import needle_entries
 
 from .bounds import compare
-from .dialects import ArmScores
+from .dialects import PromptScores
 
 
-def position_rows(base: ArmScores, arm: ArmScores) -> tuple[list[dict], int | None]:
+def position_rows(base: PromptScores, arm: PromptScores) -> tuple[list[dict], int | None]:
     """Rows {phase, step, position, kl_lb, ...}; and the first ladder step whose greedy
     token differs (None when they agree throughout)."""
     n = len(base.ids)
@@ -36,7 +36,7 @@ def position_rows(base: ArmScores, arm: ArmScores) -> tuple[list[dict], int | No
     return rows, first
 
 
-def capture_rows(base: ArmScores, arm: ArmScores, csa_layers: list[int], n_layers: int,
+def capture_rows(base: PromptScores, arm: PromptScores, csa_layers: list[int], n_layers: int,
                  needle_tokens=()) -> list[dict]:
     """Per layer, over the prompt's positions: indexer recall of the baseline's picks,
     expert-set agreement; the needle entry picked by the baseline at the last position

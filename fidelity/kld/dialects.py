@@ -29,7 +29,8 @@ class ScoringError(ValueError):
 
 
 @dataclass
-class ArmScores:
+class PromptScores:
+    """One arm's scores for one prompt, as parsed from its dialect's answer."""
     ids: list[int]                                  # the prompt, as the engine echoed it
     known: list[Known]                              # one per prompt position
     actual: list[float | None]                      # logprob of token j+1 at position j
@@ -84,7 +85,7 @@ def sglang_request(ids: list[int], r: Request) -> tuple[str, dict]:
     return "/generate", body
 
 
-def sglang_parse(data: dict, ids: list[int], r: Request, shape: dict | None = None) -> ArmScores:
+def sglang_parse(data: dict, ids: list[int], r: Request, shape: dict | None = None) -> PromptScores:
     try:
         m = data["meta_info"]
         inp, top = m["input_token_logprobs"], m["input_top_logprobs"]
@@ -121,7 +122,7 @@ def sglang_parse(data: dict, ids: list[int], r: Request, shape: dict | None = No
         ladder.append(_known(pairs))
     if not ladder:
         raise ScoringError("the response has no output token (max_new_tokens >= 1 was sent)")
-    s = ArmScores(list(ids), known + [ladder[0]], [inp[j + 1][0] for j in range(n - 1)] + [None],
+    s = PromptScores(list(ids), known + [ladder[0]], [inp[j + 1][0] for j in range(n - 1)] + [None],
                   [None] * n, [int(e[1]) for e in out_tok], ladder)
     if r.captures and shape and "indexer_topk" in m:
         sglang_captures(s, m, shape)
@@ -144,7 +145,7 @@ def has_captures(data) -> bool:
     return isinstance(m, dict) and "indexer_topk" in m and "routed_experts" in m
 
 
-def sglang_captures(s: ArmScores, meta: dict, shape: dict) -> ArmScores:
+def sglang_captures(s: PromptScores, meta: dict, shape: dict) -> PromptScores:
     """Decode a /generate answer's indexer top-k and routed experts into `s` (ScoringError
     when their sizes do not fit the prompt and shape)."""
     rows = len(s.ids) + len(s.ladder_tokens) - 1
@@ -186,7 +187,7 @@ def _legacy_tops(lp: dict, piece_ids) -> list[list[tuple[int, float]]]:
     return out
 
 
-def vllm_parse(data: dict, ids: list[int], r: Request, shape: dict | None = None) -> ArmScores:
+def vllm_parse(data: dict, ids: list[int], r: Request, shape: dict | None = None) -> PromptScores:
     try:
         ch = data["choices"][0]
         plp = ch["prompt_logprobs"]
@@ -217,7 +218,7 @@ def vllm_parse(data: dict, ids: list[int], r: Request, shape: dict | None = None
         raise ScoringError("the completion's logprobs lack token ids (needs logprobs k and "
                            "return_tokens_as_token_ids)")
     ladder = [_known(tp + [(t, v)]) for tp, t, v in zip(tops, toks, lp["token_logprobs"])]
-    return ArmScores(list(ids), known + [ladder[0]], actual + [None], ranks + [None],
+    return PromptScores(list(ids), known + [ladder[0]], actual + [None], ranks + [None],
                      [int(t) for t in toks], ladder)
 
 
@@ -230,7 +231,7 @@ def openai_request(ids: list[int], r: Request) -> tuple[str, dict]:
     return "/v1/completions", body
 
 
-def openai_parse(data: dict, ids: list[int], r: Request, piece_ids: dict | None = None) -> ArmScores:
+def openai_parse(data: dict, ids: list[int], r: Request, piece_ids: dict | None = None) -> PromptScores:
     try:
         lp = data["choices"][0]["logprobs"]
         toks, vals = lp["tokens"], lp["token_logprobs"]
@@ -246,7 +247,7 @@ def openai_parse(data: dict, ids: list[int], r: Request, piece_ids: dict | None 
         raise ScoringError("cannot map the new tokens' text back to ids (give the tokenizer)")
     seq = list(ids) + out_ids
     known = [_known(tops[j + 1] + [(seq[j + 1], vals[j + 1])]) for j in range(len(seq) - 1)]
-    return ArmScores(list(ids), known[:n], [vals[j + 1] for j in range(n - 1)] + [None],
+    return PromptScores(list(ids), known[:n], [vals[j + 1] for j in range(n - 1)] + [None],
                      [None] * n, out_ids, known[n - 1:])
 
 

@@ -21,7 +21,7 @@ from infra.http import (ModelChoiceError, RequestFailed, RetryPolicy, backoff_de
                         send, split_base)
 
 from .bounds import Known
-from .dialects import (CAPTURE_SHAPE_KEYS, DIALECTS, PARSERS, ArmScores, Request, ScoringError,
+from .dialects import (CAPTURE_SHAPE_KEYS, DIALECTS, PARSERS, PromptScores, Request, ScoringError,
                        capture_shape, has_captures, sglang_captures)
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class EndpointError(RuntimeError):
     pass
 
 
-def merge_scores(a: ArmScores, b: ArmScores) -> ArmScores:
+def merge_scores(a: PromptScores, b: PromptScores) -> PromptScores:
     """Scores of one prompt from two requests (different requested ids): each position's
     known ids united (greedy continuations must agree: same engine, same prompt)."""
     if a.ladder_tokens != b.ladder_tokens:
@@ -183,7 +183,7 @@ class Endpoint:
             self._piece_ids = {t: v[0] for t, v in seen.items() if len(v) == 1}
         return self._piece_ids
 
-    def _score_as(self, dialect: str, ids: list[int], req: Request, retry: bool = True) -> ArmScores:
+    def _score_as(self, dialect: str, ids: list[int], req: Request, retry: bool = True) -> PromptScores:
         """One request; SGLang's exact mode in several, `ids_per_request` requested ids each
         (`token_ids_logprob` is scored at every position, so a long prompt times a large id
         set would be one huge response), merged position by position."""
@@ -196,7 +196,7 @@ class Endpoint:
             out = got if out is None else merge_scores(out, got)
         return out
 
-    def _one(self, dialect: str, ids: list[int], req: Request, retry: bool = True) -> ArmScores:
+    def _one(self, dialect: str, ids: list[int], req: Request, retry: bool = True) -> PromptScores:
         """One scoring request; a malformed answer is retried unless `retry` is False (a
         dialect tried as a fallback may simply be the wrong one)."""
         build, parse = PARSERS[dialect]
@@ -208,7 +208,7 @@ class Endpoint:
             return got[1]
         return self._with_captures(path, body, ids, req, parse, *got)
 
-    def _with_captures(self, path, body, ids, req, parse, data, scores) -> ArmScores:
+    def _with_captures(self, path, body, ids, req, parse, data, scores) -> PromptScores:
         """Scores with the answer's captures decoded. Captures the server offers (a known
         shape) that an answer lacks or garbles are asked for again under the retry policy;
         then the scores are kept with `captures_missing` saying why."""
@@ -235,7 +235,7 @@ class Endpoint:
         scores.captures_missing = why
         return scores
 
-    def score(self, ids: list[int], req: Request) -> ArmScores:
+    def score(self, ids: list[int], req: Request) -> PromptScores:
         """The prompt's scores. Until one request has worked, a detected dialect that fails
         falls back to the others; if none works the error lists each one's failure and
         what the server needs for it."""

@@ -11,7 +11,7 @@ from reference_model import Model
 from reference_model.taps import Taps
 
 from .bounds import Known
-from .dialects import ArmScores, Request
+from .dialects import PromptScores, Request
 
 CAPTURE_TAPS = ["layers.*.attn.index.topk", "layers.*.ffn.router.experts"]
 
@@ -39,7 +39,7 @@ class InProcessScorer:
         ids = np.arange(lp.shape[-1])
         return [Known(ids, row) for row in lp]
 
-    def score(self, ids: list[int], req: Request) -> ArmScores:
+    def score(self, ids: list[int], req: Request) -> PromptScores:
         taps = Taps(CAPTURE_TAPS) if req.captures else None
         logits, st = self.model.extend(torch.tensor(ids), None, "all", taps)
         known = self._full(logits)
@@ -51,7 +51,7 @@ class InProcessScorer:
             if t < req.steps - 1:
                 lg, st = self.model.extend(torch.tensor([toks[-1]]), st, "last", taps)
                 ladder += self._full(lg)
-        s = ArmScores(list(ids), known, actual, [None] * n, toks, ladder)
+        s = PromptScores(list(ids), known, actual, [None] * n, toks, ladder)
         if taps is not None:
             s.indexer = torch.stack([taps[f"layers.{i}.attn.index.topk"] for i in self.csa], 1).numpy()
             s.experts = torch.stack([taps[f"layers.{i}.ffn.router.experts"]

@@ -25,7 +25,7 @@ from fidelity.verdict.signals import http_signals
 from . import health as H
 from . import report
 from .compare import capture_rows, position_rows
-from .dialects import ArmScores, Request
+from .dialects import PromptScores, Request
 from .settings import KldSettings
 from .store import ScoreStore, request_key
 
@@ -48,7 +48,7 @@ def repeat_floor(base: ScoredArm) -> ScoredArm:
     return ScoredArm(f"{base.name}{REPEAT_SUFFIX}", base.scorer, "floor")
 
 
-def _request(s: KldSettings, entry: ScoredArm, base: ArmScores | None) -> Request:
+def _request(s: KldSettings, entry: ScoredArm, base: PromptScores | None) -> Request:
     r = Request(k=s.k, steps=s.steps, captures=s.captures)
     if s.exact and base is not None and entry.role != "baseline":
         if getattr(entry.scorer, "dialect", None) == "sglang":
@@ -98,7 +98,7 @@ def _score_one(entry: ScoredArm, p, s: KldSettings, store: ScoreStore, baseline:
     store.put(entry.name, p.id, key, entry.scorer.score(ids, _request(s, entry, base)))
 
 
-def load(entry: ScoredArm, p, s: KldSettings, store: ScoreStore) -> ArmScores:
+def load(entry: ScoredArm, p, s: KldSettings, store: ScoreStore) -> PromptScores:
     got = store.get(entry.name, p.id, _key(s, entry, p.tokens.tolist()))
     if got is None:
         raise RuntimeError(f"{entry.name} has no scores for prompt {p.id}")

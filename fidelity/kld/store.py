@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from .bounds import Known
-from .dialects import ArmScores
+from .dialects import PromptScores
 
 
 def request_key(k: int, steps: int, exact: bool, captures: bool, ids: list[int]) -> str:
@@ -52,7 +52,7 @@ class ScoreStore:
     def path(self, arm: str, prompt: str, key: str, partial: bool = False) -> Path:
         return self.root / arm / f"{prompt}-{key}{'-nocaptures' * partial}.npz"
 
-    def get(self, arm: str, prompt: str, key: str) -> ArmScores | None:
+    def get(self, arm: str, prompt: str, key: str) -> PromptScores | None:
         """The stored scores, complete ones first (None when the prompt was not scored)."""
         p = self.path(arm, prompt, key)
         if not p.exists():
@@ -61,14 +61,14 @@ class ScoreStore:
                 return None
         z = np.load(p)
         opt = {n: z[n] for n in ("indexer", "experts") if n in z}
-        return ArmScores(z["prompt"].tolist(), _unpack(z["k_ids"], z["k_logp"], z["k_off"]),
+        return PromptScores(z["prompt"].tolist(), _unpack(z["k_ids"], z["k_logp"], z["k_off"]),
                          [None if np.isnan(v) else float(v) for v in z["actual"]],
                          [None if v < 0 else int(v) for v in z["ranks"]],
                          z["ladder_tokens"].tolist(), _unpack(z["l_ids"], z["l_logp"], z["l_off"]),
                          opt.get("indexer"), opt.get("experts"),
                          str(z["captures_missing"]) if "captures_missing" in z else None)
 
-    def put(self, arm: str, prompt: str, key: str, s: ArmScores) -> None:
+    def put(self, arm: str, prompt: str, key: str, s: PromptScores) -> None:
         ids = s.ids
         known = [_trim(k, self.keep, ids[j + 1] if j + 1 < len(ids) else None)
                  for j, k in enumerate(s.known)]
