@@ -1,6 +1,7 @@
-"""Regenerate the generated sections of README.md (between <!-- BEGIN name --> and
-<!-- END name --> markers): the toggle table from the registry, bench tables from
-bench/results/*.md. `--check` exits 1 if the README is stale (used by the tests)."""
+"""Regenerate the generated sections of README.md and docs/*.md (between
+<!-- BEGIN name --> and <!-- END name --> markers): the toggle table from the registry
+(docs/ab.md), bench tables from bench/results/*.md (docs/benchmarks.md). `--check` exits 1
+if any file is stale (used by the tests)."""
 from __future__ import annotations
 
 import re
@@ -28,15 +29,17 @@ def render(text: str) -> str:
 
 
 def main() -> int:
-    readme = ROOT / "README.md"
-    old = readme.read_text()
-    new = render(old)
-    if "--check" in sys.argv:
+    stale = []
+    for f in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        old = f.read_text()
+        new = render(old)
         if new != old:
-            print("README.md is stale: run python scripts/update_readme.py")
-            return 1
-        return 0
-    readme.write_text(new)
+            stale.append(f.relative_to(ROOT))
+            if "--check" not in sys.argv:
+                f.write_text(new)
+    if stale and "--check" in sys.argv:
+        print(f"stale: {', '.join(map(str, stale))}: run python scripts/update_readme.py")
+        return 1
     return 0
 
 
