@@ -47,7 +47,57 @@ def _chat_text(body: dict) -> str:
     return render_chat(body["messages"], bool(kw.get("thinking")))
 
 
-class StubServer:
+class ThreadedServer:
+    """An asyncio server on a free loopback port, run in a daemon thread, so tests and
+    benches talk to it over real HTTP. Subclasses define `_handle(reader, writer)` and may
+    open and close their own resources in `_setup` / `_teardown` (run on the server's loop)."""
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+    port: int | None = None
+
+    async def _setup(self) -> None:
+        pass
+
+    async def _teardown(self) -> None:
+        pass
+
+    def start(self):
+        ready = threading.Event()
+
+        def main():
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            self._loop.run_until_complete(self._setup())
+            server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+            self.port = server.sockets[0].getsockname()[1]
+            ready.set()
+            self._loop.run_forever()
+            server.close()
+            tasks = asyncio.all_tasks(self._loop)
+            for t in tasks:
+                t.cancel()
+            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self._loop.run_until_complete(self._teardown())
+            self._loop.close()
+
+        self._thread = threading.Thread(target=main, daemon=True)
+        self._thread.start()
+        ready.wait(300)                      # a hang guard, not a speed requirement
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(300)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class StubServer(ThreadedServer):
     def __init__(self, faults=(), delay: float = 0.0, hang: float = 5.0, wrong_every: int = 3,
                  tokenizer=None, tokenize: bool = True, models_faults=(), tokenize_faults=()):
         self.faults = list(faults)
@@ -60,8 +110,6 @@ class StubServer:
         self.tokenize_requests = 0            # POST /tokenize or /v1/tokenize received
         self.auth_sha256: set[str] = set()    # hashes of Authorization headers seen
         self.port: int | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._server = None
         self._thread: threading.Thread | None = None
 
     # ---- answers ------------------------------------------------------------------------
@@ -162,41 +210,7 @@ class StubServer:
             if not writer.transport.is_closing():
                 writer.close()
 
-    # ---- lifecycle ----------------------------------------------------------------------
-    def start(self) -> "StubServer":
-        ready = threading.Event()
-
-        def main():
-            self._loop = asyncio.new_event_loop()
-            asyncio.set_event_loop(self._loop)
-            self._server = self._loop.run_until_complete(
-                asyncio.start_server(self._handle, "127.0.0.1", 0))
-            self.port = self._server.sockets[0].getsockname()[1]
-            ready.set()
-            self._loop.run_forever()
-            self._server.close()
-            tasks = asyncio.all_tasks(self._loop)
-            for t in tasks:
-                t.cancel()
-            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            self._loop.close()
-
-        self._thread = threading.Thread(target=main, daemon=True)
-        self._thread.start()
-        ready.wait(10)
-        return self
-
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()

@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import httpx
 
-from needle.stub import StubServer, read_request
+from needle.stub import StubServer, ThreadedServer, read_request
 
 
-class FaultProxy:
+class FaultProxy(ThreadedServer):
     def __init__(self, upstream: str, faults: dict[str, list] | None = None):
         self.upstream = upstream.rstrip("/")
         self.faults = {k: list(v) for k, v in (faults or {}).items()}
         self.seen: list[tuple[str, str, dict | None]] = []
         self.port: int | None = None
-        self._loop = self._thread = self._client = None
+        self._client = None
 
     @property
     def url(self) -> str:
@@ -78,30 +77,8 @@ class FaultProxy:
             if not writer.transport.is_closing():
                 writer.close()
 
-    def __enter__(self) -> "FaultProxy":
-        ready = threading.Event()
+    async def _setup(self) -> None:
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0))
 
-        def main():
-            self._loop = asyncio.new_event_loop()
-            asyncio.set_event_loop(self._loop)
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0))
-            server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
-            self.port = server.sockets[0].getsockname()[1]
-            ready.set()
-            self._loop.run_forever()
-            server.close()
-            tasks = asyncio.all_tasks(self._loop)
-            for t in tasks:
-                t.cancel()
-            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            self._loop.run_until_complete(self._client.aclose())
-            self._loop.close()
-
-        self._thread = threading.Thread(target=main, daemon=True)
-        self._thread.start()
-        ready.wait(30)
-        return self
-
-    def __exit__(self, *exc):
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(30)
+    async def _teardown(self) -> None:
+        await self._client.aclose()

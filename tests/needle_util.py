@@ -53,12 +53,23 @@ def served(*arms: str, extra=()):
             wait_healthy(url, proc)
         yield [url for url, _ in procs]
     finally:
-        for _, proc in procs:
-            proc.terminate()
-        for _, proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            proc.stderr.close()
+        stop([proc for _, proc in procs])
+
+
+def stop(procs) -> None:
+    """SIGTERM every server, then wait (SIGKILL after 15 s) and close its stderr."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+
+
+def ok(r) -> dict:
+    """The JSON of a 200 answer; anything else fails with the server's text."""
+    assert r.status_code == 200, r.text
+    return r.json()

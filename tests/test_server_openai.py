@@ -12,16 +12,9 @@ from fidelity.weights.target import load_target
 from reference_model import Model, Numerics
 from reference_model.tokenizer import load_tokenizer, render_chat
 
-from needle_util import served
 
 
 DEFAULT = load_target(None)          # what `fidelity serve` serves with no --checkpoint
-
-
-@pytest.fixture(scope="module")
-def url():
-    with served("golden") as (u,):
-        yield u
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 from fidelity.weights.target import load_target
 from reference_model.tokenizer import BOS, EOS
 
-from needle_util import ROOT, fidelity_cmd, free_port, served, wait_healthy
+from needle_util import ROOT, fidelity_cmd, free_port, served, stop, wait_healthy
 
 T = load_target(None)
 TWO = ("--arm", "golden=golden", "--arm", "engine=engine")
@@ -35,13 +35,7 @@ def server(*args, log=None):
             wait_healthy(url, proc)
             yield url
         finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            proc.stderr.close()
+            stop([proc])
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from reference_model import Model
 from reference_model.generate import Decoder, Sampling, Scoring
 from reference_model.tokenizer import EOS, render_chat
 
-from needle_util import served
+from needle_util import ok
 
 T = load_target(None)
 TOK = T.tokenizer
@@ -43,23 +43,6 @@ def forced_logprobs(ids, out) -> list[float]:
     logits = MODEL.prefill_logits(torch.tensor(list(ids) + list(out)))
     lp = torch.log_softmax(logits.double(), -1)
     return [float(lp[len(ids) - 1 + j, t]) for j, t in enumerate(out)]
-
-
-@pytest.fixture(scope="module")
-def url():
-    with served("golden") as (u,):
-        yield u
-
-
-@pytest.fixture(scope="module")
-def http(url):
-    with httpx.Client(base_url=url, timeout=300) as c:
-        yield c
-
-
-def ok(r: httpx.Response) -> dict:
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def sse(http, path, body) -> list[dict]:

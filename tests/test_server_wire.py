@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from needle_util import served
+from needle_util import ok, served
 
 SPEC = json.loads((Path(__file__).parent / "data" / "wire_formats.json").read_text())
 GEN, VLLM, CAP, TOK, OPS = (SPEC[k] for k in ("sglang_generate", "vllm_prompt_logprobs", "captures",
@@ -25,23 +25,6 @@ CHAT = [{"role": "system", "content": "Answer in one word."},
         {"role": "user", "content": "Where does the river run?"}]
 K = 3                                             # top_logprobs_num / prompt_logprobs
 START_K = 4                                       # a logprob_start_len > 0
-
-
-@pytest.fixture(scope="module")
-def url():
-    with served("golden") as (u,):
-        yield u
-
-
-@pytest.fixture(scope="module")
-def http(url):
-    with httpx.Client(base_url=url, timeout=120) as c:
-        yield c
-
-
-def ok(r: httpx.Response) -> dict:
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 @pytest.fixture(scope="module")

@@ -123,15 +123,21 @@ class OpenAIRoutes:
         return jobs
 
     # ---- /v1/completions ----------------------------------------------------------------
-    async def completions(self, request: Request):
+    async def _open(self, request: Request, route: str, known):
+        """What both generation routes read first: the JSON body (unknown fields logged),
+        the served arm, the checks they share and the streaming options."""
         body = await read_json(request)
-        warn_unknown("POST /v1/completions", body, COMPLETION_FIELDS)
+        warn_unknown(route, body, known)
         f = Fields(body)
         served = self.e.resolve(body.get("model"))
         _common(f)
-        f.refuse("suffix", "DeepSeek-V4 has no fill-in-the-middle format", (None, ""))
         stream = f.flag("stream")
-        usage_chunk = _stream_options(f, stream)
+        return body, f, served, stream, _stream_options(f, stream)
+
+    async def completions(self, request: Request):
+        body, f, served, stream, usage_chunk = await self._open(request, "POST /v1/completions",
+                                                                COMPLETION_FIELDS)
+        f.refuse("suffix", "DeepSeek-V4 has no fill-in-the-middle format", (None, ""))
         prompts = self.e.prompts(body.get("prompt"))
         max_tokens = f.integer("max_tokens", 16, 0)
         lp = self._logprobs_k(f, "logprobs")
@@ -243,13 +249,8 @@ class OpenAIRoutes:
 
     # ---- /v1/chat/completions -----------------------------------------------------------
     async def chat(self, request: Request):
-        body = await read_json(request)
-        warn_unknown("POST /v1/chat/completions", body, CHAT_FIELDS)
-        f = Fields(body)
-        served = self.e.resolve(body.get("model"))
-        _common(f)
-        stream = f.flag("stream")
-        usage_chunk = _stream_options(f, stream)
+        body, f, served, stream, usage_chunk = await self._open(request, "POST /v1/chat/completions",
+                                                                CHAT_FIELDS)
         text, thinking = self.e.chat_prompt(body, served)
         ids = self.tok.encode(text)
         mt = body.get("max_completion_tokens", body.get("max_tokens"))
