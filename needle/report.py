@@ -69,11 +69,19 @@ def _heatmap(plt, Ls, Ds, m, title, cmap, vmin, vmax, marks=None, fmt="{:.2f}"):
 def figures(t: dict, arms: list[str]):
     """(figure, file stem, title, caption) for each plot."""
     plt = _plt()
-    cells = t["cells"]
-    Ls, Ds = _axes(cells)
+    yield from _heatmaps(plt, t, arms)
+    yield _recall_vs_length(plt, t, arms)
+    yield _outcomes(plt, t, arms)
+    if t["mechanism"]:
+        yield _mechanism(plt, t, arms)
+
+
+def _heatmaps(plt, t: dict, arms: list[str]):
+    """Recall per depth x length cell for each arm, then the paired difference to the first."""
+    Ls, Ds = _axes(t["cells"])
     for a in arms:
         m = [[math.nan] * len(Ls) for _ in Ds]
-        for c in cells:
+        for c in t["cells"]:
             if c["arm"] == a and c["recall"] is not None:
                 m[Ds.index(c["depth"])][Ls.index(c["length"])] = c["recall"]
         yield (_heatmap(plt, Ls, Ds, m, f"recall: {a}", "RdYlGn", 0, 1), f"heatmap_{_slug(a)}",
@@ -90,6 +98,10 @@ def figures(t: dict, arms: list[str]):
                         -1, 1, marks, fmt="{:+.2f}"), f"delta_{_slug(arms[0])}_vs_{_slug(b)}",
                f"{arms[0]} − {b}", "Paired recall difference per cell (trials both arms scored); "
                f"* = McNemar p < {ALPHA}, per cell, uncorrected.")
+
+
+def _recall_vs_length(plt, t: dict, arms: list[str]):
+    Ls, _ = _axes(t["cells"])
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for k, a in enumerate(arms):
         rs = [r for r in t["lengths"] if r["arm"] == a and r["recall"] is not None]
@@ -109,8 +121,11 @@ def figures(t: dict, arms: list[str]):
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("recall (95% Wilson)")
     fig.tight_layout()
-    yield fig, "recall_vs_length", "Recall vs context length", (
+    return fig, "recall_vs_length", "Recall vs context length", (
         f"All depths pooled; 95% Wilson intervals; {arms[0]} (the baseline) dashed.")
+
+
+def _outcomes(plt, t: dict, arms: list[str]):
     fig, axes = plt.subplots(1, len(arms), figsize=(3.2 * len(arms) + 1.5, 3.6), squeeze=False)
     for ax, a in zip(axes[0], arms):
         rs = [r for r in t["lengths"] if r["arm"] == a]
@@ -125,24 +140,26 @@ def figures(t: dict, arms: list[str]):
     axes[0][0].set_ylabel("fraction of trials")
     axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
     fig.tight_layout()
-    yield fig, "outcomes", "Outcomes by length", ("Failure taxonomy: truncated (max_tokens) and "
-                                                  "server errors are not recall misses.")
-    if t["mechanism"]:
-        fig, ax = plt.subplots(figsize=(6.4, 3.4))
-        layers = sorted({m["layer"] for m in t["mechanism"]})
-        w = 0.8 / max(1, len(arms))
-        for k, a in enumerate(arms):
-            ms = {m["layer"]: m for m in t["mechanism"] if m["arm"] == a}
-            ax.bar([i + k * w for i, L in enumerate(layers) if L in ms],
-                   [ms[L]["in_topk_rate"] for L in layers if L in ms], width=w, label=a)
-        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(layers))], [f"layer {L}" for L in layers])
-        ax.set_ylim(0, 1)
-        ax.set_ylabel("needle entry in indexer top-k")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        yield fig, "mechanism", "Mechanism (CSA layers)", (
-            "Share of trials where a compressed entry holding the needle value was in the "
-            "indexer's top-k at the question position (needle outside the window).")
+    return fig, "outcomes", "Outcomes by length", ("Failure taxonomy: truncated (max_tokens) and "
+                                                   "server errors are not recall misses.")
+
+
+def _mechanism(plt, t: dict, arms: list[str]):
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    layers = sorted({m["layer"] for m in t["mechanism"]})
+    w = 0.8 / max(1, len(arms))
+    for k, a in enumerate(arms):
+        ms = {m["layer"]: m for m in t["mechanism"] if m["arm"] == a}
+        ax.bar([i + k * w for i, L in enumerate(layers) if L in ms],
+               [ms[L]["in_topk_rate"] for L in layers if L in ms], width=w, label=a)
+    ax.set_xticks([i + 0.4 - w / 2 for i in range(len(layers))], [f"layer {L}" for L in layers])
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("needle entry in indexer top-k")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig, "mechanism", "Mechanism (CSA layers)", (
+        "Share of trials where a compressed entry holding the needle value was in the "
+        "indexer's top-k at the question position (needle outside the window).")
 
 
 ARM_COLUMNS = ["arm", "n", "n_scored", "recall", "ci_low", "ci_high", "correct", "partial", "wrong",

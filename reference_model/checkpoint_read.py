@@ -197,39 +197,9 @@ def scan_checkpoint(path, cfg: ModelConfig | None = None, strict: bool = True) -
     cfg, config_file = _config(root, cfg, problems, notes)
     wm, files, total = _shard_files(root, problems)
 
-    headers: dict[str, TensorHeader] = {}
-    bad_files: set[str] = set()
-    for f in files:
-        p = root / f
-        if not p.is_file():
-            n = sum(1 for v in (wm or {}).values() if v == f)
-            problems.append(f"missing shard: {f} (the index maps {n} tensors to it)")
-            bad_files.add(f)
-            continue
-        try:
-            hs, _ = read_header(p)
-        except ShardError as e:
-            problems.append(f"corrupt shard: {f}: {e}")
-            bad_files.add(f)
-            continue
-        for name, h in hs.items():
-            if name in headers:
-                problems.append(f"duplicate tensor: {name} is in {headers[name].file} and {f}")
-            else:
-                headers[name] = h
+    headers, bad_files = _read_headers(root, files, wm, problems)
     if wm is not None:
-        bad = [n for n, f in wm.items() if f not in bad_files
-               and (n not in headers or headers[n].file != f)]
-        for name in sorted(bad, key=natural_key):
-            f = wm[name]
-            where = f"it is in {headers[name].file}" if name in headers else "no shard has it"
-            problems.append(f"index mismatch: {INDEX_NAME} maps {name} to {f}, but {where}")
-        for name in sorted(set(headers) - set(wm), key=natural_key):
-            problems.append(f"index mismatch: {name} is in {headers[name].file} but not in {INDEX_NAME}")
-        if total is not None:
-            real = sum(h.nbytes for h in headers.values())
-            if not bad_files and real != total:
-                notes.append(f"index metadata.total_size is {total}, tensors sum to {real} bytes")
+        _check_index(wm, headers, bad_files, total, problems, notes)
 
     naming = "transformers" if is_transformers_naming(headers) else "native"
     if naming == "transformers":          # key by native name; each header keeps its file name
@@ -242,26 +212,7 @@ def scan_checkpoint(path, cfg: ModelConfig | None = None, strict: bool = True) -
         notes.append(f"skipped {len(skipped)} MTP/DSpark tensors ({', '.join(stages)}): "
                      "not part of the main-model forward")
     lost = {n for n, f in (wm or {}).items() if f in bad_files}   # covered by the shard problem
-    layout, float_dtype, mixed = detect_layout(cfg, main)
-    problems += mixed
-    want = expected_entries(cfg, layout, float_dtype)
-    if layout == "native-dense":           # any float dtype per tensor: bf16, fp16 or fp32
-        want = {n: (replace(e, dtype=main[n].dtype) if n in main and e.dtype in FLOAT_DTYPES + _PLAIN_FLOATS
-                    and main[n].dtype in FLOAT_DTYPES else e) for n, e in want.items()}
-    if layout != "native":
-        notes.append(f"layout {layout}" + (f" ({float_dtype})" if float_dtype else ""))
-    for name in sorted(set(want) - set(main) - lost, key=natural_key):
-        problems.append(f"missing tensor: {name} ({_fmt_entry(want[name])})")
-    for name in sorted(set(main) - set(want), key=natural_key):
-        problems.append(f"unexpected tensor: {name} ({_fmt_entry(main[name])}) in {main[name].file}")
-    differ = [n for n in set(main) & set(want)
-              if main[n].dtype != want[n].dtype or tuple(main[n].shape) != tuple(want[n].shape)]
-    for name in sorted(differ, key=natural_key):
-        h, e = main[name], want[name]
-        if h.dtype != e.dtype:
-            problems.append(f"wrong dtype: {name}: expected {e.dtype}, found {h.dtype} in {h.file}")
-        if tuple(h.shape) != tuple(e.shape):
-            problems.append(f"wrong shape: {name}: expected {list(e.shape)}, found {list(h.shape)} in {h.file}")
+    layout, float_dtype, want = _check_tensors(cfg, main, lost, problems, notes)
     if set(main) != set(want):
         problems += _hints(cfg, set(main) - lost)
     info = CheckpointInfo(root, cfg, config_file, main, skipped, files, total, notes, problems,
@@ -433,3 +384,72 @@ def load_checkpoint(path, device="cpu", cfg: ModelConfig | None = None) -> InMem
     w = InMemoryWeights(src.cfg, tensors)
     w.notes = list(src.info.notes)
     return w
+
+
+def _read_headers(root: Path, files, wm, problems: list[str]) -> tuple[dict, set[str]]:
+    """Every shard's tensor headers by name; a missing or corrupt shard is a problem (and
+    its tensors are not reported again one by one)."""
+    headers: dict[str, TensorHeader] = {}
+    bad_files: set[str] = set()
+    for f in files:
+        p = root / f
+        if not p.is_file():
+            n = sum(1 for v in (wm or {}).values() if v == f)
+            problems.append(f"missing shard: {f} (the index maps {n} tensors to it)")
+            bad_files.add(f)
+            continue
+        try:
+            hs, _ = read_header(p)
+        except ShardError as e:
+            problems.append(f"corrupt shard: {f}: {e}")
+            bad_files.add(f)
+            continue
+        for name, h in hs.items():
+            if name in headers:
+                problems.append(f"duplicate tensor: {name} is in {headers[name].file} and {f}")
+            else:
+                headers[name] = h
+    return headers, bad_files
+
+
+def _check_index(wm: dict, headers: dict, bad_files: set[str], total, problems: list[str],
+                 notes: list[str]) -> None:
+    """The index's weight map against the shards' headers (and its total size)."""
+    bad = [n for n, f in wm.items() if f not in bad_files and (n not in headers or headers[n].file != f)]
+    for name in sorted(bad, key=natural_key):
+        f = wm[name]
+        where = f"it is in {headers[name].file}" if name in headers else "no shard has it"
+        problems.append(f"index mismatch: {INDEX_NAME} maps {name} to {f}, but {where}")
+    for name in sorted(set(headers) - set(wm), key=natural_key):
+        problems.append(f"index mismatch: {name} is in {headers[name].file} but not in {INDEX_NAME}")
+    if total is not None:
+        real = sum(h.nbytes for h in headers.values())
+        if not bad_files and real != total:
+            notes.append(f"index metadata.total_size is {total}, tensors sum to {real} bytes")
+
+
+def _check_tensors(cfg: ModelConfig, main: dict, lost: set[str], problems: list[str],
+                   notes: list[str]) -> tuple[str, str | None, dict]:
+    """The main model's tensors against the config's table for the detected layout:
+    missing, unexpected, wrong dtype or shape. Returns (layout, float dtype, the table)."""
+    layout, float_dtype, mixed = detect_layout(cfg, main)
+    problems += mixed
+    want = expected_entries(cfg, layout, float_dtype)
+    if layout == "native-dense":           # any float dtype per tensor: bf16, fp16 or fp32
+        want = {n: (replace(e, dtype=main[n].dtype) if n in main and e.dtype in FLOAT_DTYPES + _PLAIN_FLOATS
+                    and main[n].dtype in FLOAT_DTYPES else e) for n, e in want.items()}
+    if layout != "native":
+        notes.append(f"layout {layout}" + (f" ({float_dtype})" if float_dtype else ""))
+    for name in sorted(set(want) - set(main) - lost, key=natural_key):
+        problems.append(f"missing tensor: {name} ({_fmt_entry(want[name])})")
+    for name in sorted(set(main) - set(want), key=natural_key):
+        problems.append(f"unexpected tensor: {name} ({_fmt_entry(main[name])}) in {main[name].file}")
+    differ = [n for n in set(main) & set(want)
+              if main[n].dtype != want[n].dtype or tuple(main[n].shape) != tuple(want[n].shape)]
+    for name in sorted(differ, key=natural_key):
+        h, e = main[name], want[name]
+        if h.dtype != e.dtype:
+            problems.append(f"wrong dtype: {name}: expected {e.dtype}, found {h.dtype} in {h.file}")
+        if tuple(h.shape) != tuple(e.shape):
+            problems.append(f"wrong shape: {name}: expected {list(e.shape)}, found {list(h.shape)} in {h.file}")
+    return layout, float_dtype, want
