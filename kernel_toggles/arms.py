@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from reference_model.numerics import Numerics
+
 from . import profiles
 from . import registry as R
 from .registry import ToggleError
@@ -238,7 +240,6 @@ class ToggleSet:
     def numerics(self, profile: str = "reference", base=None, **numerics_kwargs):
         """The arm's Numerics: `base` (default Numerics(profile)) with each toggle's kernels
         applied in canonical order; each toggle sees the previous ones as its golden."""
-        from reference_model.numerics import Numerics
         nx = base if base is not None else Numerics(profile, **numerics_kwargs)
         top: list = []                     # filled with the finished arm (see with_kernels)
         for s in self._specs:

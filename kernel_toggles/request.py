@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+from reference_model.chat_encoding import ChatRequest, Rendered
+
 from .registry import Provenance, toggle
 
 _B = dict(_builtin=True, category="request")
@@ -42,7 +44,6 @@ def _effort_medium_dropped(golden, body):
                     "reasoning_effort 'none' or absent becomes the server default (the "
                     "library's high) and does not turn thinking off.")
 def _chat_sglang_0523(golden, body):
-    from reference_model.chat_encoding import ChatRequest
     kw = body.get("chat_template_kwargs") or {}
     thinking = bool(kw["thinking"]) if "thinking" in kw else False
     effort = body.get("reasoning_effort", kw.get("reasoning_effort"))
@@ -59,7 +60,6 @@ def _chat_sglang_0523(golden, body):
                     "none turns thinking off, low/minimal/medium render as low, max as max, "
                     "anything else as high.")
 def _chat_vllm_033(golden, body):
-    from reference_model.chat_encoding import ChatRequest
     kw = dict(body.get("chat_template_kwargs") or {})
     effort = body.get("reasoning_effort", kw.get("reasoning_effort"))
     if effort is not None and "enable_thinking" not in kw:
@@ -87,7 +87,6 @@ def _chat_vllm_033(golden, body):
                     "results in V3's tool-output markers, no reasoning-effort preamble, thinking "
                     "only when asked for (V3.x's default is off), earlier reasoning always dropped.")
 def _chat_template_v32(golden, req, generation="0731", add_generation_prompt=True):
-    from reference_model.chat_encoding import Rendered
     text, thinking = _render_v32(req, add_generation_prompt)
     return Rendered(text, thinking, "")
 

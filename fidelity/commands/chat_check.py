@@ -19,7 +19,9 @@ EXAMPLES = """\
 
 def add_arguments(p):
     p.add_argument("--endpoint", required=True, metavar="URL", help="the server (root or /v1 URL)")
-    p.add_argument("--model", default=None, help="model name (default: the first listed)")
+    p.add_argument("--model", default=None,
+                   help="served model to check (default: the only one served; a server serving several "
+                        "needs it)")
     p.add_argument("--generation", choices=("0731", "original"), default="0731",
                    help="checkpoint generation of the reference's effort tiers (research §3.2)")
     p.add_argument("--engine-profile", choices=("sglang", "vllm"), default=None,

@@ -6,6 +6,7 @@ arm's finished prompts and trials are kept."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -18,7 +19,14 @@ from fidelity.kld.settings import KldSettings, PromptGrid
 from fidelity.kld.store import ScoreStore
 from fidelity.prompts import file_prompts, grid_prompts
 from fidelity.progress import Progress
+from fidelity.weights.target import load_target
 from infra.report_page import FigureStore, Page, Section, Table, render_html, render_markdown
+from needle.haystack import HaystackSpec, PromptFormat
+from needle.http import HttpRunner, RequestOptions
+from needle.report import write_report
+from needle.results import latest, read_rows
+from needle.sweep import SweepConfig, run_sweep
+from needle.tables import by_arm
 
 from .launch import EngineProcess, LaunchPlan, ReadinessLog, describe_exit, plan_arm
 from .spec import Spec, SpecError
@@ -75,9 +83,6 @@ def _kld_prompts(spec: Spec, tok, vocab: int):
 
 
 def _needle(spec: Spec, name: str, url: str, results: Path, quiet: bool) -> list[dict]:
-    from needle.haystack import HaystackSpec, PromptFormat
-    from needle.http import HttpRunner, RequestOptions
-    from needle.sweep import SweepConfig, run_sweep
     n = spec.needle
     bad = sorted(set(n) - NEEDLE_KEYS)
     if bad:
@@ -87,21 +92,10 @@ def _needle(spec: Spec, name: str, url: str, results: Path, quiet: bool) -> list
                       reps=int(n.get("reps", 1)),
                       spec=HaystackSpec(n.get("kind", "single"), n.get("value_type", "number")),
                       fmt=PromptFormat("chat" if api == "chat" else "completion"), seed=int(n.get("seed", 0)))
-    runner = HttpRunner(name, url + "/v1", api, name_or_none(url, name),
+    runner = HttpRunner(name, url + "/v1", api, None,         # the model: infra.http.pick_model
                         RequestOptions(temperature=float(n.get("temperature", 0.0)), max_tokens=n.get("max_tokens")),
                         concurrency=int(n.get("concurrency", 4)))
     return run_sweep(cfg, [runner], results, quiet=quiet)
-
-
-def name_or_none(url: str, name: str) -> str | None:
-    """The served model named like the arm, if the server has one (several arms behind one
-    port), else None (the first listed)."""
-    import httpx
-    try:
-        ids = [m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]]
-    except (httpx.HTTPError, KeyError, ValueError, TypeError):
-        return None
-    return name if name in ids else None
 
 
 class State:
@@ -121,10 +115,8 @@ class State:
 
 
 def run_engines(spec: Spec, run_id: str, progress: Progress, fresh: bool = False) -> dict:
-    from fidelity.weights.target import load_target
     root = Path(spec.out) / "engines" / run_id
     if fresh and root.exists():
-        import shutil
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
     ps = {p.arm: p for p in plans(spec)}
@@ -158,7 +150,7 @@ def _run_arm(spec, arm, plan, st, state, root, prompts, s, store, base, tok, pro
             st["ready_s"] = proc.wait_ready(poll=1.0 if plan.kind != "fidelity" else 0.2,
                                             progress=ReadinessLog(progress.log, arm.name, plan.ready_path))
             progress.log(f"{arm.name}: ready after {st['ready_s']:.1f} s")
-        ep = Endpoint(arm.name, plan.url, spec.kld.get("dialect"), name_or_none(plan.url, arm.name),
+        ep = Endpoint(arm.name, plan.url, spec.kld.get("dialect"), None,      # model: pick_model on connect
                       tokenizer=tok).connect()
         if "kld" in spec.tasks:
             check_tokenizers([ScoredArm(arm.name, ep)], tok, TOKENIZER_PROBE)
@@ -205,8 +197,6 @@ def report(spec: Spec, root: Path, run_id: str, state: State, prompts, s: KldSet
                        manifest, coverage=False)
         out["kld"], out["verdict"] = res["path"], res["verdict"]
     if "needle" in spec.tasks:
-        from needle.report import write_report
-        from needle.results import latest, read_rows
         rows, metas = [], []
         for a in arms:
             header, r = read_rows(root / "needle" / f"{a.name}.jsonl")
@@ -214,7 +204,6 @@ def report(spec: Spec, root: Path, run_id: str, state: State, prompts, s: KldSet
             metas += (header or {}).get("arms") or []
         out["needle"] = write_report(rows, root / "needle", {"arms": metas}, run_id="needle-report",
                                      with_plots=True)
-        from needle.tables import by_arm
         out["recall"] = by_arm(rows)
     write_summary(root, _page(spec, state, out), out)
     return out

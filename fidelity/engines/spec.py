@@ -41,6 +41,10 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kernel_toggles import ToggleSet, profiles
+from kernel_toggles import arms as K
+from kernel_toggles.arms import reference_closest
+
 KINDS = ("sglang", "vllm", "fidelity", "external")
 DESIGNS = ("one-at-a-time", "leave-one-out", "factorial")
 TASKS = ("kld", "needle")
@@ -147,7 +151,6 @@ def _engine(name: str, d: dict) -> EngineSpec:
 
 
 def _toggles(text, where):
-    from kernel_toggles import ToggleSet
     if text is None:
         return None
     if not isinstance(text, str):
@@ -160,7 +163,6 @@ def _toggles(text, where):
 
 def _closest(e: EngineSpec, where: str):
     """toggles = "closest": the engine with every known reference setting applied."""
-    from kernel_toggles.arms import reference_closest
     if e.kind not in ("sglang", "vllm"):
         raise SpecError(f"{where}: \"closest\" needs an sglang or vllm engine")
     try:
@@ -196,8 +198,6 @@ def _arm(i: int, d: dict, engines) -> EngineArm:
 
 
 def _design(i: int, d: dict, engines) -> list[EngineArm]:
-    from kernel_toggles import ToggleSet
-    from kernel_toggles import arms as K
     where = f"designs[{i}]"
     _only(d, {"engine", "kind", "base", "toggles", "prefix"}, where)
     if d.get("engine") not in engines:
@@ -224,7 +224,6 @@ def _design(i: int, d: dict, engines) -> list[EngineArm]:
     out = []
     for label, ts in named:
         if e.kind in ("sglang", "vllm"):
-            from kernel_toggles import profiles
             try:
                 ts = profiles.fixed_on(ts, e.kind, e.version)
             except ValueError as ex:

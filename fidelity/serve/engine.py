@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from reference_model import Model
 from reference_model.generate import Decoder, Sampling, Scoring
+from reference_model.tokenizer import BOS, EOS
 
 from .errors import ApiError, model_not_found
 from .fields import Fields
@@ -192,7 +195,6 @@ class Engine:
         """vLLM's GET /tokenizer_info: the tokenizer's init settings, its class, and the chat
         template where the checkpoint ships one (DeepSeek-V4's chat encoding is code, not a
         Jinja template, so usually none). lm-eval's `remote` tokenizer reads eos/bos/pad."""
-        from reference_model.tokenizer import BOS, EOS
         out = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
                "pad_token": EOS, "add_bos_token": False, "add_eos_token": False,
                "model_max_length": self.max_model_len, "clean_up_tokenization_spaces": False}
@@ -239,8 +241,6 @@ class Engine:
 
 def _tokenizer_config(tokenizer_path: str) -> dict:
     """tokenizer_config.json beside the tokenizer, if there is one and it reads."""
-    import json
-    from pathlib import Path
     p = Path(str(tokenizer_path)).with_name("tokenizer_config.json")
     try:
         cfg = json.loads(p.read_text())
