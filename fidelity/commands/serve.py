@@ -66,7 +66,7 @@ def _log_to_stderr(level: str) -> None:
 
 def run(args) -> int:
     from fidelity.arms import ArmError, arm_from_env, parse_arm
-    from fidelity.serve import Engine, create_app, parse_arm_options
+    from fidelity.serve import Engine, ServeOptions, create_app, parse_arm_options
     from fidelity.devices import DeviceError, from_args
     from fidelity.weights.target import load_target
     try:
@@ -84,8 +84,8 @@ def run(args) -> int:
     target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
                              place.model_devices)
     try:
-        engine = Engine(target, arms, args.model_name, args.max_queue, args.max_logprobs,
-                        args.time_slice, args.generation, place, args.default_arm)
+        engine = Engine(target, arms, ServeOptions(args.model_name, args.max_queue, args.max_logprobs,
+                                                   args.time_slice, args.generation, place, args.default_arm))
     except ValueError as e:
         raise CommandError(str(e)) from None
     if args.host not in ("127.0.0.1", "localhost", "::1"):

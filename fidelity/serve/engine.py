@@ -49,19 +49,31 @@ def parse_arm_options(values: list[str]) -> list[tuple[str | None, str]]:
     return out
 
 
+@dataclass
+class ServeOptions:
+    """How `fidelity serve` serves its arms (the command's options)."""
+    model_name: str | None = None        # the one arm's model name (default: the checkpoint's)
+    max_jobs: int = 256                  # requests queued or running before 429
+    max_logprobs: int = 20               # cap on every logprobs field (-1: the vocabulary)
+    time_slice: float = 1.0              # seconds a request runs before the next one's turn
+    generation: str = "0731"             # checkpoint generation of the chat encoding's effort tiers
+    placement: object = None             # fidelity.devices placement (devices, compute dtype)
+    default_arm: str | None = None       # answers requests naming no model
+
+
 class Engine:
-    def __init__(self, target, arms: list[tuple[str | None, object]], model_name: str | None = None,
-                 max_jobs: int = 256, max_logprobs: int = 20, time_slice: float = 1.0,
-                 generation: str = "0731", placement=None, default_arm: str | None = None):
+    def __init__(self, target, arms: list[tuple[str | None, object]], options: "ServeOptions | None" = None):
         if not arms:
             raise ValueError("no arm to serve")
+        o = options or ServeOptions()
+        placement, default_arm = o.placement, o.default_arm
         self.target, self.tok = target, target.tokenizer
         self.cfg = target.cfg
         self.vocab = self.cfg.vocab_size
         self.max_model_len = self.cfg.max_seq_len
-        self.max_logprobs = self.vocab if max_logprobs == -1 else max_logprobs
-        self.model_name = model_name or target.name
-        self.generation = generation
+        self.max_logprobs = self.vocab if o.max_logprobs == -1 else o.max_logprobs
+        self.model_name = o.model_name or target.name
+        self.generation = o.generation
         self.placement = placement
         cache: dict = {}
         self.arms: dict[str, ServedArm] = {}
@@ -77,7 +89,7 @@ class Engine:
             raise ValueError(f"--default-arm {default_arm!r} is not served (served: "
                              f"{', '.join(self.arms)})")
         self.default_arm = default_arm or (self.first.id if len(self.arms) == 1 else None)
-        self.scheduler = Scheduler(max_jobs, time_slice)
+        self.scheduler = Scheduler(o.max_jobs, o.time_slice)
         self.created = int(time.time())
         self.csa_layers = [i for i, r in enumerate(self.cfg.compress_ratios) if r == 4]
 
