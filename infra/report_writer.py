@@ -3,7 +3,6 @@ schema version, the page (`infra.report_page`: self-contained HTML with the PNG 
 embedded, and summary.md in the same order), and the `reports/latest` pointer."""
 from __future__ import annotations
 
-import html
 import json
 import os
 import shutil
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from infra.report_page import CSS, FigureStore, Page, Table, render_html, render_markdown, table_html, table_markdown
+from infra.report_page import FigureStore, Page, render_html, render_markdown
 
 SCHEMA_VERSION = 1
 
@@ -37,9 +36,6 @@ class ReportWriter:
         payload = {"schema_version": SCHEMA_VERSION, **obj}
         (self.tmp / f"{name}.json").write_text(json.dumps(payload, indent=2, default=_jsonable))
 
-    def text(self, name: str, content: str) -> None:
-        (self.tmp / name).write_text(content)
-
     def figure(self, fig, name: str, title: str, caption: str = "") -> None:
         fig.savefig(self.tmp / f"{name}.png", dpi=110, bbox_inches="tight")
         self.figures.append((f"{name}.png", title, caption))
@@ -50,18 +46,6 @@ class ReportWriter:
         store = FigureStore(self.tmp, self.figures)
         (self.tmp / "index.html").write_text(render_html(page, store))
         (self.tmp / "summary.md").write_text(render_markdown(page, store))
-
-    def html(self, title: str, intro_md: str, sections: list[tuple[str, str]]) -> None:
-        """Self-contained page from pre-rendered HTML sections, plots after them (reports
-        not yet laid out as a `Page`)."""
-        store = FigureStore(self.tmp, self.figures)
-        parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
-                 f"<style>{CSS}</style></head><body>", f"<h1>{html.escape(title)}</h1>", intro_md]
-        for head, body in sections:
-            parts.append(f"<h2>{html.escape(head)}</h2>{body}")
-        parts += [store.html(Path(f).stem) for f, _, _ in self.figures]
-        parts.append("</body></html>")
-        (self.tmp / "index.html").write_text("\n".join(parts))
 
     def commit(self, latest: bool = True) -> Path:
         final = self.root / self.run_id
@@ -85,16 +69,6 @@ class ReportWriter:
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def df_to_html(df: pd.DataFrame) -> str:
-    """A table as the report pages print it (3 significant figures, own scroll box, folded
-    when long)."""
-    return table_html(Table(df))
-
-
-def df_to_markdown(df: pd.DataFrame) -> str:
-    return table_markdown(Table(df, fold=False))
 
 
 def _jsonable(o):
