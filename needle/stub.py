@@ -49,11 +49,35 @@ def _chat_text(body: dict) -> str:
 
 class ThreadedServer:
     """An asyncio server on a free loopback port, run in a daemon thread, so tests and
-    benches talk to it over real HTTP. Subclasses define `_handle(reader, writer)` and may
+    benches talk to it over real HTTP. Subclasses define `_answer(...)` and may
     open and close their own resources in `_setup` / `_teardown` (run on the server's loop)."""
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
     port: int | None = None
+
+    async def _answer(self, method: str, path: str, headers: dict, raw: bytes) -> bytes | None:
+        """The whole HTTP response to one request; None drops the connection."""
+        raise NotImplementedError
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        """One keep-alive connection: requests answered in turn until the client leaves or
+        an answer is None (the connection is dropped)."""
+        try:
+            while True:
+                req = await read_request(reader)
+                if req is None:
+                    return
+                out = await self._answer(*req)
+                if out is None:
+                    writer.transport.abort()
+                    return
+                writer.write(out)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            return                           # cancelled at shutdown: end quietly
+        finally:
+            if not writer.transport.is_closing():
+                writer.close()
 
     async def _setup(self) -> None:
         pass
@@ -158,57 +182,41 @@ class StubServer(ThreadedServer):
         return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        try:
-            while True:
-                req = await read_request(reader)
-                if req is None:
-                    return
-                method, path, headers, raw = req
-                if "authorization" in headers:
-                    self.auth_sha256.add(hashlib.sha256(headers["authorization"].encode()).hexdigest())
-                status, payload = 200, None
-                models = method == "GET" and path.endswith("/models")
-                tokenize = method == "POST" and path.endswith("/tokenize")
-                generate = method == "POST" and path.endswith("completions")
-                queue = (self.models_faults if models else self.tokenize_faults if tokenize
-                         else self.faults if generate else [])
-                self.models_requests += models
-                self.tokenize_requests += tokenize
-                self.requests += generate
-                fault = queue.pop(0) if queue else "ok"
-                if fault == "drop":
-                    writer.transport.abort()
-                    return
-                if fault == "timeout":
-                    await asyncio.sleep(self.hang)
-                    writer.transport.abort()
-                    return
-                if fault == "malformed":
-                    writer.write(self._response(200, b'{"choices": [{"message": '))
-                    await writer.drain()
-                    continue
-                if fault.isdigit():
-                    status, payload = int(fault), {"error": {"message": f"injected {fault}"}}
-                elif models:
-                    payload = {"object": "list", "data": [{"id": "stub", "object": "model"}]}
-                elif method == "GET" and path == "/health":
-                    payload = {"status": "ok"}
-                elif tokenize and self.has_tokenize:
-                    payload = self._tokenize(json.loads(raw or b"{}"))
-                elif generate:
-                    if self.delay:
-                        await asyncio.sleep(self.delay)
-                    payload = self._generate(path, json.loads(raw))
-                else:
-                    status, payload = 404, {"error": {"message": "not found"}}
-                writer.write(self._response(status, json.dumps(payload).encode()))
-                await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            return                           # cancelled at shutdown: end quietly
-        finally:
-            if not writer.transport.is_closing():
-                writer.close()
+    async def _answer(self, method: str, path: str, headers: dict, raw: bytes) -> bytes | None:
+        if "authorization" in headers:
+            self.auth_sha256.add(hashlib.sha256(headers["authorization"].encode()).hexdigest())
+        status, payload = 200, None
+        models = method == "GET" and path.endswith("/models")
+        tokenize = method == "POST" and path.endswith("/tokenize")
+        generate = method == "POST" and path.endswith("completions")
+        queue = (self.models_faults if models else self.tokenize_faults if tokenize
+                 else self.faults if generate else [])
+        self.models_requests += models
+        self.tokenize_requests += tokenize
+        self.requests += generate
+        fault = queue.pop(0) if queue else "ok"
+        if fault == "drop":
+            return None
+        if fault == "timeout":
+            await asyncio.sleep(self.hang)
+            return None
+        if fault == "malformed":
+            return self._response(200, b'{"choices": [{"message": ')
+        if fault.isdigit():
+            status, payload = int(fault), {"error": {"message": f"injected {fault}"}}
+        elif models:
+            payload = {"object": "list", "data": [{"id": "stub", "object": "model"}]}
+        elif method == "GET" and path == "/health":
+            payload = {"status": "ok"}
+        elif tokenize and self.has_tokenize:
+            payload = self._tokenize(json.loads(raw or b"{}"))
+        elif generate:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            payload = self._generate(path, json.loads(raw))
+        else:
+            status, payload = 404, {"error": {"message": "not found"}}
+        return self._response(status, json.dumps(payload).encode())
 
     @property
     def url(self) -> str:

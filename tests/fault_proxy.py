@@ -11,12 +11,11 @@ taking the upstream's JSON answer and returning the 200 body to send instead (an
 answer of the wrong shape). Every request is recorded: (method, path, JSON body)."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
 
-from needle.stub import StubServer, ThreadedServer, read_request
+from needle.stub import StubServer, ThreadedServer
 
 
 class FaultProxy(ThreadedServer):
@@ -42,40 +41,25 @@ class FaultProxy(ThreadedServer):
         r = await self._client.request(method, self.upstream + path, content=raw, headers=fwd)
         return r.status_code, r.content, r.headers.get("content-type", "application/json")
 
-    async def _handle(self, reader, writer):
+    async def _answer(self, method: str, path: str, headers: dict, raw: bytes) -> bytes | None:
         try:
-            while True:
-                req = await read_request(reader)
-                if req is None:
-                    return
-                method, path, headers, raw = req
-                try:
-                    body = json.loads(raw) if raw else None
-                except ValueError:
-                    body = None
-                self.seen.append((method, path, body))
-                queue = self.faults.get(path, [])
-                fault = queue.pop(0) if queue else "ok"
-                if fault == "drop":
-                    writer.transport.abort()
-                    return
-                if fault == "malformed":
-                    out = StubServer._response(200, b'{"choices": [{"message": ')
-                elif isinstance(fault, str) and fault.isdigit():
-                    err = json.dumps({"error": {"message": f"injected {fault}"}}).encode()
-                    out = StubServer._response(int(fault), err)
-                else:
-                    status, content, ctype = await self._forward(method, path, headers, raw)
-                    if callable(fault) and status == 200:
-                        content = json.dumps(fault(json.loads(content))).encode()
-                    out = StubServer._response(status, content, ctype)
-                writer.write(out)
-                await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            return
-        finally:
-            if not writer.transport.is_closing():
-                writer.close()
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = None
+        self.seen.append((method, path, body))
+        queue = self.faults.get(path, [])
+        fault = queue.pop(0) if queue else "ok"
+        if fault == "drop":
+            return None
+        if fault == "malformed":
+            return StubServer._response(200, b'{"choices": [{"message": ')
+        if isinstance(fault, str) and fault.isdigit():
+            err = json.dumps({"error": {"message": f"injected {fault}"}}).encode()
+            return StubServer._response(int(fault), err)
+        status, content, ctype = await self._forward(method, path, headers, raw)
+        if callable(fault) and status == 200:
+            content = json.dumps(fault(json.loads(content))).encode()
+        return StubServer._response(status, content, ctype)
 
     async def _setup(self) -> None:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0))
