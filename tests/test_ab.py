@@ -27,7 +27,7 @@ def weights():
 def _settings(**kw):
     base = dict(lengths=(96,), prompts_per_length=3, decode_steps=1, n_boot=200, shapley_top=0)
     base.update(kw)
-    return ABSettings(**base)
+    return ABSettings.of(**base)
 
 
 def _engine_plus(bug):

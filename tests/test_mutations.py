@@ -64,8 +64,8 @@ def model():
 
 def _run(model, arms, **kw):
     w, tok = model
-    s = ABSettings(arms=arms, lengths=(250, 511), prompts_per_length=2, decode_steps=2,
-                   shapley_top=0, n_boot=500, **kw)
+    s = ABSettings.of(arms=arms, lengths=(250, 511), prompts_per_length=2, decode_steps=2,
+                      shapley_top=0, n_boot=500, **kw)
     return run_ab(w, s, None, progress=lambda m: None, tokenizer=tok)
 
 

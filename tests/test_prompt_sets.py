@@ -62,4 +62,4 @@ def test_ab_runs_on_a_prompt_file(tmp_path, capsys):
     assert rc == 0
     m = json.loads((tmp_path / "r" / "t" / "manifest.json").read_text())
     assert [x["group"] for x in m["manifest"]["prompts"]] == ["file", "file"]
-    assert m["manifest"]["settings"]["prompts_file"] == str(p)
+    assert m["manifest"]["settings"]["prompts"]["prompts_file"] == str(p)

@@ -64,7 +64,7 @@ def test_planted_requantisation_is_named_at_its_layer(tmp_path, ckpts):
     assert m["verdict"]["culprit"] == "weights:requant"
     (fd,) = [f for f in m["first_divergence"] if f["arm"] == "weights:requant"]
     assert fd["layer"] == PLANTED and fd["phase"] == "prefill"
-    assert m["manifest"]["settings"]["weights_variants"] == [["requant", str(ckpts / "requant")]]
+    assert m["manifest"]["settings"]["design"]["weights_variants"] == [["requant", str(ckpts / "requant")]]
 
 
 def test_identical_checkpoints_name_nothing(tmp_path, ckpts):

@@ -26,43 +26,86 @@ LONG_LENGTHS = (250, 511, 2047)    # --long: 2047 tokens = 511 CSA entries = 32x
 WEIGHTS_PREFIX = "weights:"
 
 
-@dataclass
-class ABSettings:
+@dataclass(frozen=True)
+class ArmDesign:
+    """Which arms run: the default design around `base`, or explicit arms."""
     arms: list[str] | None = None          # extra/explicit arms (ToggleSet syntax); None = default design
     base: str = "engine"                   # arm whose leave-one-out is computed
-    mode: str = "propagated"
+    vs: str | None = None                  # first divergence also against this arm
+    shapley_top: int = 3                   # factorial stage over this many toggles (0 = off)
+    weights_variants: tuple = ()           # ((name, label), ...): other checkpoints as arms
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """The built-in prompts (lengths x prompts per length from `seed`) or the user's file."""
     lengths: tuple[int, ...] = (250, 511)     # residues 2 and 3 mod 4: partial compressor groups
     prompts_per_length: int = 3
-    decode_steps: int = 4
     seed: int = 0
-    shapley_top: int = 3                   # factorial stage over this many toggles (0 = off)
-    n_boot: int = 1000
-    floor_k: float = 2.0
-    vs: str | None = None                  # first divergence also against this arm
+    prompts_file: str | None = None        # the user's prompts (JSONL) instead of the built-in ones
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """How the lockstep runs: mode, decode steps, taps kept, placement, accumulation."""
+    mode: str = "propagated"
+    decode_steps: int = 4
     taps: tuple[str, ...] = DEFAULT_TAPS
     keep: tuple[str, ...] = ()
-    checkpoint: str = "embedded:tiny-random(seed=0)"
-    prompts_file: str | None = None        # the user's prompts (JSONL) instead of the built-in ones
     devices: tuple[str, ...] = ("cpu",)    # layers placed across these (fidelity.devices)
     accumulate: str = "float64"            # golden's accumulation dtype (torch dtype name)
     activation_budget: int | None = None   # bytes of residual streams kept in memory per pass
-    weights_variants: tuple = ()           # ((name, label), ...): other checkpoints as arms
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """Bootstrap resamples and seed, and the floor multiple that counts as a divergence."""
+    n_boot: int = 1000
+    floor_k: float = 2.0
+    seed: int = 0
+
+
+_PARTS = {"design": ArmDesign, "prompts": PromptPlan, "runner": RunnerSettings, "stats": Statistics}
+
+
+@dataclass(frozen=True)
+class ABSettings:
+    """One run's settings, by concern."""
+    design: ArmDesign = field(default_factory=ArmDesign)
+    prompts: PromptPlan = field(default_factory=PromptPlan)
+    runner: RunnerSettings = field(default_factory=RunnerSettings)
+    stats: Statistics = field(default_factory=Statistics)
+    checkpoint: str = "embedded:tiny-random(seed=0)"
     command_line: str = field(default_factory=lambda: " ".join(sys.argv))
 
+    @classmethod
+    def of(cls, checkpoint: str = "embedded:tiny-random(seed=0)", **fields) -> "ABSettings":
+        """Settings from flat field names, each routed to its part (`seed` sets the prompts'
+        and the bootstrap's); an unknown name is an error."""
+        parts = {name: {} for name in _PARTS}
+        for key, value in fields.items():
+            owners = [name for name, part in _PARTS.items() if key in part.__dataclass_fields__]
+            if not owners:
+                raise TypeError(f"ABSettings has no setting {key!r}")
+            for name in owners:
+                parts[name][key] = value
+        return cls(**{name: _PARTS[name](**kw) for name, kw in parts.items()}, checkpoint=checkpoint)
 
-def design(settings: ABSettings) -> tuple[dict[str, object], list[str]]:
+
+def arm_sets(settings: ABSettings) -> tuple[dict[str, object], list[str]]:
     """Arm label -> ToggleSet, and the toggle names attribution ranges over."""
-    base = K.ToggleSet.parse(settings.base)
+    d = settings.design
+    base = K.ToggleSet.parse(d.base)
     arms: dict[str, object] = {}
-    if settings.arms is None:
+    if d.arms is None:
         for s in K.one_at_a_time(base):
             arms[str(s)] = s
-        arms[settings.base] = base
-        named_base = K.is_engine_spelling(settings.base)
+        arms[d.base] = base
+        named_base = K.is_engine_spelling(d.base)
         for drop in base.names:               # ASCII names that parse back: engine-x
-            arms[f"{settings.base}-{drop}" if named_base else str(base.without(drop))] = base.without(drop)
+            arms[f"{d.base}-{drop}" if named_base else str(base.without(drop))] = base.without(drop)
     else:
-        for text in settings.arms:
+        for text in d.arms:
             ts = K.ToggleSet.parse(text)
             arms[text if text in ("engine",) or text.startswith("engine") else str(ts)] = ts
     arms.pop(GOLDEN, None)
@@ -72,7 +115,7 @@ def design(settings: ABSettings) -> tuple[dict[str, object], list[str]]:
 
 def base_toggles(settings: ABSettings) -> frozenset:
     """The --base arm's toggles (its base + t arms give t an added_to_base effect)."""
-    return frozenset(K.ToggleSet.parse(settings.base).names)
+    return frozenset(K.ToggleSet.parse(settings.design.base).names)
 
 
 def toggle_arms(label_sets: dict, cd=torch.float64) -> list[LockstepArm]:
@@ -100,15 +143,14 @@ def floor_arms(cd=torch.float64) -> list[LockstepArm]:
             LockstepArm(FLOOR_TIES, ties, frozenset(), role="floor")]
 
 
-def vs_pairs(settings, label_sets) -> dict[str, str]:
+def vs_pairs(vs: str | None, label_sets) -> dict[str, str]:
     """Arms compared directly with the --vs arm: those that contain all its toggles."""
-    if not settings.vs or settings.vs == GOLDEN:
+    if not vs or vs == GOLDEN:
         return {}
-    if settings.vs not in label_sets:
-        raise ValueError(f"--vs {settings.vs!r} is not one of the arms: {', '.join(label_sets)}")
-    ref = frozenset(label_sets[settings.vs].names)
-    return {a: settings.vs for a, ts in label_sets.items()
-            if a != settings.vs and frozenset(ts.names) > ref}
+    if vs not in label_sets:
+        raise ValueError(f"--vs {vs!r} is not one of the arms: {', '.join(label_sets)}")
+    ref = frozenset(label_sets[vs].names)
+    return {a: vs for a, ts in label_sets.items() if a != vs and frozenset(ts.names) > ref}
 
 
 def top_toggles(toggles, table, m):

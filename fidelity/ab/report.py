@@ -98,14 +98,13 @@ def summary_ratios(summary: pd.DataFrame, sig_summary: pd.DataFrame, floors: pd.
 def next_steps(result, sus: pd.DataFrame) -> list[str]:
     """Commands that would confirm (or sharpen) the verdict."""
     m = result["manifest"]
-    st = m["settings"]
     ck = "" if str(m["checkpoint"]).startswith("embedded:") else f" --checkpoint {shlex.quote(m['checkpoint'])}"
     if sus.empty:
         return [f"fidelity ab{ck} --long --prompts-per-length 9   # more context, more prompts"]
     top = sus.iloc[0]
     t = top.toggle
     if bool(top.named):
-        base = st["base"]
+        base = m["settings"]["design"]["base"]
         out = [f"fidelity ab{ck} --arms {shlex.quote(base)} --arms {shlex.quote(f'{base}-{t}')} "
                f"--vs {shlex.quote(base)} --long   # {t} removed from {base}: does it explain the finding?",
                f"fidelity needle --arm golden=golden --arm {t}={shlex.quote(t)}   # does it cost recall?"]
@@ -120,17 +119,19 @@ def next_steps(result, sus: pd.DataFrame) -> list[str]:
 def build_page(tables, result, sets) -> Page:
     m = result["manifest"]
     st = m["settings"]
+    runner, design = st["runner"], st["design"]
     floor_names = m["floors"]
     summary, attr = tables["summary"], tables["attribution"]
     floors = pd.DataFrame(result["floors"])
     lengths = sorted({p["length"] for p in m["prompts"]})
     compared = (f"Model `{m['config_hash']}` ({m['checkpoint']}): golden vs {len(sets)} arms and "
                 f"{len(floor_names)} noise floors on {len(m['prompts'])} prompts at {lengths} tokens, "
-                f"{st['decode_steps']} teacher-forced decode steps, mode {st['mode']}, seed {st['seed']}.")
+                f"{runner['decode_steps']} teacher-forced decode steps, mode {runner['mode']}, "
+                f"seed {st['prompts']['seed']}.")
     sus = suspects(tables["signal_attribution"])
     fd = pd.DataFrame(result["first_divergence"])
     verdict = [result["verdict"]["sentence"]]
-    base_fd = fd[fd.arm == st["base"]] if len(fd) else fd
+    base_fd = fd[fd.arm == design["base"]] if len(fd) else fd
     if len(base_fd):
         r = base_fd.iloc[0]
         verdict.append(f"`{r.arm}` first departs from {r.vs} at layer {r.layer} `{r.tap}` ({r.phase}), "
@@ -148,7 +149,7 @@ def build_page(tables, result, sets) -> Page:
                 f"the highest of the floors ({', '.join(floor_names)}) for that signal and place.",
                 [Table(named)]),
         Section("First divergence", "First place in forward order (prefill, then decode) where an arm "
-                f"departs from `vs` (golden, or the --vs arm) by more than {st['floor_k']}× the "
+                f"departs from `vs` (golden, or the --vs arm) by more than {st['stats']['floor_k']}× the "
                 "reduction-order floor (fp32 instead of fp64 accumulation). Departure: rel L2 (tensors), 1 − recall "
                 "(indexer picks), 1 − same expert set (routing).",
                 [Table(fd, ratio=fd[["ratio"]] if len(fd) else None)], ["toggle_layer_heatmap"]),

@@ -16,9 +16,9 @@ from ..prompts import Prompt, all_token_ids, builtin_prompts, file_prompts
 from ..verdict.attribution import attribute, bootstrap_mean_ci, outcome_matrix, prompt_outcomes
 from ..verdict.judge import Design, judge
 from ..verdict.signals import direct_effects, prompt_signals, with_longest
-from .design import (FLOOR, FLOOR_ORDER, FLOORS, GOLDEN, WEIGHTS_PREFIX, ABSettings, base_toggles,
-                     design, factorial_arms, floor_arms, golden_arm, toggle_arms, top_toggles, vs_pairs,
-                     weight_arms)
+from .design import (FLOOR, FLOOR_ORDER, FLOORS, GOLDEN, WEIGHTS_PREFIX, ABSettings, RunnerSettings,
+                     Statistics, arm_sets, base_toggles, factorial_arms, floor_arms, golden_arm,
+                     toggle_arms, top_toggles, vs_pairs, weight_arms)
 from .drift import first_divergence, with_floor_multiple
 from .lockstep import LockstepResult, LockstepRunner
 from .report import write_report
@@ -52,7 +52,7 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
               "verdict": judged["verdict"], "noise_floor": _noise_floor(st.outcomes, settings),
               "floors": judged["floors"].to_dict("records"),
               "first_divergence": _first_divergences(tables["drift"], tables["pairs"], st.sets, st.pairs,
-                                                     settings.floor_k),
+                                                     settings.stats.floor_k),
               "events": st.res.events}
     if out_dir is not None:
         path = write_report(out_dir, run_id or time.strftime("ab-%Y%m%d-%H%M%S"), tables, result,
@@ -64,24 +64,25 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
 
 def _prompts(cfg, settings: ABSettings, tokenizer) -> tuple[list[Prompt], str]:
     """The prompts and the group of the longest ones."""
-    if settings.prompts_file:
-        if tokenizer is None and not all_token_ids(settings.prompts_file):
+    p = settings.prompts
+    if p.prompts_file:
+        if tokenizer is None and not all_token_ids(p.prompts_file):
             raise ValueError("--prompts with text or messages needs a tokenizer")
-        return file_prompts(settings.prompts_file, tokenizer, cfg.vocab_size, group="file"), "file"
-    return (builtin_prompts(cfg, settings.lengths, settings.prompts_per_length, settings.seed, tokenizer),
-            f"L{max(settings.lengths)}")
+        return file_prompts(p.prompts_file, tokenizer, cfg.vocab_size, group="file"), "file"
+    return (builtin_prompts(cfg, p.lengths, p.prompts_per_length, p.seed, tokenizer),
+            f"L{max(p.lengths)}")
 
 
 def _stage_one(weights, settings, prompts, longest, progress, variants) -> _Stages:
     """Golden, the floors, the design's toggle arms and the weight variants."""
-    label_sets, toggles = design(settings)
-    pairs = vs_pairs(settings, label_sets)
-    cd = getattr(torch, settings.accumulate)
+    label_sets, toggles = arm_sets(settings)
+    pairs = vs_pairs(settings.design.vs, label_sets)
+    cd = getattr(torch, settings.runner.accumulate)
     w_arms = weight_arms(variants, cd)
     toggles = toggles + [a.name for a in w_arms]
     arms = [golden_arm(cd)] + floor_arms(cd) + toggle_arms(label_sets, cd) + w_arms
-    progress(f"stage 1: {len(arms)} arms × {len(prompts)} prompts, mode {settings.mode}")
-    res = _run(weights, arms, prompts, settings, progress, pairs)
+    progress(f"stage 1: {len(arms)} arms × {len(prompts)} prompts, mode {settings.runner.mode}")
+    res = _run(weights, arms, prompts, settings.runner, progress, pairs)
     sets = {a.name: a.toggles for a in arms if a.role == "arm"}
     outcomes = prompt_outcomes(pd.DataFrame(res.kld), group=longest)
     return _Stages(res, sets, toggles, label_sets, pairs, outcomes,
@@ -91,13 +92,13 @@ def _stage_one(weights, settings, prompts, longest, progress, variants) -> _Stag
 def _stage_two(weights, settings, prompts, longest, progress, st: _Stages) -> None:
     """Full factorial over the toggles with the largest single or leave-one-out effect."""
     st.top = top_toggles([t for t in st.toggles if not t.startswith(WEIGHTS_PREFIX)], st.table,
-                         settings.shapley_top)
+                         settings.design.shapley_top)
     new = factorial_arms(st.top, st.table, st.sets) if len(st.top) >= 2 else {}
     if not new:
         return
     progress(f"stage 2: factorial over {', '.join(st.top)} ({len(new)} more arms)")
-    cd = getattr(torch, settings.accumulate)
-    extra = _run(weights, [golden_arm(cd)] + toggle_arms(new, cd), prompts, settings, progress)
+    cd = getattr(torch, settings.runner.accumulate)
+    extra = _run(weights, [golden_arm(cd)] + toggle_arms(new, cd), prompts, settings.runner, progress)
     extra.needle = [r for r in extra.needle if r["arm"] != GOLDEN]   # already in stage 1
     st.res.extend(extra)
     st.sets.update({k: frozenset(v.names) for k, v in new.items()})
@@ -114,15 +115,15 @@ def _judged_tables(cfg, settings, prompts, longest, st: _Stages) -> tuple[dict, 
     groups = {p.id: p.group for p in prompts}
     sig = with_longest(prompt_signals(drift, kld, needle, cfg.window_size), groups, longest)
     pair_df, pair_kld = pd.DataFrame(res.pairs), pd.DataFrame(res.pair_kld)
-    direct = None
+    direct, stats = None, settings.stats
     if len(pair_kld):
         pair_sig = with_longest(prompt_signals(pair_df, pair_kld, None, cfg.window_size), groups, longest)
-        direct = direct_effects(pair_sig, st.sets, frozenset(st.label_sets[settings.vs].names),
-                                settings.n_boot, settings.seed)
+        direct = direct_effects(pair_sig, st.sets, frozenset(st.label_sets[settings.design.vs].names),
+                                stats.n_boot, stats.seed)
     judged = judge(sig, Design(GOLDEN, st.sets, st.toggles, list(FLOORS), base_toggles(settings)),
-                   settings.n_boot, settings.seed, len(prompts), direct)
-    tables = {"drift": drift, "kld": kld, "attribution": _attribution(st.toggles, st.top, st.table, settings),
-              "attribution_by_length": _per_length_attr(kld, st.sets, st.toggles, settings),
+                   stats.n_boot, stats.seed, len(prompts), direct)
+    tables = {"drift": drift, "kld": kld, "attribution": _attribution(st.toggles, st.top, st.table, stats),
+              "attribution_by_length": _per_length_attr(kld, st.sets, st.toggles, stats),
               "summary": _summary_table(drift, kld, judged["summary"], st.sets), "signals": sig,
               "signal_summary": judged["summary"], "signal_attribution": judged["attribution"],
               "pairs": pair_df, "needle": needle}
@@ -132,7 +133,7 @@ def _judged_tables(cfg, settings, prompts, longest, st: _Stages) -> tuple[dict, 
 def _noise_floor(outcomes: pd.DataFrame, settings) -> dict:
     """The QAT floor's mean final-logit KLD at the longest length, with its CI."""
     floor_vals = outcomes[outcomes.arm == FLOOR].sort_values("prompt").kld.to_numpy()
-    fmean, flo, fhi = bootstrap_mean_ci(floor_vals, settings.n_boot, settings.seed)
+    fmean, flo, fhi = bootstrap_mean_ci(floor_vals, settings.stats.n_boot, settings.stats.seed)
     return {"mean": fmean, "lo": flo, "hi": fhi}
 
 
@@ -141,7 +142,7 @@ def _manifest(cfg, settings, st: _Stages, prompts, run_id, t_start) -> dict:
         "run_id": run_id, "config": cfg.to_dict(), "config_hash": cfg.config_hash(),
         "checkpoint": settings.checkpoint, "settings": asdict(settings),
         "arms": {k: sorted(v) for k, v in st.sets.items()}, "golden": GOLDEN, "floor": FLOOR,
-        "floors": list(FLOORS), "vs": settings.vs,
+        "floors": list(FLOORS), "vs": settings.design.vs,
         "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in prompts],
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "numpy": np.__version__, "pandas": pd.__version__},
@@ -149,12 +150,10 @@ def _manifest(cfg, settings, st: _Stages, prompts, run_id, t_start) -> dict:
     }
 
 
-def _run(weights, arms, prompts, settings, progress, pairs=None) -> LockstepResult:
-    return LockstepRunner(weights, arms, settings.mode, settings.decode_steps, settings.taps,
-                          settings.keep, progress=progress, pairs=pairs,
-                          activation_budget=settings.activation_budget,
-                          devices=list(settings.devices) if settings.devices != ("cpu",) else None
-                          ).run(prompts)
+def _run(weights, arms, prompts, r: RunnerSettings, progress, pairs=None) -> LockstepResult:
+    return LockstepRunner(weights, arms, r.mode, r.decode_steps, r.taps, r.keep, progress=progress,
+                          pairs=pairs, activation_budget=r.activation_budget,
+                          devices=list(r.devices) if r.devices != ("cpu",) else None).run(prompts)
 
 
 def _first_divergences(drift, pair_df, sets, pairs, k) -> list[dict]:
@@ -169,20 +168,20 @@ def _first_divergences(drift, pair_df, sets, pairs, k) -> list[dict]:
     return out
 
 
-def _attribution(toggles, top, table, settings) -> pd.DataFrame:
-    rows = [r for r in attribute(toggles, table, settings.n_boot, settings.seed)
+def _attribution(toggles, top, table, stats: Statistics) -> pd.DataFrame:
+    rows = [r for r in attribute(toggles, table, stats.n_boot, stats.seed)
             if r["method"] != "shapley" or len(toggles) <= 6]
     if len(top) >= 2:
         sub = {k: v for k, v in table.items() if k <= frozenset(top)}
-        rows += [r for r in attribute(top, sub, settings.n_boot, settings.seed) if r["method"] == "shapley"]
+        rows += [r for r in attribute(top, sub, stats.n_boot, stats.seed) if r["method"] == "shapley"]
     return pd.DataFrame(rows, columns=["toggle", "method", "value", "lo", "hi"])
 
 
-def _per_length_attr(kld, sets, toggles, settings) -> pd.DataFrame:
+def _per_length_attr(kld, sets, toggles, stats: Statistics) -> pd.DataFrame:
     rows = []
     for group in sorted(kld.group.unique(), key=lambda g: int(g[1:]) if g[1:].isdigit() else 0):
         t = outcome_matrix(prompt_outcomes(kld, group=group), sets, GOLDEN)
-        for r in attribute(toggles, t, max(200, settings.n_boot // 5), settings.seed):
+        for r in attribute(toggles, t, max(200, stats.n_boot // 5), stats.seed):
             if r["method"] != "shapley":
                 rows.append({"group": group, **r})
     return pd.DataFrame(rows)

@@ -62,7 +62,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from fidelity.ab.design import LONG_LENGTHS, ABSettings
+    from fidelity.ab.design import LONG_LENGTHS, ABSettings, PromptPlan
     from fidelity.ab.run import run_ab
     from fidelity.weights.source import load_tokenizer_for, load_weights
 
@@ -89,19 +89,19 @@ def run(args) -> int:
     tokenizer = load_tokenizer_for(args.checkpoint)
     if args.long and args.lengths or args.prompts and (args.long or args.lengths):
         raise CommandError("give one of --long, --lengths, --prompts")
-    lengths = LONG_LENGTHS if args.long else (args.lengths or ABSettings.lengths)
+    lengths = LONG_LENGTHS if args.long else (args.lengths or PromptPlan.lengths)
     from fidelity.weights.sizes import parse_bytes
     try:
         budget = parse_bytes(args.activation_budget) if args.activation_budget else None
     except (DeviceError, ValueError) as e:
         raise CommandError(str(e)) from None
-    settings = ABSettings(arms=args.arms, base=args.base, mode=args.mode, lengths=lengths,
-                          prompts_per_length=args.prompts_per_length, decode_steps=args.decode_steps,
-                          seed=args.seed, shapley_top=args.shapley_top, n_boot=args.n_boot,
-                          floor_k=args.floor_k, vs=args.vs, keep=tuple(args.keep), checkpoint=label,
-                          prompts_file=args.prompts, devices=place.devices,
-                          accumulate=str(place.compute_dtype).replace("torch.", ""),
-                          activation_budget=budget, weights_variants=tuple(variants))
+    settings = ABSettings.of(arms=args.arms, base=args.base, mode=args.mode, lengths=lengths,
+                             prompts_per_length=args.prompts_per_length, decode_steps=args.decode_steps,
+                             seed=args.seed, shapley_top=args.shapley_top, n_boot=args.n_boot,
+                             floor_k=args.floor_k, vs=args.vs, keep=tuple(args.keep), checkpoint=label,
+                             prompts_file=args.prompts, devices=place.devices,
+                             accumulate=str(place.compute_dtype).replace("torch.", ""),
+                             activation_budget=budget, weights_variants=tuple(variants))
     try:
         res = run_ab(weights, settings, args.out, args.run_id,
                      progress=lambda m: print(m, file=sys.stderr, flush=True), tokenizer=tokenizer,
