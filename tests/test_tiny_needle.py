@@ -108,11 +108,11 @@ def test_a_few_training_steps(tmp_path):
 def test_shipped_checkpoint_reproduces_model_card_recall(tmp_path):
     """Re-run the card's smoke cell (same sweep seed, so the same haystacks) on the shipped
     checkpoint in the golden `reference` profile; recall must fall in the card's interval."""
-    from training.evaluate import load_target, summary, sweep
+    from training.evaluate import Grid, load_target, summary, sweep
     torch.set_num_threads(2)
     card = json.loads((SHIPPED / "eval" / "smoke.json").read_text())
-    rows = sweep(load_target(SHIPPED), [card["length"]], card["depths"], card["reps"],
-                 tmp_path / "smoke.jsonl", seed=card["seed"])
+    rows = sweep(load_target(SHIPPED), Grid([card["length"]], card["depths"], card["reps"], card["seed"]),
+                 tmp_path / "smoke.jsonl")
     r = summary(rows)["by_length"][0]
     assert r["n_scored"] == card["n"]
     assert card["ci_low"] <= r["recall"] <= card["ci_high"], (r, card)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,10 +39,20 @@ def golden_arm(compute_dtype=None):
     return NumericsArm("golden", lambda profile="reference": Numerics(profile, compute_dtype))
 
 
-def sweep(target, lengths, depths, reps, results, seed: int = SWEEP_SEED, profile="reference",
-          compute_dtype=None, quiet=True, fresh=False) -> list[dict]:
-    cfg = SweepConfig(lengths=list(lengths), depths=[float(d) for d in depths], reps=reps,
-                      spec=HaystackSpec(), fmt=PromptFormat("chat"), seed=seed)
+@dataclass(frozen=True)
+class Grid:
+    """The sweep's cells: prompt lengths × needle depths (%) × repetitions; the seed picks
+    the haystacks."""
+    lengths: list[int]
+    depths: list[float]
+    reps: int
+    seed: int = SWEEP_SEED
+
+
+def sweep(target, grid: Grid, results, *, profile="reference", compute_dtype=None,
+          quiet=True, fresh=False) -> list[dict]:
+    cfg = SweepConfig(lengths=list(grid.lengths), depths=[float(d) for d in grid.depths],
+                      reps=grid.reps, spec=HaystackSpec(), fmt=PromptFormat("chat"), seed=grid.seed)
     runner = InProcessRunner("golden", target, golden_arm(compute_dtype), profile=profile)
     return run_sweep(cfg, [runner], results, fresh=fresh, quiet=quiet)
 
@@ -62,9 +73,9 @@ def main(argv=None):
     p.add_argument("--fresh", action="store_true")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    rows = sweep(load_target(a.checkpoint), [int(x) for x in a.lengths.split(",")],
-                 [float(x) for x in a.depths.split(",")], a.reps, a.results, a.seed,
-                 quiet=False, fresh=a.fresh)
+    grid = Grid([int(x) for x in a.lengths.split(",")], [float(x) for x in a.depths.split(",")],
+                a.reps, a.seed)
+    rows = sweep(load_target(a.checkpoint), grid, a.results, quiet=False, fresh=a.fresh)
     s = summary(rows)
     for r in s["by_length"]:
         print(f"L={r['length']}: recall {r['recall']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] "

@@ -25,6 +25,7 @@ import random
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from reference_model.tokenizer import DEFAULT_PATH as TOKENIZER_PATH
 from reference_model.tokenizer import load_tokenizer
 
 from .data import HaystackSampler
-from .forward import TrainForward
+from .forward import ForwardOut, TrainForward
 from .qat import effective_weights, qat_numerics, to_grid
 from .tiny_config import tiny_needle
 
@@ -148,112 +149,228 @@ class _Sync:
             i += t.numel()
 
 
-def train(a, rank: int = 0, world: int = 1) -> dict:
+@dataclass
+class _Run:
+    """One training process: its arguments and rank, the model, the optimizer, the data
+    streams, the forwards and the log."""
+    a: argparse.Namespace
+    rank: int
+    world: int
+    cfg: ModelConfig
+    params: dict                        # native name -> fp32 master (requires grad)
+    buffers: dict                       # native name -> fixed tensor (hash routing table)
+    specs: dict                         # native name -> TensorSpec
+    trained: list                       # every master but the gate biases (params order)
+    decay: list                         # the trained 2-D grid weights (AdamW weight decay)
+    nodecay: list                       # the other trained tensors
+    sampler: HaystackSampler            # this rank's haystacks
+    rng: random.Random                  # batch lengths, the same on every rank
+    fwd_exact: TrainForward
+    fwd_qat: TrainForward
+    sync: _Sync
+    opt: torch.optim.AdamW | None = None
+    first: int = 0                      # first step this run trains (> 0 on --resume)
+    log: list = field(default_factory=list)
+    t0: float = 0.0                     # wall / CPU clock origins of elapsed_s / cpu_s
+    c0: float = 0.0
+    logf: object = None                 # the --log file (rank 0)
+
+    def new_optimizer(self) -> torch.optim.AdamW:
+        return torch.optim.AdamW([{"params": self.decay, "weight_decay": self.a.wd},
+                                  {"params": self.nodecay, "weight_decay": 0.0}],
+                                 lr=self.a.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _setup(a, rank: int, world: int) -> _Run:
+    """Seeds, model init, AdamW parameter groups (the gate biases follow the balancing
+    rule, not the gradient), this rank's data streams, the two forwards."""
     torch.manual_seed(a.seed)
     torch.set_num_threads(a.threads)
-    sync = _Sync(world)
     cfg = tiny_needle()
     tok = load_tokenizer()
     params, buffers = init_params(cfg, a.seed)
     specs = {s.name: s for s in all_specs(cfg)}
-    trained = {n: w for n, w in params.items() if not n.endswith("gate.bias")}   # bias: balancing rule
-    decay = [w for n, w in trained.items() if specs[n].fmt != F32 and w.dim() == 2]
-    nodecay = [w for n, w in trained.items() if not (specs[n].fmt != F32 and w.dim() == 2)]
+    trained = {n: w for n, w in params.items() if not n.endswith("gate.bias")}
+    is_decayed = {n: specs[n].fmt != F32 and w.dim() == 2 for n, w in trained.items()}
+    run = _Run(a, rank, world, cfg, params, buffers, specs, trained=list(trained.values()),
+               decay=[w for n, w in trained.items() if is_decayed[n]],
+               nodecay=[w for n, w in trained.items() if not is_decayed[n]],
+               sampler=HaystackSampler(tok, seed=a.seed * 1000 + rank),
+               rng=random.Random(a.seed + 1),
+               fwd_exact=TrainForward(cfg, Numerics("exact")), fwd_qat=TrainForward(cfg, qat_numerics()),
+               sync=_Sync(world))
+    run.opt = run.new_optimizer()
+    run.t0, run.c0 = time.time(), time.process_time()
+    run.logf = open(a.log, "w") if (a.log and rank == 0) else None
+    return run
 
-    def new_opt():
-        return torch.optim.AdamW([{"params": decay, "weight_decay": a.wd},
-                                  {"params": nodecay, "weight_decay": 0.0}],
-                                 lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
-    opt = new_opt()
-    sampler = HaystackSampler(tok, seed=a.seed * 1000 + rank)
-    rng = random.Random(a.seed + 1)                    # same lengths on every rank
-    fwd_exact = TrainForward(cfg, Numerics("exact"))
-    fwd_qat = TrainForward(cfg, qat_numerics())
-    plist = list(trained.values())
-    log, t0, c0 = [], time.time(), time.process_time()
-    logf = open(a.log, "w") if (a.log and rank == 0) else None
-    first = 0
-    if a.resume:
-        # continue from a phase-end snapshot: same weights, and the data streams fast-
-        # forwarded to the same place; the optimizer restarts, as --reset-opt-at does
-        snap = torch.load(a.resume)
-        with torch.no_grad():
-            for n, w in params.items():
-                w.copy_(snap[n])
-        first = a.reset_opt_at
-        for step in range(first):
-            sampler.batch(a.batch // world, length_at(step, a, rng), a.answer_kl_boost)
-        if a.resume_log:
-            log = [json.loads(x) for x in Path(a.resume_log).read_text().splitlines()][:first]
-            t0 -= log[-1]["elapsed_s"]
-            c0 -= log[-1]["cpu_s"]
-    for step in range(first, a.steps):
-        if world > 1 and os.getppid() == 1:         # launcher gone: do not train on as an orphan
-            raise SystemExit("training launcher exited; stopping this worker")
-        if step == a.reset_opt_at and step > 0 and not (a.resume and step == first):
-            opt = new_opt()
-        lr = lr_at(step, a.lr_total or a.steps, a.lr, a.warmup, a.steps, a.cooldown)
-        for gr in opt.param_groups:
-            gr["lr"] = lr
-        L = length_at(step, a, rng)
-        sparse = step >= a.dense_steps
-        qat_act = step >= a.steps - a.qat_act_steps
-        tokens, lw, kw, exs = sampler.batch(a.batch // world, L, a.answer_kl_boost)
-        w = effective_weights(params, specs, buffers)
-        out = (fwd_qat if qat_act else fwd_exact)(w, tokens, sparse=sparse, kl_weight=kw)
-        logits = out.logits[:, :-1].float()
-        tgt = tokens[:, 1:]
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
-                             reduction="none").view_as(tgt)
-        aw = lw[:, :-1]
-        ans = (ce * aw).sum() / aw.sum()
-        real = (kw[:, :-1] > 0).float() * (1 - aw)
-        lm = (ce * real).sum() / real.sum()
-        kl = sum(out.index_kl.values()) / max(1, len(out.index_kl))
-        loss = ans + a.lm_weight * lm + a.kl_weight * kl
-        opt.zero_grad(set_to_none=False)
-        loss.backward()
-        for p in plist:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        sync.mean_([p.grad for p in plist])
-        gn = torch.nn.utils.clip_grad_norm_(plist, a.clip)
-        opt.step()
-        with torch.no_grad():
-            hit = (logits.argmax(-1) == tgt).float()
-            hits = needle_hits(out.topk, exs)
-            stats = torch.tensor([float(loss), float(ans), float(lm), float(kl),
-                                  float((hit * aw).sum() / aw.sum()),
-                                  float((((hit * aw).sum(1) == aw.sum(1)).float()).mean())]
-                                 + [hits.get(i, 0.0) for i in (1, 3)])
-            loads = {i: v.float() for i, v in out.expert_load.items()}
-            sync.mean_([stats] + list(loads.values()))
-            for i, load in loads.items():              # aux-loss-free balancing (DeepSeek-V3)
-                b = params[f"layers.{i}.ffn.gate.bias"]
-                b += a.bias_rate * torch.sign(load.mean() - load)
-        rec = {"step": step, "len": L, "tokens": int(tokens.shape[1]),
-               "phase": ("sparse" if sparse else "dense") + ("+qat" if qat_act else ""), "lr": lr,
-               "loss": float(stats[0]), "answer_ce": float(stats[1]), "lm_ce": float(stats[2]),
-               "index_kl": float(stats[3]), "tok_acc": float(stats[4]), "seq_acc": float(stats[5]),
-               "grad_norm": float(gn), "elapsed_s": time.time() - t0,
-               "cpu_s": time.process_time() - c0,
-               "hits": {str(i): float(stats[6 + j]) for j, i in enumerate((1, 3)) if i in hits}}
-        log.append(rec)
-        if logf:
-            logf.write(json.dumps(rec) + "\n")
-            logf.flush()
-        if rank == 0 and a.snapshot_dir and (step + 1 in (a.dense_steps, a.steps - a.qat_act_steps)):
-            Path(a.snapshot_dir).mkdir(parents=True, exist_ok=True)
-            torch.save({n: w.detach() for n, w in params.items()} | buffers,
-                       Path(a.snapshot_dir) / f"step{step + 1}.pt")
-        if rank == 0 and (step % a.print_every == 0 or step == a.steps - 1):
-            print(f"{step:5d} L={L:4d} {rec['phase']:11s} ans {rec['answer_ce']:.3f} "
-                  f"lm {rec['lm_ce']:.3f} kl {rec['index_kl']:.3f} acc {rec['tok_acc']:.3f}/"
-                  f"{rec['seq_acc']:.2f} gn {gn:.2f} hit "
-                  f"{'/'.join(f'{v:.2f}' for v in rec['hits'].values())} "
-                  f"{rec['elapsed_s']:.0f}s", flush=True)
-    return {"cfg": cfg, "params": params, "buffers": buffers, "log": log,
-            "train_seconds": time.time() - t0, "world": world}
+
+def _resume(run: _Run):
+    """Continue from a phase-end snapshot: same weights, and the data streams fast-forwarded
+    to the same place; the optimizer restarts, as --reset-opt-at does."""
+    a = run.a
+    snap = torch.load(a.resume)
+    with torch.no_grad():
+        for n, w in run.params.items():
+            w.copy_(snap[n])
+    run.first = a.reset_opt_at
+    for step in range(run.first):
+        run.sampler.batch(a.batch // run.world, length_at(step, a, run.rng), a.answer_kl_boost)
+    if a.resume_log:
+        run.log = [json.loads(x) for x in Path(a.resume_log).read_text().splitlines()][:run.first]
+        run.t0 -= run.log[-1]["elapsed_s"]
+        run.c0 -= run.log[-1]["cpu_s"]
+
+
+@dataclass
+class _Batch:
+    """What one step trains on, and how."""
+    step: int
+    length: int                         # first-turn prompt tokens asked of the sampler
+    sparse: bool                        # CSA layers attend to the indexer's top-k only
+    qat_act: bool                       # `reference` activation numerics (straight-through)
+    lr: float
+    tokens: torch.Tensor                # [B, T]
+    lw: torch.Tensor                    # answer loss weights [B, T]
+    kw: torch.Tensor                    # index-KL weights [B, T] (0 on padding)
+    exs: list
+
+
+def _next_batch(run: _Run, step: int) -> _Batch:
+    """Restart AdamW if due, set this step's learning rate, draw the batch."""
+    a = run.a
+    if run.world > 1 and os.getppid() == 1:     # launcher gone: do not train on as an orphan
+        raise SystemExit("training launcher exited; stopping this worker")
+    if step == a.reset_opt_at and step > 0 and not (a.resume and step == run.first):
+        run.opt = run.new_optimizer()
+    lr = lr_at(step, a.lr_total or a.steps, a.lr, a.warmup, a.steps, a.cooldown)
+    for gr in run.opt.param_groups:
+        gr["lr"] = lr
+    L = length_at(step, a, run.rng)
+    sparse, qat_act = step >= a.dense_steps, step >= a.steps - a.qat_act_steps
+    tokens, lw, kw, exs = run.sampler.batch(a.batch // run.world, L, a.answer_kl_boost)
+    return _Batch(step, L, sparse, qat_act, lr, tokens, lw, kw, exs)
+
+
+@dataclass
+class _Loss:
+    out: ForwardOut
+    logits: torch.Tensor                # [B, T-1, V] fp32, predicting tgt
+    tgt: torch.Tensor                   # [B, T-1]
+    aw: torch.Tensor                    # answer weights of the targets [B, T-1]
+    loss: torch.Tensor                  # ans + lm_weight * lm + kl_weight * kl
+    ans: torch.Tensor                   # cross-entropy on the answers and their EOS
+    lm: torch.Tensor                    # cross-entropy on every other real token
+    kl: torch.Tensor                    # indexer KL, mean over CSA layers
+
+
+def _forward_loss(run: _Run, b: _Batch) -> _Loss:
+    """Forward on the grid weights (exact or QAT activations) and the training loss."""
+    a = run.a
+    w = effective_weights(run.params, run.specs, run.buffers)
+    fwd = run.fwd_qat if b.qat_act else run.fwd_exact
+    out = fwd(w, b.tokens, sparse=b.sparse, kl_weight=b.kw)
+    logits = out.logits[:, :-1].float()
+    tgt = b.tokens[:, 1:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
+                         reduction="none").view_as(tgt)
+    aw = b.lw[:, :-1]
+    ans = (ce * aw).sum() / aw.sum()
+    real = (b.kw[:, :-1] > 0).float() * (1 - aw)
+    lm = (ce * real).sum() / real.sum()
+    kl = sum(out.index_kl.values()) / max(1, len(out.index_kl))
+    loss = ans + a.lm_weight * lm + a.kl_weight * kl
+    return _Loss(out, logits, tgt, aw, loss, ans, lm, kl)
+
+
+def _optimizer_step(run: _Run, loss: torch.Tensor) -> torch.Tensor:
+    """Backward, gradients averaged over ranks, clipped, one AdamW step; the grad norm."""
+    plist = run.trained              # clip_grad_norm_ sums the norms in this order
+    run.opt.zero_grad(set_to_none=False)
+    loss.backward()
+    for p in plist:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    run.sync.mean_([p.grad for p in plist])
+    gn = torch.nn.utils.clip_grad_norm_(plist, run.a.clip)
+    run.opt.step()
+    return gn
+
+
+@torch.no_grad()
+def _stats_and_balance(run: _Run, b: _Batch, l: _Loss) -> tuple[torch.Tensor, dict]:
+    """Rank-averaged [loss, ans, lm, kl, tok_acc, seq_acc, hit layer 1, hit layer 3] and
+    this rank's needle hits; then the aux-loss-free expert balancing (DeepSeek-V3) on the
+    rank-averaged expert loads."""
+    hit = (l.logits.argmax(-1) == l.tgt).float()
+    aw = l.aw
+    hits = needle_hits(l.out.topk, b.exs)
+    stats = torch.tensor([float(l.loss), float(l.ans), float(l.lm), float(l.kl),
+                          float((hit * aw).sum() / aw.sum()),
+                          float((((hit * aw).sum(1) == aw.sum(1)).float()).mean())]
+                         + [hits.get(i, 0.0) for i in (1, 3)])
+    loads = {i: v.float() for i, v in l.out.expert_load.items()}
+    run.sync.mean_([stats] + list(loads.values()))
+    for i, load in loads.items():
+        bias = run.params[f"layers.{i}.ffn.gate.bias"]
+        bias += run.a.bias_rate * torch.sign(load.mean() - load)
+    return stats, hits
+
+
+def _train_step(run: _Run, step: int) -> dict:
+    """One step: batch, loss, AdamW, balancing; its training-log record."""
+    b = _next_batch(run, step)
+    l = _forward_loss(run, b)
+    gn = _optimizer_step(run, l.loss)
+    stats, hits = _stats_and_balance(run, b, l)
+    return {"step": step, "len": b.length, "tokens": int(b.tokens.shape[1]),
+            "phase": ("sparse" if b.sparse else "dense") + ("+qat" if b.qat_act else ""),
+            "lr": b.lr, "loss": float(stats[0]), "answer_ce": float(stats[1]),
+            "lm_ce": float(stats[2]), "index_kl": float(stats[3]), "tok_acc": float(stats[4]),
+            "seq_acc": float(stats[5]), "grad_norm": float(gn),
+            "elapsed_s": time.time() - run.t0, "cpu_s": time.process_time() - run.c0,
+            "hits": {str(i): float(stats[6 + j]) for j, i in enumerate((1, 3)) if i in hits}}
+
+
+def _log_step(run: _Run, rec: dict):
+    """Keep the record, append it to --log, print every --print-every steps (rank 0)."""
+    a, step = run.a, rec["step"]
+    run.log.append(rec)
+    if run.logf:
+        run.logf.write(json.dumps(rec) + "\n")
+        run.logf.flush()
+    if run.rank == 0 and (step % a.print_every == 0 or step == a.steps - 1):
+        print(f"{step:5d} L={rec['len']:4d} {rec['phase']:11s} ans {rec['answer_ce']:.3f} "
+              f"lm {rec['lm_ce']:.3f} kl {rec['index_kl']:.3f} acc {rec['tok_acc']:.3f}/"
+              f"{rec['seq_acc']:.2f} gn {rec['grad_norm']:.2f} hit "
+              f"{'/'.join(f'{v:.2f}' for v in rec['hits'].values())} "
+              f"{rec['elapsed_s']:.0f}s", flush=True)
+
+
+def _snapshot_if_phase_end(run: _Run, step: int):
+    """Master weights + buffers after the dense phase and before the QAT-activation steps
+    (rank 0, --snapshot-dir): what --resume continues from."""
+    a = run.a
+    if run.rank == 0 and a.snapshot_dir and (step + 1 in (a.dense_steps, a.steps - a.qat_act_steps)):
+        Path(a.snapshot_dir).mkdir(parents=True, exist_ok=True)
+        torch.save({n: w.detach() for n, w in run.params.items()} | run.buffers,
+                   Path(a.snapshot_dir) / f"step{step + 1}.pt")
+
+
+def train(a, rank: int = 0, world: int = 1) -> dict:
+    run = _setup(a, rank, world)
+    try:
+        if a.resume:
+            _resume(run)
+        for step in range(run.first, a.steps):
+            rec = _train_step(run, step)
+            _log_step(run, rec)
+            _snapshot_if_phase_end(run, step)
+    finally:
+        if run.logf:
+            run.logf.close()
+    return {"cfg": run.cfg, "params": run.params, "buffers": run.buffers, "log": run.log,
+            "train_seconds": time.time() - run.t0, "world": world}
 
 
 def _worker(rank: int, world: int, port: int, a):
