@@ -8,7 +8,9 @@ Mechanism, per CSA layer, at the question's last position (the last prompt token
 compressed entries hold the needle value, whether the indexer picked one of them, and
 its rank among the visible entries. Entry j pools tokens 4j..4j+3 and, in half of its
 channels, the previous group 4j-4..4j-1 (overlapping ratio-4 compressor), so the entries
-holding the value are {t//4} and {t//4 + 1} over the value's tokens t. The picks come from
+holding the value are {t//4} and {t//4 + 1} over the value's tokens t; with several
+expected values (multivalue, multiquery) `values_in_topk` counts the values with an entry
+picked, since one value dropping out of top-k is the failure to see. The picks come from
 the `layers.{i}.attn.index.topk` tap; the rank needs the scores, which no tap exposes,
 so the last prompt token is run through a copy of the arm's Numerics whose
 `index_scores` kernel records what the arm's own kernel returns (same values the arm's
@@ -111,18 +113,22 @@ class InProcessRunner:
                "prompt_tokens": len(ids), "latency_s": time.perf_counter() - t0,
                "attempts": 1, "error": None, "value_token_positions": value_tok}
         if self.mechanism:
-            row["mechanism"] = mechanism(cfg, taps, self._scores, value_tok, len(ids) - 1)
+            per_value = [value_token_positions(offsets, [s]) for s in prompt.value_spans]
+            row["mechanism"] = mechanism(cfg, taps, self._scores, value_tok, len(ids) - 1, per_value)
         return row
 
 
-def mechanism(cfg, taps: Taps, scores: list[torch.Tensor], value_tok: list[int], pos: int) -> list[dict]:
-    """Per CSA layer: entries holding the value, picked or not, best rank (see module doc)."""
+def mechanism(cfg, taps: Taps, scores: list[torch.Tensor], value_tok: list[int], pos: int,
+              per_value: list[list[int]] | None = None) -> list[dict]:
+    """Per CSA layer: entries holding a value, picked or not, best rank, and how many of
+    the values (token positions per value: `per_value`) had an entry picked (module doc)."""
     layers = [i for i, r in enumerate(cfg.compress_ratios)
               if r == 4 and f"layers.{i}.attn.index.topk" in taps]
     if len(layers) != len(scores):
         raise RuntimeError(f"recorded {len(scores)} index_scores calls for {len(layers)} CSA layers")
     visible = (pos + 1) // 4
     held = needle_entries(value_tok, pos)
+    held_per = [needle_entries(v, pos) for v in (per_value or [value_tok])]
     in_window = any(t > pos - cfg.window_size for t in value_tok)
     out = []
     for i, s in zip(layers, scores):
@@ -132,5 +138,7 @@ def mechanism(cfg, taps: Taps, scores: list[torch.Tensor], value_tok: list[int],
         best = min(ranks.values()) if ranks else None
         out.append({"layer": i, "entries": held, "n_visible": visible, "topk": cfg.index_topk,
                     "in_topk": any(j in picks for j in held) if held else None,
-                    "best_rank": best, "in_window": in_window, "picks": sorted(picks)})
+                    "best_rank": best, "in_window": in_window, "picks": sorted(picks),
+                    "n_values": len(held_per),
+                    "values_in_topk": sum(any(j in picks for j in h) for h in held_per)})
     return out

@@ -4,6 +4,7 @@ The in-process runner is built from an arm, so it lives in fidelity (fidelity.ne
 needle imports nothing of fidelity.
 
     haystack   needle kinds, values, filler, exact-length prompt building
+    keys       needle keys and values: random, or near-duplicates of the queried key
     http       httpx async runner: bounded concurrency, timeouts, retries, /tokenize counting
     sweep      lengths x depths x reps over arms, append-only JSONL with resume
     scoring    substring scoring and the failure taxonomy

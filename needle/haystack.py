@@ -1,25 +1,27 @@
 """Haystacks after RULER (tooling-anchors §4b): needle kinds single / multikey (distractor
-needles with other keys) / multivalue (one key, several values), values as 7-digit
-numbers, words or UUIDs, filler from the shipped corpus (`essay`) or RULER's repeated
-noise sentences (`noise`). The needle goes at the sentence boundary nearest the requested
-depth, and the prompt -- as the model sees it, chat encoding included -- is sized to the
-exact token count in the target tokenizer by searching over filler words (then characters
-of the next word) with whatever `Counter` the runner provides."""
+needles with other keys, random or near-duplicates of the queried key: needle/keys.py) /
+multivalue (one key, several values) / multiquery (several keys, all asked for at once),
+values as 7-digit numbers, words or UUIDs, filler from the shipped corpus (`essay`) or
+RULER's repeated noise sentences (`noise`). The needle goes at the sentence boundary
+nearest the requested depth (multiquery: the queried needles at the boundaries nearest
+it, one per boundary), and the prompt -- as the model sees it, chat encoding included --
+is sized to the exact token count in the target tokenizer by searching over filler words
+(then characters of the next word) with whatever `Counter` the runner provides."""
 from __future__ import annotations
 
 import hashlib
 import json
 import random
 import re
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 from reference_model.tokenizer import BOS, CORPUS_PATH, render_chat
 
-from .words import ADJECTIVES, NOUNS
+from . import keys as K
 
-KINDS = ("single", "multikey", "multivalue")
+KINDS = ("single", "multikey", "multivalue", "multiquery")
+DISTRACTORS = ("random", "near")
 VALUE_TYPES = ("number", "word", "uuid")
 FILLERS = ("essay", "noise")
 MODES = ("chat", "completion")
@@ -51,20 +53,34 @@ class HaystackSpec:
     kind: str = "single"
     value_type: str = "number"
     filler: str = "essay"
-    n_keys: int = 4                 # multikey: the queried key + n_keys-1 distractors
+    n_keys: int = 4                 # multikey: the queried key + n_keys-1 distractors; multiquery: needles
     n_values: int = 4               # multivalue: values for the one key
     template: Template = field(default_factory=Template)
+    n_queries: int = 4              # multiquery: keys asked for (of n_keys)
+    distractors: str = "random"     # multikey: "random" keys or "near" duplicates of the queried key
 
     def __post_init__(self):
         for name, val, ok in (("kind", self.kind, KINDS), ("value_type", self.value_type, VALUE_TYPES),
-                              ("filler", self.filler, FILLERS)):
+                              ("filler", self.filler, FILLERS), ("distractors", self.distractors, DISTRACTORS)):
             if val not in ok:
                 raise HaystackError(f"{name} must be one of {', '.join(ok)}, got {val!r}")
         if self.n_keys < 2 or self.n_values < 2:
             raise HaystackError("n_keys and n_values must be >= 2")
+        if self.distractors == "near" and self.kind != "multikey":
+            raise HaystackError(f"near distractors are for kind multikey, not {self.kind}")
+        if self.kind == "multiquery" and not 2 <= self.n_queries <= self.n_keys:
+            raise HaystackError(f"multiquery needs 2 <= n_queries <= n_keys (n_keys={self.n_keys}), "
+                                f"got n_queries={self.n_queries}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The settings that shape a trial. Options a kind does not use are left out, so
+        the trial ids (and results files) of the earlier kinds are unchanged."""
+        d = asdict(self)
+        if self.kind != "multiquery":
+            del d["n_queries"]
+        if self.distractors == "random":
+            del d["distractors"]
+        return d
 
 
 @dataclass(frozen=True)
@@ -111,7 +127,10 @@ class Prompt:
     expected: list[str]
     distractors: list[str]
     value_spans: list[tuple[int, int]]   # char spans of the expected values in `text`
-    depth_chars: float              # queried needle start / context length (chars)
+    depth_chars: float              # first queried needle's start / context length (chars)
+    keys: list[str] = field(default_factory=list)             # queried keys
+    needle_depths: list[float] = field(default_factory=list)  # every queried needle's, text order
+    distractor_keys: list[str] = field(default_factory=list)
     n_tokens: int = -1
     target_tokens: int = -1
     exact: bool = False
@@ -123,34 +142,6 @@ class Prompt:
 
     def messages(self) -> list[dict]:
         return [{"role": "user", "content": self.user}]
-
-
-# ---- values and needles -------------------------------------------------------------------
-def _value(kind: str, rng: random.Random) -> str:
-    if kind == "number":
-        return str(rng.randint(1_000_000, 9_999_999))
-    if kind == "word":
-        return rng.choice(ADJECTIVES) + "-" + rng.choice(NOUNS)
-    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
-
-
-def _draw(spec: HaystackSpec, rng: random.Random):
-    """(queried key, [(key, value, queried)], distractor values)."""
-    n_keys = spec.n_keys if spec.kind == "multikey" else 1
-    keys: list[str] = []
-    while len(keys) < n_keys:
-        k = rng.choice(ADJECTIVES) + "-" + rng.choice(NOUNS)
-        if k not in keys:
-            keys.append(k)
-    n_vals = spec.n_values if spec.kind == "multivalue" else 1
-    values: list[str] = []
-    while len(values) < n_vals + n_keys - 1:
-        v = _value(spec.value_type, rng)
-        if v not in values and v not in keys:
-            values.append(v)
-    needles = [(keys[0], v, True) for v in values[:n_vals]]
-    needles += [(k, v, False) for k, v in zip(keys[1:], values[n_vals:])]
-    return keys[0], needles, values[n_vals:]
 
 
 # ---- filler -------------------------------------------------------------------------------
@@ -186,19 +177,38 @@ def _ends_sentence(w: str) -> bool:
 
 
 # ---- building -----------------------------------------------------------------------------
+def query_text(keys: list[str]) -> str:
+    """RULER's list of queried keys: "a", "a, and b", "a, b, and c"."""
+    return keys[0] if len(keys) == 1 else ", ".join(keys[:-1]) + ", and " + keys[-1]
+
+
+def _bounds(words: list[str]) -> tuple[list[int], list[int], int]:
+    """Sentence boundaries (word indices), their char positions in the bare context, and
+    its length."""
+    bounds, pos, at = [0], [0], 0
+    for i, wd in enumerate(words):
+        at += len(wd) + (1 if i else 0)
+        if _ends_sentence(wd):
+            bounds.append(i + 1)
+            pos.append(at)
+    return bounds, pos, max(at, 1)
+
+
 class _Builder:
     def __init__(self, spec: HaystackSpec, fmt: PromptFormat, depth: float, seed: int):
         if not 0 <= depth <= 100:
             raise HaystackError(f"depth must be in [0, 100], got {depth}")
         self.spec, self.fmt, self.depth = spec, fmt, depth / 100.0
         rng = random.Random(seed)
-        self.key, needles, self.distractors = _draw(spec, rng)
+        drawn = K.draw(spec.kind, spec.value_type, spec.n_keys, spec.n_values, spec.n_queries,
+                       spec.distractors, rng)
+        self.keys, self.distractor_keys = drawn.queried, drawn.distractor_keys
+        self.key, self.distractors = query_text(self.keys), drawn.distractors
         tn, tns = TYPE_NAMES[spec.value_type]
         t = spec.template
-        # the first queried needle goes at `depth`; the others at seeded fractions
-        self.needles = [(t.needle.format(type=tn, types=tns, key=k, value=v), v, q,
-                         None if i == 0 else rng.random()) for i, (k, v, q) in enumerate(needles)]
-        multi = spec.kind == "multivalue"
+        self.needles = [(t.needle.format(type=tn, types=tns, key=k, value=v), v, q, a)
+                        for (k, v, q), a in zip(drawn.needles, self._anchors(drawn.needles, rng))]
+        multi = spec.kind in ("multivalue", "multiquery")
         self.header = t.header.format(type=tn, types=tns)
         self.question = (t.question_multi if multi else t.question).format(type=tn, types=tns, key=self.key)
         self.answer_prefix = ((t.answer_prefix_multi if multi else t.answer_prefix)
@@ -206,6 +216,30 @@ class _Builder:
                               if fmt.mode == "completion" else "")
         self.expected = [v for _, v, q, _ in self.needles if q]
         self.words = FillerWords(spec.filler, rng)
+
+    def _anchors(self, needles, rng: random.Random) -> list:
+        """Where each needle goes: an int r is the r-th sentence boundary nearest the depth,
+        a float a fraction of the context. The first queried needle goes at the depth and the
+        others at seeded fractions; multiquery puts its queried needles at the boundaries
+        nearest the depth, one each, in a seeded order (unqueried ones at seeded fractions)."""
+        if self.spec.kind != "multiquery":
+            return [0 if i == 0 else rng.random() for i in range(len(needles))]
+        ranks = rng.sample(range(self.spec.n_queries), self.spec.n_queries)
+        return [ranks.pop() if q else rng.random() for _, _, q in needles]
+
+    def _slots(self, bounds: list[int], pos: list[int], total: int) -> dict[int, list]:
+        """Needles per boundary word index."""
+        by_dist = sorted(range(len(bounds)), key=lambda j: (abs(pos[j] - self.depth * total), j))
+
+        def nearest(frac):
+            return min(range(len(bounds)), key=lambda j: (abs(pos[j] - frac * total), j))
+
+        slots: dict[int, list] = {}
+        for n in self.needles:
+            a = n[3]
+            j = by_dist[min(a, len(by_dist) - 1)] if isinstance(a, int) else nearest(a)
+            slots.setdefault(bounds[j], []).append(n)
+        return slots
 
     def render(self, w: int, c: int = 0, stop: bool = True, pad: int = 0) -> Prompt:
         """w filler words plus c characters of the next one; `stop` closes an unfinished
@@ -216,22 +250,7 @@ class _Builder:
         words = words[:w] + ([tail] if tail else [])
         if stop and words and not _ends_sentence(words[-1]):
             words[-1] = words[-1] + "."
-        # sentence boundaries (word indices) and their char positions in the bare context
-        bounds, pos, at = [0], [0], 0
-        for i, wd in enumerate(words):
-            at += len(wd) + (1 if i else 0)
-            if _ends_sentence(wd):
-                bounds.append(i + 1)
-                pos.append(at)
-        total = max(at, 1)
-
-        def nearest(frac):
-            return min(range(len(bounds)), key=lambda j: (abs(pos[j] - frac * total), j))
-
-        slots: dict[int, list] = {}
-        for n in self.needles:
-            frac = self.depth if n[3] is None else n[3]
-            slots.setdefault(bounds[nearest(frac)], []).append(n)
+        slots = self._slots(*_bounds(words))
         pieces: list[tuple[str, str | None, bool]] = []       # (text, value, queried)
         for i in range(len(words) + 1):
             for text, v, q, _ in slots.get(i, []):
@@ -241,20 +260,18 @@ class _Builder:
         context = " ".join(p[0] for p in pieces) + " " * pad
         user = self.header + context + self.question
         full, off = self.fmt.wrap(user, self.answer_prefix)
-        spans, depth_chars, cur = [], 0.0, off + len(self.header)
-        first = True
+        spans, depths, cur = [], [], off + len(self.header)
         for text, v, q in pieces:
             if v is not None and q:
                 s = cur + text.rindex(v)
                 spans.append((s, s + len(v)))
-                if first:
-                    depth_chars = (cur - off - len(self.header)) / max(len(context), 1)
-                    first = False
+                depths.append(round((cur - off - len(self.header)) / max(len(context), 1), 6))
             cur += len(text) + 1
         return Prompt(user=user, text=full, answer_prefix=self.answer_prefix, fmt=self.fmt,
                       key=self.key, expected=list(self.expected),
                       distractors=list(self.distractors), value_spans=spans,
-                      depth_chars=round(depth_chars, 6))
+                      depth_chars=depths[0] if depths else 0.0, keys=list(self.keys),
+                      needle_depths=depths, distractor_keys=list(self.distractor_keys))
 
 
 def value_token_positions(offsets, value_spans) -> list[int]:

@@ -167,11 +167,13 @@ ARM_COLUMNS = ["arm", "n", "n_scored", "recall", "ci_low", "ci_high", "correct",
                "residual_max_abs", "latency_median_s", "retried_rows"]
 COLUMNS = {
     "arms": ARM_COLUMNS,
+    "kinds": ["arm", "kind", "values_per_trial", "n_scored", "recall", "ci_low", "ci_high", "all_found_rate",
+              "correct", "partial", "wrong", "truncated", "server_error"],
     "lengths": ["arm", "length", "n_scored", "recall", "ci_low", "ci_high", "truncated", "server_error"],
     "pairs": ["arm_a", "arm_b", "scope", "length", "depth", "n_pairs", "a_only", "b_only", "recall_a",
               "recall_b", "delta", "p_value", "test", "significant"],
     "mechanism": ["arm", "layer", "n", "in_topk_rate", "ci_low", "ci_high", "median_rank", "topk",
-                  "in_topk_rate_correct", "in_topk_rate_missed"],
+                  "all_values_in_topk_rate", "in_topk_rate_correct", "in_topk_rate_missed"],
     "mechanism_pairs": ["arm_a", "arm_b", "layer", "n", "picks_jaccard_mean", "identical_picks", "a_only",
                         "b_only", "p_value", "test"],
     "cells": ["arm", "length", "depth", "n", "n_scored", "recall", "ci_low", "ci_high", "correct", "wrong",
@@ -275,7 +277,9 @@ def build_page(t: dict, arms: list[str], meta: dict, figures: list[str]) -> Page
     lengths = sorted({r["length"] for r in t["lengths"]})
     depths = sorted({c["depth"] for c in t["cells"]})
     n = {a["arm"]: a["n"] for a in t["arms"]}
-    compared = (f"{', '.join(f'`{a}`' for a in arms)} on {max(n.values()) if n else 0} trials each: "
+    kinds = sorted({k["kind"] for k in t["kinds"]})
+    compared = (f"{', '.join(f'`{a}`' for a in arms)} on {max(n.values()) if n else 0} "
+                f"{'/'.join(kinds)} trials each: "
                 f"lengths {', '.join(map(str, lengths))} tokens × depths "
                 f"{', '.join(f'{d:g}' for d in depths)}%"
                 + (f" × {meta['reps']} rep(s)" if meta.get("reps") else "") + ".")
@@ -285,6 +289,9 @@ def build_page(t: dict, arms: list[str], meta: dict, figures: list[str]) -> Page
     lead = ["recall_vs_length"] + [f for f in figures if f.startswith("delta_")][:1]
     sections = [
         Section("Arms", INTRO, [Table(_frame(t["arms"], "arms"), fold=False)], ["outcomes"]),
+        Section("Recall by kind", "Recall is the found fraction of the expected values (RULER's "
+                "string match); all_found_rate the share of trials with every value found.",
+                [Table(_frame(t["kinds"], "kinds"), fold=False)]),
         Section("Recall by length (all depths)", "", [Table(_frame(t["lengths"], "lengths"))],
                 [f for f in figures if f.startswith("heatmap_")]),
         Section("Paired comparison (McNemar)", "Overall and per length, then every cell with a "

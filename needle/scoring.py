@@ -4,7 +4,8 @@ problem is never counted as lost recall.
 Outcomes, checked in this order:
   server_error  no usable response after retries (HTTP error, timeout, bad JSON, drop)
   correct       every expected value appears in `content` (case-insensitive, whole value)
-  partial       some but not all values (multivalue)
+  partial       some but not all values (multivalue, multiquery): recall is the found
+                fraction, RULER's string-match score
   wrong         content names a distractor or another value of the expected type (the
                 model committed to a wrong answer, even if it was then cut off)
   truncated     no value, and generation stopped at max_tokens (finish_reason "length"):
@@ -55,7 +56,9 @@ def contains_value(text: str, value: str) -> bool:
 
 def score(expected: list[str], content: str | None, finish_reason: str | None,
           error: str | None = None, distractors=(), value_type: str | None = None,
-          key: str | None = None) -> Score:
+          key: str | list[str] | None = None) -> Score:
+    """`key`: the haystack's keys (one or all, queried and distractor), which have a word
+    value's shape: echoing one is not a value."""
     n = len(expected)
     if error is not None:
         return Score("server_error", 0, n)
@@ -65,7 +68,9 @@ def score(expected: list[str], content: str | None, finish_reason: str | None,
         return Score("correct", found, n)
     if found:
         return Score("partial", found, n)
-    bare = re.sub(re.escape(key), " ", text, flags=re.I) if key else text   # echoing the key is not a value
+    bare = text
+    for k in sorted([key] if isinstance(key, str) else key or (), key=len, reverse=True):
+        bare = re.sub(re.escape(k), " ", bare, flags=re.I)
     if any(contains_value(text, d) for d in distractors) or (
             value_type in _TYPE_RE and _TYPE_RE[value_type].search(bare)):
         return Score("wrong", 0, n)

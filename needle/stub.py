@@ -1,7 +1,8 @@
 """A deterministic OpenAI-compatible stub server, optionally misbehaving, for testing and
 benchmarking HTTP clients without a model.
 
-It answers a needle question by reading the needle back out of the prompt (so a client's
+It answers a needle question by reading the needles of every asked key back out of the
+prompt (one key, or multiquery's "a, b, and c"; so a client's
 whole path -- request, parsing, scoring -- is exercised with known outcomes); a fixed
 hash-chosen share of prompts gets a wrong number. Faults are consumed one per generation
 request, in order: an HTTP status ("500", "502", "429", "400", ...: that status with an
@@ -18,7 +19,7 @@ import json
 import re
 import threading
 
-_Q = re.compile(r"special magic \w+ for ([a-z]+-[a-z]+) mentioned")
+_Q = re.compile(r"special magic \w+ for ((?:[a-z]+-[a-z]+(?:,? and |, )?)+) mentioned")
 
 
 async def read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict, bytes] | None:
@@ -144,7 +145,8 @@ class StubServer(ThreadedServer):
         m = _Q.search(text)
         if not m:
             return "I do not know."
-        vals = re.findall(r"for " + re.escape(m.group(1)) + r" is: ([0-9A-Za-z-]+)\.", text)
+        vals = [v for k in re.findall(r"[a-z]+-[a-z]+", m.group(1))
+                for v in re.findall(r"for " + re.escape(k) + r" is: ([0-9A-Za-z-]+)\.", text)]
         h = int(hashlib.sha256(text.encode()).hexdigest(), 16)
         if not vals or (self.wrong_every and h % self.wrong_every == 0):
             return "The special magic number is 1234567."

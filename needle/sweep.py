@@ -80,19 +80,22 @@ def build_prompts(cfg: SweepConfig, trials: list[Trial], counter, quiet=False) -
 
 def make_row(trial: Trial, prompt: H.Prompt, runner, res: dict, cfg: SweepConfig) -> dict:
     sc = score(prompt.expected, res.get("response"), res.get("finish_reason"), res.get("error"),
-               prompt.distractors, cfg.spec.value_type, prompt.key)
+               prompt.distractors, cfg.spec.value_type, prompt.keys + prompt.distractor_keys)
     reported = res.get("prompt_tokens")
     row = {
         "trial_id": trial.trial_id, "arm": runner.name, "runner": runner.kind,
         "arm_detail": runner.detail,
         "length": trial.length, "depth": trial.depth, "rep": trial.rep,
-        "kind": cfg.spec.kind, "value_type": cfg.spec.value_type, "filler": cfg.spec.filler,
+        "kind": cfg.spec.kind, "distractor_mode": cfg.spec.distractors,
+        "value_type": cfg.spec.value_type, "filler": cfg.spec.filler,
         "mode": cfg.fmt.mode, "thinking": cfg.fmt.thinking,
         "n_tokens": prompt.n_tokens, "exact_length": prompt.exact,
         "count_source": prompt.count_source, "prompt_tokens_reported": reported,
         "token_residual": (reported - trial.length) if isinstance(reported, int) else None,
-        "depth_chars": prompt.depth_chars, "prompt_sha256": prompt.sha256, "key": prompt.key,
-        "expected": prompt.expected, "distractors": prompt.distractors,
+        "depth_chars": prompt.depth_chars, "needle_depths": prompt.needle_depths,
+        "prompt_sha256": prompt.sha256, "key": prompt.key, "keys": prompt.keys,
+        "expected": prompt.expected, "distractor_keys": prompt.distractor_keys,
+        "distractors": prompt.distractors,
         "outcome": sc.outcome, "found": sc.found, "recall": sc.recall,
         "value_in_reasoning": bool(res.get("reasoning_content")) and any(
             contains_value(res["reasoning_content"], v) for v in prompt.expected),

@@ -55,6 +55,29 @@ def by_length(rows) -> list[dict]:
             for (a, L), rs in sorted(g.items(), key=lambda kv: (order[kv[0][0]], kv[0][1]))]
 
 
+def kind_label(r: dict) -> str:
+    """multikey with near-duplicate distractor keys is its own kind in the tables."""
+    k = r.get("kind", "single")
+    return k + "/near" if r.get("distractor_mode") == "near" else k
+
+
+def by_kind(rows) -> list[dict]:
+    """Per arm and kind: recall (found fraction, RULER's string match) beside the share of
+    trials with every value found, which is what tells a multiquery miss of one needle from
+    a miss of all."""
+    g = defaultdict(list)
+    for r in rows:
+        g[(r["arm"], kind_label(r))].append(r)
+    order = {a: i for i, a in enumerate(_arms(rows))}
+    out = []
+    for (a, k), rs in sorted(g.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
+        d = _summ(rs)
+        n_exp = [len(r.get("expected") or ()) for r in rs]
+        out.append({"arm": a, "kind": k, **d, "values_per_trial": max(n_exp, default=0),
+                    "all_found_rate": d["correct"] / d["n_scored"] if d["n_scored"] else None})
+    return out
+
+
 def by_arm(rows) -> list[dict]:
     out = []
     for a in _arms(rows):
@@ -116,12 +139,13 @@ def mechanism(rows) -> list[dict]:
     for (a, layer), ms in sorted(g.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
         hit = [m["in_topk"] for m, _ in ms]
         ranks = [m["best_rank"] for m, _ in ms if m["best_rank"] is not None]
+        every = [m.get("values_in_topk", m["in_topk"]) == m.get("n_values", 1) for m, _ in ms]
         ok = [m["in_topk"] for m, c in ms if c]
         bad = [m["in_topk"] for m, c in ms if not c]
         lo, hi = wilson(sum(hit), len(hit))
         out.append({"arm": a, "layer": layer, "n": len(ms), "in_topk_rate": sum(hit) / len(hit),
                     "ci_low": lo, "ci_high": hi, "median_rank": statistics.median(ranks) if ranks else None,
-                    "topk": ms[0][0]["topk"],
+                    "topk": ms[0][0]["topk"], "all_values_in_topk_rate": sum(every) / len(every),
                     "in_topk_rate_correct": sum(ok) / len(ok) if ok else None,
                     "in_topk_rate_missed": sum(bad) / len(bad) if bad else None})
     return out
@@ -169,6 +193,6 @@ def errors(rows) -> list[dict]:
 
 
 def all_tables(rows) -> dict[str, list[dict]]:
-    return {"arms": by_arm(rows), "cells": cells(rows), "lengths": by_length(rows),
+    return {"arms": by_arm(rows), "kinds": by_kind(rows), "cells": cells(rows), "lengths": by_length(rows),
             "pairs": pairs(rows), "mechanism": mechanism(rows),
             "mechanism_pairs": mechanism_pairs(rows), "errors": errors(rows)}

@@ -23,14 +23,17 @@ def test_residue_lengths_cover_mod4_and_mod128():
 
 
 @pytest.mark.parametrize("mode", ["chat", "completion"])
-@pytest.mark.parametrize("kind,vtype,filler", [("single", "number", "essay"),
-                                                ("multikey", "uuid", "noise"),
-                                                ("multivalue", "word", "essay")])
-def test_exact_lengths_in_process(counter, mode, kind, vtype, filler):
+@pytest.mark.parametrize("kind,vtype,filler,distractors", [("single", "number", "essay", "random"),
+                                                            ("multikey", "uuid", "noise", "random"),
+                                                            ("multivalue", "word", "essay", "random"),
+                                                            ("multiquery", "word", "essay", "random"),
+                                                            ("multikey", "number", "noise", "near")])
+def test_exact_lengths_in_process(counter, mode, kind, vtype, filler, distractors):
     tok = counter.tok
+    spec = HaystackSpec(kind, vtype, filler, distractors=distractors)
     for L in (511, 512, 513, 514, 767, 1023, 1024, 2049):       # every residue mod 4, around 128s
         for d in (0, 50, 100):
-            p = build_prompt(HaystackSpec(kind, vtype, filler), PromptFormat(mode), counter, L, d,
+            p = build_prompt(spec, PromptFormat(mode), counter, L, d,
                              trial_seed(kind, L, d))
             assert len(tok.encode(p.text)) == L == p.n_tokens and p.exact
             assert sorted(p.text[a:b] for a, b in p.value_spans) == sorted(p.expected)

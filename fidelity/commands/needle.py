@@ -27,6 +27,24 @@ def _csv(text, typ):
     return [typ(x) for x in text.split(",") if x.strip()] if text else None
 
 
+def _haystack_arguments(g):
+    """The needle kind and its counts (HaystackSpec)."""
+    g.add_argument("--kind", default="single", choices=("single", "multikey", "multivalue", "multiquery"),
+                   help="RULER needle kind: one needle; multikey: + distractor needles under other "
+                        "keys; multivalue: several values for one key; multiquery: several keys, "
+                        "all asked for in one question (default: %(default)s)")
+    g.add_argument("--distractors", default="random", choices=("random", "near"),
+                   help="multikey distractor keys: random, or near-duplicates of the queried key "
+                        "(one word swapped or one spelling edit, values of the same shape)")
+    g.add_argument("--n-keys", type=int, default=4,
+                   help="multikey: needles (the queried one + distractors); multiquery: needles "
+                        "with distinct keys (default: %(default)s)")
+    g.add_argument("--n-values", type=int, default=4, help="multivalue: values for the key (default: %(default)s)")
+    g.add_argument("--n-queries", type=int, default=4,
+                   help="multiquery: keys asked for, at most --n-keys; the others are distractors "
+                        "(default: %(default)s, RULER's niah_multiquery)")
+
+
 def add_arguments(p):
     g = p.add_argument_group("what to run")
     g.add_argument("--arm", action="append", default=None, metavar="[NAME=]ARM",
@@ -44,7 +62,7 @@ def add_arguments(p):
                    f"{DEFAULT_INPROCESS_LENGTHS}, endpoints {DEFAULT_ENDPOINT_LENGTHS})")
     g.add_argument("--depths", default="0,25,50,75,100", help="comma-separated depth percents")
     g.add_argument("--reps", type=int, default=1, help="trials per cell (different needles)")
-    g.add_argument("--kind", default="single", choices=("single", "multikey", "multivalue"))
+    _haystack_arguments(g)
     g.add_argument("--value-type", default="number", choices=("number", "word", "uuid"))
     g.add_argument("--filler", default="essay", choices=("essay", "noise"))
     g.add_argument("--seed", type=int, default=0, help="sweep seed (needles, filler start)")
@@ -162,7 +180,9 @@ def run(args) -> int:
                                               else DEFAULT_INPROCESS_LENGTHS)
         try:
             cfg = SweepConfig(lengths=lengths, depths=_csv(args.depths, float), reps=args.reps,
-                              spec=HaystackSpec(args.kind, args.value_type, args.filler),
+                              spec=HaystackSpec(args.kind, args.value_type, args.filler,
+                                                n_keys=args.n_keys, n_values=args.n_values,
+                                                n_queries=args.n_queries, distractors=args.distractors),
                               fmt=PromptFormat("chat" if args.api == "chat" else "completion",
                                                args.thinking, args.reasoning_effort),
                               seed=args.seed)
