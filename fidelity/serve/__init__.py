@@ -5,6 +5,6 @@ a real SGLang/vLLM deployment alike. Modules: engine (arms, models, captures), s
 (round-robin decode steps, cancellation, bounded queue), openai_api, sglang_api, ops_api
 (tokenize, health, info), app (routes and errors)."""
 from .app import create_app
-from .engine import Engine, ServeOptions, parse_arm_options
+from .engine import Engine, GenerationRequest, ServeOptions, parse_arm_options
 
-__all__ = ["Engine", "ServeOptions", "create_app", "parse_arm_options"]
+__all__ = ["Engine", "GenerationRequest", "ServeOptions", "create_app", "parse_arm_options"]

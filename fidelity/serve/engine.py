@@ -61,6 +61,23 @@ class ServeOptions:
     default_arm: str | None = None       # answers requests naming no model
 
 
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What one request asks the model to generate, read from any route's fields, so every
+    route submits the same way and Engine.submit stays short."""
+    max_tokens: int
+    sampling: Sampling
+    scoring: Scoring | None = None          # logprobs to score (None: none)
+    stop: tuple[str, ...] = ()              # stop strings (cut from the text)
+    stop_ids: tuple[int, ...] = ()          # stop token ids besides EOS
+    ignore_eos: bool = False
+    capture: tuple[str, ...] = ()           # tap patterns recorded (SGLang's captures)
+
+    def __post_init__(self):
+        for k in ("stop", "stop_ids", "capture"):       # lists from the JSON body, kept immutable
+            object.__setattr__(self, k, tuple(getattr(self, k)))
+
+
 class Engine:
     def __init__(self, target, arms: list[tuple[str | None, object]], options: "ServeOptions | None" = None):
         if not arms:
@@ -124,19 +141,18 @@ class Engine:
                            field)
         return k
 
-    def submit(self, served: ServedArm, ids: list[int], max_tokens: int, sampling: Sampling,
-               scoring: Scoring | None = None, stop: list[str] = (), ignore_eos: bool = False,
-               capture=(), stop_ids=()) -> Job:
+    def submit(self, served: ServedArm, ids: list[int], request: GenerationRequest) -> Job:
         """Queue a generation; its Job reports tokens and completion (Busy when full)."""
-        self.check_len(len(ids), max_tokens)
-        stop = list(stop)
+        r = request
+        self.check_len(len(ids), r.max_tokens)
+        stop = list(r.stop)
 
         def should_stop(toks):
             return any(s in self.tok.decode(toks) for s in stop)
 
-        dec = Decoder(served.model, ids, max_tokens, sampling,
-                      set(stop_ids) | (set() if ignore_eos else {self.tok.eos_id}), scoring,
-                      should_stop=should_stop if stop else None, capture=capture)
+        dec = Decoder(served.model, ids, r.max_tokens, r.sampling,
+                      set(r.stop_ids) | (set() if r.ignore_eos else {self.tok.eos_id}), r.scoring,
+                      should_stop=should_stop if stop else None, capture=r.capture)
         job = Job(dec, asyncio.get_running_loop())
         self.scheduler.submit(job)
         return job

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from reference_model.generate import Sampling, Scoring
 
-from .engine import Engine
+from .engine import Engine, GenerationRequest
 from .errors import ApiError
 from .fields import Fields, read_json, warn_unknown
 from .scheduler import token_events, wait_done
@@ -33,6 +34,19 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "prompt_logpr
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                "chat_template_kwargs", "reasoning_effort", "thinking", "tools",
                                "tool_choice", "add_generation_prompt"}
+
+
+@dataclass(frozen=True)
+class StreamShape:
+    """How a streamed answer's chunks look, fixed before the first one is sent, so the
+    streaming generators take one object instead of a flag each."""
+    head: dict                      # id, object, created, model: in every chunk
+    stop: tuple[str, ...] = ()      # stop strings: text held back until they cannot match
+    logprobs: int | None = None     # top logprobs per token (None: no logprobs)
+    echo: bool = False              # completions: the prompt's text first
+    as_ids: bool = False            # completions: tokens spelt "token_id:<id>"
+    thinking: bool = False          # chat: reasoning streamed as reasoning_content
+    usage_chunk: bool = False       # a last chunk with the usage (stream_options)
 
 
 def sampling(f: Fields, vocab: int) -> Sampling:
@@ -82,12 +96,12 @@ async def _wait_all(jobs, is_disconnected) -> None:
         raise
 
 
-def _stop_reason(g, stop_ids, stop, text: str) -> int | str | None:
+def _stop_reason(g, req: GenerationRequest, text: str) -> int | str | None:
     """vLLM's stop_reason: the stop token id or stop string that ended it; None for EOS."""
     if g.stop_token is not None:
-        return g.stop_token if g.stop_token in stop_ids else None
+        return g.stop_token if g.stop_token in req.stop_ids else None
     if g.finish_reason == "stop":
-        return next((s for s in stop if s in text), None)
+        return next((s for s in req.stop if s in text), None)
     return None
 
 
@@ -107,15 +121,14 @@ class OpenAIRoutes:
             return None
         return self.e.check_logprobs(f.integer(key, None, -1, None), key)
 
-    def _submit_all(self, served, prompts, max_tokens, samp, scoring, stop, ignore_eos, stop_ids):
+    def _submit_all(self, served, prompts, req: GenerationRequest):
         """One job per prompt, all checked before any runs; a refusal cancels the rest."""
         for i, ids in enumerate(prompts):
-            self.e.check_len(len(ids), max_tokens, f"prompt[{i}]" if len(prompts) > 1 else "prompt")
+            self.e.check_len(len(ids), req.max_tokens, f"prompt[{i}]" if len(prompts) > 1 else "prompt")
         jobs = []
         try:
             for ids in prompts:
-                jobs.append(self.e.submit(served, ids, max_tokens, samp, scoring, stop, ignore_eos,
-                                          stop_ids=stop_ids))
+                jobs.append(self.e.submit(served, ids, req))
         except BaseException:
             for j in jobs:
                 j.cancel()
@@ -149,13 +162,14 @@ class OpenAIRoutes:
         stop, stop_ids = f.strings("stop"), f.ids("stop_token_ids", self.e.vocab)
         as_ids = f.flag("return_tokens_as_token_ids")
         scoring = Scoring(top=lp, prompt_top=prompt_k, prompt_from=0)
-        jobs = self._submit_all(served, prompts, max_tokens, sampling(f, self.e.vocab), scoring, stop,
-                                f.flag("ignore_eos"), stop_ids)
+        req = GenerationRequest(max_tokens, sampling(f, self.e.vocab), scoring, stop, stop_ids,
+                                f.flag("ignore_eos"))
+        jobs = self._submit_all(served, prompts, req)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": served.id}
         if stream:
-            return StreamingResponse(self._stream_completion(jobs, prompts, head, lp, echo, stop,
-                                                             usage_chunk, as_ids),
+            shape = StreamShape(head, stop, lp, echo, as_ids, usage_chunk=usage_chunk)
+            return StreamingResponse(self._stream_completion(jobs, prompts, shape),
                                      media_type="text/event-stream")
         await _wait_all(jobs, request.is_disconnected)
         choices = []
@@ -166,7 +180,7 @@ class OpenAIRoutes:
             prompt_text = self.tok.decode(ids, skip_special_tokens=False) if echo else ""
             choice = {"index": i, "text": prompt_text + out, "logprobs": None,
                       "finish_reason": g.finish_reason,
-                      "stop_reason": _stop_reason(g, stop_ids, stop, text)}
+                      "stop_reason": _stop_reason(g, req, text)}
             if lp is not None:
                 scores = (g.prompt_scores if echo else []) + g.scores
                 choice["logprobs"] = self._legacy_logprobs((ids if echo else []) + g.output_ids, scores,
@@ -207,30 +221,31 @@ class OpenAIRoutes:
             out.append(d)
         return out
 
-    async def _stream_completion(self, jobs, prompts, head, lp, echo, stop, usage_chunk, as_ids=False):
+    async def _stream_completion(self, jobs, prompts, shape: StreamShape):
         """Each prompt's chunks in turn (choice index = prompt index); a sampled stop token
         comes in the finishing chunk, with its logprobs and no text (as vLLM streams it)."""
         try:
             for i, (ids, job) in enumerate(zip(prompts, jobs)):
-                async for chunk in self._stream_one(i, job, ids, head, lp, echo, stop, as_ids):
+                async for chunk in self._stream_one(i, job, ids, shape):
                     yield chunk
         finally:
             for job in jobs:
                 if not job.decoder.done:
                     job.cancel()
-        if usage_chunk:
-            yield _sse({**head, "choices": [],
+        if shape.usage_chunk:
+            yield _sse({**shape.head, "choices": [],
                         "usage": _usage([(ids, j.decoder.out) for ids, j in zip(prompts, jobs)])})
         yield "data: [DONE]\n\n"
 
-    async def _stream_one(self, i, job, ids, head, lp, echo, stop, as_ids):
-        text = TextStream(self.tok.decode, stop)
+    async def _stream_one(self, i, job, ids, shape: StreamShape):
+        text = TextStream(self.tok.decode, shape.stop)
+        lp, as_ids = shape.logprobs, shape.as_ids
 
         def chunk(delta, logprobs=None, finish=None):
-            return _sse({**head, "choices": [{"index": i, "text": delta, "logprobs": logprobs,
-                                              "finish_reason": finish}]})
+            return _sse({**shape.head, "choices": [{"index": i, "text": delta, "logprobs": logprobs,
+                                                    "finish_reason": finish}]})
 
-        if echo:
+        if shape.echo:
             yield chunk(self.tok.decode(ids, skip_special_tokens=False))
         async for tok in token_events(job):
             delta = text.push(tok)
@@ -259,13 +274,14 @@ class OpenAIRoutes:
         want_lp = f.flag("logprobs")
         top = self.e.check_logprobs(f.integer("top_logprobs", 0, 0), "top_logprobs") if want_lp else None
         stop, stop_ids = f.strings("stop"), f.ids("stop_token_ids", self.e.vocab)
-        (job,) = self._submit_all(served, [ids], max_tokens, sampling(f, self.e.vocab), Scoring(top=top),
-                                  stop, f.flag("ignore_eos"), stop_ids)
+        req = GenerationRequest(max_tokens, sampling(f, self.e.vocab), Scoring(top=top), stop, stop_ids,
+                                f.flag("ignore_eos"))
+        (job,) = self._submit_all(served, [ids], req)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": served.id}
         if stream:
-            return StreamingResponse(self._stream_chat(job, head, ids, thinking, want_lp, stop, usage_chunk),
-                                     media_type="text/event-stream")
+            shape = StreamShape(head, stop, top, thinking=thinking, usage_chunk=usage_chunk)
+            return StreamingResponse(self._stream_chat(job, ids, shape), media_type="text/event-stream")
         await wait_done(job, request.is_disconnected)
         g = job.decoder.out
         reasoning, content = self._split(g.tokens, thinking, stop)
@@ -273,7 +289,7 @@ class OpenAIRoutes:
         if thinking:
             msg["reasoning_content"] = reasoning
         choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": g.finish_reason,
-                  "stop_reason": _stop_reason(g, stop_ids, stop, self.tok.decode(g.tokens))}
+                  "stop_reason": _stop_reason(g, req, self.tok.decode(g.tokens))}
         if want_lp:
             choice["logprobs"] = {"content": [self._chat_lp(s) for s in g.scores]}
         out = {**head, "choices": [choice], "usage": _usage([(ids, g)])}
@@ -292,17 +308,18 @@ class OpenAIRoutes:
             return {"token": p, "logprob": v, "bytes": list(p.encode("utf-8"))}
         return {**ent(s.token, s.logprob), "top_logprobs": [ent(a, b) for a, b in s.top]}
 
-    async def _stream_chat(self, job, head, ids, thinking, want_lp, stop, usage_chunk):
-        head = {**head, "object": "chat.completion.chunk"}
-        extra = {"usage": None} if usage_chunk else {}
+    async def _stream_chat(self, job, ids, shape: StreamShape):
+        head = {**shape.head, "object": "chat.completion.chunk"}
+        extra = {"usage": None} if shape.usage_chunk else {}
+        want_lp = shape.logprobs is not None
 
         def chunk(delta, finish=None, lp=None):
             return _sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
                                               "finish_reason": finish}], **extra})
 
         yield chunk({"role": "assistant", "content": ""})
-        reasoning = TextStream(self.tok.decode) if thinking else None
-        content = TextStream(self.tok.decode, stop)
+        reasoning = TextStream(self.tok.decode) if shape.thinking else None
+        content = TextStream(self.tok.decode, shape.stop)
         n = 0
         async for tok in token_events(job):
             lp = {"content": [self._chat_lp(job.decoder.out.scores[n])]} if want_lp else None
@@ -328,7 +345,7 @@ class OpenAIRoutes:
         stop_lp = ({"content": [self._chat_lp(g.scores[-1])]}
                    if want_lp and g.stop_token is not None else None)
         yield chunk({}, g.finish_reason, stop_lp)      # the stop token's logprobs, no text
-        if usage_chunk:
+        if shape.usage_chunk:
             yield _sse({**head, "choices": [], "usage": _usage([(ids, g)])})
         yield "data: [DONE]\n\n"
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from reference_model.generate import Sampling
 
-from .engine import Engine
+from .engine import Engine, GenerationRequest
 from .errors import ApiError
 from .fields import Fields, read_json, warn_unknown
 from .scheduler import Busy, wait_done
@@ -59,7 +59,7 @@ class OpsRoutes:
         """200 once a one-token greedy generation from input_ids [0] finishes, 503 if the
         server is full or it does not finish in time (SGLang's readiness probe)."""
         try:
-            job = self.e.submit(self.e.first, [0], 1, Sampling(0.0))
+            job = self.e.submit(self.e.first, [0], GenerationRequest(1, Sampling(0.0)))
             await asyncio.wait_for(wait_done(job, request.is_disconnected), HEALTH_GENERATE_TIMEOUT_S)
         except (Busy, asyncio.TimeoutError):
             return JSONResponse({"status": "unhealthy"}, status_code=503)

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 
 from reference_model.generate import Sampling, Scoring
 
-from .engine import EXPERTS_TAP, INDEXER_TAP, Engine
+from .engine import EXPERTS_TAP, INDEXER_TAP, Engine, GenerationRequest
 from .errors import ApiError
 from .fields import Fields, read_json, warn_unknown
 from .scheduler import wait_done
@@ -89,8 +89,8 @@ class SGLangRoutes:
         capture = ([INDEXER_TAP] if want_idx else []) + ([EXPERTS_TAP] if want_exp else [])
         scoring = Scoring(top=k, prompt_top=k, prompt_from=start + 1, ids=score_ids or ()) if want_lp else None
         t0 = time.perf_counter()
-        job = self.e.submit(served, ids, max_new, sampling, scoring, opts["stop"], opts["ignore_eos"],
-                            capture, opts["stop_ids"])
+        job = self.e.submit(served, ids, GenerationRequest(max_new, sampling, scoring, opts["stop"],
+                                                           opts["stop_ids"], opts["ignore_eos"], capture))
         await wait_done(job, request.is_disconnected)
         g = job.decoder.out
         out_ids = g.tokens + ([g.stop_token] if g.stop_token is not None else [])
