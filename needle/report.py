@@ -226,10 +226,27 @@ def verdict(t: dict, arms: list[str]) -> list[str]:
             line += "; differs at " + ", ".join(f"{p['length']} tokens ({p['delta']:+.2f}, p = {p['p_value']:.2g})"
                                                 for p in worse)
         out.append(line + ".")
+    out += _mechanism_lines(t, base)
     lost = [a for a in t["arms"] if a["truncated"] or a["server_error"]]
     if lost:
         out.append("Not scored (never counted as misses): " + "; ".join(
             f"`{a['arm']}` {a['truncated']} truncated, {a['server_error']} server errors" for a in lost) + ".")
+    return out
+
+
+def _mechanism_lines(t: dict, base: str) -> list[str]:
+    """Each arm's needle-entry losses against the baseline, pooled over trials x CSA layers
+    (one layer alone when there is one), where the arms differ at all."""
+    out = []
+    rows = t.get("mechanism_pairs") or []
+    for r in rows:
+        pooled = r["layer"] == "all" or not any(x["arm_b"] == r["arm_b"] and x["layer"] == "all" for x in rows)
+        if not pooled or r["a_only"] + r["b_only"] == 0:
+            continue
+        where = "trial × CSA layer pairs" if r["layer"] == "all" else f"trials at CSA layer {r['layer']}"
+        out.append(f"Mechanism: `{r['arm_b']}` loses the needle's indexer entry in {r['a_only']} of "
+                   f"{r['n']} {where} where `{base}` keeps it ({r['b_only']} the other way, McNemar "
+                   f"p = {r['p_value']:.2g}); picks identical in {r['identical_picks']} of {r['n']}.")
     return out
 
 

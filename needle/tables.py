@@ -154,7 +154,8 @@ def mechanism(rows) -> list[dict]:
 def mechanism_pairs(rows) -> list[dict]:
     """First arm (A) against each other arm (B), per CSA layer, on the same trials: mean
     Jaccard of the indexer's picks at the question position, and McNemar on "an entry
-    holding the needle is in top-k" (a_only: A kept the needle, B lost it)."""
+    holding the needle is in top-k" (a_only: A kept the needle, B lost it); then the same
+    over trials x CSA layers pooled (layer "all")."""
     arms = [a for a in _arms(rows) if any(r.get("mechanism") for r in rows if r["arm"] == a)]
     if len(arms) < 2:
         return []
@@ -174,7 +175,10 @@ def mechanism_pairs(rows) -> list[dict]:
                 pa, pb = set(x.get("picks", [])), set(y.get("picks", []))
                 jac = len(pa & pb) / len(pa | pb) if pa | pb else 1.0
                 per[layer].append((x["in_topk"], y["in_topk"], jac))
-        for layer, v in sorted(per.items()):
+        layers = sorted(per.items())
+        if len(layers) > 1:                  # a rare loss needs every trial: pooled over layers
+            layers.append(("all", [p for _, v in layers for p in v]))
+        for layer, v in layers:
             m = mcnemar([p[0] for p in v], [p[1] for p in v])
             out.append({"arm_a": a, "arm_b": b, "layer": layer, "n": m.n,
                         "picks_jaccard_mean": statistics.fmean(p[2] for p in v),

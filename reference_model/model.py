@@ -376,6 +376,9 @@ class Model:
             out[a:b, :k] = nx.index_topk(s, k)
         if t:
             t("attn.index.topk", out)
+            # the chunk's last query's scores over every key (-inf: not visible): at the
+            # prompt's end, how close each entry sits to the top-k boundary (selection margins)
+            t("attn.index.last_scores", s[-1:])
         return out
 
     # ---- MoE ------------------------------------------------------------------------------

@@ -38,6 +38,10 @@ class Taps:
             raise KeyError(f"tap {name!r} was not captured; captured: {', '.join(self._parts) or 'none'}") from None
         return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
 
+    def last(self, name: str) -> torch.Tensor:
+        """The last captured part alone (parts of a per-chunk tap may differ in width)."""
+        return self._parts[name][-1]
+
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.get(name)
 

@@ -52,7 +52,7 @@ def test_reference_decode_is_bit_identical_in_every_tap(weights):
     _, st = model.extend(toks[:100], logits="none", taps=inc)
     for j in range(100, 140):
         model.extend(toks[j:j + 1], st, taps=inc)
-    names = [n for n in full.names() if "compressed_kv" not in n]
+    names = [n for n in full.names() if "compressed_kv" not in n and "last_scores" not in n]
     assert names
     for n in names:
         assert torch.equal(full[n], inc[n]), n

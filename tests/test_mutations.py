@@ -22,6 +22,8 @@ FAST = ["mut_rope_no_output_inverse", "mut_rope_decode_position_plus_one",
         "mut_rope_q_positions_wrap_256", "mut_index_first_64_entries", "mut_index_no_relu",
         "mut_moe_select_no_bias", "mut_attention_no_sink", "mut_lm_head_scaled"]
 NULLS = ["null_identity_rope", "null_identity_routing", "null_tie_order"]
+# changes inside the model with the outcome within floors: named as mechanism findings
+MECHANISM = ["mut_index_drop_last_pick", "mut_index_hides_newest_entry", "index_keys_fp8"]
 
 
 def _register_nulls():
@@ -72,7 +74,7 @@ def _run(model, arms, **kw):
 def _score(res, expected, names, vs="golden"):
     """Per mutation: named by the verdict, and first divergence (vs `vs`) at the expected
     layer and phase."""
-    named = {n["toggle"] for n in res["verdict"]["named"]}
+    named = _found(res)
     fd = {f["arm"]: f for f in res["first_divergence"] if f["vs"] == vs}
     rows = []
     for arm, bug in names:
@@ -84,16 +86,30 @@ def _score(res, expected, names, vs="golden"):
     return pd.DataFrame(rows)
 
 
+def _found(res) -> set[str]:
+    """Toggles the verdict names, by outcome or by mechanism."""
+    v = res["verdict"]
+    return {n["toggle"] for n in v["named"]} | {f["toggle"] for f in v["mechanism"]}
+
+
 def _assert_nulls_unnamed(res):
-    named = {n["toggle"] for n in res["verdict"]["named"]}
-    assert not named & set(NULLS), named
+    named = _found(res)
+    assert not named & set(NULLS), (named, res["verdict"]["sentence"])
 
 
 def test_fast_mutations_named_at_their_layer(bugs, model):
-    res = _run(model, FAST + NULLS)
-    t = _score(res, bugs, [(b, b) for b in FAST])
+    res = _run(model, FAST + MECHANISM + NULLS)
+    t = _score(res, bugs, [(b, b) for b in FAST + MECHANISM[:2]])
     assert t.ok.all(), t.to_string()
     _assert_nulls_unnamed(res)
+    # the indexer bugs and the seeds' root cause: mechanism findings first seen at layer 1
+    # (the first CSA layer), judged against the tie-order / reduction-order floors
+    mech = {f["toggle"]: f for f in res["verdict"]["mechanism"]}
+    for name in MECHANISM:
+        s = mech[name]["signals"][0]
+        assert s["signal"] == "topk_loss" and s["places"][0] == "layer 1", (name, s)
+        assert s["floor_arm"] in (FLOOR_ORDER, FLOOR_TIES)
+    assert not mech["index_keys_fp8"]["outcome_named"]
 
 
 def test_floors_as_arms_are_not_named(bugs, model):

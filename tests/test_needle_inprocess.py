@@ -77,7 +77,10 @@ def test_inprocess_sweep_golden_vs_engine(target, tmp_path):
     out = write_report(rows, tmp_path / "report", {"note": "test"}, with_plots=False)
     t = json.loads((out / "summary.json").read_text())
     assert t["schema_version"] == 1
-    assert [m["arm_b"] for m in t["tables"]["mechanism_pairs"]] == ["engine", "engine"]
+    assert [(m["arm_b"], m["layer"]) for m in t["tables"]["mechanism_pairs"]] == [
+        ("engine", 1), ("engine", 3), ("engine", "all")]
+    pooled = t["tables"]["mechanism_pairs"][-1]
+    assert pooled["n"] == sum(m["n"] for m in t["tables"]["mechanism_pairs"][:2])
 
 
 def test_arms_parsing_and_env():

@@ -42,3 +42,18 @@ def test_two_arm_report(tmp_path):
     html = (out / "index.html").read_text()
     assert html.count("data:image/png;base64,") == sum(n.endswith(".png") for n in names)
     assert "| good | bad | all |" in (out / "summary.md").read_text()
+
+
+def test_mechanism_line_pools_trials_and_layers():
+    from needle.report import _mechanism_lines
+    rows = [{"arm_a": "golden", "arm_b": "bug", "layer": 1, "n": 20, "a_only": 3, "b_only": 0,
+             "identical_picks": 12, "p_value": 0.25},
+            {"arm_a": "golden", "arm_b": "bug", "layer": 3, "n": 20, "a_only": 3, "b_only": 0,
+             "identical_picks": 10, "p_value": 0.25},
+            {"arm_a": "golden", "arm_b": "bug", "layer": "all", "n": 40, "a_only": 6, "b_only": 0,
+             "identical_picks": 22, "p_value": 0.03125},
+            {"arm_a": "golden", "arm_b": "null", "layer": "all", "n": 40, "a_only": 0, "b_only": 0,
+             "identical_picks": 40, "p_value": 1.0}]
+    assert _mechanism_lines({"mechanism_pairs": rows}, "golden") == [
+        "Mechanism: `bug` loses the needle's indexer entry in 6 of 40 trial × CSA layer pairs where "
+        "`golden` keeps it (0 the other way, McNemar p = 0.031); picks identical in 22 of 40."]

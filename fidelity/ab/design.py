@@ -22,6 +22,8 @@ FLOOR = "floor:exact"              # reference vs exact: the QAT noise floor (ve
 FLOOR_ORDER = "floor:fp32-accum"   # fp32 instead of fp64 accumulation: reduction-order noise
 FLOOR_TIES = "floor:tie-order"     # indexer top-k ties broken the other way (torch.topk leaves it open)
 FLOORS = (FLOOR, FLOOR_ORDER, FLOOR_TIES)
+# noise for what an arm changes inside (selection, routing): not QAT's systematic difference
+MECHANISM_FLOORS = (FLOOR_ORDER, FLOOR_TIES)
 LONG_LENGTHS = (250, 511, 2047)    # --long: 2047 tokens = 511 CSA entries = 32x the tiny index_topk
 WEIGHTS_PREFIX = "weights:"
 
@@ -40,7 +42,9 @@ class ArmDesign:
 class PromptPlan:
     """The built-in prompts (lengths x prompts per length from `seed`) or the user's file."""
     lengths: tuple[int, ...] = (250, 511)     # residues 2 and 3 mod 4: partial compressor groups
-    prompts_per_length: int = 3
+    # 9: 18 prompts x 2 CSA layers (tiny) = 36 needle trials, so the exact test names a
+    # needle-entry loss in 1 of 5 trials with power ~0.87 (3 per length: 12 trials, ~0.07)
+    prompts_per_length: int = 9
     seed: int = 0
     prompts_file: str | None = None        # the user's prompts (JSONL) instead of the built-in ones
 

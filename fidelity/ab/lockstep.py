@@ -28,8 +28,10 @@ from reference_model import Model, Numerics, Taps
 
 from ..prompts import Prompt
 from . import metrics as M
+from .margins import margin_fields
 
 MODES = ("propagated", "isolated")
+LAST_SCORES = "attn.index.last_scores"   # selection margins only (margins.py), never compared
 
 # Taps compared by default: cheap enough for long contexts on a real checkpoint.
 DEFAULT_TAPS = ("layers.*.attn.kv", "layers.*.attn.index.topk", "layers.*.attn.out",
@@ -177,7 +179,7 @@ class LockstepRunner:
         self.arms = arms
         self.mode = mode
         self.decode_steps = decode_steps
-        self.patterns = list(taps) + list(keep)
+        self.patterns = list(taps) + list(keep) + [f"layers.*.{LAST_SCORES}"]
         self.keep = list(keep)
         self.progress = progress or (lambda msg: None)
         for a in arms:
@@ -266,7 +268,7 @@ class LockstepRunner:
         gt = taps[golden]
         for a in alive:
             for name in gt.names():
-                if name not in taps[a]:
+                if name not in taps[a] or name.endswith(LAST_SCORES):
                     continue
                 ga, aa = gt[name], taps[a][name]
                 if any(fnmatch.fnmatchcase(name, k) for k in self.keep):
@@ -291,7 +293,7 @@ class LockstepRunner:
             if a not in alive or ref not in alive:
                 continue
             for name in taps[ref].names():
-                if name in taps[a]:
+                if name in taps[a] and not name.endswith(LAST_SCORES):
                     m = compare_tap(name, taps[ref][name], taps[a][name], [(0, taps[ref][name].shape[0])])[0]
                     res.pairs.append({"prompt": prompt.id, "group": prompt.group, "arm": a, "vs": ref,
                                       "phase": phase, "step": step, "layer": _layer_of(name),
@@ -307,12 +309,15 @@ class LockstepRunner:
         if not held:
             return
         g = set(taps[golden][name][-1].tolist())
+        scores = f"layers.{i}.{LAST_SCORES}"
         for a in alive:
             if name in taps[a]:
                 picks = set(taps[a][name][-1].tolist())
-                res.needle.append({"prompt": prompt.id, "group": prompt.group, "arm": a, "layer": i,
-                                   "golden_picked": bool(g & set(held)),
-                                   "picked": bool(picks & set(held)), "entries": len(held)})
+                margins = (margin_fields(taps[golden].last(scores)[-1], taps[a].last(scores)[-1], held,
+                                         self.cfg.index_topk) if scores in taps[a] else {})
+                res.needle.append({"prompt": prompt.id, "group": prompt.group, "length": prompt.length,
+                                   "arm": a, "layer": i, "golden_picked": bool(g & set(held)),
+                                   "picked": bool(picks & set(held)), "entries": len(held), **margins})
 
     def _buckets(self, name, t, phase, prompt):
         per_token = phase == "prefill" and t.dim() >= 1 and t.shape[0] == prompt.length

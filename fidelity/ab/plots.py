@@ -115,3 +115,30 @@ def decode_drift(kld: pd.DataFrame, arms: list[str]):
     ax.grid(alpha=.3, which="both")
     _legend_below(ax)
     return fig
+
+
+def selection_margins(needle: pd.DataFrame, golden: str, arms: list[str]):
+    """Golden's margin of the needle entry to the top-k boundary per trial vs prompt length,
+    one panel per CSA layer; dashed: twice each arm's largest score shift (below it, that
+    arm's perturbation could flip the pick)."""
+    g = needle[(needle.arm == golden) & needle.golden_margin.notna()] if "golden_margin" in needle else needle
+    layers = sorted(g.layer.unique()) if len(g) else []
+    fig, axes = plt.subplots(1, max(1, len(layers)), figsize=(4.5 * max(1, len(layers)), 3.6), squeeze=False)
+    if not layers:
+        axes[0, 0].text(.5, .5, "no needle entry outside the window", ha="center")
+        return fig
+    for ax, layer in zip(axes[0], layers):
+        d = g[g.layer == layer]
+        ax.scatter(d.length, d.golden_margin, s=14, color="k", label="golden margin (per prompt)")
+        for a in arms:
+            s = needle[(needle.arm == a) & (needle.layer == layer)].dscore_max
+            if len(s) and s.notna().any():
+                ax.axhline(2 * s.max(), ls="--", lw=1, label=f"2 × max |Δscore| {a}")
+        ax.axhline(0, color="grey", lw=.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"CSA layer {layer}")
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel("needle score − top-k boundary")
+        ax.grid(alpha=.3)
+    _legend_below(axes[0, 0])
+    return fig

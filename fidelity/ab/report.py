@@ -15,8 +15,11 @@ from infra.report_page import Page, Section, Table
 from infra.report_writer import ReportWriter
 
 from ..verdict.board import signal_board, signal_ratios, suspects
+from ..verdict.findings import findings_table, verdict_lines
 from ..verdict.signals import SIGNALS
 from . import plots
+from .design import MECHANISM_FLOORS
+from .margins import margin_table, margin_trend
 
 # summary-table column -> (verdict signal, how the column relates to it)
 SUMMARY_SIGNALS = {"kld_mean": ("kld_mean", 1), "kld_p99": ("kld_p99", 1), "answer_kld": ("answer_kld", 1),
@@ -81,6 +84,11 @@ def _figures(w: ReportWriter, tables, result, sets):
              "entries the arm also selects, by query position bucket.")
     w.figure(plots.decode_drift(kld, [qat_floor] + arm_names), "decode_drift", "Decode-step drift",
              "Teacher-forced decode on golden's greedy tokens.")
+    if "golden_margin" in tables["needle"]:
+        w.figure(plots.selection_margins(tables["needle"], result["manifest"]["golden"], full + singles[:3]),
+                 "selection_margins", "Selection margins", "Golden's margin of the needle entry to "
+                 "the indexer's top-k boundary at the question; dashed: twice an arm's largest score "
+                 "shift (first full arm and up to three single toggles).")
 
 
 def summary_ratios(summary: pd.DataFrame, sig_summary: pd.DataFrame, floors: pd.DataFrame) -> pd.DataFrame:
@@ -100,7 +108,7 @@ def next_steps(result, sus: pd.DataFrame) -> list[str]:
     m = result["manifest"]
     ck = "" if str(m["checkpoint"]).startswith("embedded:") else f" --checkpoint {shlex.quote(m['checkpoint'])}"
     if sus.empty:
-        return [f"fidelity ab{ck} --long --prompts-per-length 9   # more context, more prompts"]
+        return [f"fidelity ab{ck} --long --prompts-per-length 18   # more context, more prompts"]
     top = sus.iloc[0]
     t = top.toggle
     if bool(top.named):
@@ -109,7 +117,7 @@ def next_steps(result, sus: pd.DataFrame) -> list[str]:
                f"--vs {shlex.quote(base)} --long   # {t} removed from {base}: does it explain the finding?",
                f"fidelity needle --arm golden=golden --arm {t}={shlex.quote(t)}   # does it cost recall?"]
     else:
-        out = [f"fidelity ab{ck} --arms {shlex.quote(t)} --long --prompts-per-length 9   "
+        out = [f"fidelity ab{ck} --arms {shlex.quote(t)} --long --prompts-per-length 18   "
                f"# the largest effect ({t}) with more power"]
     out.append(f"fidelity kld --inprocess golden=golden --inprocess {t}={shlex.quote(t)} --exact"
                f"   # exact KL of {t} on the same prompts")
@@ -130,7 +138,8 @@ def build_page(tables, result, sets) -> Page:
                 f"seed {st['prompts']['seed']}.")
     sus = suspects(tables["signal_attribution"])
     fd = pd.DataFrame(result["first_divergence"])
-    verdict = [result["verdict"]["sentence"]]
+    v = result["verdict"]
+    verdict = verdict_lines(v)
     base_fd = fd[fd.arm == design["base"]] if len(fd) else fd
     if len(base_fd):
         r = base_fd.iloc[0]
@@ -144,10 +153,16 @@ def build_page(tables, result, sets) -> Page:
         Section("Arms", "Per arm: final-logit KLD (prefill), decode KLD and the worst place of each "
                 "verdict signal. Colour: the worst place's value over that place's highest floor.",
                 [Table(summary, ratio=summary_ratios(summary, tables["signal_summary"], floors), fold=False)]),
-        Section("Named by the verdict", "A toggle is named when, for some signal, its one-at-a-time / "
-                "leave-one-out / Shapley interval (95% paired bootstrap over prompts) lies wholly above "
-                f"the highest of the floors ({', '.join(floor_names)}) for that signal and place.",
-                [Table(named)]),
+        Section("Outcome: named by the verdict", "A toggle is named when, for some outcome signal "
+                "(KLD, answer KLD), its one-at-a-time / leave-one-out / Shapley interval (95% paired "
+                f"bootstrap over prompts) lies wholly above the highest of the floors "
+                f"({', '.join(floor_names)}) for that signal and place.", [Table(named)]),
+        Section("Mechanism: what the arms change inside", "Indexer selection (top-k recall per CSA "
+                "layer), the needle's indexer entry at the question, expert sets per MoE layer, each "
+                f"judged against the floors that are noise for it ({', '.join(MECHANISM_FLOORS)}), not "
+                "QAT's systematic difference. The needle's entry is a 0/1 outcome: counted over "
+                "prompts × CSA layers and tested exactly (McNemar, one-sided) against each floor, or "
+                "against the arm one toggle smaller.", [Table(findings_table(v.get("mechanism", [])))]),
         Section("First divergence", "First place in forward order (prefill, then decode) where an arm "
                 f"departs from `vs` (golden, or the --vs arm) by more than {st['stats']['floor_k']}× the "
                 "reduction-order floor (fp32 instead of fp64 accumulation). Departure: rel L2 (tensors), 1 − recall "
@@ -160,6 +175,7 @@ def build_page(tables, result, sets) -> Page:
                 [Table(floors, summary=f"{len(floors)} signal × place floors")]),
         Section("Logit drift", "", [], ["kld_distribution", "decode_drift"]),
         Section("Indexer selection", "", [], ["topk_recall"]),
+        _margins_section(tables["needle"], m["golden"]),
     ]
     if result["events"]:
         ev = pd.DataFrame(result["events"])
@@ -170,3 +186,17 @@ def build_page(tables, result, sets) -> Page:
                               "for that signal and place; named = the interval clears it.", fold=False),
                 next_steps(result, sus), sections,
                 {k: v for k, v in m.items() if k != "config"})
+
+
+def _margins_section(needle: pd.DataFrame, golden: str) -> Section:
+    """How close the needle entry sits to being dropped, per arm, layer and length."""
+    t, trend = margin_table(needle, golden), margin_trend(needle, golden)
+    return Section("Selection margins", "At the question's last token, per CSA layer: golden's margin "
+                   "of the needle entry to the top-k boundary (score minus the best score left out; "
+                   "negative when it is out), each arm's score shift against golden (median, max) and "
+                   "*fragility*: the share of prompts whose golden margin is within twice the arm's "
+                   "largest shift (Wilson 95% interval). The trend is a least-squares line in "
+                   "log2(length) through golden's median margins -- an extrapolation, not a measurement.",
+                   [Table(t, summary=f"{len(t)} arm × layer × length rows"),
+                    Table(trend, caption="Golden's median margin vs length (extrapolated to 2× and 4× "
+                          "the longest length).")], ["selection_margins"] if len(t) else [])

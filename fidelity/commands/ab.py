@@ -38,7 +38,9 @@ def add_arguments(p):
     p.add_argument("--long", action="store_true",
                    help="long-context preset: lengths 250,511,2047 (each CSA layer then picks "
                         "index_topk among up to 32x as many entries on the tiny model)")
-    p.add_argument("--prompts-per-length", type=int, default=3)
+    p.add_argument("--prompts-per-length", type=int, default=None,
+                   help="built-in prompts per length (default 9, fidelity.ab.design.PromptPlan: "
+                        "enough trials for the exact test of a needle-entry loss in 1 of 5)")
     p.add_argument("--prompts", metavar="FILE.jsonl",
                    help="your own prompts instead of the built-in haystacks: one JSON per line "
                         "with text, messages (chat) or token_ids (same file as fidelity kld)")
@@ -95,8 +97,9 @@ def run(args) -> int:
         budget = parse_bytes(args.activation_budget) if args.activation_budget else None
     except (DeviceError, ValueError) as e:
         raise CommandError(str(e)) from None
+    per_length = args.prompts_per_length or PromptPlan.prompts_per_length
     settings = ABSettings.of(arms=args.arms, base=args.base, mode=args.mode, lengths=lengths,
-                             prompts_per_length=args.prompts_per_length, decode_steps=args.decode_steps,
+                             prompts_per_length=per_length, decode_steps=args.decode_steps,
                              seed=args.seed, shapley_top=args.shapley_top, n_boot=args.n_boot,
                              floor_k=args.floor_k, vs=args.vs, keep=tuple(args.keep), checkpoint=label,
                              prompts_file=args.prompts, devices=place.devices,

@@ -5,16 +5,20 @@ from pathlib import Path
 
 from fidelity.errors import CommandError
 
-HELP = ("Check a saved `fidelity ab` report; exit 1 if any arm fails. Default: thresholds "
-        "relative to the report's noise floors; absolute thresholds on request.")
+HELP = ("Check a saved `fidelity ab` report; exit 1 if any arm fails. Default: the outcome "
+        "(KLD) relative to the report's noise floors; the mechanism (indexer picks, experts) "
+        "with --mechanism; absolute thresholds on request.")
 EXAMPLES = """\
-    fidelity check reports/latest                   # against the report's own floors
+    fidelity check reports/latest                   # outcome against the report's own floors
+    fidelity check reports/latest --mechanism       # also indexer picks and expert sets
     fidelity check reports/latest --arm engine --max-kld 1e-3 --min-topk-recall 0.9
 """
 
 # relative checks: summary column -> ("max": <= k x worst floor, "min": >= worst floor - margin)
-RELATIVE = {"kld_mean": "max", "kld_p99": "max", "answer_kld": "max",
-            "topk_recall_min": "min", "expert_same_min": "min"}
+RELATIVE = {"kld_mean": "max", "kld_p99": "max", "answer_kld": "max"}
+# mechanism (--mechanism): against the floors that are noise for it (not the QAT floor,
+# whose picks differ by design)
+MECHANISM = {"topk_recall_min": "min", "expert_same_min": "min"}
 
 # option -> (summary column, "max" or "min")
 CHECKS = {
@@ -37,8 +41,11 @@ def add_arguments(p):
     p.add_argument("--kld-x-floor", type=float, default=None, metavar="K",
                    help="relative gate: KLD mean / p99 / at the answer <= K x the worst floor's "
                         "(default 3; on by default when no absolute threshold is given)")
+    p.add_argument("--mechanism", action="store_true",
+                   help="also gate what the arm changes inside: top-k recall and expert agreement "
+                        ">= the worst of the tie-order and reduction-order floors - M")
     p.add_argument("--recall-margin", type=float, default=0.05, metavar="M",
-                   help="relative gate: top-k recall and expert agreement >= worst floor's - M")
+                   help="--mechanism gate margin M (default 0.05)")
 
 
 def run(args) -> int:
@@ -58,7 +65,11 @@ def run(args) -> int:
     failures = []
     if args.kld_x_floor is not None or not absolute:
         k = 3.0 if args.kld_x_floor is None else args.kld_x_floor
-        rel = _relative_failures(summary, arms, k, args.recall_margin)
+        rel = _relative_failures(summary, arms, RELATIVE, k, args.recall_margin)
+        if args.mechanism and rel is not None:
+            from fidelity.ab.design import MECHANISM_FLOORS     # lazy: torch, at CLI start-up
+            mech = _relative_failures(summary, arms, MECHANISM, k, args.recall_margin, MECHANISM_FLOORS)
+            rel += mech or []
         if rel is None:
             raise CommandError(f"{summary_csv} has no floor rows (floor:...) to be relative to; "
                                "give absolute thresholds")
@@ -85,14 +96,17 @@ def run(args) -> int:
     return 1 if failures else 0
 
 
-def _relative_failures(summary, arms, k: float, margin: float) -> list[str] | None:
-    """Each RELATIVE column against the worst floor arm in the report: KLDs at most k times
-    the largest floor value, agreement rates at least the smallest floor value minus margin."""
-    floors = summary[summary.arm.astype(str).str.startswith("floor:")]
+def _relative_failures(summary, arms, columns: dict, k: float, margin: float,
+                       floor_arms=None) -> list[str] | None:
+    """Each of `columns` against the worst floor arm in the report (or of `floor_arms`):
+    KLDs at most k times the largest floor value, agreement rates at least the smallest
+    floor value minus margin."""
+    is_floor = summary.arm.astype(str).str.startswith("floor:")
+    floors = summary[is_floor if floor_arms is None else summary.arm.isin(floor_arms)]
     if floors.empty:
         return None
     out = []
-    for col, kind in RELATIVE.items():
+    for col, kind in columns.items():
         if col not in summary or floors[col].isna().all():
             continue
         if kind == "max":

@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt
 
 from fidelity.verdict.attribution import bootstrap_mean_ci
 from fidelity.verdict.board import signal_board, suspects
+from fidelity.verdict.findings import findings_table, verdict_lines
 from infra.report_page import Page, Section, Table
 from infra.report_writer import ReportWriter
 
@@ -187,7 +188,10 @@ def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov) -
         Section("By context position", "", [Table(kt[kt.bucket != "all"].reset_index(drop=True),
                                                   summary="per arm and position bucket")]),
         Section("Decode ladder", "", [Table(lt)]),
-        Section("Named by the verdict", "", [Table(named)]),
+        Section("Outcome: named by the verdict", "", [Table(named)]),
+        Section("Mechanism: what the arms change inside", "Capture signals (indexer picks, expert "
+                "sets) judged against the floors; the needle's indexer entry counted over prompts × "
+                "layers and tested exactly.", [Table(findings_table(judged["verdict"].get("mechanism", [])))]),
         Section("Floors per signal", "Upper 95% bound of the highest floor, per signal and place.",
                 [Table(judged["floors"])]),
     ]
@@ -199,6 +203,7 @@ def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov) -
                                 [Table(cov.drop(columns=["missing_because"]).reset_index(drop=True))]))
     sections.append(Section("Arms", "", [Table(pd.DataFrame(m["arms"]))]))
     lead = ["signals", "kld_vs_position"] if len(judged["summary"]) else ["kld_vs_position"]
-    return Page("dsv4-fidelity KLD report", compared, [judged["verdict"]["sentence"], *_incomplete_lines(cov)],
+    return Page("dsv4-fidelity KLD report", compared,
+                [*verdict_lines(judged["verdict"]), *_incomplete_lines(cov)],
                 lead, Table(sus, ratio=sus[["x_floor"]], fold=False) if len(sus) else None,
                 _next_steps(m, sus), sections, m)

@@ -16,7 +16,8 @@ def suspects(verdict_table: pd.DataFrame, limit: int = 8) -> pd.DataFrame:
     v = verdict_table.copy()
     v["rank"] = v["clears"].astype(int) * 1e9 + v["x_floor"].replace(np.inf, 1e8).fillna(0)
     best = v.sort_values("rank", ascending=False).drop_duplicates("toggle").head(limit)
-    return pd.DataFrame({"toggle": best.toggle, "signal": best.signal, "where": best["where"],
+    kind = best["kind"] if "kind" in best else pd.Series("outcome", index=best.index)
+    return pd.DataFrame({"toggle": best.toggle, "kind": kind, "signal": best.signal, "where": best["where"],
                          "method": best.method, "value": best.value, "ci_low": best.lo, "ci_high": best.hi,
                          "floor": best.floor_hi, "x_floor": best.x_floor, "named": best.clears}
                         ).reset_index(drop=True)

@@ -9,7 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .signals import FLOOR_EPS, SIGNALS, attribute_signals, floor_levels, signal_summary
+from .binary import clears as exact_clears
+from .binary import exact_tests
+from .findings import mechanism_findings, mechanism_sentence
+from .signals import FLOOR_EPS, SIGNALS, attribute_signals, floor_levels, kind, signal_summary
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,7 @@ class Design:
     factors: list[str]                   # what attribution ranges over
     floors: list[str]                    # arms that are noise floors, not candidates
     added_to: frozenset | None = None    # base: every base + t arm gives t an added_to_base effect
+    mechanism_floors: list[str] | None = None   # floors that are noise for mechanism signals (default: all)
 
 
 def judge(sig: pd.DataFrame, design: Design, n_boot: int, seed: int, n_prompts: int | None = None,
@@ -28,23 +32,36 @@ def judge(sig: pd.DataFrame, design: Design, n_boot: int, seed: int, n_prompts: 
     `direct`: attribution rows measured directly between arms (signals.direct_effects),
     judged with the rest. `n_prompts` defaults to the prompts in `sig`."""
     summary = signal_summary(sig, n_boot, seed)
-    floors = floor_levels(summary, design.floors)
+    floors = floor_levels(summary, design.floors, design.mechanism_floors)
     attr = attribute_signals(sig[sig.arm.isin(list(design.arms))], design.arms, design.factors,
                              design.baseline, n_boot, seed, design.added_to)
     if direct is not None:
         attr = pd.concat([attr, direct], ignore_index=True)
-    v, table = verdict(attr, floors, sig.prompt.nunique() if n_prompts is None else n_prompts)
+    mech_floors = design.floors if design.mechanism_floors is None else design.mechanism_floors
+    exact = exact_tests(sig, design.arms, mech_floors)
+    v, table = verdict(attr, floors, sig.prompt.nunique() if n_prompts is None else n_prompts, exact)
     return {"summary": summary, "floors": floors, "attribution": table, "verdict": v}
 
 
 MIN_PROMPTS = 3          # below this a bootstrap over prompts says little
 
 
-def verdict(attr: pd.DataFrame, floors: pd.DataFrame, n_prompts: int | None = None) -> tuple[dict, pd.DataFrame]:
-    """Name every toggle whose interval, for some signal and method, lies wholly above that
-    signal's highest floor; the culprit is the one clearing by the largest factor. With
-    fewer than MIN_PROMPTS prompts the sentence says the intervals are not to be trusted."""
-    v, t = _verdict(attr, floors)
+def verdict(attr: pd.DataFrame, floors: pd.DataFrame, n_prompts: int | None = None,
+            exact: pd.DataFrame | None = None) -> tuple[dict, pd.DataFrame]:
+    """Outcome: name every toggle whose interval, for some outcome signal and method, lies
+    wholly above that signal's highest floor; the culprit is the one clearing by the
+    largest factor. Mechanism: the same for mechanism signals against their own floors,
+    plus the exact tests of binary signals (`exact`, binary.exact_tests), reported
+    separately. With fewer than MIN_PROMPTS prompts the sentence says the bootstrap
+    intervals are not to be trusted."""
+    t = _table(attr, floors, exact)
+    mech = t[(t.kind == "mechanism") & t.clears]
+    v = _outcome(t[t.kind == "outcome"], mechanism=not mech.empty)
+    v["mechanism"] = mechanism_findings(mech, {n["toggle"] for n in v["named"]})
+    v["mechanism_sentence"] = mechanism_sentence(v["mechanism"])
+    v["outcome_sentence"] = v["sentence"]
+    if v["mechanism"]:
+        v["sentence"] += " " + v["mechanism_sentence"]
     if n_prompts is not None and n_prompts < MIN_PROMPTS:
         v["sentence"] += (f" Caution: only {n_prompts} prompt(s); the intervals are a bootstrap "
                           f"over prompts and mean little below {MIN_PROMPTS}.")
@@ -52,23 +69,36 @@ def verdict(attr: pd.DataFrame, floors: pd.DataFrame, n_prompts: int | None = No
     return v, t
 
 
-def _verdict(attr: pd.DataFrame, floors: pd.DataFrame) -> tuple[dict, pd.DataFrame]:
-    if attr.empty:
-        return ({"culprit": None, "named": [], "sentence": "No attribution was computed (need at "
-                 "least one toggle arm besides golden)."}, attr.assign(floor_hi=[], clears=[]))
+def _table(attr: pd.DataFrame, floors: pd.DataFrame, exact: pd.DataFrame | None) -> pd.DataFrame:
+    """Attribution rows with their floor, whether they clear it and by what factor; exact
+    tests' rows (their floor: the comparator's own rate) judged by their p-value."""
     t = attr.merge(floors, on=["signal", "where"], how="left")
     t["floor_hi"] = t["floor_hi"].fillna(0.0)
-    eps = t.signal.map(FLOOR_EPS).fillna(1e-9)
     t["clears"] = (t.lo > t.floor_hi) & (t.value > 0)
+    if exact is not None and len(exact):
+        e = exact.assign(floor_hi=exact.c / exact.n.clip(lower=1), floor_arm=exact.vs)
+        e["clears"] = exact_clears(e)
+        t = pd.concat([t, e], ignore_index=True) if len(t) else e
+    eps = t.signal.map(FLOOR_EPS).fillna(1e-9)
     t["x_floor"] = t.lo / np.maximum(t.floor_hi, eps)
+    t["kind"] = t.signal.map(kind)
+    t["clears"] = t["clears"].astype(bool)
+    return t
+
+
+def _outcome(t: pd.DataFrame, mechanism: bool) -> dict:
+    if t.empty:
+        return {"culprit": None, "named": [], "sentence": "No attribution was computed (need at "
+                "least one toggle arm besides golden)."}
     hits = t[t.clears].sort_values("x_floor", ascending=False)
     if hits.empty:
         k = t[t.signal == "kld_mean"].sort_values("value", ascending=False)
         top = k.iloc[0] if len(k) else t.sort_values("value", ascending=False).iloc[0]
-        return ({"culprit": None, "named": [], "sentence":
-                 f"No toggle stands out: for no signal does a toggle's interval clear its floor "
-                 f"(largest mean-KLD effect: {top.toggle}, {top.value:.3g} "
-                 f"[{top.lo:.3g}, {top.hi:.3g}] vs floor {top.floor_hi:.3g})."}, t)
+        return {"culprit": None, "named": [], "sentence":
+                ("No toggle changes the outcome beyond its floors" if mechanism else
+                 "No toggle stands out") +
+                f": for no outcome signal does a toggle's interval clear its floor (largest mean-KLD effect: {top.toggle}, {top.value:.3g} "
+                f"[{top.lo:.3g}, {top.hi:.3g}] vs floor {top.floor_hi:.3g})."}
     best = hits.drop_duplicates("toggle")
     c = best.iloc[0]
     named = [{"toggle": r.toggle, "signal": r.signal, "where": r["where"], "method": r.method,
@@ -80,8 +110,8 @@ def _verdict(attr: pd.DataFrame, floors: pd.DataFrame) -> tuple[dict, pd.DataFra
     sentence = (f"{c.toggle} breaks coherence: its {c.method.replace('_', '-')} effect on "
                 f"{c.signal} ({SIGNALS[c.signal]}) at {c['where']} is {c.value:.3g} "
                 f"(95% CI [{c.lo:.3g}, {c.hi:.3g}]), above the highest floor's {c.floor_hi:.3g}; "
-                f"signals cleared: {', '.join(named[0]['signals'])}."
+                f"outcome signals cleared: {', '.join(named[0]['signals'])}."
                 + (f" Also above their floors: {others}." if others else ""))
     return {"culprit": c.toggle, "named": named, "method": c.method, "signal": c.signal,
             "where": c["where"], "value": float(c.value), "lo": float(c.lo), "hi": float(c.hi),
-            "sentence": sentence}, t
+            "sentence": sentence}

@@ -6,7 +6,8 @@ produced, indexer top-k recall per CSA layer, whether the needle's entry is stil
 at the question, expert-set agreement per MoE layer and how KLD grows along the context.
 Each signal is one number per (arm, prompt, where), so the attribution machinery and the
 paired bootstrap apply unchanged; a toggle is named when the lower end of its interval
-clears the highest floor's upper end for that signal (judge.py).
+clears the highest floor's upper end for that signal (judge.py). Binary signals (the
+needle's entry lost) are also counted over all trials and tested exactly (binary.py).
 
 A new signal goes here only: its name and meaning in SIGNALS, its smallest floor in
 FLOOR_EPS, and its extraction in prompt_signals (from `fidelity ab`'s lockstep tables)
@@ -30,6 +31,21 @@ SIGNALS = {
     "top1_disagree": "1 - fraction of prompt positions whose most likely next token is the "
                      "baseline's (HTTP arms)",
 }
+# Mechanism signals say what an arm changes inside the model (which entries the indexer
+# picks, which experts run); outcome signals say what reaches the output. A mechanism
+# change is judged only against the floors that are noise for it (judge.Design.
+# mechanism_floors: tie order, reduction order), not against a systematic difference such
+# as quantisation-aware training's; outcome signals against every floor.
+MECHANISM = ("topk_loss", "needle_lost", "expert_disagree")
+# what a mechanism signal changes, in the verdict's words
+MECHANISM_WHAT = {"topk_loss": "indexer selection", "needle_lost": "the needle's indexer entry",
+                  "expert_disagree": "expert routing"}
+
+
+def kind(signal: str) -> str:
+    return "mechanism" if signal in MECHANISM else "outcome"
+
+
 # smallest floor a ratio is taken against (a floor of exactly 0 would make any change infinite)
 FLOOR_EPS = {"kld_mean": 1e-6, "kld_p99": 1e-6, "answer_kld": 1e-6, "late_kld_excess": 1e-6,
               "topk_loss": 1e-3, "needle_lost": 1e-3, "expert_disagree": 1e-3, "top1_disagree": 1e-3}
@@ -121,9 +137,13 @@ def signal_summary(sig: pd.DataFrame, n_boot: int, seed: int) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["arm", "signal", "where", "mean", "lo", "hi", "n"])
 
 
-def floor_levels(summary: pd.DataFrame, floors: list[str]) -> pd.DataFrame:
-    """Per signal and place: the highest floor's upper CI bound, and which floor it is."""
-    f = summary[summary.arm.isin(floors)]
+def floor_levels(summary: pd.DataFrame, floors: list[str],
+                 mechanism_floors: list[str] | None = None) -> pd.DataFrame:
+    """Per signal and place: the highest floor's upper CI bound, and which floor it is.
+    Mechanism signals look only at `mechanism_floors` (default: all `floors`)."""
+    mech = floors if mechanism_floors is None else mechanism_floors
+    is_mech = summary.signal.isin(MECHANISM)
+    f = summary[(~is_mech & summary.arm.isin(floors)) | (is_mech & summary.arm.isin(mech))]
     if f.empty:
         return pd.DataFrame(columns=["signal", "where", "floor_hi", "floor_arm"])
     idx = f.groupby(["signal", "where"])["hi"].idxmax()

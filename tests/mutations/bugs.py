@@ -117,6 +117,27 @@ def _(g, scores, k):
     return torch.where(torch.arange(k) < k // 2, out, torch.full_like(out, -1))
 
 
+@mutation("mut_index_drop_last_pick", "index_topk", 1, note="mechanism: one pick of k lost")
+def _(g, scores, k):
+    """indexer's k-th best entry replaced by the (k+1)-th (a merge of partial top-k lists
+    off by one)."""
+    top = g.index_topk(scores, k)
+    vals = torch.gather(scores, -1, top.clamp(min=0)).masked_fill(top < 0, float("inf"))
+    worst = top.gather(-1, vals.argmin(-1, keepdim=True))
+    hide = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, worst.clamp(min=0), True) & (worst >= 0)
+    return g.index_topk(scores.masked_fill(hide, float("-inf")), k)
+
+
+@mutation("mut_index_hides_newest_entry", "index_topk", 1, note="mechanism: indexer one group behind")
+def _(g, scores, k):
+    """the newest visible compressed entry hidden from the indexer (its key cache one group
+    behind the compressor)."""
+    visible = torch.isfinite(scores)
+    last = visible.long().cumsum(-1).argmax(-1, keepdim=True)        # last finite column per row
+    hide = torch.zeros_like(visible).scatter(-1, last, True) & visible
+    return g.index_topk(scores.masked_fill(hide, float("-inf")), k)
+
+
 @mutation("mut_index_first_64_entries", "index_scores", 1, note="long context only: > 64 entries")
 def _(g, q, keys, w):
     """indexer scores only the first 64 compressed entries (a capped score buffer)."""

@@ -1,0 +1,90 @@
+"""Exact paired tests for the verdict's binary signals (the needle's indexer entry lost).
+
+A 0/1 outcome per prompt bootstrapped over 3-9 prompts always has an interval that
+includes 0, so a bug that drops the needle's entry in 2 of 9 prompts went unnamed. Here
+every trial counts -- prompts x CSA layers, pooled -- and two arms that differ by one
+factor are compared on the same trials with McNemar's exact test: of the trials where
+exactly one of them loses the entry, does the arm with the factor lose it more often than
+chance (one-sided binomial, p = 1/2)? An arm one factor away from the baseline is
+compared with each mechanism floor instead, and must beat every one of them."""
+from __future__ import annotations
+
+import pandas as pd
+from scipy import stats
+
+BINARY = ("needle_lost",)
+ALPHA = 0.05
+POOLED = "CSA layers pooled"
+COLUMNS = ["signal", "where", "toggle", "method", "value", "lo", "hi", "b", "c", "n", "p_value",
+           "vs"]
+
+
+def exact_tests(sig: pd.DataFrame, arms: dict[str, frozenset], floors: list[str]) -> pd.DataFrame:
+    """One row per (binary signal, pooled place, toggle, comparison). `sig`: the verdict's
+    signals (signals.COLUMNS) with 0/1 values; `arms`: candidate arm -> factors; `floors`:
+    the floors a one-factor arm is compared with (noise for this signal)."""
+    rows = []
+    for signal in BINARY:
+        s = sig[sig.signal == signal]
+        if s.empty:
+            continue
+        for place, trials in _pooled(s).items():
+            rows += _compare_all(signal, place, trials, arms, floors)
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _pooled(s: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Per-layer places pooled into one set of trials (prompt, layer); a length group's
+    places (`layer i @ L511`) pooled separately."""
+    suffix = s["where"].str.extract(r"( @ .*)$")[0].fillna("")
+    out = {}
+    for sfx, grp in s.groupby(suffix, sort=False):
+        out[POOLED + sfx] = grp.assign(trial=grp.prompt + " | " + grp["where"])
+    return out
+
+
+def _compare_all(signal, place, trials, arms, floors) -> list[dict]:
+    by_arm = {a: g.set_index("trial").value.astype(bool) for a, g in trials.groupby("arm")}
+    rows = []
+    for arm, factors in arms.items():
+        if arm not in by_arm:
+            continue
+        if len(factors) == 1:
+            tests = [paired(by_arm[arm], by_arm[f]) + (f,) for f in floors if f in by_arm]
+            if tests:
+                worst = max(tests, key=lambda t: t[4])          # must beat every floor
+                rows.append(_row(signal, place, next(iter(factors)), "exact_vs_floors", *worst))
+        for other, fewer in arms.items():
+            if other in by_arm and fewer < factors and len(factors - fewer) == 1:
+                t = next(iter(factors - fewer))
+                rows.append(_row(signal, place, t, f"exact_vs_{other}",
+                                 *paired(by_arm[arm], by_arm[other]), other))
+    return rows
+
+
+def paired(x: pd.Series, y: pd.Series) -> tuple[int, int, int, float]:
+    """(b, c, n, p): on the trials both have, b = x only, c = y only; p = exact one-sided
+    McNemar P(B >= b | b + c discordant, p = 1/2)."""
+    x, y = x.align(y, join="inner")
+    b, c = int((x & ~y).sum()), int((~x & y).sum())
+    p = float(stats.binom.sf(b - 1, b + c, 0.5)) if b + c else 1.0
+    return b, c, len(x), p
+
+
+def _row(signal, place, toggle, method, b, c, n, p, vs) -> dict:
+    """The difference in rate (b - c) / n with an exact interval conditional on the b + c
+    discordant trials (Clopper-Pearson on b / (b + c))."""
+    d = b + c
+    if d:
+        ci = stats.binomtest(b, d).proportion_ci(0.95, method="exact")
+        lo, hi = d / n * (2 * ci.low - 1), d / n * (2 * ci.high - 1)
+    else:
+        lo = hi = 0.0
+    return {"signal": signal, "where": place, "toggle": toggle, "method": method,
+            "value": (b - c) / n if n else 0.0, "lo": lo, "hi": hi, "b": b, "c": c, "n": n,
+            "p_value": p, "vs": vs}
+
+
+def clears(rows: pd.DataFrame) -> pd.Series:
+    """Named by the exact test: more losses with the factor than without, p < ALPHA."""
+    return (rows.p_value < ALPHA) & (rows.b > rows.c)

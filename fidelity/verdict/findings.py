@@ -1,0 +1,103 @@
+"""Mechanism findings in words: what a toggle changes inside the model (indexer selection,
+the needle's entry, expert routing), where, by how much against the floor that is noise
+for it -- and whether the outcome moved too ("outcome within floors at these lengths"
+when it did not)."""
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+
+from .signals import MECHANISM, MECHANISM_WHAT
+
+
+def mechanism_findings(hits: pd.DataFrame, outcome_named: set[str]) -> list[dict]:
+    """Per toggle with a mechanism signal clearing its floor: one entry per signal, its
+    places and its strongest row. Order: strongest first (rows arrive unsorted)."""
+    out = []
+    hits = hits.sort_values("x_floor", ascending=False)
+    for toggle, grp in hits.groupby("toggle", sort=False):
+        signals = []
+        for signal in MECHANISM:
+            g = grp[grp.signal == signal]
+            if g.empty:
+                continue
+            r = g.iloc[0]
+            signals.append({"signal": signal, "places": _places(g["where"]), "method": r.method,
+                            "where": r["where"], "value": float(r.value), "lo": float(r.lo),
+                            "hi": float(r.hi), "floor_hi": float(r.floor_hi),
+                            "floor_arm": r.get("floor_arm"), **_exact(r)})
+        out.append({"toggle": toggle, "signals": signals, "outcome_named": toggle in outcome_named})
+    return out
+
+
+def _exact(r) -> dict:
+    if "p_value" not in r or pd.isna(r.get("p_value")):
+        return {}
+    return {"b": int(r.b), "c": int(r.c), "n": int(r.n), "p_value": float(r.p_value), "vs": r.vs}
+
+
+def _places(wheres: pd.Series) -> list[str]:
+    """Distinct places, per-layer ones as layer numbers; a length group's copy of a place
+    already listed is dropped."""
+    seen = list(dict.fromkeys(wheres))
+    base = {w.split(" @ ")[0] for w in seen}
+    return [w for w in seen if " @ " not in w or w.split(" @ ")[0] not in base]
+
+
+def _layers(places: list[str]) -> str:
+    nums = [m.group(1) for p in places if (m := re.fullmatch(r"layer (\d+)", p))]
+    rest = [p for p in places if not re.fullmatch(r"layer \d+", p)]
+    words = []
+    if nums:
+        words.append(("layer " if len(nums) == 1 else "layers ")
+                     + (nums[0] if len(nums) == 1 else ", ".join(nums[:-1]) + " and " + nums[-1]))
+    return ", ".join(words + rest)
+
+
+def _how_much(s: dict) -> str:
+    if "p_value" in s:
+        vs = "the floor" if s["method"] == "exact_vs_floors" else s["vs"]
+        return (f"lost in {s['b']} of {s['n']} trials where {vs} ({s['floor_arm']}) keeps it, "
+                f"{s['c']} the other way, exact p = {s['p_value']:.2g}")
+    v, f, how = s["value"], s["floor_hi"], s["method"].replace("_", "-")
+    if s["signal"] == "topk_loss" and s["method"] == "one_at_a_time":
+        return f"top-k recall {1 - v:.3f} vs floor {1 - f:.3f}"
+    if s["signal"] == "expert_disagree":
+        return f"expert sets differ on {v:.1%} more tokens ({how}) vs floor {f:.1%}"
+    return f"{s['signal']} {how} effect {v:.3g} [{s['lo']:.3g}, {s['hi']:.3g}] vs floor {f:.3g}"
+
+
+SENTENCE_TOGGLES = 3     # the verdict names the strongest few; the table has every one
+
+
+def mechanism_sentence(findings: list[dict]) -> str:
+    """"Mechanism: t changes indexer selection at layers 1 and 3 (top-k recall 0.900 vs
+    floor 0.985); outcome within floors at these lengths." -- one clause per toggle."""
+    if not findings:
+        return ""
+    clauses = []
+    for f in findings[:SENTENCE_TOGGLES]:
+        parts = [f"{MECHANISM_WHAT[s['signal']]} at {_layers(s['places'])} ({_how_much(s)})"
+                 for s in f["signals"]]
+        tail = "" if f["outcome_named"] else "; outcome within floors at these lengths"
+        clauses.append(f"{f['toggle']} changes " + "; ".join(parts) + tail)
+    more = len(findings) - SENTENCE_TOGGLES
+    tail = (f" {more} more toggle(s) change the mechanism less (the Mechanism table lists them)."
+            if more > 0 else "")
+    return "Mechanism: " + ". ".join(clauses) + "." + tail
+
+
+def findings_table(findings: list[dict]) -> pd.DataFrame:
+    """One row per (toggle, mechanism signal) for the reports."""
+    rows = [{"toggle": f["toggle"], "changes": MECHANISM_WHAT[s["signal"]], "where": _layers(s["places"]),
+             "how much": _how_much(s), "method": s["method"], "floor": s.get("floor_arm"),
+             "outcome beyond floors": f["outcome_named"]}
+            for f in findings for s in f["signals"]]
+    return pd.DataFrame(rows, columns=["toggle", "changes", "where", "how much", "method", "floor",
+                                       "outcome beyond floors"])
+
+
+def verdict_lines(v: dict) -> list[str]:
+    """The verdict as a report's first lines: outcome, then mechanism (when there is one)."""
+    return [v.get("outcome_sentence", v["sentence"])] + ([v["mechanism_sentence"]] if v.get("mechanism") else [])

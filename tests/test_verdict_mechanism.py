@@ -1,0 +1,165 @@
+"""Mechanism vs outcome in the verdict: mechanism signals judged against the floors that
+are noise for them, binary signals tested exactly over pooled trials (hand-computed
+p-values), findings reported apart from the outcome."""
+import pandas as pd
+import pytest
+
+from fidelity.verdict import binary as B
+from fidelity.verdict.findings import mechanism_sentence
+from fidelity.verdict.judge import Design, judge
+from fidelity.verdict.signals import floor_levels
+
+
+def _lost(arm, losses, n_prompts=9, layers=(1, 3), suffix=""):
+    """needle_lost rows: 1 for the first `losses` (prompt, layer) trials, else 0."""
+    rows, i = [], 0
+    for p in range(n_prompts):
+        for layer in layers:
+            rows.append({"arm": arm, "prompt": f"p{p}", "signal": "needle_lost",
+                         "where": f"layer {layer}{suffix}", "value": float(i < losses)})
+            i += 1
+    return rows
+
+
+def test_paired_exact_p_values_by_hand():
+    x = pd.Series([1, 1, 1, 1, 1, 0, 0, 0], dtype=bool, index=list("abcdefgh"))
+    y = pd.Series([0, 0, 0, 0, 0, 0, 0, 0], dtype=bool, index=list("abcdefgh"))
+    assert B.paired(x, y) == (5, 0, 8, 1 / 32)                 # 0.5^5
+    y2 = y.copy()
+    y2["h"] = True                                             # 5 vs 1: P(X>=5 | 6) = 7/64
+    b, c, n, p = B.paired(x, y2)
+    assert (b, c, n) == (5, 1, 8) and p == pytest.approx(7 / 64)
+    assert B.paired(y, y)[3] == 1.0                            # no discordant pair
+    # only shared trials are paired
+    assert B.paired(x, y.drop(["a", "b"]))[:3] == (3, 0, 6)
+
+
+def test_one_loss_in_five_trials_is_named_at_36_trials():
+    """The default ab design (18 prompts x 2 CSA layers = 36 trials): a bug that loses the
+    needle's entry in 1 of 5 trials (7 of 36) where the floors lose none is named; the same
+    losses bootstrapped per layer over 18 prompts would be judged against a 0 floor too,
+    but 4 of 12 (three prompts per length) is not enough for the exact test."""
+    sig = pd.DataFrame(_lost("bug", 7, 18) + _lost("floor:ties", 0, 18) + _lost("floor:order", 0, 18))
+    t = B.exact_tests(sig, {"bug": frozenset({"bug"})}, ["floor:ties", "floor:order"])
+    r = t.iloc[0]
+    assert (r.b, r.c, r.n, r.method, r["where"]) == (7, 0, 36, "exact_vs_floors", B.POOLED)
+    assert r.p_value == pytest.approx(0.5 ** 7) and bool(B.clears(t).iloc[0])
+    small = pd.DataFrame(_lost("bug", 4, 6) + _lost("floor:ties", 0, 6))
+    t = B.exact_tests(small, {"bug": frozenset({"bug"})}, ["floor:ties"])
+    assert t.iloc[0].p_value == pytest.approx(1 / 16) and not B.clears(t).iloc[0]
+
+
+def test_must_beat_every_floor_and_pairs_by_one_factor():
+    sig = pd.DataFrame(_lost("bug", 6) + _lost("floor:a", 0) + _lost("floor:b", 6)
+                       + _lost("engine", 2) + _lost("engine,bug", 8))
+    arms = {"bug": frozenset({"bug"}), "engine": frozenset({"e"}),
+            "engine,bug": frozenset({"e", "bug"})}
+    t = B.exact_tests(sig, arms, ["floor:a", "floor:b"])
+    vs_floors = t[(t.toggle == "bug") & (t.method == "exact_vs_floors")].iloc[0]
+    assert vs_floors.vs == "floor:b" and vs_floors.p_value == 1.0      # the worst floor
+    added = t[t.method == "exact_vs_engine"].iloc[0]
+    assert (added.toggle, added.b, added.c) == ("bug", 6, 0)           # engine,bug vs engine
+    assert added.p_value == pytest.approx(1 / 64)
+
+
+def test_length_groups_pooled_apart():
+    sig = pd.DataFrame(_lost("bug", 5) + _lost("bug", 5, suffix=" @ L511")
+                       + _lost("f", 0) + _lost("f", 0, suffix=" @ L511"))
+    t = B.exact_tests(sig, {"bug": frozenset({"bug"})}, ["f"])
+    assert sorted(t["where"]) == [B.POOLED, B.POOLED + " @ L511"] and (t.n == 18).all()
+
+
+def _summary(rows):
+    return pd.DataFrame(rows, columns=["arm", "signal", "where", "mean", "lo", "hi", "n"])
+
+
+def test_mechanism_signals_ignore_the_qat_floor():
+    s = _summary([("floor:exact", "topk_loss", "layer 1", 0.09, 0.08, 0.10, 9),
+                  ("floor:ties", "topk_loss", "layer 1", 0.01, 0.01, 0.015, 9),
+                  ("floor:exact", "kld_mean", "final logits", 1e-3, 9e-4, 1.2e-3, 9),
+                  ("floor:ties", "kld_mean", "final logits", 1e-6, 1e-6, 2e-6, 9)])
+    f = floor_levels(s, ["floor:exact", "floor:ties"], ["floor:ties"]).set_index("signal")
+    assert f.loc["topk_loss", "floor_arm"] == "floor:ties" and f.loc["topk_loss", "floor_hi"] == 0.015
+    assert f.loc["kld_mean", "floor_arm"] == "floor:exact"
+    f_all = floor_levels(s, ["floor:exact", "floor:ties"]).set_index("signal")
+    assert f_all.loc["topk_loss", "floor_arm"] == "floor:exact"
+
+
+def _signals(arm, topk, kld, n=6):
+    rows = []
+    for p in range(n):
+        jitter = 1 + 0.01 * p
+        rows += [{"arm": arm, "prompt": f"p{p}", "signal": "topk_loss", "where": "layer 1",
+                  "value": topk * jitter},
+                 {"arm": arm, "prompt": f"p{p}", "signal": "kld_mean", "where": "final logits",
+                  "value": kld * jitter}]
+    return rows
+
+
+def test_judge_reports_mechanism_apart_from_outcome():
+    """A toggle that changes a tenth of the picks (recall 0.90 vs the tie floor's 0.985)
+    with KLD under the QAT floor: no outcome finding, one mechanism finding in words."""
+    sig = pd.DataFrame(_signals("t", 0.10, 5e-4) + _signals("floor:exact", 0.10, 1e-3)
+                       + _signals("floor:ties", 0.015, 1e-6) + _signals("null", 0.0, 1e-7))
+    d = Design("golden", {"t": frozenset({"t"}), "null": frozenset({"null"})}, ["t", "null"],
+               ["floor:exact", "floor:ties"], mechanism_floors=["floor:ties"])
+    v = judge(sig, d, 200, 0)["verdict"]
+    assert v["culprit"] is None and v["named"] == []
+    assert [f["toggle"] for f in v["mechanism"]] == ["t"]
+    s = v["mechanism"][0]["signals"][0]
+    assert s["signal"] == "topk_loss" and s["places"] == ["layer 1"]
+    assert v["sentence"].startswith("No toggle changes the outcome beyond its floors")
+    assert ("Mechanism: t changes indexer selection at layer 1 (top-k recall 0.897 vs floor 0.984); "
+            "outcome within floors at these lengths.") in v["sentence"]
+    # with every floor (the old rule), the QAT floor hides it
+    v_old = judge(sig, Design("golden", d.arms, d.factors, d.floors), 200, 0)["verdict"]
+    assert v_old["mechanism"] == [] and "No toggle stands out" in v_old["sentence"]
+
+
+def test_sentence_for_an_exact_finding_and_several_layers():
+    f = [{"toggle": "bug", "outcome_named": True, "signals": [
+        {"signal": "topk_loss", "places": ["layer 1", "layer 3", "layer 5"], "method": "leave_one_out",
+         "value": 0.05, "lo": 0.03, "hi": 0.07, "floor_hi": 0.01},
+        {"signal": "needle_lost", "places": [B.POOLED], "method": "exact_vs_floors", "b": 7, "c": 0,
+         "n": 36, "p_value": 0.0078, "vs": "floor:ties", "floor_arm": "floor:ties",
+         "value": 7 / 36, "lo": 0.1, "hi": 0.3, "floor_hi": 0.0}]}]
+    s = mechanism_sentence(f)
+    assert s.startswith("Mechanism: bug changes indexer selection at layers 1, 3 and 5 (topk_loss "
+                        "leave-one-out effect 0.05")
+    assert ("the needle's indexer entry at CSA layers pooled (lost in 7 of 36 trials where the "
+            "floor (floor:ties) keeps it, 0 the other way, exact p = 0.0078)") in s
+    assert "outcome within floors" not in s
+
+
+def test_check_gates_outcome_by_default_and_mechanism_on_request(tmp_path, capsys):
+    """An arm that changes a tenth of the picks with KLD under the floors passes the default
+    gate and fails `--mechanism`, judged against the tie-order and reduction-order floors
+    (the QAT floor's own recall, 0.90, would have hidden it)."""
+    from fidelity.cli import main
+    cols = ["arm", "kld_mean", "kld_p99", "answer_kld", "topk_recall_min", "expert_same_min"]
+    rows = [("floor:exact", 1e-3, 2e-2, 3e-4, 0.90, 0.95), ("floor:fp32-accum", 1e-6, 1e-5, 1e-6, 0.99, 0.99),
+            ("floor:tie-order", 1e-6, 1e-5, 1e-6, 0.985, 1.0), ("t", 7e-4, 1e-2, 2e-4, 0.902, 0.99)]
+    pd.DataFrame(rows, columns=cols).to_csv(tmp_path / "summary.csv", index=False)
+    assert main(["check", str(tmp_path)]) == 0
+    assert main(["check", str(tmp_path), "--mechanism"]) == 1
+    out = capsys.readouterr().out
+    assert "t: topk_recall_min = 0.902 < 0.935 (worst floor - 0.05)" in out
+
+
+def test_entry_margin_by_hand():
+    import math
+    import torch
+    from fidelity.ab.margins import entry_margin, margin_fields
+    inf = float("inf")
+    s = torch.tensor([5.0, 1.0, 4.0, 3.0, 2.0, -inf])
+    # top-2 = {0, 2}; needle entries {2, 3}: best is 2 (4.0), rank 2, margin 4 - 3 = 1
+    assert entry_margin(s, [2, 3], 2) == {"score": 4.0, "rank": 2, "margin": 1.0, "n_visible": 5}
+    # needle at entry 4 (2.0), rank 4, outside: margin 2 - 4 (the lowest kept) = -2
+    assert entry_margin(s, [4], 2)["margin"] == -2.0
+    assert math.isnan(entry_margin(s, [5], 2)["score"])               # not visible
+    assert math.isnan(entry_margin(s, [0], 5)["margin"])              # every entry kept
+    arm = s + torch.tensor([0.0, 0.1, -0.3, 0.2, 0.0, 0.0])
+    f = margin_fields(s, arm, [2], 2)
+    assert f["dscore_max"] == pytest.approx(0.3) and f["fragile"] is False    # 1.0 >= 0.6
+    f = margin_fields(s, s + torch.tensor([0.0, 0.0, -0.6, 0.0, 0.0, 0.0]), [2], 2)
+    assert f["fragile"] is True and f["margin"] == pytest.approx(0.4)         # 3.4 - 3
