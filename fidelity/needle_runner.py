@@ -5,8 +5,8 @@ fidelity because it is built from an arm (fidelity.arms), and needle imports not
 fidelity.
 
 Mechanism, per CSA layer, at the question's last position (the last prompt token): which
-compressed entries hold the needle value, whether the indexer picked one of them, and
-its rank among the visible entries. Entry j pools tokens 4j..4j+3 and, in half of its
+compressed entries hold the needle value, whether the indexer picked one of them, its
+rank among the visible entries and its margin to the top-k boundary (fidelity.ab.margins). Entry j pools tokens 4j..4j+3 and, in half of its
 channels, the previous group 4j-4..4j-1 (overlapping ratio-4 compressor), so the entries
 holding the value are {t//4} and {t//4 + 1} over the value's tokens t; with several
 expected values (multivalue, multiquery) `values_in_topk` counts the values with an entry
@@ -20,11 +20,13 @@ golden top-k's tie rule). The prompt is prefilled as tokens[:-1] and then the la
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 
 import torch
 
+from fidelity.ab.margins import entry_margin
 from fidelity.arms import as_arm
 from needle.haystack import LocalCounter, Prompt, needle_entries, value_token_positions
 from reference_model import Model, Taps
@@ -136,9 +138,11 @@ def mechanism(cfg, taps: Taps, scores: list[torch.Tensor], value_tok: list[int],
         picks = {int(j) for j in taps[f"layers.{i}.attn.index.topk"][-1] if j >= 0}
         ranks = {j: 1 + int((s > s[j]).sum()) + int((s[:j] == s[j]).sum()) for j in held}
         best = min(ranks.values()) if ranks else None
+        margin = entry_margin(s, held, cfg.index_topk)["margin"] if held else math.nan
         out.append({"layer": i, "entries": held, "n_visible": visible, "topk": cfg.index_topk,
                     "in_topk": any(j in picks for j in held) if held else None,
                     "best_rank": best, "in_window": in_window, "picks": sorted(picks),
+                    "margin": None if math.isnan(margin) else margin,
                     "n_values": len(held_per),
                     "values_in_topk": sum(any(j in picks for j in h) for h in held_per)})
     return out

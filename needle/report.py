@@ -172,10 +172,10 @@ COLUMNS = {
     "lengths": ["arm", "length", "n_scored", "recall", "ci_low", "ci_high", "truncated", "server_error"],
     "pairs": ["arm_a", "arm_b", "scope", "length", "depth", "n_pairs", "a_only", "b_only", "recall_a",
               "recall_b", "delta", "p_value", "test", "significant"],
-    "mechanism": ["arm", "layer", "n", "in_topk_rate", "ci_low", "ci_high", "median_rank", "topk",
-                  "all_values_in_topk_rate", "in_topk_rate_correct", "in_topk_rate_missed"],
+    "mechanism": ["arm", "layer", "n", "in_topk_rate", "ci_low", "ci_high", "median_rank", "margin_median",
+                  "topk", "all_values_in_topk_rate", "in_topk_rate_correct", "in_topk_rate_missed"],
     "mechanism_pairs": ["arm_a", "arm_b", "layer", "n", "picks_jaccard_mean", "identical_picks", "a_only",
-                        "b_only", "p_value", "test"],
+                        "b_only", "p_value", "test", "margin_shift_median", "fragile_rate"],
     "cells": ["arm", "length", "depth", "n", "n_scored", "recall", "ci_low", "ci_high", "correct", "wrong",
               "truncated", "server_error"],
     "errors": ["arm", "error", "count"],
@@ -320,7 +320,10 @@ def build_page(t: dict, arms: list[str], meta: dict, figures: list[str]) -> Page
         Section("Mechanism: indexer top-k at the question position",
                 "Share of trials whose needle entry was in the indexer's top-k, per CSA layer "
                 "(in-process arms only).", [Table(_frame(t["mechanism"], "mechanism"))], ["mechanism"]),
-        Section("Mechanism, paired: indexer picks vs the first arm", "",
+        Section("Mechanism, paired: indexer picks vs the first arm", "McNemar on the needle "
+                "entry kept, per CSA layer and pooled; margin_shift_median: the arm's typical shift "
+                "of the needle entry's margin to the top-k boundary; fragile_rate: share of the first "
+                "arm's needle entries within twice that shift of the boundary.",
                 [Table(_frame(t["mechanism_pairs"], "mechanism_pairs"))]),
         Section("Cells", "", [Table(_frame(t["cells"], "cells"), fold=True,
                                      summary=f"{len(t['cells'])} cells (arm × length × depth)")]),

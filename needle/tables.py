@@ -143,7 +143,9 @@ def mechanism(rows) -> list[dict]:
         ok = [m["in_topk"] for m, c in ms if c]
         bad = [m["in_topk"] for m, c in ms if not c]
         lo, hi = wilson(sum(hit), len(hit))
+        margins = [m["margin"] for m, _ in ms if m.get("margin") is not None]
         out.append({"arm": a, "layer": layer, "n": len(ms), "in_topk_rate": sum(hit) / len(hit),
+                    "margin_median": statistics.median(margins) if margins else None,
                     "ci_low": lo, "ci_high": hi, "median_rank": statistics.median(ranks) if ranks else None,
                     "topk": ms[0][0]["topk"], "all_values_in_topk_rate": sum(every) / len(every),
                     "in_topk_rate_correct": sum(ok) / len(ok) if ok else None,
@@ -154,8 +156,9 @@ def mechanism(rows) -> list[dict]:
 def mechanism_pairs(rows) -> list[dict]:
     """First arm (A) against each other arm (B), per CSA layer, on the same trials: mean
     Jaccard of the indexer's picks at the question position, and McNemar on "an entry
-    holding the needle is in top-k" (a_only: A kept the needle, B lost it); then the same
-    over trials x CSA layers pooled (layer "all")."""
+    holding the needle is in top-k" (a_only: A kept the needle, B lost it), and how close
+    A's needle entries sit to the boundary against B's shift of them (_fragility); then
+    the same over trials x CSA layers pooled (layer "all")."""
     arms = [a for a in _arms(rows) if any(r.get("mechanism") for r in rows if r["arm"] == a)]
     if len(arms) < 2:
         return []
@@ -174,7 +177,9 @@ def mechanism_pairs(rows) -> list[dict]:
                     continue
                 pa, pb = set(x.get("picks", [])), set(y.get("picks", []))
                 jac = len(pa & pb) / len(pa | pb) if pa | pb else 1.0
-                per[layer].append((x["in_topk"], y["in_topk"], jac))
+                shift = (abs(y["margin"] - x["margin"])
+                         if x.get("margin") is not None and y.get("margin") is not None else None)
+                per[layer].append((x["in_topk"], y["in_topk"], jac, x.get("margin"), shift))
         layers = sorted(per.items())
         if len(layers) > 1:                  # a rare loss needs every trial: pooled over layers
             layers.append(("all", [p for _, v in layers for p in v]))
@@ -183,8 +188,22 @@ def mechanism_pairs(rows) -> list[dict]:
             out.append({"arm_a": a, "arm_b": b, "layer": layer, "n": m.n,
                         "picks_jaccard_mean": statistics.fmean(p[2] for p in v),
                         "identical_picks": sum(1 for p in v if p[2] == 1.0),
-                        "a_only": m.a_only, "b_only": m.b_only, "p_value": m.p_value, "test": m.test})
+                        "a_only": m.a_only, "b_only": m.b_only, "p_value": m.p_value, "test": m.test,
+                        **_fragility(v)})
     return out
+
+
+def _fragility(v) -> dict:
+    """B's median shift of the needle entry's margin against A's on the same trial, and
+    the share of A's margins within twice that shift: needle entries one typical B-sized
+    perturbation from changing sides of the top-k boundary (fidelity.ab.margins)."""
+    shifts = [p[4] for p in v if p[4] is not None]
+    if not shifts:
+        return {"margin_shift_median": None, "fragile_rate": None}
+    typical = statistics.median(shifts)
+    a_margins = [p[3] for p in v if p[3] is not None]
+    return {"margin_shift_median": typical,
+            "fragile_rate": sum(abs(x) < 2 * typical for x in a_margins) / len(a_margins)}
 
 
 def errors(rows) -> list[dict]:

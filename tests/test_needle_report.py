@@ -2,6 +2,8 @@
 through tables, McNemar and the report files."""
 import json
 
+import pytest
+
 from infra.http import RetryPolicy
 from needle.haystack import HaystackSpec
 from needle.http import HttpRunner
@@ -57,3 +59,17 @@ def test_mechanism_line_pools_trials_and_layers():
     assert _mechanism_lines({"mechanism_pairs": rows}, "golden") == [
         "Mechanism: `bug` loses the needle's indexer entry in 6 of 40 trial × CSA layer pairs where "
         "`golden` keeps it (0 the other way, McNemar p = 0.031); picks identical in 22 of 40."]
+
+
+def test_fragility_from_paired_margins():
+    """A's margins 0.1, 0.3, 2.0; B shifts them by 0.2, 0.2, 0.4 (median 0.2): the first
+    two sit within twice that (0.4) of the boundary."""
+    from needle.tables import mechanism_pairs
+    rows = []
+    for tid, (ma, mb) in enumerate([(0.1, 0.3), (0.3, 0.1), (2.0, 1.6)]):
+        for arm, m in (("golden", ma), ("engine", mb)):
+            rows.append({"arm": arm, "trial_id": str(tid), "outcome": "correct",
+                         "mechanism": [{"layer": 1, "in_topk": True, "in_window": False, "picks": [1, 2],
+                                        "margin": m, "best_rank": 1, "topk": 2}]})
+    (p,) = mechanism_pairs(rows)
+    assert p["margin_shift_median"] == pytest.approx(0.2) and p["fragile_rate"] == pytest.approx(2 / 3)

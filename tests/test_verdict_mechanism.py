@@ -102,7 +102,7 @@ def test_judge_reports_mechanism_apart_from_outcome():
     sig = pd.DataFrame(_signals("t", 0.10, 5e-4) + _signals("floor:exact", 0.10, 1e-3)
                        + _signals("floor:ties", 0.015, 1e-6) + _signals("null", 0.0, 1e-7))
     d = Design("golden", {"t": frozenset({"t"}), "null": frozenset({"null"})}, ["t", "null"],
-               ["floor:exact", "floor:ties"], mechanism_floors=["floor:ties"])
+               ["floor:exact", "floor:ties"])             # mechanism: all floors but the QAT one
     v = judge(sig, d, 200, 0)["verdict"]
     assert v["culprit"] is None and v["named"] == []
     assert [f["toggle"] for f in v["mechanism"]] == ["t"]
@@ -112,7 +112,8 @@ def test_judge_reports_mechanism_apart_from_outcome():
     assert ("Mechanism: t changes indexer selection at layer 1 (top-k recall 0.897 vs floor 0.984); "
             "outcome within floors at these lengths.") in v["sentence"]
     # with every floor (the old rule), the QAT floor hides it
-    v_old = judge(sig, Design("golden", d.arms, d.factors, d.floors), 200, 0)["verdict"]
+    v_old = judge(sig, Design("golden", d.arms, d.factors, d.floors, mechanism_floors=d.floors),
+                  200, 0)["verdict"]
     assert v_old["mechanism"] == [] and "No toggle stands out" in v_old["sentence"]
 
 
@@ -163,3 +164,10 @@ def test_entry_margin_by_hand():
     assert f["dscore_max"] == pytest.approx(0.3) and f["fragile"] is False    # 1.0 >= 0.6
     f = margin_fields(s, s + torch.tensor([0.0, 0.0, -0.6, 0.0, 0.0, 0.0]), [2], 2)
     assert f["fragile"] is True and f["margin"] == pytest.approx(0.4)         # 3.4 - 3
+
+
+def test_mechanism_floors_default_to_all_but_the_qat_floor():
+    d = Design("golden", {}, [], ["floor:exact", "floor:tie-order", "floor:fp32-accum"])
+    assert d.noise_for_mechanism() == ["floor:tie-order", "floor:fp32-accum"]
+    assert Design("g", {}, [], ["g~repeat"]).noise_for_mechanism() == ["g~repeat"]
+    assert Design("g", {}, [], ["floor:exact"]).noise_for_mechanism() == ["floor:exact"]

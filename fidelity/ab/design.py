@@ -15,15 +15,16 @@ from kernel_toggles import arms as K
 from reference_model import Numerics
 from reference_model.numerics import topk_highest_index_ties
 
+from ..verdict.signals import QAT_FLOOR
 from .lockstep import DEFAULT_TAPS, LockstepArm
 
 GOLDEN = "golden"
-FLOOR = "floor:exact"              # reference vs exact: the QAT noise floor (verdict, attribution)
+FLOOR = QAT_FLOOR                  # reference vs exact: the QAT noise floor (verdict, attribution)
 FLOOR_ORDER = "floor:fp32-accum"   # fp32 instead of fp64 accumulation: reduction-order noise
 FLOOR_TIES = "floor:tie-order"     # indexer top-k ties broken the other way (torch.topk leaves it open)
 FLOORS = (FLOOR, FLOOR_ORDER, FLOOR_TIES)
 # noise for what an arm changes inside (selection, routing): not QAT's systematic difference
-MECHANISM_FLOORS = (FLOOR_ORDER, FLOOR_TIES)
+MECHANISM_FLOORS = tuple(f for f in FLOORS if f != QAT_FLOOR)
 LONG_LENGTHS = (250, 511, 2047)    # --long: 2047 tokens = 511 CSA entries = 32x the tiny index_topk
 WEIGHTS_PREFIX = "weights:"
 

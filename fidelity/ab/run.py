@@ -16,7 +16,7 @@ from ..prompts import Prompt, all_token_ids, builtin_prompts, file_prompts
 from ..verdict.attribution import attribute, bootstrap_mean_ci, outcome_matrix, prompt_outcomes
 from ..verdict.judge import Design, judge
 from ..verdict.signals import direct_effects, prompt_signals, with_longest
-from .design import (FLOOR, FLOOR_ORDER, FLOORS, GOLDEN, MECHANISM_FLOORS, WEIGHTS_PREFIX, ABSettings, RunnerSettings,
+from .design import (FLOOR, FLOOR_ORDER, FLOORS, GOLDEN, WEIGHTS_PREFIX, ABSettings, RunnerSettings,
                      Statistics, arm_sets, base_toggles, factorial_arms, floor_arms, golden_arm,
                      toggle_arms, top_toggles, vs_pairs, weight_arms)
 from .drift import first_divergence, with_floor_multiple
@@ -120,8 +120,7 @@ def _judged_tables(cfg, settings, prompts, longest, st: _Stages) -> tuple[dict, 
         pair_sig = with_longest(prompt_signals(pair_df, pair_kld, None, cfg.window_size), groups, longest)
         direct = direct_effects(pair_sig, st.sets, frozenset(st.label_sets[settings.design.vs].names),
                                 stats.n_boot, stats.seed)
-    judged = judge(sig, Design(GOLDEN, st.sets, st.toggles, list(FLOORS), base_toggles(settings),
-                               mechanism_floors=list(MECHANISM_FLOORS)),
+    judged = judge(sig, Design(GOLDEN, st.sets, st.toggles, list(FLOORS), base_toggles(settings)),
                    stats.n_boot, stats.seed, len(prompts), direct)
     tables = {"drift": drift, "kld": kld, "attribution": _attribution(st.toggles, st.top, st.table, stats),
               "attribution_by_length": _per_length_attr(kld, st.sets, st.toggles, stats),

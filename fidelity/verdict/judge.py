@@ -12,7 +12,7 @@ import pandas as pd
 from .binary import clears as exact_clears
 from .binary import exact_tests
 from .findings import mechanism_findings, mechanism_sentence
-from .signals import FLOOR_EPS, SIGNALS, attribute_signals, floor_levels, kind, signal_summary
+from .signals import FLOOR_EPS, QAT_FLOOR, SIGNALS, attribute_signals, floor_levels, kind, signal_summary
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,14 @@ class Design:
     factors: list[str]                   # what attribution ranges over
     floors: list[str]                    # arms that are noise floors, not candidates
     added_to: frozenset | None = None    # base: every base + t arm gives t an added_to_base effect
-    mechanism_floors: list[str] | None = None   # floors that are noise for mechanism signals (default: all)
+    mechanism_floors: list[str] | None = None   # floors that are noise for mechanism signals
+
+    def noise_for_mechanism(self) -> list[str]:
+        """The floors mechanism signals are judged against: given, or every floor but the
+        QAT one (unless it is the only one)."""
+        if self.mechanism_floors is not None:
+            return self.mechanism_floors
+        return [f for f in self.floors if f != QAT_FLOOR] or self.floors
 
 
 def judge(sig: pd.DataFrame, design: Design, n_boot: int, seed: int, n_prompts: int | None = None,
@@ -32,13 +39,12 @@ def judge(sig: pd.DataFrame, design: Design, n_boot: int, seed: int, n_prompts: 
     `direct`: attribution rows measured directly between arms (signals.direct_effects),
     judged with the rest. `n_prompts` defaults to the prompts in `sig`."""
     summary = signal_summary(sig, n_boot, seed)
-    floors = floor_levels(summary, design.floors, design.mechanism_floors)
+    floors = floor_levels(summary, design.floors, design.noise_for_mechanism())
     attr = attribute_signals(sig[sig.arm.isin(list(design.arms))], design.arms, design.factors,
                              design.baseline, n_boot, seed, design.added_to)
     if direct is not None:
         attr = pd.concat([attr, direct], ignore_index=True)
-    mech_floors = design.floors if design.mechanism_floors is None else design.mechanism_floors
-    exact = exact_tests(sig, design.arms, mech_floors)
+    exact = exact_tests(sig, design.arms, design.noise_for_mechanism())
     v, table = verdict(attr, floors, sig.prompt.nunique() if n_prompts is None else n_prompts, exact)
     return {"summary": summary, "floors": floors, "attribution": table, "verdict": v}
 

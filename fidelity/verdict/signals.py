@@ -37,6 +37,9 @@ SIGNALS = {
 # mechanism_floors: tie order, reduction order), not against a systematic difference such
 # as quantisation-aware training's; outcome signals against every floor.
 MECHANISM = ("topk_loss", "needle_lost", "expert_disagree")
+# reference vs exact numerics (`fidelity ab`'s QAT floor): noise for the outcome, a
+# systematic difference for the mechanism (its picks differ by design)
+QAT_FLOOR = "floor:exact"
 # what a mechanism signal changes, in the verdict's words
 MECHANISM_WHAT = {"topk_loss": "indexer selection", "needle_lost": "the needle's indexer entry",
                   "expert_disagree": "expert routing"}
