@@ -46,7 +46,7 @@ def _places(wheres: pd.Series) -> list[str]:
 
 
 def _layers(places: list[str]) -> str:
-    nums = [m.group(1) for p in places if (m := re.fullmatch(r"layer (\d+)", p))]
+    nums = sorted((m.group(1) for p in places if (m := re.fullmatch(r"layer (\d+)", p))), key=int)
     rest = [p for p in places if not re.fullmatch(r"layer \d+", p)]
     words = []
     if nums:
