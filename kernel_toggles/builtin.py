@@ -377,3 +377,4 @@ def _lm_head_bf16(golden, x, w):
 
 
 from . import request as _request  # noqa: E402,F401  (request-level toggles, registered last)
+from . import serving as _serving  # noqa: E402,F401  (serving-state toggles)

@@ -15,6 +15,7 @@ import torch
 
 from .config import ModelConfig
 from .placement import model_placement
+from .schedule import ONESHOT, Schedule, Segment
 from .numerics import Numerics
 from .taps import Taps
 from .weights import WeightSource
@@ -62,8 +63,10 @@ def _cat(a, b):
 class Model:
     def __init__(self, weights: WeightSource, numerics: Numerics | None = None,
                  chunk_tokens: int = 2048, attn_budget: int = 1 << 25,
-                 weight_cache: dict | None = None, devices: list | None = None):
+                 weight_cache: dict | None = None, devices: list | None = None,
+                 schedule: Schedule = ONESHOT):
         self.cfg = weights.cfg
+        self.schedule = schedule                   # how a prompt is fed (reference_model.schedule)
         self.weights = weights
         self.nx = numerics or Numerics("reference")
         self.chunk_tokens = chunk_tokens           # tokens per layer pass (chunked prefill)
@@ -166,16 +169,27 @@ class Model:
         if dev is not None:                              # the activations follow the layer
             H, tokens = H.to(dev), tokens.to(dev)
         out = []
-        for a in range(0, H.shape[0], self.chunk_tokens):
-            b = min(a + self.chunk_tokens, H.shape[0])
-            # the stream is stored in the storage dtype between layers (bf16 in the reference,
-            # lossless: hc_post already rounded it), halving memory at long context
-            out.append(self._block(i, w, H[a:b], tokens[a:b], state.layers[i], state.pos + a,
-                                   taps, phase).to(self.nx.sd))
+        for seg in self._segments(H.shape[0], state, phase):
+            if seg.restore:                              # a cache hit: saved, then restored
+                state.layers[i] = self.nx.state_restore(state.layers[i])
+            for a in range(seg.start, seg.end, self.chunk_tokens):
+                b = min(a + self.chunk_tokens, seg.end)
+                if a > 0 and seg.phase == "prefill" and not (seg.restore and a == seg.start):
+                    state.layers[i] = self.nx.chunk_boundary(state.layers[i])
+                # the stream is stored in the storage dtype between layers (bf16 in the
+                # reference, lossless: hc_post already rounded it), halving memory at long context
+                out.append(self._block(i, w, H[a:b], tokens[a:b], state.layers[i], state.pos + a,
+                                       taps, seg.phase).to(self.nx.sd))
         H = torch.cat(out, 0)
         if taps:
             taps.put(f"layers.{i}.out", H)
         return H
+
+    def _segments(self, n: int, state: SequenceState, phase: str) -> list[Segment]:
+        """The schedule's pieces for a prompt from an empty state; otherwise one piece."""
+        if phase == "prefill" and state.pos == 0:
+            return self.schedule.segments(n)
+        return [Segment(0, n, phase)]
 
     def head(self, H, taps: Taps | None = None) -> torch.Tensor:
         g = self._weights(None, head=True)

@@ -28,10 +28,13 @@ KERNELS = (
     "index_topk",
     "sparse_attention", "wo_a", "hc_pre", "hc_post", "hc_head",
     "moe_gate", "moe_select", "route_weights", "swiglu", "expert_ffn", "moe_combine", "lm_head",
-    "chat_request", "chat_render",
+    "chat_request", "chat_render", "chunk_boundary", "state_restore",
 )
-# The last two are the request-level seam (not numerics): how a chat request is read and
-# rendered to a prompt, so engines' chat-handling differences are toggles like the rest.
+# chat_request / chat_render are the request-level seam (not numerics): how a chat request
+# is read and rendered to a prompt, so engines' chat-handling differences are toggles like
+# the rest. chunk_boundary / state_restore are the serving seam: what happens to a
+# layer's state between prefill chunks and when a cached prefix's state is restored
+# (reference_model.schedule), so serving behaviours and bugs are toggles too.
 
 # Where rope_apply is called (its `site` argument): main query, window KV latent, compressed
 # KV entries, indexer query, indexer keys, and the inverse rotation of the attention output.
@@ -206,6 +209,16 @@ class Numerics:
         if not self.quant:
             return self.index_rotate(k, "k")
         return Q.fp4_qdq(self.rs(self.index_rotate(k, "k")), 32)
+
+    # ---- serving: a layer's state between pieces of a prompt (reference_model.schedule) ---
+    def chunk_boundary(self, st):
+        """Between two prefill chunks: the reference carries the layer's state over as is."""
+        return st
+
+    def state_restore(self, st):
+        """A cached prefix's layer state, saved and restored (window rows, compressor pending
+        and overlap rows, compressed entries, indexer keys): an exact copy."""
+        return copy.deepcopy(st)
 
     def index_weights(self, w, scale: float):
         """Per-head indexer weights: the bf16 `weights_proj` output times

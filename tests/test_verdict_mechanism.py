@@ -171,3 +171,10 @@ def test_mechanism_floors_default_to_all_but_the_qat_floor():
     assert d.noise_for_mechanism() == ["floor:tie-order", "floor:fp32-accum"]
     assert Design("g", {}, [], ["g~repeat"]).noise_for_mechanism() == ["g~repeat"]
     assert Design("g", {}, [], ["floor:exact"]).noise_for_mechanism() == ["floor:exact"]
+
+
+def test_score_shift_over_the_entries_both_hold():
+    import torch
+    from fidelity.ab.margins import score_shift
+    g = torch.tensor([1.0, 2.0, 3.0, float("-inf")])
+    assert score_shift(g, torch.tensor([1.5, 2.0, 2.0])) == {"dscore_p50": 0.5, "dscore_max": 1.0}

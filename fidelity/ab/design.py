@@ -15,7 +15,9 @@ from kernel_toggles import arms as K
 from reference_model import Numerics
 from reference_model.numerics import topk_highest_index_ties
 
-from ..verdict.signals import QAT_FLOOR
+from reference_model.schedule import ONESHOT, Schedule
+
+from ..verdict.signals import QAT_FLOOR, SCHEDULE_FACTOR
 from .lockstep import DEFAULT_TAPS, LockstepArm
 
 GOLDEN = "golden"
@@ -23,6 +25,7 @@ FLOOR = QAT_FLOOR                  # reference vs exact: the QAT noise floor (ve
 FLOOR_ORDER = "floor:fp32-accum"   # fp32 instead of fp64 accumulation: reduction-order noise
 FLOOR_TIES = "floor:tie-order"     # indexer top-k ties broken the other way (torch.topk leaves it open)
 FLOORS = (FLOOR, FLOOR_ORDER, FLOOR_TIES)
+FLOOR_SCHEDULE = "floor:schedule"  # golden under a schedule (floor:schedule@prefix_hit(128)) vs one-shot
 # noise for what an arm changes inside (selection, routing): not QAT's systematic difference
 MECHANISM_FLOORS = tuple(f for f in FLOORS if f != QAT_FLOOR)
 LONG_LENGTHS = (250, 511, 2047)    # --long: 2047 tokens = 511 CSA entries = 32x the tiny index_topk
@@ -37,6 +40,7 @@ class ArmDesign:
     vs: str | None = None                  # first divergence also against this arm
     shapley_top: int = 3                   # factorial stage over this many toggles (0 = off)
     weights_variants: tuple = ()           # ((name, label), ...): other checkpoints as arms
+    schedule: str | None = None            # every toggle arm fed this way (arm@schedule overrides)
 
 
 @dataclass(frozen=True)
@@ -97,35 +101,78 @@ class ABSettings:
         return cls(**{name: _PARTS[name](**kw) for name, kw in parts.items()}, checkpoint=checkpoint)
 
 
-def arm_sets(settings: ABSettings) -> tuple[dict[str, object], list[str]]:
-    """Arm label -> ToggleSet, and the toggle names attribution ranges over."""
+def arm_sets(settings: ABSettings) -> tuple[dict[str, object], list[str], dict[str, Schedule]]:
+    """Arm label -> ToggleSet, the toggles attribution ranges over, and each arm's schedule
+    (`arm@S`, or --schedule for all). A schedule is a factor of the arms under it but never
+    a suspect: it is context (the verdict's `under_schedule` effects), and what golden
+    itself does under it is the floor `floor:schedule@S`."""
     d = settings.design
+    default = Schedule.parse(d.schedule or "oneshot")
+    at = "" if default == ONESHOT else f"@{default}"
     base = K.ToggleSet.parse(d.base)
     arms: dict[str, object] = {}
+    schedules: dict[str, Schedule] = {}
     if d.arms is None:
         for s in K.one_at_a_time(base):
-            arms[str(s)] = s
-        arms[d.base] = base
+            arms[str(s) + at] = s
+        arms[d.base + at] = base
         named_base = K.is_engine_spelling(d.base)
         for drop in base.names:               # ASCII names that parse back: engine-x
-            arms[f"{d.base}-{drop}" if named_base else str(base.without(drop))] = base.without(drop)
+            arms[(f"{d.base}-{drop}" if named_base else str(base.without(drop))) + at] = base.without(drop)
+        schedules = dict.fromkeys(arms, default)
     else:
         for text in d.arms:
-            ts = K.ToggleSet.parse(text)
-            arms[text if text in ("engine",) or text.startswith("engine") else str(ts)] = ts
-    arms.pop(GOLDEN, None)
+            name, sched = split_schedule(text, d.schedule)
+            ts = K.ToggleSet.parse(name)
+            label = (name if name.startswith("engine") else str(ts)) + ("" if sched == ONESHOT else f"@{sched}")
+            arms[label], schedules[label] = ts, sched
+    for label in [k for k, ts in arms.items() if not len(ts)]:    # golden (under a schedule: schedule_arms)
+        arms.pop(label)
     singles = [n for ts in arms.values() if len(ts) == 1 for n in ts.names]
-    return arms, list(dict.fromkeys([*base.names, *singles]))
+    return arms, list(dict.fromkeys([*base.names, *singles])), schedules
 
 
 def base_toggles(settings: ABSettings) -> frozenset:
     """The --base arm's toggles (its base + t arms give t an added_to_base effect)."""
-    return frozenset(K.ToggleSet.parse(settings.design.base).names)
+    d = settings.design
+    default = Schedule.parse(d.schedule or "oneshot")
+    extra = frozenset() if default == ONESHOT else frozenset({schedule_factor(default)})
+    return frozenset(K.ToggleSet.parse(d.base).names) | extra
 
 
-def toggle_arms(label_sets: dict, cd=torch.float64) -> list[LockstepArm]:
-    return [LockstepArm(label, ts.numerics("reference", compute_dtype=cd), frozenset(ts.names))
-            for label, ts in label_sets.items()]
+def split_schedule(text: str, default: str | None = None) -> tuple[str, Schedule]:
+    """`engine@prefix_hit(128)` -> ("engine", prefix_hit(128)); without `@`, `default`."""
+    arm, at, sched = text.partition("@")
+    return arm, Schedule.parse(sched if at else (default or "oneshot"))
+
+
+def schedule_factor(s: Schedule) -> str:
+    """The schedule as an attribution factor: an arm under it differs from one-shot by it."""
+    return f"{SCHEDULE_FACTOR}{s}"
+
+
+def toggle_arms(label_sets: dict, cd=torch.float64, schedules: dict | None = None) -> list[LockstepArm]:
+    """One arm per label; an arm under a schedule counts the schedule among its factors."""
+    out = []
+    for label, ts in label_sets.items():
+        s = (schedules or {}).get(label, ONESHOT)
+        extra = frozenset() if s == ONESHOT else frozenset({schedule_factor(s)})
+        out.append(LockstepArm(label, ts.numerics("reference", compute_dtype=cd),
+                               frozenset(ts.names) | extra, schedule=s))
+    return out
+
+
+def schedule_arms(schedules: dict, cd=torch.float64) -> list[LockstepArm]:
+    """Per schedule in use: golden under it as a floor (`floor:schedule@S`, what the reference
+    itself does under that schedule) and as a candidate arm (`golden@S`, factor `@S`), so an
+    arm's effect under S is attributed against golden under S."""
+    out = []
+    for s in dict.fromkeys(v for v in schedules.values() if v != ONESHOT):
+        out += [LockstepArm(f"{FLOOR_SCHEDULE}@{s}", Numerics("reference", cd), frozenset(),
+                            role="floor", schedule=s),
+                LockstepArm(f"{GOLDEN}@{s}", Numerics("reference", cd), frozenset({schedule_factor(s)}),
+                            schedule=s)]
+    return out
 
 
 def golden_arm(cd=torch.float64) -> LockstepArm:

@@ -25,6 +25,7 @@ import torch
 
 from needle.haystack import needle_entries
 from reference_model import Model, Numerics, Taps
+from reference_model.schedule import ONESHOT, Schedule
 
 from ..prompts import Prompt
 from . import metrics as M
@@ -47,6 +48,7 @@ class LockstepArm:
     toggles: frozenset = frozenset()
     role: str = "arm"                   # "golden", "floor" or "arm"
     weights: object | None = None       # another checkpoint of the same architecture (None: the run's)
+    schedule: Schedule = ONESHOT        # how its prompts are fed (chunks, a cache hit, decode path)
 
 
 @dataclass
@@ -190,7 +192,7 @@ class LockstepRunner:
         caches: dict = {}                      # arms on one checkpoint share converted weights
         self.models = {a.name: Model(a.weights or weights, a.numerics, chunk_tokens=chunk_tokens,
                                      weight_cache=caches.setdefault(id(a.weights or weights), {}),
-                                     devices=devices) for a in arms}
+                                     devices=devices, schedule=a.schedule) for a in arms}
         self.streams = StreamStore(activation_budget)
 
     # ------------------------------------------------------------------------------------

@@ -44,7 +44,10 @@ def entry_margin(scores: torch.Tensor, held: list[int], k: int) -> dict:
 
 
 def score_shift(golden: torch.Tensor, arm: torch.Tensor) -> dict:
-    """|arm - golden| over the entries both see: median and max."""
+    """|arm - golden| over the entries both see (an arm may hold fewer: a serving bug that
+    loses a compressor group): median and max."""
+    n = min(len(golden), len(arm))
+    golden, arm = golden[:n], arm[:n]
     vis = torch.isfinite(golden) & torch.isfinite(arm)
     if not bool(vis.any()):
         return {"dscore_p50": math.nan, "dscore_max": math.nan}

@@ -16,9 +16,9 @@ from ..prompts import Prompt, all_token_ids, builtin_prompts, file_prompts
 from ..verdict.attribution import attribute, bootstrap_mean_ci, outcome_matrix, prompt_outcomes
 from ..verdict.judge import Design, judge
 from ..verdict.signals import direct_effects, prompt_signals, with_longest
-from .design import (FLOOR, FLOOR_ORDER, FLOORS, GOLDEN, WEIGHTS_PREFIX, ABSettings, RunnerSettings,
+from .design import (FLOOR, FLOOR_ORDER, GOLDEN, WEIGHTS_PREFIX, ABSettings, RunnerSettings,
                      Statistics, arm_sets, base_toggles, factorial_arms, floor_arms, golden_arm,
-                     toggle_arms, top_toggles, vs_pairs, weight_arms)
+                     schedule_arms, toggle_arms, top_toggles, vs_pairs, weight_arms)
 from .drift import first_divergence, with_floor_multiple
 from .lockstep import LockstepResult, LockstepRunner
 from .report import write_report
@@ -35,6 +35,7 @@ class _Stages:
     outcomes: pd.DataFrame  # mean final-logit KLD per (arm, prompt) at the longest length
     table: dict             # toggle subset -> per-prompt outcomes (attribution's input)
     top: list               # toggles of the factorial stage
+    floors: list            # floor arms run: the three noise floors, then golden per schedule
 
 
 def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None = None,
@@ -75,18 +76,19 @@ def _prompts(cfg, settings: ABSettings, tokenizer) -> tuple[list[Prompt], str]:
 
 def _stage_one(weights, settings, prompts, longest, progress, variants) -> _Stages:
     """Golden, the floors, the design's toggle arms and the weight variants."""
-    label_sets, toggles = arm_sets(settings)
+    label_sets, toggles, schedules = arm_sets(settings)
     pairs = vs_pairs(settings.design.vs, label_sets)
     cd = getattr(torch, settings.runner.accumulate)
     w_arms = weight_arms(variants, cd)
     toggles = toggles + [a.name for a in w_arms]
-    arms = [golden_arm(cd)] + floor_arms(cd) + toggle_arms(label_sets, cd) + w_arms
+    arms = ([golden_arm(cd)] + floor_arms(cd) + schedule_arms(schedules, cd)
+            + toggle_arms(label_sets, cd, schedules) + w_arms)
     progress(f"stage 1: {len(arms)} arms × {len(prompts)} prompts, mode {settings.runner.mode}")
     res = _run(weights, arms, prompts, settings.runner, progress, pairs)
     sets = {a.name: a.toggles for a in arms if a.role == "arm"}
     outcomes = prompt_outcomes(pd.DataFrame(res.kld), group=longest)
     return _Stages(res, sets, toggles, label_sets, pairs, outcomes,
-                   outcome_matrix(outcomes, sets, GOLDEN), [])
+                   outcome_matrix(outcomes, sets, GOLDEN), [], [a.name for a in arms if a.role == "floor"])
 
 
 def _stage_two(weights, settings, prompts, longest, progress, st: _Stages) -> None:
@@ -120,11 +122,11 @@ def _judged_tables(cfg, settings, prompts, longest, st: _Stages) -> tuple[dict, 
         pair_sig = with_longest(prompt_signals(pair_df, pair_kld, None, cfg.window_size), groups, longest)
         direct = direct_effects(pair_sig, st.sets, frozenset(st.label_sets[settings.design.vs].names),
                                 stats.n_boot, stats.seed)
-    judged = judge(sig, Design(GOLDEN, st.sets, st.toggles, list(FLOORS), base_toggles(settings)),
+    judged = judge(sig, Design(GOLDEN, st.sets, st.toggles, st.floors, base_toggles(settings)),
                    stats.n_boot, stats.seed, len(prompts), direct)
     tables = {"drift": drift, "kld": kld, "attribution": _attribution(st.toggles, st.top, st.table, stats),
               "attribution_by_length": _per_length_attr(kld, st.sets, st.toggles, stats),
-              "summary": _summary_table(drift, kld, judged["summary"], st.sets), "signals": sig,
+              "summary": _summary_table(drift, kld, judged["summary"], st.sets, st.floors), "signals": sig,
               "signal_summary": judged["summary"], "signal_attribution": judged["attribution"],
               "pairs": pair_df, "needle": needle}
     return tables, judged
@@ -142,7 +144,7 @@ def _manifest(cfg, settings, st: _Stages, prompts, run_id, t_start) -> dict:
         "run_id": run_id, "config": cfg.to_dict(), "config_hash": cfg.config_hash(),
         "checkpoint": settings.checkpoint, "settings": asdict(settings),
         "arms": {k: sorted(v) for k, v in st.sets.items()}, "golden": GOLDEN, "floor": FLOOR,
-        "floors": list(FLOORS), "vs": settings.design.vs,
+        "floors": st.floors, "vs": settings.design.vs,
         "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in prompts],
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "numpy": np.__version__, "pandas": pd.__version__},
@@ -187,12 +189,12 @@ def _per_length_attr(kld, sets, toggles, stats: Statistics) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _summary_table(drift, kld, sig_summary, sets) -> pd.DataFrame:
+def _summary_table(drift, kld, sig_summary, sets, floors) -> pd.DataFrame:
     """Per arm: final-logit KLD summary (prefill, all buckets), decode KLD, and the worst
     place of each verdict signal (answer KLD, top-k recall, needle entry, experts)."""
     d = drift[(drift.tap == "logits") & (drift.bucket == "all")]
     rows = []
-    for arm in list(FLOORS) + list(sets):
+    for arm in list(floors) + list(sets):
         p = d[(d.arm == arm) & (d.phase == "prefill")]
         dec = kld[(kld.arm == arm) & (kld.phase == "decode")]
         if p.empty:

@@ -12,6 +12,7 @@ EXAMPLES = """\
     fidelity ab                                     # the embedded model: golden, floors, every toggle, the engine
     fidelity ab --checkpoint /models/DeepSeek-V4-Flash --devices cuda:0,cuda:1,cuda:2,cuda:3 --long
     fidelity ab --arms engine --arms engine-wo_a_fp8 --vs engine   # does removing wo_a_fp8 from the engine explain it?
+    fidelity ab --arms 'engine@prefix_hit(128)' --arms 'engine,chunk_stale_index_keys@chunked(64)'   # serving state
 """
 
 
@@ -29,8 +30,9 @@ def add_arguments(p):
                         "(golden numerics on it; repeatable). Without --checkpoint the first "
                         "--weights is the base the others are compared with")
     p.add_argument("--arms", action="append", metavar="ARM",
-                   help="an arm in DSV4_FIDELITY_ARM syntax, e.g. 'engine,routed_scaling_double' "
-                        "(repeatable; default: each optimization, engine, engine minus each)")
+                   help="an arm in DSV4_FIDELITY_ARM syntax, e.g. 'engine,routed_scaling_double', "
+                        "optionally @SCHEDULE ('engine@prefix_hit(128)') (repeatable; default: each "
+                        "optimization, engine, engine minus each)")
     p.add_argument("--base", default="engine", help="arm whose leave-one-out is computed (default engine)")
     p.add_argument("--mode", choices=("propagated", "isolated"), default="propagated")
     p.add_argument("--lengths", type=_ints, default=None,
@@ -38,6 +40,11 @@ def add_arguments(p):
     p.add_argument("--long", action="store_true",
                    help="long-context preset: lengths 250,511,2047 (each CSA layer then picks "
                         "index_topk among up to 32x as many entries on the tiny model)")
+    p.add_argument("--schedule", default=None, metavar="S",
+                   help="feed every toggle arm's prompts as a serving engine would: chunked(N), "
+                        "prefix_hit(P) (a prefix-cache hit at P), decode_from(P) (the rest through "
+                        "the decode path); an arm's own ARM@S overrides; golden under S becomes the "
+                        "floor floor:schedule@S")
     p.add_argument("--prompts-per-length", type=int, default=None,
                    help="built-in prompts per length (default 9, fidelity.ab.design.PromptPlan: "
                         "enough trials for the exact test of a needle-entry loss in 1 of 5)")
@@ -104,7 +111,8 @@ def run(args) -> int:
                              floor_k=args.floor_k, vs=args.vs, keep=tuple(args.keep), checkpoint=label,
                              prompts_file=args.prompts, devices=place.devices,
                              accumulate=str(place.compute_dtype).replace("torch.", ""),
-                             activation_budget=budget, weights_variants=tuple(variants))
+                             activation_budget=budget, weights_variants=tuple(variants),
+                             schedule=args.schedule)
     try:
         res = run_ab(weights, settings, args.out, args.run_id,
                      progress=lambda m: print(m, file=sys.stderr, flush=True), tokenizer=tokenizer,

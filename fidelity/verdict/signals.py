@@ -160,7 +160,8 @@ def attribute_signals(sig: pd.DataFrame, arm_sets: dict[str, frozenset], toggles
     """Attribution (one-at-a-time, leave-one-out, Shapley where the design allows) of
     every signal at every place, with paired bootstrap CIs over prompts. With `base` (e.g.
     the engine arm's toggles), every arm that is base plus one toggle t also gives t an
-    `added_to_base` effect: signal(base + t) - signal(base)."""
+    `added_to_base` effect: signal(base + t) - signal(base); likewise every arm under a
+    schedule S that is another arm under S plus t (golden@S + t) an `under_schedule` one."""
     rows = []
     for (s, w), grp in sig.groupby(["signal", "where"], sort=False):
         table = outcome_matrix(grp.rename(columns={"value": "kld"}), arm_sets, golden)
@@ -169,11 +170,26 @@ def attribute_signals(sig: pd.DataFrame, arm_sets: dict[str, frozenset], toggles
         for r in attribute(toggles, table, n_boot, seed):
             rows.append({"signal": s, "where": w, **r})
         if base and base in table:
-            for t in sorted(next(iter(k - base)) for k in table if k > base and len(k - base) == 1):
-                pair = {frozenset(): table[base], frozenset({t}): table[base | {t}]}
-                for r in attribute([t], pair, n_boot, seed):
-                    rows.append({"signal": s, "where": w, **r, "method": "added_to_base"})
+            rows += _added(table, base, s, w, "added_to_base", n_boot, seed)
+        for ctx in [k for k in table if any(f.startswith(SCHEDULE_FACTOR) for f in k) and k != base]:
+            rows += _added(table, ctx, s, w, "under_schedule", n_boot, seed)
     return pd.DataFrame(rows, columns=["signal", "where", "toggle", "method", "value", "lo", "hi"])
+
+
+# a factor that is a schedule (fidelity.ab.design.schedule_factor): arms under it are
+# compared with golden under it, so a serving bug is measured where it can act
+SCHEDULE_FACTOR = "@"
+
+
+def _added(table, ctx: frozenset, s, w, method, n_boot, seed) -> list[dict]:
+    """Effect of t added to the arm `ctx`: signal(ctx + t) - signal(ctx), per t present."""
+    rows = []
+    for t in sorted(next(iter(k - ctx)) for k in table if k > ctx and len(k - ctx) == 1):
+        pair = {frozenset(): table[ctx], frozenset({t}): table[ctx | {t}]}
+        for r in attribute([t], pair, n_boot, seed):
+            if r["method"] == "one_at_a_time":        # (leave-one-out and Shapley equal it here)
+                rows.append({"signal": s, "where": w, **r, "method": method})
+    return rows
 
 
 def direct_effects(pair_sig: pd.DataFrame, arm_sets: dict[str, frozenset], base: frozenset,

@@ -1,0 +1,75 @@
+"""Schedules: how a prompt reaches the model, as a serving engine feeds it.
+
+An engine rarely prefills a prompt in one piece from an empty state: it splits long
+prompts into chunks (chunked prefill), restores a cached prefix's state and prefills only
+the rest (prefix-cache hit), or runs the tail one token at a time through the decode path.
+The golden forward keeps its whole state explicit (SequenceState), so each of these is the
+same computation in other pieces -- bit-identical to one-shot on CPU in the reference
+profile -- and an engine's serving bug is a deviation at a segment boundary. A schedule
+turns a prompt of n tokens into segments; Model.layer runs them in order and calls the
+seam kernels `chunk_boundary` between chunks and `state_restore` where a cached prefix's
+state is restored.
+
+Spelling: `oneshot`, `chunked(N)`, `prefix_hit(P)`, `decode_from(P)`."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+KINDS = ("oneshot", "chunked", "prefix_hit", "decode_from")
+_RE = re.compile(r"^\s*([a-z_]+)\s*(?:\(\s*(-?\d+)\s*\))?\s*$")
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be spelled or cannot take this prompt."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int
+    end: int
+    phase: str = "prefill"
+    restore: bool = False          # the state was saved and restored before this segment (a cache hit)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    kind: str = "oneshot"
+    n: int = 0                     # chunk size (chunked) or prefix length (prefix_hit, decode_from)
+
+    @classmethod
+    def parse(cls, text: str) -> "Schedule":
+        m = _RE.match(text or "")
+        if not m or m.group(1) not in KINDS:
+            raise ScheduleError(f"unknown schedule {text!r}; valid: oneshot, chunked(N), "
+                                "prefix_hit(P), decode_from(P)")
+        kind, arg = m.group(1), m.group(2)
+        if kind == "oneshot":
+            if arg is not None:
+                raise ScheduleError("oneshot takes no argument")
+            return cls()
+        if arg is None:
+            raise ScheduleError(f"{kind} needs a token count, e.g. {kind}(128)")
+        if int(arg) < 1:
+            raise ScheduleError(f"{kind}({arg}): the token count must be at least 1")
+        return cls(kind, int(arg))
+
+    def __str__(self) -> str:
+        return self.kind if self.kind == "oneshot" else f"{self.kind}({self.n})"
+
+    def segments(self, length: int) -> list[Segment]:
+        """The prompt's pieces in order. A prefix or decode start must leave at least one
+        token after it."""
+        if self.kind == "oneshot":
+            return [Segment(0, length)]
+        if self.kind == "chunked":
+            return [Segment(a, min(a + self.n, length)) for a in range(0, length, self.n)]
+        if self.n >= length:
+            raise ScheduleError(f"{self}: the prefix ({self.n} tokens) must be shorter than the "
+                                f"prompt ({length} tokens)")
+        if self.kind == "prefix_hit":
+            return [Segment(0, self.n), Segment(self.n, length, restore=True)]
+        return [Segment(0, self.n)] + [Segment(t, t + 1, "decode") for t in range(self.n, length)]
+
+
+ONESHOT = Schedule()

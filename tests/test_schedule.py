@@ -1,0 +1,111 @@
+"""Schedules (reference_model.schedule): the golden is an exact oracle for how a prompt is
+served -- chunked prefill, a prefix-cache hit (state saved and restored), the tail through
+the decode path -- bit-identical to one-shot at every boundary class; the planted serving
+bugs act only under the schedule that has their boundary; bad schedules are clear errors."""
+import pytest
+import torch
+
+from kernel_toggles import ToggleSet
+from reference_model import Model, Numerics
+from reference_model.config import tiny
+from reference_model.schedule import Schedule, ScheduleError, Segment
+from reference_model.weights import random_weights
+
+N = 300
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_weights(tiny(), 1)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(6, 500, (N,), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def oneshot(weights, tokens):
+    return Model(weights, Numerics("reference")).prefill_logits(tokens)
+
+
+def _boundaries():
+    """Window 32, CSA ratio 4, HCA ratio 128 and a 64-token page, each -1, 0, +1."""
+    return sorted({b + d for b in (32, 4 * 16 + 2, 128, 64, 256) for d in (-1, 0, 1)})
+
+
+@pytest.mark.parametrize("kind", ["chunked", "prefix_hit"])
+def test_golden_is_exact_under_every_schedule_boundary(weights, tokens, oneshot, kind):
+    for b in _boundaries():
+        out = Model(weights, Numerics("reference"), schedule=Schedule(kind, b)).prefill_logits(tokens)
+        assert torch.equal(out, oneshot), (kind, b)
+
+
+def test_golden_is_exact_through_the_decode_path(weights, tokens, oneshot):
+    for p in (N - 45, 256, 257):                    # across the HCA boundary at 256
+        out = Model(weights, Numerics("reference"), schedule=Schedule("decode_from", p)).prefill_logits(tokens)
+        assert torch.equal(out, oneshot), p
+
+
+def test_segments():
+    assert Schedule.parse("chunked(4)").segments(10) == [Segment(0, 4), Segment(4, 8), Segment(8, 10)]
+    assert Schedule.parse("prefix_hit(6)").segments(10) == [Segment(0, 6), Segment(6, 10, restore=True)]
+    assert Schedule.parse(" decode_from( 8 ) ").segments(10) == [
+        Segment(0, 8), Segment(8, 9, "decode"), Segment(9, 10, "decode")]
+    assert str(Schedule.parse("prefix_hit(128)")) == "prefix_hit(128)" and str(Schedule()) == "oneshot"
+
+
+@pytest.mark.parametrize("text,msg", [("chunked(0)", "at least 1"), ("prefix_hit", "needs a token count"),
+                                      ("page(3)", "unknown schedule"), ("oneshot(2)", "no argument"),
+                                      ("chunked(-4)", "at least 1"), ("", "unknown schedule")])
+def test_bad_schedules_are_clear_errors(text, msg):
+    with pytest.raises(ScheduleError, match=msg.replace("(", r"\(")):
+        Schedule.parse(text)
+
+
+def test_prefix_must_be_shorter_than_the_prompt():
+    with pytest.raises(ScheduleError, match=r"prefix \(300 tokens\) must be shorter than the prompt \(300"):
+        Schedule.parse("prefix_hit(300)").segments(300)
+
+
+@pytest.mark.parametrize("bug,schedule", [("restore_drops_compressor_pending", "prefix_hit(130)"),
+                                          ("restore_window_one_off", "prefix_hit(130)"),
+                                          ("chunk_stale_index_keys", "chunked(64)")])
+def test_serving_bugs_act_only_at_their_boundary(weights, tokens, oneshot, bug, schedule):
+    nx = ToggleSet.parse(bug).numerics("reference")
+    for s in ("oneshot", "prefix_hit(130)", "chunked(64)"):
+        out = Model(weights, nx, schedule=Schedule.parse(s)).prefill_logits(tokens)
+        assert torch.equal(out, oneshot) == (s != schedule), (bug, s)
+    # the bug's rows differ only from the boundary on
+    out = Model(weights, nx, schedule=Schedule.parse(schedule)).prefill_logits(tokens)
+    first = int((out != oneshot).any(-1).nonzero()[0])
+    assert first >= Schedule.parse(schedule).n
+
+
+def test_ab_names_serving_bugs_under_their_schedule_only():
+    """`fidelity ab` with arms under schedules: golden under each schedule is a floor
+    (exact here) and an arm (`golden@S`, the context a bug under S is measured against);
+    the stale-keys bug under chunked(64) breaks the outcome, the restore that drops the
+    compressor's pending rows changes indexer selection under prefix_hit(130), both first
+    diverging at the first CSA layer's picks; one-shot, the same bug names nothing."""
+    from fidelity.ab.design import ABSettings
+    from fidelity.ab.run import run_ab
+    from fidelity.weights.source import load_tokenizer_for, load_weights
+    w, _ = load_weights(None)
+    arms = ["chunk_stale_index_keys@chunked(64)", "restore_drops_compressor_pending@prefix_hit(130)",
+            "restore_drops_compressor_pending"]
+    res = run_ab(w, ABSettings.of(arms=arms, lengths=(200,), prompts_per_length=3, decode_steps=1,
+                                  shapley_top=0, n_boot=300), None, progress=lambda m: None,
+                 tokenizer=load_tokenizer_for(None))
+    m, v = res["manifest"], res["verdict"]
+    assert {"floor:schedule@chunked(64)", "floor:schedule@prefix_hit(130)"} <= set(m["floors"])
+    s = res["summary"].set_index("arm")
+    assert s.loc["floor:schedule@chunked(64)", "kld_mean"] == 0 == s.loc["golden@prefix_hit(130)", "kld_mean"]
+    assert v["culprit"] == "chunk_stale_index_keys" and v["method"] == "under_schedule"
+    mech = {f["toggle"]: f for f in v["mechanism"]}
+    assert mech["restore_drops_compressor_pending"]["signals"][0]["method"] == "under_schedule"
+    assert not {n["toggle"] for n in v["named"]} & {"restore_drops_compressor_pending"}
+    fd = {f["arm"]: (f["layer"], f["tap"]) for f in res["first_divergence"]}
+    assert fd["chunk_stale_index_keys@chunked(64)"] == (1, "attn.index.topk")
+    assert fd["restore_drops_compressor_pending@prefix_hit(130)"] == (1, "attn.index.topk")
+    assert "restore_drops_compressor_pending" not in fd and "golden@chunked(64)" not in fd
