@@ -1,6 +1,7 @@
-"""Numerics arms, as the in-process needle runner and `fidelity serve` see them: a name
-plus a way to make the arm's Numerics. Arm strings (and $DSV4_FIDELITY_ARM) are parsed by
-kernel_toggles."""
+"""Numerics arms, as the in-process needle runner, `fidelity kld`'s in-process arms and
+`fidelity serve` see them: a name, a way to make the arm's Numerics and the schedule its
+prompts are fed with (`ARM@prefix_hit(128)`, reference_model.schedule). Arm strings (and
+$DSV4_FIDELITY_ARM) are parsed by kernel_toggles."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kernel_toggles import ENV_VAR, ToggleSet
+from reference_model.schedule import ONESHOT, Schedule, ScheduleError
 
 
 class ArmError(ValueError):
@@ -19,19 +21,29 @@ class NumericsArm:
     name: str                                   # canonical spelling, e.g. "golden"
     make_numerics: Callable[..., object]        # profile -> reference_model.Numerics
     toggles: tuple[str, ...] = ()               # each toggle's spelling, with its parameters
+    schedule: Schedule = ONESHOT                # how its prompts are fed
 
     def numerics(self, profile: str = "reference", **numerics_kwargs):
         """The arm's Numerics (numerics_kwargs, e.g. compute_dtype, go to Numerics)."""
         return self.make_numerics(profile, **numerics_kwargs)
 
 
+def split_schedule(text: str, default: str | None = None) -> tuple[str, Schedule]:
+    """`engine@prefix_hit(128)` -> ("engine", prefix_hit(128)); without `@`, `default`."""
+    arm, at, sched = text.partition("@")
+    return arm, Schedule.parse(sched if at else (default or "oneshot"))
+
+
 def parse_arm(text: str | None) -> NumericsArm:
-    """'golden' (or empty), 'engine', 'engine:sglang', 'kv_bf16,splitk_decode(splits=8)', ..."""
+    """'golden' (or empty), 'engine', 'engine:sglang', 'kv_bf16,splitk_decode(splits=8)',
+    'engine@chunked(64)', ..."""
     try:
-        ts = ToggleSet.parse((text or "").strip())
-    except ValueError as e:
+        spec, schedule = split_schedule((text or "").strip())
+        ts = ToggleSet.parse(spec.strip())
+    except (ValueError, ScheduleError) as e:
         raise ArmError(str(e)) from None
-    return NumericsArm(str(ts), ts.numerics, tuple(str(t) for t in ts))
+    name = str(ts) + ("" if schedule == ONESHOT else f"@{schedule}")
+    return NumericsArm(name, ts.numerics, tuple(str(t) for t in ts), schedule)
 
 
 def as_arm(x) -> NumericsArm:

@@ -47,10 +47,12 @@ class InProcessRunner:
         self.mechanism = mechanism
         kw = {"compute_dtype": placement.compute_dtype} if placement else {}
         devices = placement.model_devices if placement else None
-        self.model = Model(target.weights, self.arm.numerics(profile, **kw), devices=devices)
+        sched = self.arm.schedule            # feeds the prompt up to its last token (prefill)
+        self.model = Model(target.weights, self.arm.numerics(profile, **kw), devices=devices,
+                           schedule=sched)
         self._scores: list[torch.Tensor] = []
         rec = self.model.nx.with_kernels("index-score-recorder", index_scores=self._record)
-        self.model_rec = Model(target.weights, rec, devices=devices)
+        self.model_rec = Model(target.weights, rec, devices=devices, schedule=sched)
 
     def _record(self, golden, q, keys, w):
         s = golden.index_scores(q, keys, w)

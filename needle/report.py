@@ -240,7 +240,8 @@ def _mechanism_lines(t: dict, base: str) -> list[str]:
     out = []
     rows = t.get("mechanism_pairs") or []
     for r in rows:
-        pooled = r["layer"] == "all" or not any(x["arm_b"] == r["arm_b"] and x["layer"] == "all" for x in rows)
+        has_pooled = any(x["arm_b"] == r["arm_b"] and x["layer"] == "all" for x in rows)
+        pooled = r["layer"] == "all" or not has_pooled
         if not pooled or r["a_only"] + r["b_only"] == 0:
             continue
         where = "trial × CSA layer pairs" if r["layer"] == "all" else f"trials at CSA layer {r['layer']}"

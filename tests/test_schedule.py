@@ -109,3 +109,34 @@ def test_ab_names_serving_bugs_under_their_schedule_only():
     assert fd["chunk_stale_index_keys@chunked(64)"] == (1, "attn.index.topk")
     assert fd["restore_drops_compressor_pending@prefix_hit(130)"] == (1, "attn.index.topk")
     assert "restore_drops_compressor_pending" not in fd and "golden@chunked(64)" not in fd
+
+
+def test_arm_strings_carry_a_schedule_and_serve_refuses_one(capsys):
+    from fidelity.arms import ArmError, parse_arm
+    from fidelity.cli import main
+    a = parse_arm("engine@prefix_hit(64)")
+    assert a.name.endswith("@prefix_hit(64)") and a.schedule == Schedule("prefix_hit", 64)
+    assert parse_arm("golden").schedule == Schedule()
+    with pytest.raises(ArmError, match="unknown schedule"):
+        parse_arm("engine@warm(3)")
+    assert main(["serve", "--arm", "x=engine@chunked(64)", "--port", "0"]) == 2
+    assert "does not take a schedule" in capsys.readouterr().err
+
+
+def test_inprocess_needle_and_kld_arms_take_a_schedule():
+    """A serving bug reaches the in-process needle runner and kld's in-process scorer
+    through the arm string: under its schedule the answer's logits move, one-shot not."""
+    from fidelity.arms import parse_arm
+    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.weights.source import load_weights
+    w, _ = load_weights(None)
+    toks = torch.randint(6, 500, (200,), generator=torch.Generator().manual_seed(5))
+    ref = Model(w, Numerics("reference")).prefill_logits(toks)
+    for spec, moved in (("chunk_stale_index_keys@chunked(64)", True), ("chunk_stale_index_keys", False)):
+        arm = parse_arm(spec)
+        scorer = InProcessScorer(arm.name, arm.numerics(), w, schedule=arm.schedule)
+        assert (not torch.equal(scorer.model.prefill_logits(toks), ref)) == moved, spec
+    from fidelity.needle_runner import InProcessRunner
+    from fidelity.weights.target import load_target
+    runner = InProcessRunner("bug", load_target(None), "chunk_stale_index_keys@chunked(64)")
+    assert runner.model.schedule == runner.model_rec.schedule == Schedule("chunked", 64)

@@ -17,6 +17,8 @@ from reference_model.numerics import topk_highest_index_ties
 
 from reference_model.schedule import ONESHOT, Schedule
 
+from ..arms import split_schedule
+
 from ..verdict.signals import QAT_FLOOR, SCHEDULE_FACTOR
 from .lockstep import DEFAULT_TAPS, LockstepArm
 
@@ -124,7 +126,8 @@ def arm_sets(settings: ABSettings) -> tuple[dict[str, object], list[str], dict[s
         for text in d.arms:
             name, sched = split_schedule(text, d.schedule)
             ts = K.ToggleSet.parse(name)
-            label = (name if name.startswith("engine") else str(ts)) + ("" if sched == ONESHOT else f"@{sched}")
+            label = name if name.startswith("engine") else str(ts)
+            label += "" if sched == ONESHOT else f"@{sched}"
             arms[label], schedules[label] = ts, sched
     for label in [k for k, ts in arms.items() if not len(ts)]:    # golden (under a schedule: schedule_arms)
         arms.pop(label)
@@ -138,12 +141,6 @@ def base_toggles(settings: ABSettings) -> frozenset:
     default = Schedule.parse(d.schedule or "oneshot")
     extra = frozenset() if default == ONESHOT else frozenset({schedule_factor(default)})
     return frozenset(K.ToggleSet.parse(d.base).names) | extra
-
-
-def split_schedule(text: str, default: str | None = None) -> tuple[str, Schedule]:
-    """`engine@prefix_hit(128)` -> ("engine", prefix_hit(128)); without `@`, `default`."""
-    arm, at, sched = text.partition("@")
-    return arm, Schedule.parse(sched if at else (default or "oneshot"))
 
 
 def schedule_factor(s: Schedule) -> str:

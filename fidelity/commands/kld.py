@@ -101,7 +101,8 @@ def build_entries(args, target, progress, place=None):
         arm = parse_arm(spec)
         nx = arm.numerics(compute_dtype=place.compute_dtype) if place else arm.numerics()
         entries.append(ScoredArm(name, InProcessScorer(name, nx, target.weights, arm.name,
-                                                       place.model_devices if place else None),
+                                                       place.model_devices if place else None,
+                                                       arm.schedule),
                                  factors=frozenset({name})))
     for name, url in endpoints:
         ep = Endpoint(name, url, dialects.pop(name, None), per_arm.get(name, every), policy,

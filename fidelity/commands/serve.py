@@ -77,6 +77,10 @@ def run(args) -> int:
             arms = [(None, arm_from_env())]
     except (ArmError, DeviceError, ValueError) as e:
         raise CommandError(str(e)) from None
+    scheduled = [arm.name for _, arm in arms if str(arm.schedule) != "oneshot"]
+    if scheduled:
+        raise CommandError(f"fidelity serve feeds prompts as requests arrive; it does not take a "
+                           f"schedule on an arm ({', '.join(scheduled)}): drop the @SCHEDULE")
     if args.max_queue < 1 or args.max_logprobs < -1 or args.time_slice < 0:
         raise CommandError("--max-queue must be >= 1, --max-logprobs >= -1, --time-slice >= 0")
     import uvicorn

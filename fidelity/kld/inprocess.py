@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from reference_model import Model
+from reference_model.schedule import ONESHOT
 from reference_model.taps import Taps
 
 from .bounds import Known
@@ -21,9 +22,10 @@ class InProcessScorer:
 
     kind = "inprocess"
 
-    def __init__(self, name: str, numerics, weights, label: str | None = None, devices=None):
+    def __init__(self, name: str, numerics, weights, label: str | None = None, devices=None,
+                 schedule=ONESHOT):
         self.name, self.label = name, label or name
-        self.model = Model(weights, numerics, devices=devices)
+        self.model = Model(weights, numerics, devices=devices, schedule=schedule)
         cfg = weights.cfg
         self.csa = [i for i, r in enumerate(cfg.compress_ratios) if r == 4]
         self.n_layers = cfg.n_layers

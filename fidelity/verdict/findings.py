@@ -100,4 +100,5 @@ def findings_table(findings: list[dict]) -> pd.DataFrame:
 
 def verdict_lines(v: dict) -> list[str]:
     """The verdict as a report's first lines: outcome, then mechanism (when there is one)."""
-    return [v.get("outcome_sentence", v["sentence"])] + ([v["mechanism_sentence"]] if v.get("mechanism") else [])
+    lines = [v.get("outcome_sentence", v["sentence"])]
+    return lines + [v["mechanism_sentence"]] if v.get("mechanism") else lines

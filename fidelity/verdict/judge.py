@@ -100,11 +100,11 @@ def _outcome(t: pd.DataFrame, mechanism: bool) -> dict:
     if hits.empty:
         k = t[t.signal == "kld_mean"].sort_values("value", ascending=False)
         top = k.iloc[0] if len(k) else t.sort_values("value", ascending=False).iloc[0]
+        lead = "No toggle changes the outcome beyond its floors" if mechanism else "No toggle stands out"
         return {"culprit": None, "named": [], "sentence":
-                ("No toggle changes the outcome beyond its floors" if mechanism else
-                 "No toggle stands out") +
-                f": for no outcome signal does a toggle's interval clear its floor (largest mean-KLD effect: {top.toggle}, {top.value:.3g} "
-                f"[{top.lo:.3g}, {top.hi:.3g}] vs floor {top.floor_hi:.3g})."}
+                f"{lead}: for no outcome signal does a toggle's interval clear its floor (largest "
+                f"mean-KLD effect: {top.toggle}, {top.value:.3g} [{top.lo:.3g}, {top.hi:.3g}] vs "
+                f"floor {top.floor_hi:.3g})."}
     best = hits.drop_duplicates("toggle")
     c = best.iloc[0]
     named = [{"toggle": r.toggle, "signal": r.signal, "where": r["where"], "method": r.method,
