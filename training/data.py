@@ -7,7 +7,9 @@ Filler comes from three sources, none downloaded: the shipped essay corpus
 (`reference_model/data/corpus.txt`, as `needle --filler essay` uses it), RULER's repeated
 noise sentences (`--filler noise`), and a small grammar written here (so the model sees
 filler it cannot memorise). A haystack holds 1–3 needles with different keys; the question
-asks for one of them, so retrieval must match the key, not just find a number. With
+asks for one of them, so retrieval must match the key, not just find a number. With a
+`mix` (tiny-needle-v2) the haystack is instead one needle, 2–4 needles with random keys, or
+2–4 needles whose other keys are near-duplicates of the queried one. With
 `follow_ups`, the other keys are asked in later chat turns (DeepSeek-V4 multi-turn
 encoding: answer, EOS, <｜User｜>question, <｜Assistant｜></think>answer, EOS): up to three
 supervised answers per haystack for ~50 extra tokens each. The first turn is exactly the
@@ -20,8 +22,27 @@ from dataclasses import dataclass
 import torch
 
 from needle.haystack import PromptFormat, Template, _sentences
-from reference_model.tokenizer import ASSISTANT, END_THINK, USER
+from needle.keys import near_keys
 from needle.words import ADJECTIVES, NOUNS
+from reference_model.tokenizer import ASSISTANT, END_THINK, USER
+
+# needle kinds of a `mix` (tiny-needle-v2): one needle; 2-4 needles with random keys; 2-4
+# needles whose other keys are near-duplicates of the queried key (needle/keys.py, exactly
+# the `--distractors near` draw of the sweeps: a spelling edit of the noun, a shared noun, a
+# shared adjective, ...)
+MIX_KINDS = ("single", "random", "near")
+
+
+def parse_mix(text: str) -> tuple[tuple[str, float], ...]:
+    """"near=0.5,random=0.2,single=0.3" -> (("near", 0.5), ...), normalised to sum 1."""
+    pairs = []
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        if k.strip() not in MIX_KINDS:
+            raise ValueError(f"mix kind must be one of {', '.join(MIX_KINDS)}, got {k!r}")
+        pairs.append((k.strip(), float(v)))
+    tot = sum(v for _, v in pairs)
+    return tuple((k, v / tot) for k, v in pairs)
 
 # ---- a small grammar of plain sentences ------------------------------------------------
 _PEOPLE = ("the baker", "a farmer", "the old carpenter", "my neighbour", "the teacher", "a child",
@@ -70,8 +91,10 @@ class HaystackSampler:
     def __init__(self, tokenizer, seed: int = 0,
                  filler_weights=(("essay", 0.5), ("grammar", 0.35), ("noise", 0.15)),
                  needle_counts=((1, 0.4), (2, 0.3), (3, 0.3)), edge_prob: float = 0.15,
-                 follow_ups: bool = True):
+                 follow_ups: bool = True, mix=None, multi_keys=(2, 4)):
         self.tok = tokenizer
+        self.mix = mix                  # None: v1's needle_counts draw (unchanged stream)
+        self.multi_keys = multi_keys
         self.rng = random.Random(seed)
         self.fillers = filler_weights
         self.needle_counts = needle_counts
@@ -113,14 +136,28 @@ class HaystackSampler:
             i += 1
         return out
 
-    def example(self, target_tokens: int) -> Example:
+    def _keys(self) -> list[str]:
+        """The haystack's keys, the queried one first."""
         rng = self.rng
-        k = self._pick(self.needle_counts)
+        kind = "random" if self.mix is None else self._pick(self.mix)
+        if self.mix is None:
+            k = self._pick(self.needle_counts)
+        else:
+            k = 1 if kind == "single" else rng.randint(*self.multi_keys)
+        if kind == "near":
+            key = rng.choice(ADJECTIVES) + "-" + rng.choice(NOUNS)
+            return [key] + near_keys(key, k - 1, rng)
         keys: list[str] = []
         while len(keys) < k:
             key = rng.choice(ADJECTIVES) + "-" + rng.choice(NOUNS)
-            if key not in keys:
+            if key not in keys and (self.mix is None or not any(key in o or o in key for o in keys)):
                 keys.append(key)
+        return keys
+
+    def example(self, target_tokens: int) -> Example:
+        rng = self.rng
+        keys = self._keys()
+        k = len(keys)
         values: list[str] = []
         while len(values) < k:
             v = str(rng.randint(1_000_000, 9_999_999))

@@ -4,6 +4,12 @@ indexer mechanism rate by CSA layer, and eval/smoke.json (the cell the smoke tes
 
     python -m training.model_card models/tiny-needle --sweeps a.jsonl,b.jsonl \
         --train-lengths 256,384,513,642 --smoke-length 384
+
+Sweeps may be labelled (`near4=a.jsonl+b.jsonl,single=c.jsonl`): the notes then place
+each label's tables with {{RECALL_TABLE:label}}, {{MECHANISM_TABLE:label}},
+{{MECHANISM_BY_LENGTH:label}}, {{DISCRIMINATION:label}} (multikey: distractor needles the
+indexer kept) and {{COMPARE:label1,label2,...}} (recall by length side by side), and
+--smoke-label picks the smoke cell's sweep (its haystack spec goes into smoke.json).
 """
 from __future__ import annotations
 
@@ -53,7 +59,7 @@ def loss_curve(log: list[dict], path: Path, smooth: int = 25):
     ax[1].legend(loc="lower right", fontsize=8)
     for a in ax:
         for r0, r1 in zip(log, log[1:]):
-            if r0["phase"] != r1["phase"]:
+            if r0["phase"] != r1["phase"] or r0.get("stage") != r1.get("stage"):
                 a.axvline(r1["step"], color="grey", lw=0.8, ls="--")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -94,8 +100,9 @@ def markdown_tables(t, train_lengths) -> list[str]:
                          f"{r['recall']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] n={r['n_scored']}")
         md.append(f"| {L}{tag} | " + " | ".join(cells) + f" | **{_ci(bl[L])}** |")
     p = t["train_pooled"]
-    md += ["", f"Pooled over the training lengths: recall **{p['recall']:.3f}**, Wilson 95% "
-           f"interval [{p['ci_low']:.3f}, {p['ci_high']:.3f}] over {p['n']} trials."]
+    if p["n"]:
+        md += ["", f"Pooled over the training lengths: recall **{p['recall']:.3f}**, Wilson 95% "
+               f"interval [{p['ci_low']:.3f}, {p['ci_high']:.3f}] over {p['n']} trials."]
     return md
 
 
@@ -142,6 +149,65 @@ def smoke_cell(rows, length, reps, depths, seed) -> dict:
             "recall": k / len(rs), "ci_low": lo, "ci_high": hi}
 
 
+def _labelled(text: str) -> dict[str, list[Path]]:
+    """"a.jsonl,b.jsonl" -> {"": [a, b]}; "x=a.jsonl+b.jsonl,y=c.jsonl" -> {"x": [a, b], "y": [c]}."""
+    out: dict[str, list[Path]] = {}
+    for part in text.split(","):
+        label, _, paths = part.rpartition("=")
+        out.setdefault(label, []).extend(Path(x) for x in paths.split("+"))
+    return out
+
+
+def _spec(paths) -> dict:
+    from needle.results import read_rows
+    header, _ = read_rows(paths[0])
+    return header["trials"]["spec"]
+
+
+def discrimination_md(rows, spec: dict, tokenizer) -> list[str]:
+    from needle.haystack import HaystackSpec
+    from training.evaluate import discrimination
+    d = discrimination(rows, HaystackSpec(**{k: v for k, v in spec.items() if k != "template"}), tokenizer)
+    md = ["| CSA layer | queried needle kept | distractor needles kept (mean, of "
+          f"{d[0]['n_distractors'] if d else '-'}) | any distractor kept | clean: queried kept, "
+          "no distractor [Wilson] | clean among correct trials |", "|---|---|---|---|---|---|"]
+    for r in d:
+        md.append(f"| {r['layer']} | {r['queried_kept']:.3f} | {r['dist_kept']:.2f} | "
+                  f"{r['any_dist_kept']:.3f} | {r['clean']:.3f} [{r['clean_ci'][0]:.2f}, "
+                  f"{r['clean_ci'][1]:.2f}] n={r['n']} | {r['clean_correct']:.3f} |")
+    return md
+
+
+def compare_md(groups: dict[str, list[dict]], labels: list[str]) -> list[str]:
+    from needle.tables import by_length
+    bl = {lab: {r["length"]: r for r in by_length(groups[lab])} for lab in labels}
+    lengths = sorted({L for lab in labels for L in bl[lab]})
+    md = ["| length | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for L in lengths:
+        md.append(f"| {L} | " + " | ".join(_ci(bl[lab][L]) if L in bl[lab] else "-"
+                                           for lab in labels) + " |")
+    return md
+
+
+def _fill_labelled(md: str, groups, specs, train_lengths, tokenizer) -> tuple[str, dict]:
+    import re
+    summaries = {}
+    for lab, rows in groups.items():
+        if not lab:
+            continue
+        t = tables(rows, train_lengths)
+        summaries[lab] = t
+        md = md.replace(f"{{{{RECALL_TABLE:{lab}}}}}", "\n".join(markdown_tables(t, train_lengths)))
+        md = md.replace(f"{{{{MECHANISM_TABLE:{lab}}}}}", "\n".join(mechanism_md(t)))
+        md = md.replace(f"{{{{MECHANISM_BY_LENGTH:{lab}}}}}", "\n".join(mechanism_by_length(rows)))
+        if f"{{{{DISCRIMINATION:{lab}}}}}" in md:
+            md = md.replace(f"{{{{DISCRIMINATION:{lab}}}}}",
+                            "\n".join(discrimination_md(rows, specs[lab], tokenizer)))
+    for m in re.findall(r"\{\{COMPARE:([^}]*)\}\}", md):
+        md = md.replace(f"{{{{COMPARE:{m}}}}}", "\n".join(compare_md(groups, m.split(","))))
+    return md, summaries
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model")
@@ -151,23 +217,34 @@ def main(argv=None):
     p.add_argument("--smoke-reps", type=int, default=3)
     p.add_argument("--smoke-depths", default="0,25,50,75,100")
     p.add_argument("--notes", default=None, help="Markdown file with the hand-written sections")
+    p.add_argument("--smoke-label", default="", help="labelled sweeps: the smoke cell's label")
     a = p.parse_args(argv)
     root = Path(a.model)
     (root / "eval").mkdir(exist_ok=True)
     log = [json.loads(line) for line in (root / "training_log.jsonl").read_text().splitlines()]
     run = json.loads((root / "training_run.json").read_text())
     loss_curve(log, root / "loss_curve.png")
-    rows = _rows([Path(x) for x in a.sweeps.split(",")])
+    paths = _labelled(a.sweeps)
+    groups = {lab: _rows(ps) for lab, ps in paths.items()}
     train_lengths = [int(x) for x in a.train_lengths.split(",")]
-    t = tables(rows, train_lengths)
-    (root / "eval" / "summary.json").write_text(json.dumps(t, indent=1) + "\n")
-    seed = 0
-    smoke = smoke_cell(rows, a.smoke_length, a.smoke_reps, [float(x) for x in a.smoke_depths.split(",")], seed)
-    (root / "eval" / "smoke.json").write_text(json.dumps(smoke, indent=1) + "\n")
     notes = Path(a.notes or Path(__file__).with_name("card_notes.md")).read_text()
-    md = notes.replace("{{RECALL_TABLE}}", "\n".join(markdown_tables(t, train_lengths)))
-    md = md.replace("{{MECHANISM_TABLE}}", "\n".join(mechanism_md(t)))
-    md = md.replace("{{MECHANISM_BY_LENGTH}}", "\n".join(mechanism_by_length(rows)))
+    md = notes
+    seed = 0
+    rows = groups.get(a.smoke_label, [])
+    smoke = smoke_cell(rows, a.smoke_length, a.smoke_reps, [float(x) for x in a.smoke_depths.split(",")], seed)
+    if a.smoke_label:
+        from reference_model.tokenizer import load_tokenizer
+        smoke["spec"] = {k: v for k, v in _spec(paths[a.smoke_label]).items() if k != "template"}
+        md, summaries = _fill_labelled(md, groups, {lab: _spec(ps) for lab, ps in paths.items() if lab},
+                                       train_lengths, load_tokenizer(root / "tokenizer.json"))
+        (root / "eval" / "summary.json").write_text(json.dumps(summaries, indent=1) + "\n")
+    else:
+        t = tables(rows, train_lengths)
+        (root / "eval" / "summary.json").write_text(json.dumps(t, indent=1) + "\n")
+        md = md.replace("{{RECALL_TABLE}}", "\n".join(markdown_tables(t, train_lengths)))
+        md = md.replace("{{MECHANISM_TABLE}}", "\n".join(mechanism_md(t)))
+        md = md.replace("{{MECHANISM_BY_LENGTH}}", "\n".join(mechanism_by_length(rows)))
+    (root / "eval" / "smoke.json").write_text(json.dumps(smoke, indent=1) + "\n")
     md = md.replace("{{TRAIN_SECONDS}}", f"{run['train_seconds']:.0f}")
     md = md.replace("{{SMOKE}}", json.dumps(smoke))
     (root / "MODEL_CARD.md").write_text(md)

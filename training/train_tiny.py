@@ -5,6 +5,10 @@ it as a DeepSeek-native checkpoint.
     python -m training.train_tiny --steps 3 --dense-steps 1 --qat-act-steps 1 --procs 1 \
         --out /tmp/x                                             # smoke
 
+tiny-needle-v2 is a warm start from it (`--init-from models/tiny-needle`, `--mix` of
+single / random-key / near-duplicate-key haystacks, `--index-topk 8`); its two commands are
+in models/tiny-needle-v2/MODEL_CARD.md.
+
 Recipe (defaults = the shipped run; details in models/tiny-needle/MODEL_CARD.md):
 1. steps 0-599, dense warm-up: CSA layers attend to every visible compressed entry; the
    lightning indexer learns to predict that attention by a KL loss (inputs detached);
@@ -37,7 +41,7 @@ from reference_model.specs import F32, I64, all_specs
 from reference_model.tokenizer import DEFAULT_PATH as TOKENIZER_PATH
 from reference_model.tokenizer import load_tokenizer
 
-from .data import HaystackSampler
+from .data import HaystackSampler, parse_mix
 from .forward import ForwardOut, TrainForward
 from .qat import effective_weights, qat_numerics, to_grid
 from .tiny_config import tiny_needle
@@ -78,6 +82,27 @@ def init_params(cfg: ModelConfig, seed: int):
             if n.endswith(("wo_b.weight", "w2.weight")):
                 t = t / math.sqrt(2 * cfg.n_layers)
         params[n] = t.float().requires_grad_(True)
+    return params, buffers
+
+
+def init_from_checkpoint(cfg: ModelConfig, path):
+    """Warm start (--init-from): the masters are a shipped checkpoint's dequantised weights
+    (fp32; they already sit on their grids, so the first forward sees exactly that
+    checkpoint), the buffers (hash routing table) are the checkpoint's. `cfg` may differ
+    from the checkpoint's config only in name and index_topk (no weight shape depends on
+    them)."""
+    from reference_model.checkpoint import load_checkpoint
+    w = load_checkpoint(Path(path))
+    if w.cfg.replace(name=cfg.name, index_topk=cfg.index_topk) != cfg:
+        raise ValueError(f"--init-from {path}: its config differs from {cfg.name}'s beyond "
+                         "name and index_topk")
+    params, buffers = {}, {}
+    for s in all_specs(cfg):
+        t = w.tensors[s.name]
+        if s.fmt == I64:
+            buffers[s.name] = t.long().clone()
+        else:
+            params[s.name] = t.float().clone().requires_grad_(True)
     return params, buffers
 
 
@@ -186,16 +211,19 @@ def _setup(a, rank: int, world: int) -> _Run:
     rule, not the gradient), this rank's data streams, the two forwards."""
     torch.manual_seed(a.seed)
     torch.set_num_threads(a.threads)
-    cfg = tiny_needle()
+    cfg = model_config(a)
     tok = load_tokenizer()
-    params, buffers = init_params(cfg, a.seed)
+    params, buffers = (init_from_checkpoint(cfg, a.init_from) if a.init_from
+                       else init_params(cfg, a.seed))
     specs = {s.name: s for s in all_specs(cfg)}
     trained = {n: w for n, w in params.items() if not n.endswith("gate.bias")}
     is_decayed = {n: specs[n].fmt != F32 and w.dim() == 2 for n, w in trained.items()}
     run = _Run(a, rank, world, cfg, params, buffers, specs, trained=list(trained.values()),
                decay=[w for n, w in trained.items() if is_decayed[n]],
                nodecay=[w for n, w in trained.items() if not is_decayed[n]],
-               sampler=HaystackSampler(tok, seed=a.seed * 1000 + rank),
+               sampler=HaystackSampler(tok, seed=a.seed * 1000 + rank,
+                                       mix=parse_mix(a.mix) if a.mix else None,
+                                       multi_keys=tuple(a.multi_keys)),
                rng=random.Random(a.seed + 1),
                fwd_exact=TrainForward(cfg, Numerics("exact")), fwd_qat=TrainForward(cfg, qat_numerics()),
                sync=_Sync(world))
@@ -206,14 +234,22 @@ def _setup(a, rank: int, world: int) -> _Run:
 
 
 def _resume(run: _Run):
-    """Continue from a phase-end snapshot: same weights, and the data streams fast-forwarded
-    to the same place; the optimizer restarts, as --reset-opt-at does."""
+    """Continue from a snapshot: same weights, and the data streams fast-forwarded to the
+    same place. A phase-end snapshot (no optimizer state) continues at --reset-opt-at with
+    a fresh optimizer, as --reset-opt-at does; a --snapshot-every snapshot continues at its
+    step with its AdamW state (fresh if that step is --reset-opt-at)."""
     a = run.a
     snap = torch.load(a.resume)
+    if "step" in snap:                          # periodic snapshot: masters + AdamW + step
+        run.first = snap["step"]
+        if run.first != a.reset_opt_at:
+            run.opt.load_state_dict(snap["opt"])
+        snap = snap["params"]
+    else:
+        run.first = a.reset_opt_at
     with torch.no_grad():
         for n, w in run.params.items():
             w.copy_(snap[n])
-    run.first = a.reset_opt_at
     for step in range(run.first):
         run.sampler.batch(a.batch // run.world, length_at(step, a, run.rng), a.answer_kl_boost)
     if a.resume_log:
@@ -349,12 +385,21 @@ def _log_step(run: _Run, rec: dict):
 
 def _snapshot_if_phase_end(run: _Run, step: int):
     """Master weights + buffers after the dense phase and before the QAT-activation steps
-    (rank 0, --snapshot-dir): what --resume continues from."""
+    (rank 0, --snapshot-dir): what --resume continues from. With --snapshot-every, also
+    masters + AdamW state + step every that many steps (resumable mid-phase)."""
     a = run.a
-    if run.rank == 0 and a.snapshot_dir and (step + 1 in (a.dense_steps, a.steps - a.qat_act_steps)):
+    if not (run.rank == 0 and a.snapshot_dir):
+        return
+    if step + 1 in (a.dense_steps, a.steps - a.qat_act_steps):
         Path(a.snapshot_dir).mkdir(parents=True, exist_ok=True)
         torch.save({n: w.detach() for n, w in run.params.items()} | run.buffers,
                    Path(a.snapshot_dir) / f"step{step + 1}.pt")
+    if a.snapshot_every and (step + 1) % a.snapshot_every == 0 and step + 1 < a.steps:
+        Path(a.snapshot_dir).mkdir(parents=True, exist_ok=True)
+        tmp = Path(a.snapshot_dir) / f"ckpt{step + 1}.pt.tmp"
+        torch.save({"step": step + 1, "opt": run.opt.state_dict(),
+                    "params": {n: w.detach() for n, w in run.params.items()} | run.buffers}, tmp)
+        tmp.replace(tmp.with_suffix(""))
 
 
 def train(a, rank: int = 0, world: int = 1) -> dict:
@@ -389,13 +434,23 @@ def _worker(rank: int, world: int, port: int, a):
         dist.destroy_process_group()
 
 
+def portable_args(args) -> dict:
+    """The run's arguments for training_run.json, with the scratch files it read or wrote
+    (log, snapshots, resume points) reduced to their file names: no machine paths."""
+    d = dict(vars(args))
+    for k in ("log", "snapshot_dir", "resume", "resume_log"):
+        if d.get(k):
+            d[k] = Path(d[k]).name
+    return d
+
+
 def save(result, out_dir: Path, args) -> Path:
     from reference_model.checkpoint import save_checkpoint
     w = grid_weights(result["cfg"], result["params"], result["buffers"])
     path = save_checkpoint(w, out_dir, overwrite=True)
     shutil.copyfile(TOKENIZER_PATH, path / "tokenizer.json")
     (path / "training_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in result["log"]))
-    meta = {"args": vars(args), "train_seconds": result["train_seconds"],
+    meta = {"args": portable_args(args), "train_seconds": result["train_seconds"],
             "processes": result["world"], "threads_per_process": args.threads,
             "torch": torch.__version__}
     (path / "training_run.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -436,7 +491,26 @@ def parse_args(argv=None):
     p.add_argument("--resume", default=None,
                    help="snapshot written at step --reset-opt-at (equivalent to training from scratch)")
     p.add_argument("--resume-log", default=None, help="training log of the run that wrote the snapshot")
+    p.add_argument("--snapshot-every", type=int, default=0,
+                   help="also snapshot masters + AdamW state every N steps (--resume continues there)")
+    p.add_argument("--init-from", default=None,
+                   help="warm start: a checkpoint dir whose (dequantised) weights become the fp32 "
+                        "masters, and whose hash routing table is kept (e.g. models/tiny-needle)")
+    p.add_argument("--name", default="tiny-needle", help="model name in the checkpoint config")
+    p.add_argument("--index-topk", type=int, default=None,
+                   help="CSA indexer top-k (default: tiny()'s 16); a config value, no weight shape")
+    p.add_argument("--mix", default=None,
+                   help="haystack kinds, e.g. near=0.5,random=0.2,single=0.3 (kinds: single, "
+                        "random, near; default: v1's 1-3 random-key needles at 40/30/30%%)")
+    p.add_argument("--multi-keys", type=int, nargs=2, default=(2, 4),
+                   help="needles per random/near haystack of a --mix (inclusive range)")
     return p.parse_args(argv)
+
+
+def model_config(a) -> ModelConfig:
+    """tiny_needle() with the run's name and (optional) indexer top-k."""
+    cfg = tiny_needle().replace(name=a.name)
+    return cfg if a.index_topk is None else cfg.replace(index_topk=a.index_topk)
 
 
 def main(argv=None):

@@ -1,6 +1,8 @@
 """Which weights a command runs on: a DeepSeek-native checkpoint (streamed layer by
 layer), or the embedded default — the trained tiny model shipped in models/tiny-needle
-(falling back to seeded random tiny weights if that folder is absent)."""
+(falling back to seeded random tiny weights if that folder is absent). The other embedded
+models are selected by name: `--checkpoint tiny-needle-v2` or `embedded:tiny-needle-v2`
+resolve to models/tiny-needle-v2 (`resolve_checkpoint`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +13,8 @@ from reference_model.checkpoint import StreamingWeights, load_checkpoint
 from reference_model.resident import QuantisedResidentWeights
 from reference_model.tokenizer import load_tokenizer
 
-EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tiny-needle"
+MODELS = Path(__file__).resolve().parents[2] / "models"
+EMBEDDED = MODELS / "tiny-needle"
 
 WEIGHT_MODES = ("streamed", "resident-quantised", "dense")
 
@@ -23,13 +26,36 @@ class WeightsError(CommandError, ValueError):
     commands and callers that catch bad input as ValueError)."""
 
 
+def embedded_models() -> list[str]:
+    """Names of the models shipped in models/ (folders with a config.json)."""
+    return sorted(p.name for p in MODELS.iterdir() if (p / "config.json").is_file()) if MODELS.is_dir() else []
+
+
+def resolve_checkpoint(checkpoint: str | Path) -> Path:
+    """A checkpoint argument as a path: an existing path as given; otherwise `NAME` or
+    `embedded:NAME` names an embedded model, models/NAME. A name that is neither comes
+    back as the path it spells (the caller reports it missing); `embedded:` with an
+    unknown name raises WeightsError listing the embedded models."""
+    text = str(checkpoint)
+    path = Path(text)
+    if path.exists():
+        return path
+    name = text[len("embedded:"):] if text.startswith("embedded:") else text
+    if name and "/" not in name and (MODELS / name / "config.json").is_file():
+        return MODELS / name
+    if text.startswith("embedded:"):
+        raise WeightsError(f"no embedded model {name!r}; embedded models: "
+                           f"{', '.join(embedded_models()) or 'none'}")
+    return path
+
+
 def load_weights(checkpoint: str | None, device: str = "cpu", mode: str = "streamed", devices=None):
     """Returns (WeightSource, label for the manifest). A checkpoint is `streamed` (one
     dequantised layer resident; each pass re-reads it), `resident-quantised` (the
     checkpoint's own tensors resident on `devices`, dequantised on use) or `dense` (all
     dequantised in memory). Raises WeightsError."""
     if checkpoint:
-        path = Path(checkpoint)
+        path = resolve_checkpoint(checkpoint)
         if not path.exists():
             raise WeightsError(f"checkpoint not found: {path}")
         if mode not in WEIGHT_MODES:
@@ -47,7 +73,7 @@ def load_weights(checkpoint: str | None, device: str = "cpu", mode: str = "strea
 def load_tokenizer_for(checkpoint: str | None):
     """The checkpoint's (or the embedded model's) tokenizer.json, or None for a model
     that has none (prompts are then random token ids)."""
-    root = Path(checkpoint) if checkpoint else EMBEDDED
+    root = resolve_checkpoint(checkpoint) if checkpoint else EMBEDDED
     if (root / "tokenizer.json").is_file():
         return load_tokenizer(root / "tokenizer.json")
     return None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from reference_model.tokenizer import load_tokenizer
 
-from .source import EMBEDDED, WeightsError, load_weights
+from .source import EMBEDDED, WeightsError, load_weights, resolve_checkpoint
 
 
 @dataclass
@@ -41,7 +41,7 @@ def load_target(checkpoint: str | Path | None = None, tokenizer: str | Path | No
             desc += " (untrained: needle recall near 0 is expected)"
         root = EMBEDDED
     else:
-        root = Path(checkpoint)
+        root = resolve_checkpoint(checkpoint)       # a path, or an embedded model's name
         if not root.exists():
             raise WeightsError(f"checkpoint not found: {root}")
         weights, label = load_weights(str(root), mode=weights_mode, devices=devices)
