@@ -133,3 +133,15 @@ def rsf_on_output(routed_sum, shared, rsf: float, mode: str, cd):
     if mode == "fused_add":
         return bf16(r * rsf) if shared is None else bf16(shared.to(cd) + rsf * r)
     raise ValueError(f"mode must be 'mul_then_add' or 'fused_add', got {mode!r}")
+
+
+def splitk_mixes(X: torch.Tensor, fn: torch.Tensor, eps: float, splits: int, round_partial) -> torch.Tensor:
+    """The mHC mixing GEMM with K cut in `splits` pieces: each piece's partial product
+    rounded by `round_partial` (fp32), the partials summed in that order, each sum rounded
+    again, then the RMS scale of the whole row (as the reference computes it)."""
+    r = torch.rsqrt(X.square().mean(-1, keepdim=True) + eps)
+    acc = None
+    for Xs, Fs in zip(X.chunk(splits, -1), fn.chunk(splits, -1)):
+        part = round_partial(Xs @ Fs.T)
+        acc = part if acc is None else round_partial(acc + part)
+    return acc * r

@@ -16,7 +16,9 @@ from typing import Any, Callable
 
 from reference_model.numerics import KERNELS
 
-CATEGORIES = ("optimization", "known-bug", "request")
+# serving: engine behaviour by design that depends on serving state (batch, cache hits);
+# like known-bug it stays out of the `engine` arm, which is the numerics at batch 1
+CATEGORIES = ("optimization", "known-bug", "request", "serving")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 _PARAM_TYPES = (int, float, bool, str)
 

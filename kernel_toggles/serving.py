@@ -9,7 +9,10 @@ import copy
 
 import torch
 
-from .registry import Provenance, toggle
+from reference_model.schedule import batch_tokens
+
+from . import emulate as E
+from .registry import Param, Provenance, toggle
 
 
 def _without_pending(comp):
@@ -63,3 +66,26 @@ def _chunk_stale_index_keys(golden, st):
     if st.index_keys is not None:
         st.index_keys = torch.zeros_like(st.index_keys)
     return st
+
+
+@toggle("mhc_splitk_by_batch", kernel="hc_pre", category="serving", wraps=True, _builtin=True,
+        params=(Param("max_tokens", int, 64, "split K only for steps of at most this many tokens",
+                      min=1),
+                Param("splits", int, 4, "K splits when the step is small", min=2)),
+        provenance=Provenance(("sglang",), ("mHC pre-norm GEMM, split-K by token count",),
+                              ("sglang PR #37292", "sglang PR #36174"),
+                              "the threshold and split count are ours; the PRs report the "
+                              "choice keyed on the batch's token count"),
+        description="The mHC mixing GEMM's K dimension split in `splits` fp32 partial sums when "
+                    "the step holds at most `max_tokens` tokens (a decode step alone), one pass "
+                    "otherwise: the same token's logits then depend on what it was batched with "
+                    "(sglang PR #37292: ~1e-2 on every logprob when co-batched). Under "
+                    "`batch(k)` the step's tokens are k times the sequence's.")
+def _mhc_splitk_by_batch(golden, H, fn, scale, base, cfg, *, max_tokens, splits):
+    n = batch_tokens()
+    if n is None or n > max_tokens:
+        return golden.hc_pre(H, fn, scale, base, cfg)
+    n_tok, hc, d = H.shape
+    mixes = golden.r32(E.splitk_mixes(golden.c(H.reshape(n_tok, hc * d)), fn.to(golden.cd), cfg.norm_eps,
+                                      splits, golden.r32))
+    return golden.hc_collapse(H, mixes, scale, base, cfg)

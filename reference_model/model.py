@@ -15,7 +15,7 @@ import torch
 
 from .config import ModelConfig
 from .placement import model_placement
-from .schedule import ONESHOT, Schedule, Segment
+from .schedule import ONESHOT, Schedule, Segment, in_step
 from .numerics import Numerics
 from .taps import Taps
 from .weights import WeightSource
@@ -178,8 +178,9 @@ class Model:
                     state.layers[i] = self.nx.chunk_boundary(state.layers[i])
                 # the stream is stored in the storage dtype between layers (bf16 in the
                 # reference, lossless: hc_post already rounded it), halving memory at long context
-                out.append(self._block(i, w, H[a:b], tokens[a:b], state.layers[i], state.pos + a,
-                                       taps, seg.phase).to(self.nx.sd))
+                with in_step(self.schedule.batch * (b - a)):
+                    out.append(self._block(i, w, H[a:b], tokens[a:b], state.layers[i], state.pos + a,
+                                           taps, seg.phase).to(self.nx.sd))
         H = torch.cat(out, 0)
         if taps:
             taps.put(f"layers.{i}.out", H)

@@ -271,6 +271,12 @@ class Numerics:
         H [n,hc,d] -> (x [n,d], post [n,hc], comb [n,hc,hc])."""
         n, hc, d = H.shape
         mixes = self.r32(self._hc_mixes(H.reshape(n, hc * d), fn, cfg.norm_eps))
+        return self.hc_collapse(H, mixes, scale, base, cfg)
+
+    def hc_collapse(self, H, mixes, scale, base, cfg):
+        """hc_pre after its GEMM (a helper, not a kernel: a toggle that computes the mixes
+        another way reuses it): Sinkhorn, then the weighted collapse of the streams."""
+        hc = H.shape[1]
         pre, post, comb = (self.r32(t) for t in sinkhorn_split(
             mixes, scale.to(self.cd), base.to(self.cd), hc, cfg.hc_sinkhorn_iters, cfg.hc_eps))
         x = self.rs((pre.unsqueeze(-1) * self.c(H)).sum(1))

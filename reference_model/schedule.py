@@ -10,13 +10,19 @@ turns a prompt of n tokens into segments; Model.layer runs them in order and cal
 seam kernels `chunk_boundary` between chunks and `state_restore` where a cached prefix's
 state is restored.
 
-Spelling: `oneshot`, `chunked(N)`, `prefix_hit(P)`, `decode_from(P)`."""
+`batch(k)` computes the prompt in the same step as k-1 other sequences: the golden's
+numerics do not depend on it, but an engine's kernel may be chosen by the step's token
+count (split-K, tile sizes); a kernel reads that count from `batch_tokens()`.
+
+Spelling: `oneshot`, `chunked(N)`, `prefix_hit(P)`, `decode_from(P)`, `batch(k)`."""
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
-KINDS = ("oneshot", "chunked", "prefix_hit", "decode_from")
+KINDS = ("oneshot", "chunked", "prefix_hit", "decode_from", "batch")
 _RE = re.compile(r"^\s*([a-z_]+)\s*(?:\(\s*(-?\d+)\s*\))?\s*$")
 
 
@@ -42,7 +48,7 @@ class Schedule:
         m = _RE.match(text or "")
         if not m or m.group(1) not in KINDS:
             raise ScheduleError(f"unknown schedule {text!r}; valid: oneshot, chunked(N), "
-                                "prefix_hit(P), decode_from(P)")
+                                "prefix_hit(P), decode_from(P), batch(k)")
         kind, arg = m.group(1), m.group(2)
         if kind == "oneshot":
             if arg is not None:
@@ -54,13 +60,18 @@ class Schedule:
             raise ScheduleError(f"{kind}({arg}): the token count must be at least 1")
         return cls(kind, int(arg))
 
+    @property
+    def batch(self) -> int:
+        """Sequences computed in one step with this one (1 unless batch(k))."""
+        return self.n if self.kind == "batch" else 1
+
     def __str__(self) -> str:
         return self.kind if self.kind == "oneshot" else f"{self.kind}({self.n})"
 
     def segments(self, length: int) -> list[Segment]:
         """The prompt's pieces in order. A prefix or decode start must leave at least one
         token after it."""
-        if self.kind == "oneshot":
+        if self.kind in ("oneshot", "batch"):
             return [Segment(0, length)]
         if self.kind == "chunked":
             return [Segment(a, min(a + self.n, length)) for a in range(0, length, self.n)]
@@ -73,3 +84,20 @@ class Schedule:
 
 
 ONESHOT = Schedule()
+
+_BATCH_TOKENS: ContextVar[int | None] = ContextVar("batch_tokens", default=None)
+
+
+def batch_tokens() -> int | None:
+    """Tokens in the step being computed (this sequence's and its batch-mates'); None
+    outside Model.layer. Only batch-dependent kernels read it."""
+    return _BATCH_TOKENS.get()
+
+
+@contextmanager
+def in_step(tokens: int):
+    token = _BATCH_TOKENS.set(tokens)
+    try:
+        yield
+    finally:
+        _BATCH_TOKENS.reset(token)

@@ -140,3 +140,21 @@ def test_inprocess_needle_and_kld_arms_take_a_schedule():
     from fidelity.weights.target import load_target
     runner = InProcessRunner("bug", load_target(None), "chunk_stale_index_keys@chunked(64)")
     assert runner.model.schedule == runner.model_rec.schedule == Schedule("chunked", 64)
+
+
+def test_batch_dependent_kernel_sees_the_steps_token_count(weights, tokens):
+    """mhc_splitk_by_batch splits the mHC GEMM only in small steps: a 40-token prefill alone
+    (batch(1)) is split, the same prefill co-batched with 7 others (320 tokens) is not and
+    equals golden exactly; the golden itself ignores the batch."""
+    from reference_model import Taps
+    toks = tokens[:40]
+    nx = ToggleSet.parse("mhc_splitk_by_batch").numerics("reference")
+    taps = {}
+    for label, numerics, sched in (("golden", Numerics("reference"), "batch(8)"),
+                                   ("alone", nx, "batch(1)"), ("cobatched", nx, "batch(8)")):
+        taps[label] = Taps("layers.0.hc_attn.post")
+        Model(weights, numerics, schedule=Schedule.parse(sched)).prefill_logits(toks, taps[label])
+    g = taps["golden"]["layers.0.hc_attn.post"]
+    assert torch.equal(taps["cobatched"]["layers.0.hc_attn.post"], g)
+    assert not torch.equal(taps["alone"]["layers.0.hc_attn.post"], g)
+    assert Schedule.parse("batch(8)").batch == 8 and Schedule.parse("chunked(8)").batch == 1
