@@ -186,7 +186,8 @@ def test_batched_prompts_are_answered_one_by_one_in_order(http, as_ids):
         assert {**single, "index": ch["index"]} == ch
         n_prompt, n_out = n_prompt + len(ids), n_out + len(g.output_ids)
     assert r["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                          "total_tokens": n_prompt + n_out}
+                          "total_tokens": n_prompt + n_out,
+                          "prompt_tokens_details": {"cached_tokens": 0}}     # prompts < a page
 
 
 def test_batched_prompts_stream_with_their_indices(http):

@@ -46,6 +46,15 @@ def add_arguments(p):
     p.add_argument("--generation", choices=("0731", "original"), default="0731",
                    help="checkpoint generation whose reasoning-effort tiers the chat encoding "
                         "uses (research engine-integration.md §3.2; default 0731)")
+    p.add_argument("--page-size", type=int, default=64, metavar="TOKENS",
+                   help="prefix-cache page: the sequence state is kept at every multiple of it "
+                        "and a cached prefix ends on one (vLLM's --block-size, SGLang's "
+                        "--page-size; default 64)")
+    p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
+                   help="byte budget of the prefix cache's state snapshots, least recently used "
+                        "evicted first; at least one page's snapshot (default 1 GiB)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="serve without a prefix cache (every prompt prefilled in full)")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="server log level; warnings include request fields the server ignored "
@@ -83,13 +92,20 @@ def run(args) -> int:
                            f"schedule on an arm ({', '.join(scheduled)}): drop the @SCHEDULE")
     if args.max_queue < 1 or args.max_logprobs < -1 or args.time_slice < 0:
         raise CommandError("--max-queue must be >= 1, --max-logprobs >= -1, --time-slice >= 0")
+    if args.page_size < 1:
+        raise CommandError(f"--page-size must be at least 1 token (got {args.page_size})")
+    if not args.no_prefix_cache and args.prefix_cache_bytes < 1:
+        raise CommandError(f"--prefix-cache-bytes must be at least 1 (got {args.prefix_cache_bytes}); "
+                           "use --no-prefix-cache to serve without a prefix cache")
     import uvicorn
 
     target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
                              place.model_devices)
     try:
         engine = Engine(target, arms, ServeOptions(args.model_name, args.max_queue, args.max_logprobs,
-                                                   args.time_slice, args.generation, place, args.default_arm))
+                                                   args.time_slice, args.generation, place, args.default_arm,
+                                                   args.page_size,
+                                                   None if args.no_prefix_cache else args.prefix_cache_bytes))
     except ValueError as e:
         raise CommandError(str(e)) from None
     if args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -14,11 +14,13 @@ from pathlib import Path
 import torch
 
 from reference_model import Model
-from reference_model.generate import Decoder, Sampling, Scoring
+from reference_model.generate import Decoder, Sampling, Scoring, score_prompt
 from reference_model.tokenizer import BOS, EOS
 
 from .errors import ApiError, model_not_found
 from .fields import Fields
+from .prefix_cache import DEFAULT_BUDGET, DEFAULT_PAGE_SIZE, PrefixCache, page_keys, paged_prefill, \
+    restore, state_bytes
 from .scheduler import Job, Scheduler
 
 INDEXER_TAP = "layers.*.attn.index.topk"
@@ -59,6 +61,42 @@ class ServeOptions:
     generation: str = "0731"             # checkpoint generation of the chat encoding's effort tiers
     placement: object = None             # fidelity.devices placement (devices, compute dtype)
     default_arm: str | None = None       # answers requests naming no model
+    page_size: int = DEFAULT_PAGE_SIZE   # prefix-cache page (tokens per snapshot step)
+    prefix_cache_bytes: int | None = DEFAULT_BUDGET   # snapshot budget (None: no prefix cache)
+
+
+class CachedDecoder(Decoder):
+    """A Decoder whose prefill goes through the server's prefix cache: the longest cached
+    page-aligned prefix shorter than the prompt is restored through the arm's
+    `state_restore`, the rest prefilled page by page (snapshots kept). A request that scores
+    prompt positions from `prompt_from` restores at most prompt_from - 1 tokens (the rows it
+    needs are computed: SGLang's logprob_start_len rule; prompt_from 0, vLLM's
+    prompt_logprobs and OpenAI's echo, is a full bypass, as vLLM skips the cache for
+    prompt_logprobs); a request with captures bypasses it (every row forwarded).
+    `out.cached_tokens` is the restored prefix's length."""
+
+    def __init__(self, *args, cache: PrefixCache | None = None, arm_id: str = "", **kw):
+        super().__init__(*args, **kw)
+        self.cache, self.arm_id = cache, arm_id
+        self.out.cached_tokens = 0
+
+    def _prefill(self) -> torch.Tensor:
+        if self.cache is None or self.taps is not None:
+            return super()._prefill()
+        sc = self.scoring
+        want_all = sc.prompt_top is not None
+        ids = self.ids.tolist()
+        keys = page_keys(self.arm_id, ids, self.cache.page)
+        limit = max(sc.prompt_from - 1, 0) if want_all else len(ids)
+        n, stored = self.cache.lookup(keys, len(ids), limit)
+        state = restore(self.model, stored) if stored is not None else self.model.new_state()
+        logits, self.state = paged_prefill(self.model, self.ids, state, self.cache, keys, want_all)
+        self.out.cached_tokens = n
+        if want_all:
+            self.out.prompt_scores = score_prompt(logits, self.ids[n:], sc.prompt_top,
+                                                  sc.prompt_from - n, sc.ids)
+            logits = logits[-1:]
+        return logits
 
 
 @dataclass(frozen=True)
@@ -107,8 +145,33 @@ class Engine:
                              f"{', '.join(self.arms)})")
         self.default_arm = default_arm or (self.first.id if len(self.arms) == 1 else None)
         self.scheduler = Scheduler(o.max_jobs, o.time_slice)
+        self.prefix_cache = self._prefix_cache(o)
         self.created = int(time.time())
         self.csa_layers = [i for i, r in enumerate(self.cfg.compress_ratios) if r == 4]
+
+    def _prefix_cache(self, o: ServeOptions) -> PrefixCache | None:
+        """The prefix cache, or None (--no-prefix-cache). The budget must hold one page's
+        snapshot, measured by prefilling a page on the first arm."""
+        if o.prefix_cache_bytes is None:
+            return None
+        self.page_bytes = 0
+        cache = PrefixCache(o.page_size, o.prefix_cache_bytes)
+        if o.page_size >= self.max_model_len:
+            raise ValueError(f"--page-size {o.page_size} must be smaller than the model's context "
+                             f"length ({self.max_model_len} tokens)")
+        with torch.no_grad():
+            _, st = self.first.model.extend(torch.zeros(o.page_size, dtype=torch.long), None, "none")
+        self.page_bytes = state_bytes(st)
+        if o.prefix_cache_bytes < self.page_bytes:
+            raise ValueError(f"--prefix-cache-bytes {o.prefix_cache_bytes} is below one page's "
+                             f"snapshot: {self.page_bytes} bytes for --page-size {o.page_size} (a "
+                             "snapshot holds every layer's state; raise the budget, lower the page "
+                             "size, or use --no-prefix-cache)")
+        return cache
+
+    def flush_prefix_cache(self) -> int:
+        """Drop every snapshot (requests in flight keep their own state); entries dropped."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.clear()
 
     # ---- requests -----------------------------------------------------------------------
     def resolve(self, name) -> ServedArm:
@@ -150,9 +213,10 @@ class Engine:
         def should_stop(toks):
             return any(s in self.tok.decode(toks) for s in stop)
 
-        dec = Decoder(served.model, ids, r.max_tokens, r.sampling,
-                      set(r.stop_ids) | (set() if r.ignore_eos else {self.tok.eos_id}), r.scoring,
-                      should_stop=should_stop if stop else None, capture=r.capture)
+        dec = CachedDecoder(served.model, ids, r.max_tokens, r.sampling,
+                            set(r.stop_ids) | (set() if r.ignore_eos else {self.tok.eos_id}),
+                            r.scoring, should_stop=should_stop if stop else None,
+                            capture=r.capture, cache=self.prefix_cache, arm_id=served.id)
         job = Job(dec, asyncio.get_running_loop())
         self.scheduler.submit(job)
         return job
@@ -264,7 +328,10 @@ class Engine:
                 "logprobs": "raw (before temperature, bias and truncation)",
                 "chat_encoding": f"deepseek-recipe, generation {self.generation}",
                 "placement": self.placement.describe() if self.placement else {"devices": ["cpu"]},
-                "scheduler": self.scheduler.snapshot()}
+                "scheduler": self.scheduler.snapshot(),
+                "prefix_cache": ({"enabled": True, **self.prefix_cache.snapshot(),
+                                  "page_snapshot_bytes": self.page_bytes} if self.prefix_cache is not None
+                                 else {"enabled": False})}
 
 
 def _tokenizer_config(tokenizer_path: str) -> dict:

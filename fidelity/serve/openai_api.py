@@ -79,10 +79,14 @@ def _stream_options(f: Fields, stream: bool) -> bool:
 
 
 def _usage(pairs) -> dict:
-    """Usage summed over (prompt ids, Generation) pairs; the stop token counts, as in engines."""
+    """Usage summed over (prompt ids, Generation) pairs; the stop token counts, as in engines.
+    prompt_tokens_details.cached_tokens: prompt tokens restored from the prefix cache
+    (OpenAI's and vLLM's field)."""
     p = sum(len(ids) for ids, _ in pairs)
     n = sum(len(g.output_ids) for _, g in pairs)
-    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+    c = sum(getattr(g, "cached_tokens", 0) for _, g in pairs)
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+            "prompt_tokens_details": {"cached_tokens": c}}
 
 
 async def _wait_all(jobs, is_disconnected) -> None:

@@ -2,13 +2,14 @@
 or `text`, or `messages` rendered as for a chat completion: vLLM's and SGLang's request
 fields), /detokenize, /version and /tokenizer_info (vLLM), /health, /health_generate (a real one-token
 generation, as SGLang's), /get_server_info and /get_model_info (SGLang; also without the
-`get_` prefix)."""
+`get_` prefix), the prefix cache's flush: /flush_cache (SGLang) and /reset_prefix_cache
+(vLLM)."""
 from __future__ import annotations
 
 import asyncio
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from reference_model.generate import Sampling
 
@@ -65,6 +66,19 @@ class OpsRoutes:
             return JSONResponse({"status": "unhealthy"}, status_code=503)
         return {"status": "ok"}
 
+    async def flush_cache(self):
+        """SGLang's POST /flush_cache: 200 with its plain-text message. The stand-in's
+        snapshots are copies, so a flush while requests run is safe and always done."""
+        self.e.flush_prefix_cache()
+        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
+                                 "(When there are running or waiting requests, the operation "
+                                 "will not be performed.)\n")
+
+    async def reset_prefix_cache(self):
+        """vLLM's POST /reset_prefix_cache: an empty 200."""
+        self.e.flush_prefix_cache()
+        return Response(status_code=200)
+
     def router(self) -> APIRouter:
         r = APIRouter()
         for path in ("/tokenize", "/v1/tokenize"):
@@ -73,6 +87,8 @@ class OpsRoutes:
             r.add_api_route(path, self.detokenize, methods=["POST"])
         r.add_api_route("/version", lambda: {"version": self.version}, methods=["GET"])
         r.add_api_route("/tokenizer_info", self.e.tokenizer_info, methods=["GET"])
+        r.add_api_route("/flush_cache", self.flush_cache, methods=["POST"])
+        r.add_api_route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"])
         r.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
         r.add_api_route("/health_generate", self.health_generate, methods=["GET"])
         for path in ("/get_server_info", "/server_info"):

@@ -105,7 +105,7 @@ class SGLangRoutes:
         else:
             finish = {"type": "length", "length": len(out_ids)}
         meta = {"id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(ids),
-                "completion_tokens": len(out_ids), "cached_tokens": 0,
+                "completion_tokens": len(out_ids), "cached_tokens": getattr(g, "cached_tokens", 0),
                 "e2e_latency": time.perf_counter() - t0, "model": served.id}
         if want_lp:
             meta.update(self._logprobs(ids, start, g, k, score_ids, text_lp))
