@@ -139,8 +139,7 @@ def base_toggles(settings: ABSettings) -> frozenset:
     """The --base arm's toggles (its base + t arms give t an added_to_base effect)."""
     d = settings.design
     default = Schedule.parse(d.schedule or "oneshot")
-    extra = frozenset() if default == ONESHOT else frozenset({schedule_factor(default)})
-    return frozenset(K.ToggleSet.parse(d.base).names) | extra
+    return frozenset(K.ToggleSet.parse(d.base).names) | schedule_factors(default)
 
 
 def schedule_factor(s: Schedule) -> str:
@@ -148,14 +147,17 @@ def schedule_factor(s: Schedule) -> str:
     return f"{SCHEDULE_FACTOR}{s}"
 
 
+def schedule_factors(s: Schedule) -> frozenset:
+    return frozenset() if s == ONESHOT else frozenset({schedule_factor(s)})
+
+
 def toggle_arms(label_sets: dict, cd=torch.float64, schedules: dict | None = None) -> list[LockstepArm]:
     """One arm per label; an arm under a schedule counts the schedule among its factors."""
     out = []
     for label, ts in label_sets.items():
         s = (schedules or {}).get(label, ONESHOT)
-        extra = frozenset() if s == ONESHOT else frozenset({schedule_factor(s)})
         out.append(LockstepArm(label, ts.numerics("reference", compute_dtype=cd),
-                               frozenset(ts.names) | extra, schedule=s))
+                               frozenset(ts.names) | schedule_factors(s), schedule=s))
     return out
 
 
