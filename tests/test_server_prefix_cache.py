@@ -140,3 +140,23 @@ def test_no_prefix_cache():
         for _ in range(2):
             assert _complete(u, None, A, 1)[2] == 0
         assert ok(httpx.get(u + "/get_server_info", timeout=30))["prefix_cache"] == {"enabled": False}
+
+
+def test_chat_hits_and_streamed_usage_reports_cached_tokens(url):
+    _flush(url)
+    msgs = [{"role": "user", "content": " ".join(["the river keeps talking to the old stone bridge"] * 30)}]
+    body = {"model": "golden", "messages": msgs, "max_tokens": 3, "temperature": 0}
+    cold = ok(httpx.post(url + "/v1/chat/completions", json=body, timeout=300))
+    lines = []
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=300,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+    import json
+    usage = json.loads(lines[-1])["usage"]
+    n = cold["usage"]["prompt_tokens"]
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usage["prompt_tokens_details"]["cached_tokens"] == (n - 1) // PAGE * PAGE > 0
+    deltas = [d for x in lines for d in [(json.loads(x)["choices"] or [{}])[0].get("delta", {})]]
+    got = ["".join(d.get(k) or "" for d in deltas) for k in ("reasoning_content", "content")]
+    m = cold["choices"][0]["message"]
+    assert got == [m.get("reasoning_content") or "", m.get("content") or ""]   # a hit: same answer
