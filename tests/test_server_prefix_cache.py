@@ -133,6 +133,7 @@ def test_bad_options_are_clear_errors():
     assert "--page-size must be at least 1" in _fails("--page-size", "0")
     err = _fails("--prefix-cache-bytes", "1000")
     assert "below one page's snapshot" in err and "--page-size 64" in err and "bytes" in err
+    assert "--chunked-prefill-size must be at least 1" in _fails("--chunked-prefill-size", "0")
 
 
 def test_no_prefix_cache():
@@ -160,3 +161,16 @@ def test_chat_hits_and_streamed_usage_reports_cached_tokens(url):
     got = ["".join(d.get(k) or "" for d in deltas) for k in ("reasoning_content", "content")]
     m = cold["choices"][0]["message"]
     assert got == [m.get("reasoning_content") or "", m.get("content") or ""]   # a hit: same answer
+
+
+def test_chunked_prefill_size_reaches_the_serving_seam():
+    """--chunked-prefill-size 64: the golden arm answers as the in-process golden (chunking
+    is exact), a served arm with a stale-indexer-workspace bug answers differently -- the
+    bug acts at chunk boundaries only, which a 200-token prompt has at 64, 128, 192."""
+    with served("golden", extra=("--arm", "golden=golden", "--arm", "bug=chunk_stale_index_keys",
+                                 "--default-arm", "golden", "--no-prefix-cache",
+                                 "--chunked-prefill-size", "64")) as (u,):
+        tg, lg, _ = _complete(u, "golden", A)
+        tb, lb, _ = _complete(u, "bug", A)
+    assert lg == _inprocess(A)[1]                         # bit for bit
+    assert lb != lg

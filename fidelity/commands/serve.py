@@ -53,6 +53,9 @@ def add_arguments(p):
     p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, metavar="BYTES",
                    help="byte budget of the prefix cache's state snapshots, least recently used "
                         "evicted first; at least one page's snapshot (default 1 GiB)")
+    p.add_argument("--chunked-prefill-size", type=int, default=2048, metavar="TOKENS",
+                   help="prefill long prompts in chunks of this many tokens, the serving seam's "
+                        "chunk_boundary between them (SGLang's --chunked-prefill-size; default 2048)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="serve without a prefix cache (every prompt prefilled in full)")
     p.add_argument("--log-level", default="warning",
@@ -105,7 +108,8 @@ def run(args) -> int:
         engine = Engine(target, arms, ServeOptions(args.model_name, args.max_queue, args.max_logprobs,
                                                    args.time_slice, args.generation, place, args.default_arm,
                                                    args.page_size,
-                                                   None if args.no_prefix_cache else args.prefix_cache_bytes))
+                                                   None if args.no_prefix_cache else args.prefix_cache_bytes,
+                                                   args.chunked_prefill_size))
     except ValueError as e:
         raise CommandError(str(e)) from None
     if args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -63,6 +63,7 @@ class ServeOptions:
     default_arm: str | None = None       # answers requests naming no model
     page_size: int = DEFAULT_PAGE_SIZE   # prefix-cache page (tokens per snapshot step)
     prefix_cache_bytes: int | None = DEFAULT_BUDGET   # snapshot budget (None: no prefix cache)
+    chunked_prefill: int = 2048          # prefill chunk: tokens per layer pass, chunk_boundary between
 
 
 class CachedDecoder(Decoder):
@@ -121,6 +122,8 @@ class Engine:
         if not arms:
             raise ValueError("no arm to serve")
         o = options or ServeOptions()
+        if o.chunked_prefill < 1:
+            raise ValueError(f"--chunked-prefill-size must be at least 1 token (got {o.chunked_prefill})")
         placement, default_arm = o.placement, o.default_arm
         self.target, self.tok = target, target.tokenizer
         self.cfg = target.cfg
@@ -138,6 +141,7 @@ class Engine:
                 raise ValueError(f"two arms are served as model {sid!r}; name them with NAME=ARM")
             nx = arm.numerics(compute_dtype=placement.compute_dtype) if placement else arm.numerics()
             self.arms[sid] = ServedArm(sid, arm, Model(target.weights, nx, weight_cache=cache,
+                                                       chunk_tokens=o.chunked_prefill,
                                                        devices=placement.model_devices if placement else None))
         self.first = next(iter(self.arms.values()))       # internal probes (/health_generate)
         if default_arm is not None and default_arm not in self.arms:
