@@ -28,8 +28,6 @@ FLOOR_ORDER = "floor:fp32-accum"   # fp32 instead of fp64 accumulation: reductio
 FLOOR_TIES = "floor:tie-order"     # indexer top-k ties broken the other way (torch.topk leaves it open)
 FLOORS = (FLOOR, FLOOR_ORDER, FLOOR_TIES)
 FLOOR_SCHEDULE = "floor:schedule"  # golden under a schedule (floor:schedule@prefix_hit(128)) vs one-shot
-# noise for what an arm changes inside (selection, routing): not QAT's systematic difference
-MECHANISM_FLOORS = tuple(f for f in FLOORS if f != QAT_FLOOR)
 LONG_LENGTHS = (250, 511, 2047)    # --long: 2047 tokens = 511 CSA entries = 32x the tiny index_topk
 WEIGHTS_PREFIX = "weights:"
 

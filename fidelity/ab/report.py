@@ -16,9 +16,8 @@ from infra.report_writer import ReportWriter
 
 from ..verdict.board import signal_board, signal_ratios, suspects
 from ..verdict.findings import findings_table, verdict_lines
-from ..verdict.signals import SIGNALS
+from ..verdict.signals import SIGNALS, mechanism_floors
 from . import plots
-from .design import MECHANISM_FLOORS
 from .margins import margin_table, margin_trend
 
 # summary-table column -> (verdict signal, how the column relates to it)
@@ -159,9 +158,9 @@ def build_page(tables, result, sets) -> Page:
                 f"({', '.join(floor_names)}) for that signal and place.", [Table(named)]),
         Section("Mechanism: what the arms change inside", "Indexer selection (top-k recall per CSA "
                 "layer), the needle's indexer entry at the question, expert sets per MoE layer, each "
-                f"judged against the floors that are noise for it ({', '.join(MECHANISM_FLOORS)}), not "
-                "QAT's systematic difference. The needle's entry is a 0/1 outcome: counted over "
-                "prompts × CSA layers and tested exactly (McNemar, one-sided) against each floor, or "
+                "judged against the floors that are noise for it "
+                f"({', '.join(mechanism_floors(floor_names))}), not QAT's systematic difference. "
+                "The needle's entry is a 0/1 outcome: counted over prompts × CSA layers and tested exactly (McNemar, one-sided) against each floor, or "
                 "against the arm one toggle smaller.", [Table(findings_table(v.get("mechanism", [])))]),
         Section("First divergence", "First place in forward order (prefill, then decode) where an arm "
                 f"departs from `vs` (golden, or the --vs arm) by more than {st['stats']['floor_k']}× the "

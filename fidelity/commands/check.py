@@ -67,8 +67,10 @@ def run(args) -> int:
         k = 3.0 if args.kld_x_floor is None else args.kld_x_floor
         rel = _relative_failures(summary, arms, RELATIVE, k, args.recall_margin)
         if args.mechanism and rel is not None:
-            from fidelity.ab.design import MECHANISM_FLOORS     # lazy: torch, at CLI start-up
-            mech = _relative_failures(summary, arms, MECHANISM, k, args.recall_margin, MECHANISM_FLOORS)
+            from fidelity.verdict.signals import mechanism_floors
+            in_report = [a for a in summary.arm.astype(str) if a.startswith("floor:")]
+            mech = _relative_failures(summary, arms, MECHANISM, k, args.recall_margin,
+                                      mechanism_floors(in_report))
             rel += mech or []
         if rel is None:
             raise CommandError(f"{summary_csv} has no floor rows (floor:...) to be relative to; "

@@ -78,6 +78,7 @@ def _log_to_stderr(level: str) -> None:
 
 def run(args) -> int:
     from fidelity.arms import ArmError, arm_from_env, parse_arm
+    from reference_model.schedule import ONESHOT
     from fidelity.serve import Engine, ServeOptions, create_app, parse_arm_options
     from fidelity.devices import DeviceError, from_args
     from fidelity.weights.target import load_target
@@ -89,7 +90,7 @@ def run(args) -> int:
             arms = [(None, arm_from_env())]
     except (ArmError, DeviceError, ValueError) as e:
         raise CommandError(str(e)) from None
-    scheduled = [arm.name for _, arm in arms if str(arm.schedule) != "oneshot"]
+    scheduled = [arm.name for _, arm in arms if arm.schedule != ONESHOT]
     if scheduled:
         raise CommandError(f"fidelity serve feeds prompts as requests arrive; it does not take a "
                            f"schedule on an arm ({', '.join(scheduled)}): drop the @SCHEDULE")

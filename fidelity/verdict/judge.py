@@ -12,7 +12,8 @@ import pandas as pd
 from .binary import clears as exact_clears
 from .binary import exact_tests
 from .findings import mechanism_findings, mechanism_sentence
-from .signals import FLOOR_EPS, QAT_FLOOR, SIGNALS, attribute_signals, floor_levels, kind, signal_summary
+from .signals import (FLOOR_EPS, SIGNALS, attribute_signals, floor_levels, kind, mechanism_floors,
+                      signal_summary)
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,10 @@ class Design:
     mechanism_floors: list[str] | None = None   # floors that are noise for mechanism signals
 
     def noise_for_mechanism(self) -> list[str]:
-        """The floors mechanism signals are judged against: given, or every floor but the
-        QAT one (unless it is the only one)."""
+        """The floors mechanism signals are judged against: given, or signals.mechanism_floors."""
         if self.mechanism_floors is not None:
             return self.mechanism_floors
-        return [f for f in self.floors if f != QAT_FLOOR] or self.floors
+        return mechanism_floors(self.floors)
 
 
 def judge(sig: pd.DataFrame, design: Design, n_boot: int, seed: int, n_prompts: int | None = None,

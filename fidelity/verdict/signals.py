@@ -49,6 +49,12 @@ def kind(signal: str) -> str:
     return "mechanism" if signal in MECHANISM else "outcome"
 
 
+def mechanism_floors(floors: list[str]) -> list[str]:
+    """The floors mechanism signals are judged against: every floor but the QAT one (unless
+    it is the only one)."""
+    return [f for f in floors if f != QAT_FLOOR] or list(floors)
+
+
 # smallest floor a ratio is taken against (a floor of exactly 0 would make any change infinite)
 FLOOR_EPS = {"kld_mean": 1e-6, "kld_p99": 1e-6, "answer_kld": 1e-6, "late_kld_excess": 1e-6,
               "topk_loss": 1e-3, "needle_lost": 1e-3, "expert_disagree": 1e-3, "top1_disagree": 1e-3}
