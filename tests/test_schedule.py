@@ -70,6 +70,7 @@ def test_prefix_must_be_shorter_than_the_prompt():
 
 @pytest.mark.parametrize("bug,schedule", [("restore_drops_compressor_pending", "prefix_hit(130)"),
                                           ("restore_window_one_off", "prefix_hit(130)"),
+                                          ("restore_saved_one_token_later", "prefix_hit(130)"),
                                           ("chunk_stale_index_keys", "chunked(64)")])
 def test_serving_bugs_act_only_at_their_boundary(weights, tokens, oneshot, bug, schedule):
     nx = ToggleSet.parse(bug).numerics("reference")
@@ -82,33 +83,50 @@ def test_serving_bugs_act_only_at_their_boundary(weights, tokens, oneshot, bug, 
     assert first >= Schedule.parse(schedule).n
 
 
-def test_ab_names_serving_bugs_under_their_schedule_only():
+def test_ab_names_serving_bugs_under_their_schedule_only(tmp_path):
     """`fidelity ab` with arms under schedules: golden under each schedule is a floor
-    (exact here) and an arm (`golden@S`, the context a bug under S is measured against);
-    the stale-keys bug under chunked(64) breaks the outcome, the restore that drops the
-    compressor's pending rows changes indexer selection under prefix_hit(130), both first
-    diverging at the first CSA layer's picks; one-shot, the same bug names nothing."""
+    (exact here) and an arm (`golden@S`, the context a bug under S is measured against).
+    Each planted serving bug is named under the schedule that exposes it, its effect over
+    golden@S judged against the serving floors (not the QAT one): the stale-keys bug under
+    chunked(64) and the pending-rows restore under prefix_hit(130) both first diverge at the
+    first CSA layer's picks and change indexer selection; the window ring restored one row
+    off first diverges at layer 0's attention. One-shot, the same bug names nothing; the
+    report says where each arm under its schedule departs."""
     from fidelity.ab.design import ABSettings
     from fidelity.ab.run import run_ab
     from fidelity.weights.source import load_tokenizer_for, load_weights
     w, _ = load_weights(None)
     arms = ["chunk_stale_index_keys@chunked(64)", "restore_drops_compressor_pending@prefix_hit(130)",
-            "restore_drops_compressor_pending"]
+            "restore_window_one_off@prefix_hit(130)", "restore_saved_one_token_later@prefix_hit(130)",
+            "restore_drops_compressor_pending", "restore_window_one_off"]
     res = run_ab(w, ABSettings.of(arms=arms, lengths=(200,), prompts_per_length=3, decode_steps=1,
-                                  shapley_top=0, n_boot=300), None, progress=lambda m: None,
-                 tokenizer=load_tokenizer_for(None))
+                                  shapley_top=0, n_boot=300), tmp_path, run_id="sched",
+                 progress=lambda m: None, tokenizer=load_tokenizer_for(None))
     m, v = res["manifest"], res["verdict"]
     assert {"floor:schedule@chunked(64)", "floor:schedule@prefix_hit(130)"} <= set(m["floors"])
     s = res["summary"].set_index("arm")
     assert s.loc["floor:schedule@chunked(64)", "kld_mean"] == 0 == s.loc["golden@prefix_hit(130)", "kld_mean"]
     assert v["culprit"] == "chunk_stale_index_keys" and v["method"] == "under_schedule"
+    named = {n["toggle"]: n for n in v["named"]}
+    assert set(named) == {"chunk_stale_index_keys", "restore_drops_compressor_pending",
+                          "restore_window_one_off", "restore_saved_one_token_later"}
+    assert {t: (n["method"], n["schedule"]) for t, n in named.items()} == {
+        "chunk_stale_index_keys": ("under_schedule", "chunked(64)"),
+        "restore_drops_compressor_pending": ("under_schedule", "prefix_hit(130)"),
+        "restore_window_one_off": ("under_schedule", "prefix_hit(130)"),
+        "restore_saved_one_token_later": ("under_schedule", "prefix_hit(130)")}
+    assert all(n["floor_arm"] != "floor:exact" for n in named.values())
+    assert "breaks coherence under chunked(64)" in v["sentence"]
     mech = {f["toggle"]: f for f in v["mechanism"]}
-    assert mech["restore_drops_compressor_pending"]["signals"][0]["method"] == "under_schedule"
-    assert not {n["toggle"] for n in v["named"]} & {"restore_drops_compressor_pending"}
+    assert mech["restore_drops_compressor_pending"]["signals"][0]["schedule"] == "prefix_hit(130)"
     fd = {f["arm"]: (f["layer"], f["tap"]) for f in res["first_divergence"]}
     assert fd["chunk_stale_index_keys@chunked(64)"] == (1, "attn.index.topk")
     assert fd["restore_drops_compressor_pending@prefix_hit(130)"] == (1, "attn.index.topk")
-    assert "restore_drops_compressor_pending" not in fd and "golden@chunked(64)" not in fd
+    assert fd["restore_window_one_off@prefix_hit(130)"][0] == 0
+    assert not {"restore_drops_compressor_pending", "restore_window_one_off", "golden@chunked(64)"} & set(fd)
+    html = (tmp_path / "sched" / "index.html").read_text()
+    assert ("Under prefix_hit(130): <code>restore_window_one_off@prefix_hit(130)</code> first departs "
+            "from golden at layer 0") in html
 
 
 def test_arm_strings_carry_a_schedule_and_serve_refuses_one(capsys):

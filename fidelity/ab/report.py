@@ -16,7 +16,7 @@ from infra.report_writer import ReportWriter
 
 from ..verdict.board import signal_board, signal_ratios, suspects
 from ..verdict.findings import findings_table, verdict_lines
-from ..verdict.signals import SIGNALS, mechanism_floors
+from ..verdict.signals import SCHEDULE_FACTOR, SIGNALS, mechanism_floors
 from . import plots
 from .margins import margin_table, margin_trend
 
@@ -123,6 +123,23 @@ def next_steps(result, sus: pd.DataFrame) -> list[str]:
     return out
 
 
+def _serving_departures(v: dict, fd: pd.DataFrame, sets: dict) -> list[str]:
+    """For each toggle the verdict names under a schedule: where its arm under that schedule
+    first departs (the boundary is the schedule's: a chunk size, a cached prefix)."""
+    found = {(n["toggle"], n["schedule"]) for n in v.get("named", []) if n.get("schedule")}
+    found |= {(f["toggle"], s["schedule"]) for f in v.get("mechanism", []) for s in f["signals"]
+              if s.get("schedule")}
+    lines = []
+    for toggle, sched in sorted(found):
+        arms = [a for a, fs in sets.items() if set(fs) == {toggle, f"{SCHEDULE_FACTOR}{sched}"}]
+        rows = fd[fd.arm.isin(arms)] if len(fd) else fd
+        if len(rows):
+            r = rows.iloc[0]
+            lines.append(f"Under {sched}: `{r.arm}` first departs from {r.vs} at layer {r.layer} "
+                         f"`{r.tap}` ({r.phase}), {r.ratio:.3g}× the reduction-order floor.")
+    return lines
+
+
 def build_page(tables, result, sets) -> Page:
     m = result["manifest"]
     st = m["settings"]
@@ -144,6 +161,7 @@ def build_page(tables, result, sets) -> Page:
         r = base_fd.iloc[0]
         verdict.append(f"`{r.arm}` first departs from {r.vs} at layer {r.layer} `{r.tap}` ({r.phase}), "
                        f"{r.ratio:.3g}× the reduction-order floor.")
+    verdict += _serving_departures(v, fd, sets)
     nf = result["noise_floor"]
     verdict.append(f"QAT noise floor (reference vs exact, mean final-logit KLD at the longest length): "
                    f"{nf['mean']:.3g} [{nf['lo']:.3g}, {nf['hi']:.3g}].")
@@ -155,7 +173,9 @@ def build_page(tables, result, sets) -> Page:
         Section("Outcome: named by the verdict", "A toggle is named when, for some outcome signal "
                 "(KLD, answer KLD), its one-at-a-time / leave-one-out / Shapley interval (95% paired "
                 f"bootstrap over prompts) lies wholly above the highest of the floors "
-                f"({', '.join(floor_names)}) for that signal and place.", [Table(named)]),
+                f"({', '.join(floor_names)}) for that signal and place; an effect under a schedule "
+                "(arm@S + t vs arm@S) against the serving floors: every floor but the QAT one, which "
+                "is the same on both sides of a cache hit.", [Table(named)]),
         Section("Mechanism: what the arms change inside", "Indexer selection (top-k recall per CSA "
                 "layer), the needle's indexer entry at the question, expert sets per MoE layer, each "
                 "judged against the floors that are noise for it "

@@ -26,9 +26,15 @@ def mechanism_findings(hits: pd.DataFrame, outcome_named: set[str]) -> list[dict
             signals.append({"signal": signal, "places": _places(g["where"]), "method": r.method,
                             "where": r["where"], "value": float(r.value), "lo": float(r.lo),
                             "hi": float(r.hi), "floor_hi": float(r.floor_hi),
-                            "floor_arm": r.get("floor_arm"), **_exact(r)})
+                            "floor_arm": r.get("floor_arm"), "schedule": schedule_of(r), **_exact(r)})
         out.append({"toggle": toggle, "signals": signals, "outcome_named": toggle in outcome_named})
     return out
+
+
+def schedule_of(row) -> str:
+    """The schedule an under_schedule effect was measured under ('' for other methods)."""
+    s = row.get("schedule")
+    return s if isinstance(s, str) else ""
 
 
 def _exact(r) -> dict:
@@ -78,7 +84,8 @@ def mechanism_sentence(findings: list[dict]) -> str:
         return ""
     clauses = []
     for f in findings[:SENTENCE_TOGGLES]:
-        parts = [f"{MECHANISM_WHAT[s['signal']]} at {_layers(s['places'])} ({_how_much(s)})"
+        parts = [f"{MECHANISM_WHAT[s['signal']]} at {_layers(s['places'])}"
+                 + (f" under {s['schedule']}" if s.get("schedule") else "") + f" ({_how_much(s)})"
                  for s in f["signals"]]
         tail = "" if f["outcome_named"] else "; outcome within floors at these lengths"
         clauses.append(f"{f['toggle']} changes " + "; ".join(parts) + tail)
@@ -91,10 +98,11 @@ def mechanism_sentence(findings: list[dict]) -> str:
 def findings_table(findings: list[dict]) -> pd.DataFrame:
     """One row per (toggle, mechanism signal) for the reports."""
     rows = [{"toggle": f["toggle"], "changes": MECHANISM_WHAT[s["signal"]], "where": _layers(s["places"]),
-             "how much": _how_much(s), "method": s["method"], "floor": s.get("floor_arm"),
+             "how much": _how_much(s), "method": s["method"], "under": s.get("schedule", ""),
+             "floor": s.get("floor_arm"),
              "outcome beyond floors": f["outcome_named"]}
             for f in findings for s in f["signals"]]
-    return pd.DataFrame(rows, columns=["toggle", "changes", "where", "how much", "method", "floor",
+    return pd.DataFrame(rows, columns=["toggle", "changes", "where", "how much", "method", "under", "floor",
                                        "outcome beyond floors"])
 
 

@@ -11,7 +11,7 @@ import pandas as pd
 
 from .binary import clears as exact_clears
 from .binary import exact_tests
-from .findings import mechanism_findings, mechanism_sentence
+from .findings import mechanism_findings, mechanism_sentence, schedule_of
 from .signals import (FLOOR_EPS, SIGNALS, attribute_signals, floor_levels, kind, mechanism_floors,
                       signal_summary)
 
@@ -40,12 +40,14 @@ def judge(sig: pd.DataFrame, design: Design, n_boot: int, seed: int, n_prompts: 
     judged with the rest. `n_prompts` defaults to the prompts in `sig`."""
     summary = signal_summary(sig, n_boot, seed)
     floors = floor_levels(summary, design.floors, design.noise_for_mechanism())
+    serving = floor_levels(summary, design.noise_for_mechanism(), design.noise_for_mechanism())
     attr = attribute_signals(sig[sig.arm.isin(list(design.arms))], design.arms, design.factors,
                              design.baseline, n_boot, seed, design.added_to)
     if direct is not None:
         attr = pd.concat([attr, direct], ignore_index=True)
     exact = exact_tests(sig, design.arms, design.noise_for_mechanism())
-    v, table = verdict(attr, floors, sig.prompt.nunique() if n_prompts is None else n_prompts, exact)
+    v, table = verdict(attr, floors, sig.prompt.nunique() if n_prompts is None else n_prompts, exact,
+                       serving)
     return {"summary": summary, "floors": floors, "attribution": table, "verdict": v}
 
 
@@ -53,14 +55,16 @@ MIN_PROMPTS = 3          # below this a bootstrap over prompts says little
 
 
 def verdict(attr: pd.DataFrame, floors: pd.DataFrame, n_prompts: int | None = None,
-            exact: pd.DataFrame | None = None) -> tuple[dict, pd.DataFrame]:
+            exact: pd.DataFrame | None = None,
+            serving: pd.DataFrame | None = None) -> tuple[dict, pd.DataFrame]:
     """Outcome: name every toggle whose interval, for some outcome signal and method, lies
     wholly above that signal's highest floor; the culprit is the one clearing by the
     largest factor. Mechanism: the same for mechanism signals against their own floors,
     plus the exact tests of binary signals (`exact`, binary.exact_tests), reported
     separately. With fewer than MIN_PROMPTS prompts the sentence says the bootstrap
-    intervals are not to be trusted."""
-    t = _table(attr, floors, exact)
+    intervals are not to be trusted. `serving`: the floors of `under_schedule` effects
+    (default `floors`), see _table."""
+    t = _table(attr, floors, exact, serving)
     mech = t[(t.kind == "mechanism") & t.clears]
     v = _outcome(t[t.kind == "outcome"], mechanism=not mech.empty)
     v["mechanism"] = mechanism_findings(mech, {n["toggle"] for n in v["named"]})
@@ -75,10 +79,21 @@ def verdict(attr: pd.DataFrame, floors: pd.DataFrame, n_prompts: int | None = No
     return v, t
 
 
-def _table(attr: pd.DataFrame, floors: pd.DataFrame, exact: pd.DataFrame | None) -> pd.DataFrame:
+def _table(attr: pd.DataFrame, floors: pd.DataFrame, exact: pd.DataFrame | None,
+           serving: pd.DataFrame | None = None) -> pd.DataFrame:
     """Attribution rows with their floor, whether they clear it and by what factor; exact
-    tests' rows (their floor: the comparator's own rate) judged by their p-value."""
+    tests' rows (their floor: the comparator's own rate) judged by their p-value.
+
+    An `under_schedule` effect (arm@S + t vs arm@S) compares two arms of the same
+    numerics, one with a serving bug: what can legitimately separate them is reduction and
+    tie order (an engine's kernels see other shapes under S) and the golden's own schedule
+    floor -- the `serving` floors -- not the QAT floor, a property of the weights that is
+    the same on both sides of a cache hit."""
     t = attr.merge(floors, on=["signal", "where"], how="left")
+    if serving is not None and len(t):
+        sv = attr.merge(serving, on=["signal", "where"], how="left")
+        use = (t.method == "under_schedule").to_numpy()
+        t.loc[use, ["floor_hi", "floor_arm"]] = sv.loc[use, ["floor_hi", "floor_arm"]].to_numpy()
     t["floor_hi"] = t["floor_hi"].fillna(0.0)
     t["clears"] = (t.lo > t.floor_hi) & (t.value > 0)
     if exact is not None and len(exact):
@@ -108,16 +123,20 @@ def _outcome(t: pd.DataFrame, mechanism: bool) -> dict:
     best = hits.drop_duplicates("toggle")
     c = best.iloc[0]
     named = [{"toggle": r.toggle, "signal": r.signal, "where": r["where"], "method": r.method,
-              "value": float(r.value), "lo": float(r.lo), "hi": float(r.hi),
-              "floor_hi": float(r.floor_hi), "x_floor": float(r.x_floor),
+              "schedule": schedule_of(r), "value": float(r.value), "lo": float(r.lo), "hi": float(r.hi),
+              "floor_hi": float(r.floor_hi), "floor_arm": r.get("floor_arm"), "x_floor": float(r.x_floor),
               "signals": sorted(set(hits[hits.toggle == r.toggle].signal))}
              for _, r in best.iterrows()]
-    others = ", ".join(f"{n['toggle']} ({n['signal']}, {n['where']})" for n in named[1:])
-    sentence = (f"{c.toggle} breaks coherence: its {c.method.replace('_', '-')} effect on "
+    others = ", ".join(f"{n['toggle']} ({n['signal']}, {n['where']}"
+                       + (f", under {n['schedule']}" if n["schedule"] else "") + ")" for n in named[1:])
+    under = f" under {named[0]['schedule']}" if named[0]["schedule"] else ""
+    sentence = (f"{c.toggle} breaks coherence{under}: its {c.method.replace('_', '-')} effect on "
                 f"{c.signal} ({SIGNALS[c.signal]}) at {c['where']} is {c.value:.3g} "
-                f"(95% CI [{c.lo:.3g}, {c.hi:.3g}]), above the highest floor's {c.floor_hi:.3g}; "
+                f"(95% CI [{c.lo:.3g}, {c.hi:.3g}]), above the highest floor's {c.floor_hi:.3g}"
+                f" ({c.get('floor_arm')}); "
                 f"outcome signals cleared: {', '.join(named[0]['signals'])}."
                 + (f" Also above their floors: {others}." if others else ""))
-    return {"culprit": c.toggle, "named": named, "method": c.method, "signal": c.signal,
+    return {"culprit": c.toggle, "named": named, "method": c.method, "schedule": named[0]["schedule"],
+            "signal": c.signal,
             "where": c["where"], "value": float(c.value), "lo": float(c.lo), "hi": float(c.hi),
             "sentence": sentence}

@@ -179,8 +179,11 @@ def attribute_signals(sig: pd.DataFrame, arm_sets: dict[str, frozenset], toggles
             rows += _added(table, base, s, w, "added_to_base", n_boot, seed)
         for ctx in [k for k in table if any(f.startswith(SCHEDULE_FACTOR) for f in k) and k != base]:
             rows += _added(table, ctx, s, w, "under_schedule", n_boot, seed)
-    return pd.DataFrame(rows, columns=["signal", "where", "toggle", "method", "value", "lo", "hi"])
+    return pd.DataFrame(rows, columns=ATTRIBUTION_COLUMNS)
 
+
+# attribution rows; `schedule`: the schedule(s) an under_schedule effect was measured under
+ATTRIBUTION_COLUMNS = ["signal", "where", "toggle", "method", "value", "lo", "hi", "schedule"]
 
 # a factor that is a schedule (fidelity.ab.design.schedule_factor): arms under it are
 # compared with golden under it, so a serving bug is measured where it can act
@@ -190,11 +193,12 @@ SCHEDULE_FACTOR = "@"
 def _added(table, ctx: frozenset, s, w, method, n_boot, seed) -> list[dict]:
     """Effect of t added to the arm `ctx`: signal(ctx + t) - signal(ctx), per t present."""
     rows = []
+    context = ", ".join(sorted(f[len(SCHEDULE_FACTOR):] for f in ctx if f.startswith(SCHEDULE_FACTOR)))
     for t in sorted(next(iter(k - ctx)) for k in table if k > ctx and len(k - ctx) == 1):
         pair = {frozenset(): table[ctx], frozenset({t}): table[ctx | {t}]}
         for r in attribute([t], pair, n_boot, seed):
             if r["method"] == "one_at_a_time":        # (leave-one-out and Shapley equal it here)
-                rows.append({"signal": s, "where": w, **r, "method": method})
+                rows.append({"signal": s, "where": w, **r, "method": method, "schedule": context})
     return rows
 
 
