@@ -52,6 +52,36 @@ def _restore_window_one_off(golden, st):
     return st
 
 
+def _last_row_twice(comp):
+    """The last fed token's compressor row once more at the end of the unfinished group;
+    where the group closed at the boundary, from the closed group's rows the overlapping
+    ratio-4 compressor keeps (a ratio-128 one keeps none: unchanged there)."""
+    c = copy.copy(comp)
+    kv, score = c.pending_kv, c.pending_score
+    if kv is not None and kv.shape[0]:
+        c.pending_kv, c.pending_score = torch.cat([kv, kv[-1:]]), torch.cat([score, score[-1:]])
+    elif c.prev_kv is not None:
+        c.pending_kv, c.pending_score = c.prev_kv[-1:].clone(), c.prev_score[-1:].clone()
+    return c
+
+
+@toggle("restore_saved_one_token_later", kernel="state_restore", category="known-bug", wraps=True,
+        _builtin=True,
+        provenance=Provenance(("ROCm/ATOM", "llama.cpp"), ("prefix cache state save/restore",),
+                              ("ROCm/ATOM #1417", "llama.cpp #26694"),
+                              "planted: the reports name wrong output after a restored prefix; "
+                              "the off-by-one save point is our reading"),
+        description="A cache hit restores state saved one token later than the match it serves: "
+                    "the matched prefix's last token is already in the state and is fed again, "
+                    "so both compressors (main KV and indexer) count it twice -- one extra row "
+                    "in the unfinished group, and every later group boundary one token early. "
+                    "The window ring is positional, so rewriting that row there is harmless.")
+def _restore_saved_one_token_later(golden, st):
+    st = golden.state_restore(st)
+    st.comp, st.index_comp = _last_row_twice(st.comp), _last_row_twice(st.index_comp)
+    return st
+
+
 @toggle("chunk_stale_index_keys", kernel="chunk_boundary", category="known-bug", wraps=True,
         _builtin=True,
         provenance=Provenance(("vllm",), ("chunked prefill", "prefix-cache hits"),
