@@ -162,6 +162,12 @@ class Decoder:
         self.steps = 0
         self.done = False
 
+    def next_tokens(self) -> int:
+        """Tokens the next step() feeds the model: the prompt, then one; 0 when done."""
+        if self.done:
+            return 0
+        return len(self.ids) if self.state is None else 1
+
     def step(self) -> int | None:
         """Run one forward and pick the next token; returns it (None when none was added)."""
         if self.done:

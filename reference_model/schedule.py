@@ -12,7 +12,9 @@ state is restored.
 
 `batch(k)` computes the prompt in the same step as k-1 other sequences: the golden's
 numerics do not depend on it, but an engine's kernel may be chosen by the step's token
-count (split-K, tile sizes); a kernel reads that count from `batch_tokens()`.
+count (split-K, tile sizes); a kernel reads that count from `batch_tokens()`. A server
+running real requests side by side says how many tokens the other sequences bring to the
+step with `co_batched(tokens)`; the step's count is then this sequence's plus theirs.
 
 Spelling: `oneshot`, `chunked(N)`, `prefix_hit(P)`, `decode_from(P)`, `batch(k)`."""
 from __future__ import annotations
@@ -86,6 +88,7 @@ class Schedule:
 ONESHOT = Schedule()
 
 _BATCH_TOKENS: ContextVar[int | None] = ContextVar("batch_tokens", default=None)
+_MATES: ContextVar[int] = ContextVar("batch_mates", default=0)
 
 
 def batch_tokens() -> int | None:
@@ -96,8 +99,19 @@ def batch_tokens() -> int | None:
 
 @contextmanager
 def in_step(tokens: int):
-    token = _BATCH_TOKENS.set(tokens)
+    """Model.layer: a step of this sequence's `tokens`, plus its batch-mates' (co_batched)."""
+    token = _BATCH_TOKENS.set(tokens + _MATES.get())
     try:
         yield
     finally:
         _BATCH_TOKENS.reset(token)
+
+
+@contextmanager
+def co_batched(tokens: int):
+    """The other sequences in this step bring `tokens` tokens (a server's continuous batch)."""
+    token = _MATES.set(max(int(tokens), 0))
+    try:
+        yield
+    finally:
+        _MATES.reset(token)

@@ -5,8 +5,12 @@ in a slice finish in arrival order (as under a lock); a long one cannot hold the
 for more than a slice, so a short request behind it is answered; a request whose client
 went away is dropped before its next step. Requests are interleaved, not batched: the
 golden forward is one sequence, and a batched forward would change reduction shapes, so
-served answers would no longer equal the in-process golden bit for bit. The number of requests in the server is bounded;
-beyond it `submit` raises Busy (the server answers 429 with Retry-After)."""
+served answers would no longer equal the in-process golden bit for bit. What an engine's
+batch-dependent kernel would see is kept: a step runs with the tokens the other requests
+on the same model would bring to it (their prompt, or one token while decoding) as its
+batch-mates (reference_model.schedule.co_batched), which only such kernels read. The
+number of requests in the server is bounded; beyond it `submit` raises Busy (the server
+answers 429 with Retry-After)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +18,8 @@ import math
 import threading
 import time
 from collections import deque
+
+from reference_model.schedule import co_batched
 
 
 class Busy(Exception):
@@ -132,11 +138,18 @@ class Scheduler:
         self.stats["cancel_lag_steps_max"] = max(self.stats["cancel_lag_steps_max"], lag)
         job.emit("cancelled")
 
+    def _mates(self, job: Job) -> int:
+        """Tokens the other live requests on the job's model bring to this step."""
+        with self._cv:
+            others = [j for j in self._jobs if not j.cancelled]
+        return sum(j.decoder.next_tokens() for j in others if j.decoder.model is job.decoder.model)
+
     def _step(self, job: Job) -> float:
         """One forward of the job; its seconds."""
         t0 = time.perf_counter()
         try:
-            tok = job.decoder.step()
+            with co_batched(self._mates(job)):
+                tok = job.decoder.step()
         except Exception as e:              # reported to the request, the server goes on
             self.stats["failed"] += 1
             job.decoder.done = True
