@@ -174,3 +174,40 @@ def test_chunked_prefill_size_reaches_the_serving_seam():
         tb, lb, _ = _complete(u, "bug", A)
     assert lg == _inprocess(A)[1]                         # bit for bit
     assert lb != lg
+
+
+def test_served_window_restore_bug_end_to_end():
+    """One server, a golden arm and an arm carrying `restore_window_one_off` (the window ring
+    restored one row off), --page-size 64. Per arm: flush, a cold 300-token request C, then
+    D = C's first 256 tokens + a tail of its own: a hit on 256 tokens (the window ring is
+    full there, 256 = 8 windows of 32). Golden's hit answers exactly as a cold D after a
+    flush (greedy tokens and every logprob, bit for bit); the bug arm's hit does not -- its
+    first generated token's logprob already differs -- while its cold answers equal
+    golden's: the bug lives in the restore only."""
+    g = torch.Generator().manual_seed(2201)
+    c = [int(i) for i in torch.randint(3, 500, (300,), generator=g)]
+    tail = [int(i) for i in torch.randint(3, 500, (44,), generator=g)]
+    tail[0] = tail[0] + 1 if tail[0] == c[256] else tail[0]              # diverge right at 256
+    d = c[:256] + tail
+
+    def ask(u, model, ids):
+        r = ok(httpx.post(u + "/v1/completions", json={
+            "model": model, "prompt": ids, "max_tokens": 4, "temperature": 0, "logprobs": 2,
+            "ignore_eos": True}, timeout=300))
+        return r["choices"][0]["logprobs"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    got = {}
+    with served("golden", extra=("--arm", "golden=golden", "--arm", "bug=restore_window_one_off",
+                                 "--default-arm", "golden", "--page-size", "64")) as (u,):
+        for arm in ("golden", "bug"):
+            _flush(u)
+            cold_c, n_c = ask(u, arm, c)
+            hit_d, n_hit = ask(u, arm, d)
+            _flush(u)
+            cold_d, n_d = ask(u, arm, d)
+            assert (n_c, n_hit, n_d) == (0, 256, 0), arm
+            got[arm] = cold_c, hit_d, cold_d
+    (gc, gh, gd), (bc, bh, bd) = got["golden"], got["bug"]
+    assert gh == gd                                      # tokens, logprobs, top logprobs: bit for bit
+    assert bh["token_logprobs"][0] != bd["token_logprobs"][0]
+    assert (bc, bd) == (gc, gd)                          # cold, the bug arm is the golden
