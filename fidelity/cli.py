@@ -26,6 +26,7 @@ COMMANDS = {
     "needle": "needle",
     "serve": "serve",
     "kld": "kld",
+    "consistency": "consistency",
     "engines": "engines",
     "chat-check": "chat_check",
     "plan-memory": "plan_memory",

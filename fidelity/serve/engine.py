@@ -133,6 +133,7 @@ class Engine:
         self.model_name = o.model_name or target.name
         self.generation = o.generation
         self.placement = placement
+        self.page_size, self.chunked_prefill = o.page_size, o.chunked_prefill
         cache: dict = {}
         self.arms: dict[str, ServedArm] = {}
         for name, arm in arms:
@@ -325,6 +326,9 @@ class Engine:
         return {"version": version, "engine": "fidelity serve", "model": self.model_name,
                 "model_path": self.target.description, "max_model_len": self.max_model_len,
                 "max_logprobs": self.max_logprobs, "default_model": self.default_arm,
+                # SGLang's server-args names, so a client reads a real engine the same way
+                "page_size": self.page_size if self.prefix_cache is not None else None,
+                "chunked_prefill_size": self.chunked_prefill,
                 "arms": {s.id: {"arm": s.arm.name, "toggles": list(s.arm.toggles),
                                 "profile": getattr(s.model.nx, "profile", None),
                                 "compute_dtype": str(getattr(s.model.nx, "cd", ""))}

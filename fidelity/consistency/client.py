@@ -1,0 +1,127 @@
+"""A live server as the consistency probes see it: kld's Endpoint (model choice, dialect
+detection, prompt scoring, the shared retry policy) plus a plain greedy generation with
+output logprobs -- no prompt logprobs, because engines skip their prefix cache for those
+(vLLM's prompt_logprobs, SGLang's logprob_start_len) -- the prompt tokens the engine says
+it took from its cache, its cache-flush route, and the serving sizes it reports."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from infra.http import RequestFailed, send
+
+from fidelity.kld.bounds import Known
+from fidelity.kld.dialects import ScoringError, _known
+from fidelity.kld.endpoint import Endpoint, EndpointError
+
+# flush routes, in the order tried: SGLang, vLLM
+FLUSH_ROUTES = ("/flush_cache", "/reset_prefix_cache")
+
+
+@dataclass
+class Reply:
+    """One greedy generation: its tokens, the distribution (top-k and the chosen token)
+    before each, how many prompt tokens the engine reports from its cache (None: it does
+    not say) and why it ended."""
+    tokens: list[int]
+    dists: list[Known]
+    cached: int | None
+    finish: str
+
+
+def _sglang_body(ids, max_tokens, k, model):
+    body = {"input_ids": list(ids), "return_logprob": True, "top_logprobs_num": k,
+            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
+    return "/generate", {**body, **({"model": model} if model else {})}
+
+
+def _sglang_reply(d: dict) -> Reply:
+    try:
+        m = d["meta_info"]
+        out, tops = m["output_token_logprobs"], m["output_top_logprobs"]
+    except (KeyError, TypeError):
+        raise ScoringError("the /generate answer has no meta_info output logprobs") from None
+    dists = [_known([(x[1], x[0]) for x in top or []] + [(e[1], e[0])]) for e, top in zip(out, tops)]
+    finish = (m.get("finish_reason") or {}).get("type", "") if isinstance(m.get("finish_reason"), dict) \
+        else str(m.get("finish_reason") or "")
+    return Reply([int(e[1]) for e in out], dists, m.get("cached_tokens"), finish)
+
+
+def _completions_body(ids, max_tokens, k, model, vllm: bool):
+    body = {"prompt": list(ids), "max_tokens": max_tokens, "temperature": 0, "logprobs": k}
+    if vllm:
+        body.update(ignore_eos=True, return_tokens_as_token_ids=True)
+    return "/v1/completions", {**body, **({"model": model} if model else {})}
+
+
+def _completions_reply(d: dict, piece_ids: dict | None) -> Reply:
+    try:
+        ch = d["choices"][0]
+        lp = ch["logprobs"]
+        toks, vals, tops = lp["tokens"], lp["token_logprobs"], lp.get("top_logprobs") or []
+    except (KeyError, IndexError, TypeError):
+        raise ScoringError("the completion has no choices[0].logprobs (send logprobs k)") from None
+
+    def tid(t: str) -> int | None:
+        if t.startswith("token_id:"):
+            return int(t.split(":", 1)[1])
+        return None if piece_ids is None else piece_ids.get(t)
+    ids = [tid(t) for t in toks]
+    if any(i is None for i in ids):
+        raise ScoringError("cannot map the generated tokens' text back to ids (give --tokenizer)")
+    dists = []
+    for i, v, top in zip(ids, vals, tops + [None] * (len(ids) - len(tops))):
+        pairs = [(j, x) for t, x in (top or {}).items() if (j := tid(t)) is not None]
+        dists.append(_known(pairs + [(i, v)]))
+    cached = ((d.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    return Reply(ids, dists, cached, str(ch.get("finish_reason") or ""))
+
+
+class LiveArm:
+    """An endpoint the probes send requests to (connect() first)."""
+
+    def __init__(self, endpoint: Endpoint):
+        self.ep = endpoint
+        self.flush_route: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.ep.name
+
+    def connect(self) -> "LiveArm":
+        self.ep.connect()
+        return self
+
+    def generate(self, ids: list[int], max_tokens: int, k: int = 5) -> Reply:
+        """Greedy continuation of `ids` with the top-k before each new token."""
+        ep = self.ep
+        if ep.dialect == "sglang":
+            path, body = _sglang_body(ids, max_tokens, k, ep.model)
+            parse = _sglang_reply
+        else:
+            path, body = _completions_body(ids, max_tokens, k, ep.model, ep.dialect == "vllm")
+            pieces = ep.piece_ids() if ep.dialect == "openai" else None
+            parse = lambda d: _completions_reply(d, pieces)       # noqa: E731
+        return ep.call("POST", path, body, parse=parse)
+
+    def flush(self) -> str | None:
+        """Empty the engine's prefix cache; the route that did it (None: the server has
+        neither SGLang's nor vLLM's route, so a cold run needs a cache-busting prefix)."""
+        ep = self.ep
+        for route in ([self.flush_route] if self.flush_route else FLUSH_ROUTES):
+            try:        # any 200 body: SGLang answers plain text, vLLM an empty body
+                got = send(ep.client, "POST", ep.root + route, lambda r: True, ep.policy, json={},
+                           missing_ok=True)
+            except RequestFailed as e:
+                if e.status in (404, 405):
+                    continue
+                raise EndpointError(f"{self.name}: POST {route} failed: {e}") from None
+            if got:
+                self.flush_route = route
+                return route
+        return None
+
+    def sizes(self) -> dict:
+        """The page and prefill-chunk sizes the server reports (SGLang's server-args names in
+        /get_server_info; None where it does not say)."""
+        info = self.ep.info.get("server_info") or {}
+        return {"page_size": info.get("page_size"), "chunked_prefill_size": info.get("chunked_prefill_size")}

@@ -1,0 +1,90 @@
+"""Which serving condition changes the answer: every condition's comparisons against the
+arm's own floor (the same request asked again under the reference condition).
+
+Per (arm, family, condition): probes, bit-identical replies, replies whose greedy tokens
+part (and the earliest step), KL at the first generated token, the engine's cached-token
+count. A condition is flagged when
+  * the floor is exact (every floor pair bit-identical) and some reply under it is not --
+    on such an engine anything else is a change of serving numerics; or
+  * the floor is not exact and its replies part from the reference more often than the
+    floor's (one-sided Fisher exact test, p < ALPHA), or its first-token KL is above
+    every floor pair's in more probes than chance allows (one-sided binomial, p < ALPHA).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from scipy.stats import binomtest, fisher_exact
+
+ALPHA = 0.05
+FLOOR = "cold-again"
+
+
+def condition_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per (arm, family, condition) with its counts, statistics and flag."""
+    rows = rows[rows.condition != "cold"]
+    out = []
+    for (arm, fam), g in rows.groupby(["arm", "family"], sort=False):
+        floor = g[g.condition == FLOOR]
+        for cond, c in g.groupby("condition", sort=False):
+            out.append({"arm": arm, "family": fam, "condition": cond, **_stats(c), **_flag(c, floor)})
+    cols = ["arm", "family", "condition", "class", "shared", "probes", "bitwise", "diverged",
+            "first_step", "kl_first_median", "kl_first_max", "cached_median", "flagged", "why"]
+    return pd.DataFrame(out, columns=cols)
+
+
+def _stats(c: pd.DataFrame) -> dict:
+    steps = c.first_diff.dropna()
+    cached = pd.to_numeric(c.cached, errors="coerce").dropna()
+    return {"class": c["class"].iloc[0], "shared": c["shared"].iloc[0], "probes": len(c),
+            "bitwise": int(c.bitwise.sum()), "diverged": int(c.first_diff.notna().sum()),
+            "first_step": int(steps.min()) if len(steps) else None,
+            "kl_first_median": float(c.kl_first.median()), "kl_first_max": float(c.kl_first.max()),
+            "cached_median": float(cached.median()) if len(cached) else None}
+
+
+def _flag(c: pd.DataFrame, floor: pd.DataFrame) -> dict:
+    if c.condition.iloc[0] == FLOOR or floor.empty:
+        return {"flagged": False, "why": "floor" if c.condition.iloc[0] == FLOOR else "no floor"}
+    n, nf = len(c), len(floor)
+    if floor.bitwise.all():
+        k = int((~c.bitwise.astype(bool)).sum())
+        return {"flagged": k > 0, "why": f"{k}/{n} not bit-identical; floor exact ({nf}/{nf})"}
+    d, df = int(c.first_diff.notna().sum()), int(floor.first_diff.notna().sum())
+    p_tok = fisher_exact([[d, n - d], [df, nf - df]], alternative="greater").pvalue
+    above = int((c.kl_first > floor.kl_first.max()).sum())
+    p_kl = binomtest(above, n, 1 / (nf + 1), alternative="greater").pvalue
+    flagged = bool(min(p_tok, p_kl) < ALPHA)
+    return {"flagged": flagged, "why": f"tokens part in {d}/{n} vs floor {df}/{nf} (p={p_tok:.2g}); "
+                                       f"first-token KL above every floor pair in {above}/{n} (p={p_kl:.2g})"}
+
+
+def verdict_lines(table: pd.DataFrame) -> list[str]:
+    """One sentence per arm: the conditions under which its replies differ from cold,
+    strongest first, or that none does."""
+    lines = []
+    for arm, g in table.groupby("arm", sort=False):
+        floor = g[g.condition == FLOOR]
+        fl = ("bit-identical" if len(floor) and (floor.bitwise == floor.probes).all()
+              else f"KL up to {floor.kl_first_max.max():.3g}" if len(floor) else "not measured")
+        hits = g[g.flagged].sort_values("kl_first_max", ascending=False)
+        if hits.empty:
+            lines.append(f"`{arm}`: no serving condition changes its replies (cold vs cold: {fl}; "
+                         f"{len(g) - len(floor)} conditions).")
+            continue
+        parts = [_describe(r) for _, r in hits.head(3).iterrows()]
+        more = f"; {len(hits) - 3} more in the table" if len(hits) > 3 else ""
+        lines.append(f"`{arm}` differs from its cold replies under {len(hits)} of "
+                     f"{len(g) - len(floor)} conditions: " + "; ".join(parts) + f"{more} (cold vs cold: {fl}).")
+    return lines
+
+
+def _describe(r) -> str:
+    where = {"full": "a full-prompt hit"}.get(r["class"], None)
+    if where is None:
+        where = f"a prefix hit sharing {int(r.shared)} tokens ({r['class']} boundary)"
+    cached = "" if r.cached_median is None or np.isnan(r.cached_median) else \
+        f", {int(r.cached_median)} tokens from the cache"
+    tok = (f", greedy tokens part from step {int(r.first_step)} in {r.diverged}/{r.probes}"
+           if r.diverged else ", same greedy tokens")
+    return f"{where}: KL {r.kl_first_max:.3g} at the first generated token{tok}{cached}"

@@ -1,0 +1,161 @@
+"""The prefix-cache family: does a prompt answered from the engine's prefix cache give
+what the same prompt gives cold?
+
+Per probe prompt (an exact-length needle haystack: the model has an answer to lose):
+  cold        the prompt after a cache flush -- the reference reply;
+  cold-again  flushed and asked again: the floor (what "the same" means on this engine);
+  full-hit    asked twice in a row, the second answer compared;
+  hit@P       the cache warmed by another prompt sharing the first P tokens, then the
+              prompt: P at each boundary class (the window, a CSA group of 4, an HCA group
+              of 128, the page and prefill-chunk sizes the server reports) and P +- 1.
+Each hit records the engine's own cached-token count, the proof that a hit happened. On a
+server without a flush route every cold start is two random leading tokens no request had
+(the report says which was used); the floor then compares two such starts, so it is not
+exact and hits are judged against it."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from fidelity.prompts import haystack_ids, prompt_seed
+
+from .client import LiveArm, Reply
+from .compare import compare_replies
+from .store import ProbeStore
+
+FAMILY = "prefix"
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    length: int = 320            # prompt tokens
+    probes: int = 3              # prompts
+    max_tokens: int = 8          # greedy tokens compared
+    k: int = 5                   # top-k per generated token
+    seed: int = 0
+    page_size: int | None = None      # the engine's, when it does not report it
+    chunk_size: int | None = None
+
+
+def boundaries(cfg, sizes: dict, plan: PrefixPlan) -> list[tuple[str, int]]:
+    """(class, P) shared-prefix lengths: each class's boundary and +-1, inside the prompt
+    (at least one token left to compute). A CSA group boundary is taken off the other
+    classes' multiples so it tests the ratio-4 compressor alone."""
+    ratios = [r for r in cfg.compress_ratios if r]
+    page = sizes.get("page_size") or plan.page_size
+    chunk = sizes.get("chunked_prefill_size") or plan.chunk_size
+    classes = [("window", cfg.window_size)]
+    if 4 in ratios:
+        classes.append(("csa-group", 4 * (cfg.window_size // 4 + 5)))
+    if 128 in ratios:
+        classes.append(("hca-group", 128))
+    if page and page > 1:
+        classes.append(("page", int(page)))
+    if chunk:
+        classes.append(("prefill-chunk", int(chunk)))
+    out = []
+    for name, b in classes:
+        for d in (-1, 0, 1):
+            p = b + d
+            if 1 <= p <= plan.length - 2 and (name, p) not in out:
+                out.append((name, p))
+    return out
+
+
+def _prompt(tokenizer, plan: PrefixPlan, probe: int) -> list[int]:
+    ids, _ = haystack_ids(tokenizer, plan.length, (probe + 0.5) / plan.probes * 100,
+                          prompt_seed(plan.seed, plan.length, probe, 1))
+    return ids
+
+
+def _parting_at(ids: list[int], p: int, vocab: int) -> list[int]:
+    """The prompt with token p replaced: it shares exactly its first p tokens with `ids`
+    (another haystack would share the chat template's tokens too)."""
+    return ids[:p] + [2 + (ids[p] - 1) % (vocab - 2)] + ids[p + 1:]
+
+
+def _reply_row(r: Reply) -> dict:
+    return {"tokens": r.tokens, "cached": r.cached, "finish": r.finish,
+            "dists": [[d.ids.tolist(), d.logp.tolist()] for d in r.dists]}
+
+
+def _reply(row: dict) -> Reply:
+    import numpy as np
+
+    from fidelity.kld.bounds import Known
+    return Reply(row["tokens"], [Known(np.asarray(i, np.int64), np.asarray(v, np.float64))
+                                 for i, v in row["dists"]], row["cached"], row["finish"])
+
+
+class PrefixFamily:
+    def __init__(self, arm: LiveArm, store: ProbeStore, tokenizer, cfg, plan: PrefixPlan):
+        self.arm, self.store, self.tok, self.cfg, self.plan = arm, store, tokenizer, cfg, plan
+        self.flush_route: str | None = None
+        self.busting: bool | None = None             # decided at the first cold request
+        self._rng = random.SystemRandom()
+
+    def _key(self, probe: int, condition: str) -> str:
+        p = self.plan
+        return f"{FAMILY}|{self.arm.name}|L{p.length}|s{p.seed}|n{p.max_tokens}|k{p.k}|{probe}|{condition}"
+
+    def _fresh(self) -> list[int]:
+        """An empty cache for what follows: flushed (nothing to prepend), or, on a server
+        without a flush route, two random leading tokens no earlier request had."""
+        if self.busting is None:
+            self.flush_route = self.arm.flush()
+            self.busting = self.flush_route is None
+            if not self.busting:
+                return []
+        if not self.busting:
+            self.arm.flush()
+            return []
+        return [self._rng.randrange(2, self.cfg.vocab_size) for _ in range(2)]
+
+    def _ask(self, ids: list[int]) -> Reply:
+        return self.arm.generate(ids, self.plan.max_tokens, self.plan.k)
+
+    def _cold(self, ids: list[int]) -> Reply:
+        return self._ask(self._fresh() + ids)
+
+    def _twice(self, ids: list[int]) -> Reply:
+        lead = self._fresh()
+        self._ask(lead + ids)
+        return self._ask(lead + ids)
+
+    def _after_warm(self, ids: list[int], warm: list[int]) -> Reply:
+        lead = self._fresh()
+        self._ask(lead + warm)
+        return self._ask(lead + ids)
+
+    def run(self, progress=lambda m: None) -> None:
+        plan = self.plan
+        points = boundaries(self.cfg, self.arm.sizes(), plan)
+        for probe in range(plan.probes):
+            ids = _prompt(self.tok, plan, probe)
+            ref = self._reference(probe, ids)
+            self._measure(probe, "cold-again", "floor", None, ref, lambda: self._cold(ids))
+            self._measure(probe, "full-hit", "full", len(ids), ref, lambda: self._twice(ids))
+            for cls, p in points:
+                self._measure(probe, f"hit@{p}", cls, p, ref,
+                              lambda p=p: self._after_warm(ids, _parting_at(ids, p, self.cfg.vocab_size)))
+            progress(f"{self.arm.name}: prefix probe {probe + 1}/{plan.probes} done")
+
+    def _reference(self, probe: int, ids: list[int]) -> Reply:
+        key = self._key(probe, "cold")
+        if not self.store.has(key):
+            r = self._cold(ids)
+            self.store.add({"key": key, "family": FAMILY, "arm": self.arm.name, "probe": probe,
+                            "condition": "cold", "reference": _reply_row(r)})
+        row = next(r for r in self.store.rows if r["key"] == key)
+        return _reply(row["reference"])
+
+    def _measure(self, probe, condition, cls, shared, ref: Reply, ask) -> None:
+        key = self._key(probe, condition)
+        if self.store.has(key):
+            return
+        got = ask()
+        self.store.add({"key": key, "family": FAMILY, "arm": self.arm.name, "probe": probe,
+                        "condition": condition, "class": cls, "shared": shared,
+                        "cached": got.cached,
+                        "cold_by": self.flush_route or "two random leading tokens (no flush route)",
+                        **compare_replies(ref, got)})

@@ -1,0 +1,92 @@
+"""The `fidelity consistency` report, in the house format: the verdict (which condition
+changes which arm's answer), one section per probe family with its table and plot, every
+probe as a tidy CSV, and how the run was made (cold starts, sizes the servers report,
+requests, retries)."""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from infra.report_page import Page, Section, Table
+from infra.report_writer import ReportWriter
+
+KL_FLOOR_PLOT = 1e-9          # zero KL drawn here on the log axis
+
+
+def _prefix_figure(table: pd.DataFrame):
+    """First-token KL vs the shared prefix length, per arm; flagged conditions filled,
+    the others hollow; the boundary classes as labelled vertical lines."""
+    hits = table[(table.family == "prefix") & table.shared.notna() & (table["class"] != "full")]
+    if hits.empty:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for arm, g in hits.groupby("arm", sort=False):
+        g = g.sort_values("shared")
+        y = np.maximum(g.kl_first_max.to_numpy(float), KL_FLOOR_PLOT)
+        line, = ax.plot(g.shared, y, "-", alpha=0.5, label=arm)
+        f = g.flagged.to_numpy(bool)
+        ax.plot(g.shared[f], y[f], "o", color=line.get_color())
+        ax.plot(g.shared[~f], y[~f], "o", mfc="none", color=line.get_color())
+    for cls, g in hits.groupby("class"):
+        b = int(g.shared.median())
+        ax.axvline(b, color="0.8", lw=0.8, zorder=0)
+        ax.annotate(cls, (b, 1), xycoords=("data", "axes fraction"), rotation=90, va="top",
+                    ha="right", fontsize=7, color="0.4")
+    ax.set_yscale("log")
+    ax.set_xlabel("shared prefix (tokens) before the prompt is asked")
+    ax.set_ylabel("KL at first generated token (max over probes)")
+    ax.set_title(f"Prefix-cache hit vs cold (filled: flagged; {KL_FLOOR_PLOT:g} = bit-identical)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def build_page(result: dict) -> Page:
+    m, table = result["manifest"], result["conditions"]
+    arms = ", ".join(f"`{a['name']}` ({a['dialect']}, model {a['model']})" for a in m["arms"])
+    pre = m["settings"]["prefix"]
+    compared = (f"Arms {arms} on {m['checkpoint']}'s tokenizer: prefix-cache family, {pre['probes']} "
+                f"probe prompts of {pre['length']} tokens, {pre['max_tokens']} greedy tokens compared "
+                f"with top-{pre['k']}; {m['seconds']} s.")
+    how = pd.DataFrame([{"arm": a["name"], "url": a["url"], "dialect": a["dialect"],
+                         "cold start by": a.get("cold_by"), "page size": a.get("page_size"),
+                         "prefill chunk": a.get("chunked_prefill_size"),
+                         "requests": sum(v for k, v in m["requests"].items() if k.endswith("/" + a["name"])),
+                         "retries": sum(a.get("retries", {}).values())} for a in m["arms"]])
+    sections = [
+        Section("Prefix cache: a hit vs the same prompt cold",
+                "Each condition asks a probe prompt after the cache was warmed by another prompt "
+                "sharing its first `shared` tokens (`hit@P`), or by the prompt itself "
+                "(`full-hit`); the reply is compared with the prompt asked cold. `cold-again` is "
+                "the floor: cold asked twice. `cached_median` is the engine's own count of prompt "
+                "tokens taken from its cache (the proof a hit happened; a page-granular cache "
+                "restores the largest page multiple below the shared prefix). `why` says the rule "
+                "that flagged it (fidelity/consistency/judge.py).",
+                [Table(table[table.family == "prefix"].drop(columns=["family"]), fold=False)]),
+        Section("How it was run", "Cold starts use the engine's flush route (SGLang "
+                "`/flush_cache`, vLLM `/reset_prefix_cache`); without one, two random leading tokens "
+                "no earlier request had. Retries are transport faults retried under the shared "
+                "policy, never counted as differences.", [Table(how, fold=False)]),
+        Section("Every probe", "One row per comparison (probes.csv).",
+                [Table(result["probes"].drop(columns=["key"], errors="ignore"), fold=True)]),
+    ]
+    return Page("dsv4-fidelity consistency report", compared, result["verdict"],
+                lead_figures=["prefix_kl"], sections=sections, manifest=m)
+
+
+def write_report(out_dir, run_id: str, result: dict):
+    w = ReportWriter(out_dir, run_id)
+    try:
+        w.table("conditions", result["conditions"])
+        w.table("probes", result["probes"].drop(columns=["reference"], errors="ignore"))
+        w.json("manifest", {**result["manifest"], "verdict": result["verdict"]})
+        fig = _prefix_figure(result["conditions"])
+        if fig is not None:
+            w.figure(fig, "prefix_kl", "Prefix-cache hits vs cold")
+            plt.close(fig)
+        page = build_page({**result, "probes": result["probes"].drop(columns=["reference"], errors="ignore")})
+        w.page(page)
+        return w.commit(latest=False)
+    except BaseException:
+        w.abort()
+        raise

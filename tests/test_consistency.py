@@ -1,0 +1,123 @@
+"""`fidelity consistency` against real `fidelity serve` processes: the prefix-cache family
+flags each planted restore bug exactly where the engine reports a cache hit and nowhere
+else; a clean server flags nothing over three seeds; transport faults are retried, never
+counted as differences; an interrupted run resumes to the same tables; the OpenAI dialect
+alone works on greedy text."""
+import json
+
+import pytest
+
+from fidelity.consistency.client import LiveArm
+from fidelity.consistency.prefix import PrefixPlan, boundaries
+from fidelity.consistency.run import ConsistencySettings, run_consistency, store_path
+from fidelity.consistency.store import ProbeStore
+from fidelity.kld.endpoint import Endpoint
+from fidelity.weights.target import load_target
+from infra.http import RetryPolicy
+
+from fault_proxy import FaultProxy
+from needle_util import served
+
+TARGET = load_target(None)
+BUGS = ("restore_window_one_off", "restore_drops_compressor_pending", "restore_saved_one_token_later")
+PLAN = PrefixPlan(length=200, probes=1, max_tokens=4)
+FAST = RetryPolicy(retries=4, timeout=120.0, backoff=0.05)
+
+
+@pytest.fixture(scope="module")
+def url():
+    arms = ["--arm", "golden=golden"] + [a for b in BUGS for a in ("--arm", f"{b}={b}")]
+    with served("golden", extra=(*arms, "--page-size", "64")) as (u,):
+        yield u
+
+
+def _arm(name, url, dialect=None):
+    return LiveArm(Endpoint(name, url, dialect, name, FAST, TARGET.tokenizer))
+
+
+def _run(arms, tmp_path, plan=PLAN, run_id="r"):
+    return run_consistency(arms, TARGET, ConsistencySettings(("prefix",), plan), tmp_path, run_id,
+                           progress=lambda m: None)
+
+
+def test_restore_bugs_flagged_exactly_where_the_cache_hit(url, tmp_path):
+    res = _run([_arm("golden", url)] + [_arm(b, url) for b in BUGS], tmp_path)
+    t = res["conditions"]
+    g = t[t.arm == "golden"]
+    assert not g.flagged.any() and (g.bitwise == g.probes).all()
+    hits = t[t.condition.str.startswith("hit@")]
+    # a 64-token page: a shared prefix of P restores the largest multiple of 64 below it
+    for _, r in hits[hits.arm == "golden"].iterrows():
+        assert r.cached_median == (int(r.shared) // 64) * 64, r.condition
+    for bug in BUGS:
+        b = t[(t.arm == bug) & (t.condition != "cold-again")]
+        assert (b.flagged == (b.cached_median > 0)).all(), b[["condition", "cached_median", "flagged"]]
+        assert b.flagged.sum() >= 6, bug                 # hits at 64, 65, 127-129 and the full hit
+    assert res["verdict"][0].startswith("`golden`: no serving condition changes its replies")
+    assert any(line.startswith("`restore_window_one_off` differs from its cold replies under 6 of 13")
+               for line in res["verdict"])
+    path = res["path"]
+    html = open(f"{path}/index.html").read()
+    assert "Prefix-cache hits vs cold" in html and "data:image/png;base64" in html
+    rows = [json.loads(x) for x in store_path(tmp_path).read_text().splitlines()]
+    assert {r["cold_by"] for r in rows if "cold_by" in r} == {"/flush_cache"}
+
+
+def test_clean_server_flags_nothing_over_three_seeds(url, tmp_path):
+    for seed in (1, 2, 3):
+        plan = PrefixPlan(length=200, probes=1, max_tokens=3, seed=seed)
+        res = _run([_arm("golden", url)], tmp_path, plan, run_id=f"s{seed}")
+        assert not res["conditions"].flagged.any(), seed
+
+
+def test_faults_are_retried_never_counted(url, tmp_path):
+    faults = {"/generate": ["500", "ok", "drop", "ok", "malformed", "503"]}
+    with FaultProxy(url, faults) as px:
+        res = _run([_arm("golden", px.url)], tmp_path)
+    assert not res["conditions"].flagged.any()
+    retries = res["manifest"]["arms"][0]["retries"]
+    assert retries == {"POST /generate": 4}, retries          # 500, drop, malformed, 503
+
+
+def test_interrupted_run_resumes_to_the_same_tables(url, tmp_path):
+    calls = []
+
+    def stop_after_first(msg):
+        calls.append(msg)
+        raise KeyboardInterrupt
+
+    plan = PrefixPlan(length=200, probes=2, max_tokens=3)
+    with pytest.raises(KeyboardInterrupt):
+        run_consistency([_arm("restore_window_one_off", url)], TARGET, ConsistencySettings(("prefix",), plan),
+                        tmp_path / "a", "r", progress=stop_after_first)
+    done = len(ProbeStore(store_path(tmp_path / "a")).rows)
+    assert done > 0
+    resumed = _run([_arm("restore_window_one_off", url)], tmp_path / "a", plan)
+    fresh = _run([_arm("restore_window_one_off", url)], tmp_path / "b", plan)
+    assert len(ProbeStore(store_path(tmp_path / "a")).rows) == len(ProbeStore(store_path(tmp_path / "b")).rows)
+    cols = ["condition", "probes", "bitwise", "flagged", "cached_median"]
+    assert resumed["conditions"][cols].equals(fresh["conditions"][cols])
+
+
+def test_openai_dialect_alone_works_on_greedy_text(url, tmp_path):
+    plan = PrefixPlan(length=200, probes=1, max_tokens=3)
+    res = _run([_arm("restore_window_one_off", url, "openai")], tmp_path, plan)
+    t = res["conditions"]
+    assert t.flagged.any() and (t.flagged == (t.cached_median > 0)).all()
+
+
+def test_store_skips_a_torn_line(tmp_path):
+    p = tmp_path / "probes.jsonl"
+    p.write_text(json.dumps({"key": "a", "x": 1}) + "\n" + '{"key": "b", "x"')
+    s = ProbeStore(p)
+    assert s.has("a") and not s.has("b")
+    s.add({"key": "b", "x": 2})
+    assert [r["key"] for r in ProbeStore(p).rows] == ["a", "b"]
+
+
+def test_boundary_classes():
+    cfg = TARGET.cfg
+    got = boundaries(cfg, {"page_size": 64, "chunked_prefill_size": 2048}, PrefixPlan(length=200))
+    assert got == [("window", 31), ("window", 32), ("window", 33), ("csa-group", 51), ("csa-group", 52),
+                   ("csa-group", 53), ("hca-group", 127), ("hca-group", 128), ("hca-group", 129),
+                   ("page", 63), ("page", 64), ("page", 65)]
