@@ -119,3 +119,25 @@ def _mhc_splitk_by_batch(golden, H, fn, scale, base, cfg, *, max_tokens, splits)
     mixes = golden.r32(E.splitk_mixes(golden.c(H.reshape(n_tok, hc * d)), fn.to(golden.cd), cfg.norm_eps,
                                       splits, golden.r32))
     return golden.hc_collapse(H, mixes, scale, base, cfg)
+
+
+@toggle("decode_splitk_by_batch", kernel="sparse_attention", phase="decode", category="serving",
+        wraps=True, _builtin=True,
+        params=(Param("max_splits", int, 8, "key splits of a decode step alone", min=2),),
+        provenance=Provenance(("vllm", "sglang"), ("FlashMLA sparse decode, splits from the batch",),
+                              ("vllm #53257",),
+                              "FlashMLA's scheduler picks the split count from the batch to fill "
+                              "the SMs; the rule max_splits // step tokens is ours"),
+        description="Sparse decode attention split over max_splits // (tokens in the step) key "
+                    "chunks with bf16 partial outputs (one pass, the reference, once the step "
+                    "holds max_splits tokens): a request decoded alone and the same request "
+                    "decoded beside others get different logprobs (vllm #53257: FlashMLA decode "
+                    "differs by 1-2 bf16 ULP alone vs batched, and T=0 outputs split under "
+                    "concurrency).")
+def _decode_splitk_by_batch(golden, q, kv, sink, idx, scale, phase="prefill", *, max_splits):
+    n = batch_tokens()
+    splits = max_splits // max(n or 1, 1)
+    if phase != "decode" or splits < 2:
+        return golden.sparse_attention(q, kv, sink, idx, scale, phase)
+    return E.splitk_attention(q, kv, sink, idx, scale, splits, golden.cd, round_p=golden.rs,
+                              round_partial=E.bf16, round_out=golden.rs)

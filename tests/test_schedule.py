@@ -176,3 +176,19 @@ def test_batch_dependent_kernel_sees_the_steps_token_count(weights, tokens):
     assert torch.equal(taps["cobatched"]["layers.0.hc_attn.post"], g)
     assert not torch.equal(taps["alone"]["layers.0.hc_attn.post"], g)
     assert Schedule.parse("batch(8)").batch == 8 and Schedule.parse("chunked(8)").batch == 1
+
+
+def test_decode_splitk_by_batch_depends_on_the_steps_tokens(weights, tokens):
+    """decode_splitk_by_batch splits a decode step alone in max_splits // (step tokens)
+    bf16 partials: decoded alone the logprobs move, decoded beside 7 others (batch(8): one
+    pass) they equal golden's; the prefill is untouched either way."""
+    from reference_model.generate import Decoder, Scoring
+    ids = tokens[:120].tolist()
+    nx = ToggleSet.parse("decode_splitk_by_batch").numerics("reference")
+
+    def lps(numerics, sched):
+        d = Decoder(Model(weights, numerics, schedule=Schedule.parse(sched)), ids, 5, scoring=Scoring(top=1))
+        return [s.logprob for s in d.run().scores]
+    golden, alone, cobatched = lps(Numerics("reference"), "oneshot"), lps(nx, "oneshot"), lps(nx, "batch(8)")
+    assert cobatched == golden
+    assert alone[0] == golden[0] and alone[1:] != golden[1:]      # first token: from the prefill

@@ -34,8 +34,9 @@ def test_required_toggles_and_fields():
 
 
 def test_decode_only_flag():
-    assert K.get("splitk_decode").phase == "decode"
-    assert all(t.phase == "all" for t in K.all_toggles() if t.name != "splitk_decode")
+    decode_only = {"splitk_decode", "decode_splitk_by_batch"}
+    assert all(K.get(n).phase == "decode" for n in decode_only)
+    assert all(t.phase == "all" for t in K.all_toggles() if t.name not in decode_only)
 
 
 # ---- arm syntax -------------------------------------------------------------------------
