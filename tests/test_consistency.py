@@ -1,8 +1,9 @@
 """`fidelity consistency` against real `fidelity serve` processes: the prefix-cache family
 flags each planted restore bug exactly where the engine reports a cache hit and nowhere
-else; a clean server flags nothing over three seeds; transport faults are retried, never
-counted as differences; an interrupted run resumes to the same tables; the OpenAI dialect
-alone works on greedy text."""
+else; the batch family flags an arm whose decode kernel depends on the requests in flight,
+not its fixed counterpart; a clean server flags nothing over three seeds; transport faults
+are retried, never counted as differences; an interrupted run resumes to the same tables;
+the OpenAI dialect alone works on greedy text."""
 import json
 
 import pytest
@@ -27,7 +28,9 @@ FAST = RetryPolicy(retries=4, timeout=120.0, backoff=0.05)
 @pytest.fixture(scope="module")
 def url():
     arms = ["--arm", "golden=golden"] + [a for b in BUGS for a in ("--arm", f"{b}={b}")]
-    with served("golden", extra=(*arms, "--page-size", "64")) as (u,):
+    arms += ["--arm", "batchdep=decode_splitk_by_batch", "--arm", "fixed=splitk_decode"]
+    # --time-slice 0: requests in flight take turns step by step, as in continuous batching
+    with served("golden", extra=(*arms, "--page-size", "64", "--time-slice", "0")) as (u,):
         yield u
 
 
@@ -53,14 +56,30 @@ def test_restore_bugs_flagged_exactly_where_the_cache_hit(url, tmp_path):
         b = t[(t.arm == bug) & (t.condition != "cold-again")]
         assert (b.flagged == (b.cached_median > 0)).all(), b[["condition", "cached_median", "flagged"]]
         assert b.flagged.sum() >= 6, bug                 # hits at 64, 65, 127-129 and the full hit
-    assert res["verdict"][0].startswith("`golden`: no serving condition changes its replies")
-    assert any(line.startswith("`restore_window_one_off` differs from its cold replies under 6 of 13")
+    assert res["verdict"][0].startswith("`golden` (prefix): no serving condition changes its replies")
+    assert any(line.startswith("`restore_window_one_off` (prefix) differs from its cold replies under 6 of 13")
                for line in res["verdict"])
     path = res["path"]
     html = open(f"{path}/index.html").read()
     assert "Prefix-cache hits vs cold" in html and "data:image/png;base64" in html
     rows = [json.loads(x) for x in store_path(tmp_path).read_text().splitlines()]
     assert {r["cold_by"] for r in rows if "cold_by" in r} == {"/flush_cache"}
+
+
+def test_batch_dependent_arm_flagged_its_fixed_counterpart_not(url, tmp_path):
+    """decode_splitk_by_batch (split count from the step's tokens) differs from its alone
+    replies with others in flight; splitk_decode (a fixed split, the same numerics alone or
+    not) and golden do not."""
+    from fidelity.consistency.batch import BatchPlan
+    plan = BatchPlan(length=200, probes=1, concurrency=(1, 4), repeats=2, steps=4)
+    res = run_consistency([_arm(n, url) for n in ("golden", "batchdep", "fixed")], TARGET,
+                          ConsistencySettings(("batch",), batch=plan), tmp_path, "b", progress=lambda m: None)
+    t = res["conditions"].set_index(["arm", "condition"])
+    assert t.loc[("batchdep", "batch@1"), "flagged"] and t.loc[("batchdep", "batch@4"), "flagged"]
+    assert t.loc[("batchdep", "batch@4"), "kl_max"] > 0
+    assert not t.loc[["golden", "fixed"], "flagged"].any()
+    assert (t.loc[["golden", "fixed"], "bitwise"] == t.loc[["golden", "fixed"], "probes"]).all()
+    assert "data:image/png;base64" in open(f"{res['path']}/index.html").read()
 
 
 def test_clean_server_flags_nothing_over_three_seeds(url, tmp_path):

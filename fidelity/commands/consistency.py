@@ -8,14 +8,20 @@ from fidelity.commands.options import http_options, output_options
 from fidelity.errors import CommandError
 
 HELP = ("Probe live endpoints under serving conditions (prefix-cache hits at each boundary "
-        "class) and name the condition that changes the answer; exit 1 when one does.")
+        "class, other requests in flight) and name the condition that changes the answer; "
+        "exit 1 when one does.")
 EXAMPLES = """\
     fidelity consistency --endpoint engine=http://127.0.0.1:30000
     fidelity consistency --endpoint a=http://127.0.0.1:30000 --model a=golden --probes 5 --length 512
+    fidelity consistency --endpoint engine=http://127.0.0.1:30000 --families batch --concurrency 1,8,32,64
 """
 
 
+FAMILY_NAMES = ("prefix", "batch")
+
+
 def add_arguments(p):
+    from fidelity.consistency.batch import BatchPlan
     from fidelity.consistency.prefix import PrefixPlan
     g = p.add_argument_group("arms")
     g.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
@@ -28,20 +34,28 @@ def add_arguments(p):
                    help="whose tokenizer and config build the probes (default: the embedded model)")
     g.add_argument("--tokenizer", default=None, help="tokenizer.json the probes are built with")
     g = p.add_argument_group("probes")
-    g.add_argument("--families", default="prefix", help="comma-separated probe families (default: prefix)")
-    g.add_argument("--probes", type=int, default=PrefixPlan.probes,
-                   help="probe prompts per family (default: %(default)s)")
-    g.add_argument("--length", type=int, default=PrefixPlan.length,
-                   help="probe prompt length in tokens (default: %(default)s)")
-    g.add_argument("--max-tokens", type=int, default=PrefixPlan.max_tokens,
-                   help="greedy tokens compared per reply (default: %(default)s)")
+    g.add_argument("--families", default=",".join(FAMILY_NAMES),
+                   help="comma-separated probe families: prefix (cache hits vs cold), batch "
+                        "(alone vs in company) (default: %(default)s)")
+    g.add_argument("--probes", type=int, default=None,
+                   help=f"probe prompts per family (default: prefix {PrefixPlan.probes}, batch {BatchPlan.probes})")
+    g.add_argument("--length", type=int, default=None,
+                   help=f"probe prompt length in tokens (default: prefix {PrefixPlan.length}, "
+                        f"batch {BatchPlan.length})")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help=f"greedy tokens compared per reply (default: prefix {PrefixPlan.max_tokens}, "
+                        f"batch {BatchPlan.steps})")
     g.add_argument("--top-k", type=int, default=PrefixPlan.k,
-                   help="logprobs per generated token (default: %(default)s)")
+                   help="logprobs per position (default: %(default)s)")
     g.add_argument("--seed", type=int, default=PrefixPlan.seed, help="probe prompts' seed")
     g.add_argument("--page-size", type=int, default=None,
                    help="the engine's prefix-cache page, when /get_server_info does not report it")
     g.add_argument("--chunk-size", type=int, default=None,
                    help="the engine's prefill chunk, when /get_server_info does not report it")
+    g.add_argument("--concurrency", default=",".join(map(str, BatchPlan.concurrency)),
+                   help="batch family: filler requests in flight beside the probe (default: %(default)s)")
+    g.add_argument("--repeats", type=int, default=BatchPlan.repeats,
+                   help="batch family: repeats per probe and concurrency (default: %(default)s)")
     http_options(g)
     output_options(p, "consistency", "consistency-<timestamp>",
                    fresh="discard stored probes instead of resuming",
@@ -67,23 +81,42 @@ def _arms(args, target, progress):
     return arms
 
 
-def run(args) -> int:
+def _settings(args):
+    """The families and their plans from the options (a plan's own default where not given)."""
+    from dataclasses import replace
+
+    from fidelity.consistency.batch import BatchPlan
     from fidelity.consistency.prefix import PrefixPlan
-    from fidelity.consistency.run import ConsistencySettings, run_consistency, store_path
+    from fidelity.consistency.run import ConsistencySettings
+    given = lambda **kw: {k: v for k, v in kw.items() if v is not None}       # noqa: E731
+    prefix = replace(PrefixPlan(), k=args.top_k, seed=args.seed, page_size=args.page_size,
+                     chunk_size=args.chunk_size,
+                     **given(probes=args.probes, length=args.length, max_tokens=args.max_tokens))
+    try:
+        conc = tuple(int(x) for x in args.concurrency.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--concurrency {args.concurrency!r}: expected comma-separated integers") from None
+    if not conc or min(conc) < 1 or args.repeats < 1:
+        raise ValueError("--concurrency needs integers >= 1 and --repeats at least 1")
+    batch = replace(BatchPlan(), k=args.top_k, seed=args.seed, concurrency=conc, repeats=args.repeats,
+                    **given(probes=args.probes, length=args.length, steps=args.max_tokens))
+    families = tuple(f.strip() for f in args.families.split(",") if f.strip())
+    return ConsistencySettings(families, prefix, batch)
+
+
+def run(args) -> int:
+    from fidelity.consistency.run import run_consistency, store_path
     from fidelity.kld.endpoint import EndpointError
     from fidelity.progress import Progress
     from fidelity.weights.target import load_target
     progress = Progress(args.quiet)
     try:
+        settings = _settings(args)
         target = load_target(args.checkpoint, args.tokenizer)
         arms = _arms(args, target, progress)
         if args.fresh:
             store_path(args.out).unlink(missing_ok=True)
-        plan = PrefixPlan(args.length, args.probes, args.max_tokens, args.top_k, args.seed,
-                          args.page_size, args.chunk_size)
-        families = tuple(f.strip() for f in args.families.split(",") if f.strip())
-        res = run_consistency(arms, target, ConsistencySettings(families, plan), args.out, args.run_id,
-                              progress)
+        res = run_consistency(arms, target, settings, args.out, args.run_id, progress)
     except (ValueError, RuntimeError, EndpointError) as e:
         raise CommandError(str(e)) from None
     for line in res["verdict"]:

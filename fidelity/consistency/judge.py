@@ -17,74 +17,87 @@ import pandas as pd
 from scipy.stats import binomtest, fisher_exact
 
 ALPHA = 0.05
-FLOOR = "cold-again"
+# per family: the reference condition (stored, not judged) and the floor condition
+REFERENCE = {"prefix": "cold", "batch": "alone"}
+FLOOR = {"prefix": "cold-again", "batch": "alone-again"}
+FLOORS = set(FLOOR.values())
 
 
 def condition_table(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per (arm, family, condition) with its counts, statistics and flag."""
-    rows = rows[rows.condition != "cold"]
+    rows = rows[~rows.condition.isin(set(REFERENCE.values()))]
     out = []
     for (arm, fam), g in rows.groupby(["arm", "family"], sort=False):
-        floor = g[g.condition == FLOOR]
+        floor = g[g.condition == FLOOR[fam]]
         for cond, c in g.groupby("condition", sort=False):
             out.append({"arm": arm, "family": fam, "condition": cond, **_stats(c), **_flag(c, floor)})
     cols = ["arm", "family", "condition", "class", "shared", "probes", "bitwise", "diverged",
-            "first_step", "kl_first_median", "kl_first_max", "cached_median", "flagged", "why"]
+            "first_step", "distinct", "kl_first_median", "kl_first_max", "kl_max", "cached_median",
+            "flagged", "why"]
     return pd.DataFrame(out, columns=cols)
 
 
 def _stats(c: pd.DataFrame) -> dict:
     steps = c.first_diff.dropna()
     cached = pd.to_numeric(c.cached, errors="coerce").dropna()
+    distinct = c.groupby("probe").tokens.apply(
+        lambda t: len({tuple(x) if isinstance(x, list) else () for x in t}))
     return {"class": c["class"].iloc[0], "shared": c["shared"].iloc[0], "probes": len(c),
             "bitwise": int(c.bitwise.sum()), "diverged": int(c.first_diff.notna().sum()),
             "first_step": int(steps.min()) if len(steps) else None,
+            "distinct": int(distinct.max()),
             "kl_first_median": float(c.kl_first.median()), "kl_first_max": float(c.kl_first.max()),
+            "kl_max": float(c.kl_max.max()),
             "cached_median": float(cached.median()) if len(cached) else None}
 
 
 def _flag(c: pd.DataFrame, floor: pd.DataFrame) -> dict:
-    if c.condition.iloc[0] == FLOOR or floor.empty:
-        return {"flagged": False, "why": "floor" if c.condition.iloc[0] == FLOOR else "no floor"}
+    if c.condition.iloc[0] in FLOORS or floor.empty:
+        return {"flagged": False, "why": "floor" if c.condition.iloc[0] in FLOORS else "no floor"}
     n, nf = len(c), len(floor)
     if floor.bitwise.all():
         k = int((~c.bitwise.astype(bool)).sum())
         return {"flagged": k > 0, "why": f"{k}/{n} not bit-identical; floor exact ({nf}/{nf})"}
     d, df = int(c.first_diff.notna().sum()), int(floor.first_diff.notna().sum())
     p_tok = fisher_exact([[d, n - d], [df, nf - df]], alternative="greater").pvalue
-    above = int((c.kl_first > floor.kl_first.max()).sum())
+    above = int((c.kl_max > floor.kl_max.max()).sum())
     p_kl = binomtest(above, n, 1 / (nf + 1), alternative="greater").pvalue
     flagged = bool(min(p_tok, p_kl) < ALPHA)
     return {"flagged": flagged, "why": f"tokens part in {d}/{n} vs floor {df}/{nf} (p={p_tok:.2g}); "
-                                       f"first-token KL above every floor pair in {above}/{n} (p={p_kl:.2g})"}
+                                       f"KL above every floor pair in {above}/{n} (p={p_kl:.2g})"}
 
 
 def verdict_lines(table: pd.DataFrame) -> list[str]:
     """One sentence per arm: the conditions under which its replies differ from cold,
     strongest first, or that none does."""
     lines = []
-    for arm, g in table.groupby("arm", sort=False):
-        floor = g[g.condition == FLOOR]
+    for (arm, fam), g in table.groupby(["arm", "family"], sort=False):
+        floor = g[g.condition == FLOOR[fam]]
         fl = ("bit-identical" if len(floor) and (floor.bitwise == floor.probes).all()
-              else f"KL up to {floor.kl_first_max.max():.3g}" if len(floor) else "not measured")
-        hits = g[g.flagged].sort_values("kl_first_max", ascending=False)
+              else f"KL up to {floor.kl_max.max():.3g}" if len(floor) else "not measured")
+        ref = REFERENCE[fam]
+        hits = g[g.flagged].sort_values("kl_max", ascending=False)
         if hits.empty:
-            lines.append(f"`{arm}`: no serving condition changes its replies (cold vs cold: {fl}; "
-                         f"{len(g) - len(floor)} conditions).")
+            lines.append(f"`{arm}` ({fam}): no serving condition changes its replies ({ref} vs {ref}: "
+                         f"{fl}; {len(g) - len(floor)} conditions).")
             continue
         parts = [_describe(r) for _, r in hits.head(3).iterrows()]
         more = f"; {len(hits) - 3} more in the table" if len(hits) > 3 else ""
-        lines.append(f"`{arm}` differs from its cold replies under {len(hits)} of "
-                     f"{len(g) - len(floor)} conditions: " + "; ".join(parts) + f"{more} (cold vs cold: {fl}).")
+        lines.append(f"`{arm}` ({fam}) differs from its {ref} replies under {len(hits)} of "
+                     f"{len(g) - len(floor)} conditions: " + "; ".join(parts) + f"{more} ({ref} vs {ref}: {fl}).")
     return lines
 
 
 def _describe(r) -> str:
-    where = {"full": "a full-prompt hit"}.get(r["class"], None)
-    if where is None:
+    if r["class"] == "full":
+        where = "a full-prompt hit"
+    elif r["class"] == "concurrency":
+        where = f"{int(r.shared)} other request(s) in flight ({r.distinct} distinct completions per probe)"
+    else:
         where = f"a prefix hit sharing {int(r.shared)} tokens ({r['class']} boundary)"
     cached = "" if r.cached_median is None or np.isnan(r.cached_median) else \
         f", {int(r.cached_median)} tokens from the cache"
     tok = (f", greedy tokens part from step {int(r.first_step)} in {r.diverged}/{r.probes}"
            if r.diverged else ", same greedy tokens")
-    return f"{where}: KL {r.kl_first_max:.3g} at the first generated token{tok}{cached}"
+    return (f"{where}: KL up to {r.kl_max:.3g} over the generated tokens "
+            f"({r.kl_first_max:.3g} at the first){tok}{cached}")

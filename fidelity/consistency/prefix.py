@@ -21,6 +21,7 @@ from fidelity.prompts import haystack_ids, prompt_seed
 
 from .client import LiveArm, Reply
 from .compare import compare_replies
+from .serial import known_list, known_rows
 from .store import ProbeStore
 
 FAMILY = "prefix"
@@ -75,16 +76,11 @@ def _parting_at(ids: list[int], p: int, vocab: int) -> list[int]:
 
 
 def _reply_row(r: Reply) -> dict:
-    return {"tokens": r.tokens, "cached": r.cached, "finish": r.finish,
-            "dists": [[d.ids.tolist(), d.logp.tolist()] for d in r.dists]}
+    return {"tokens": r.tokens, "cached": r.cached, "finish": r.finish, "dists": known_rows(r.dists)}
 
 
 def _reply(row: dict) -> Reply:
-    import numpy as np
-
-    from fidelity.kld.bounds import Known
-    return Reply(row["tokens"], [Known(np.asarray(i, np.int64), np.asarray(v, np.float64))
-                                 for i, v in row["dists"]], row["cached"], row["finish"])
+    return Reply(row["tokens"], known_list(row["dists"]), row["cached"], row["finish"])
 
 
 class PrefixFamily:
@@ -94,9 +90,13 @@ class PrefixFamily:
         self.busting: bool | None = None             # decided at the first cold request
         self._rng = random.SystemRandom()
 
+    @staticmethod
+    def key_prefix(arm: str, p: PrefixPlan) -> str:
+        """What a stored probe's key starts with: the family, the arm and the plan."""
+        return f"{FAMILY}|{arm}|L{p.length}|s{p.seed}|n{p.max_tokens}|k{p.k}|"
+
     def _key(self, probe: int, condition: str) -> str:
-        p = self.plan
-        return f"{FAMILY}|{self.arm.name}|L{p.length}|s{p.seed}|n{p.max_tokens}|k{p.k}|{probe}|{condition}"
+        return f"{self.key_prefix(self.arm.name, self.plan)}{probe}|{condition}"
 
     def _fresh(self) -> list[int]:
         """An empty cache for what follows: flushed (nothing to prepend), or, on a server
@@ -156,6 +156,6 @@ class PrefixFamily:
         got = ask()
         self.store.add({"key": key, "family": FAMILY, "arm": self.arm.name, "probe": probe,
                         "condition": condition, "class": cls, "shared": shared,
-                        "cached": got.cached,
+                        "cached": got.cached, "tokens": got.tokens,
                         "cold_by": self.flush_route or "two random leading tokens (no flush route)",
                         **compare_replies(ref, got)})

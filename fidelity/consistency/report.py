@@ -41,34 +41,79 @@ def _prefix_figure(table: pd.DataFrame):
     return fig
 
 
+def _batch_figure(table: pd.DataFrame):
+    """First-token KL and the share of bit-identical replies vs the requests in flight."""
+    b = table[(table.family == "batch") & (table["class"] == "concurrency")]
+    if b.empty:
+        return None
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for arm, g in b.groupby("arm", sort=False):
+        g = g.sort_values("shared")
+        y = np.maximum(g.kl_max.to_numpy(float), KL_FLOOR_PLOT)
+        line, = ax.plot(g.shared, y, "-o", label=arm)
+        bx.plot(g.shared, g.bitwise / g.probes, "-o", color=line.get_color(), label=arm)
+    for a in (ax, bx):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("other requests in flight")
+    ax.set_yscale("log")
+    ax.set_ylabel("KL over the generated tokens (max)")
+    bx.set_ylabel("replies bit-identical to alone")
+    bx.set_ylim(-0.05, 1.05)
+    ax.set_title(f"Alone vs in company ({KL_FLOOR_PLOT:g} = identical)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+FIGURES = {"prefix_kl": (_prefix_figure, "Prefix-cache hits vs cold"),
+           "batch_kl": (_batch_figure, "Alone vs with other requests in flight")}
+
+
+def _sections(table: pd.DataFrame) -> list[Section]:
+    out = []
+    if (table.family == "prefix").any():
+        out.append(Section(
+            "Prefix cache: a hit vs the same prompt cold",
+            "Each condition asks a probe prompt after the cache was warmed by another prompt "
+            "sharing its first `shared` tokens (`hit@P`), or by the prompt itself (`full-hit`); "
+            "the reply is compared with the prompt asked cold. `cold-again` is the floor: cold "
+            "asked twice. `cached_median` is the engine's own count of prompt tokens taken from "
+            "its cache (the proof a hit happened; a page-granular cache restores the largest page "
+            "multiple below the shared prefix). `why` says the rule that flagged it "
+            "(fidelity/consistency/judge.py).",
+            [Table(table[table.family == "prefix"].drop(columns=["family", "distinct"]), fold=False)]))
+    if (table.family == "batch").any():
+        out.append(Section(
+            "Batch: alone vs with other requests in flight",
+            "Each probe prompt is scored (prompt logprobs and a greedy continuation) alone, "
+            "alone again (the floor), and `repeats` times while `shared` filler requests of mixed "
+            "lengths are generating beside it (`batch@k`). `distinct`: distinct greedy "
+            "completions among a probe's repeats. Prompt-logprob requests skip the engines' "
+            "prefix caches, so repeats are not cache hits.",
+            [Table(table[table.family == "batch"].drop(columns=["family", "cached_median"]), fold=False)],
+            ["batch_kl"]))
+    return out
+
+
 def build_page(result: dict) -> Page:
     m, table = result["manifest"], result["conditions"]
     arms = ", ".join(f"`{a['name']}` ({a['dialect']}, model {a['model']})" for a in m["arms"])
-    pre = m["settings"]["prefix"]
-    compared = (f"Arms {arms} on {m['checkpoint']}'s tokenizer: prefix-cache family, {pre['probes']} "
-                f"probe prompts of {pre['length']} tokens, {pre['max_tokens']} greedy tokens compared "
-                f"with top-{pre['k']}; {m['seconds']} s.")
+    fams = m["settings"]["families"]
+    plans = "; ".join(f"{f}: {m['settings'][f]['probes']} probe prompts of {m['settings'][f]['length']} tokens"
+                      for f in fams)
+    compared = f"Arms {arms} on {m['checkpoint']}'s tokenizer. Families {plans}; {m['seconds']} s."
     how = pd.DataFrame([{"arm": a["name"], "url": a["url"], "dialect": a["dialect"],
                          "cold start by": a.get("cold_by"), "page size": a.get("page_size"),
                          "prefill chunk": a.get("chunked_prefill_size"),
                          "requests": sum(v for k, v in m["requests"].items() if k.endswith("/" + a["name"])),
                          "retries": sum(a.get("retries", {}).values())} for a in m["arms"]])
-    sections = [
-        Section("Prefix cache: a hit vs the same prompt cold",
-                "Each condition asks a probe prompt after the cache was warmed by another prompt "
-                "sharing its first `shared` tokens (`hit@P`), or by the prompt itself "
-                "(`full-hit`); the reply is compared with the prompt asked cold. `cold-again` is "
-                "the floor: cold asked twice. `cached_median` is the engine's own count of prompt "
-                "tokens taken from its cache (the proof a hit happened; a page-granular cache "
-                "restores the largest page multiple below the shared prefix). `why` says the rule "
-                "that flagged it (fidelity/consistency/judge.py).",
-                [Table(table[table.family == "prefix"].drop(columns=["family"]), fold=False)]),
+    sections = _sections(table) + [
         Section("How it was run", "Cold starts use the engine's flush route (SGLang "
                 "`/flush_cache`, vLLM `/reset_prefix_cache`); without one, two random leading tokens "
                 "no earlier request had. Retries are transport faults retried under the shared "
                 "policy, never counted as differences.", [Table(how, fold=False)]),
         Section("Every probe", "One row per comparison (probes.csv).",
-                [Table(result["probes"].drop(columns=["key"], errors="ignore"), fold=True)]),
+                [Table(result["probes"].drop(columns=["key", "tokens"], errors="ignore"), fold=True)]),
     ]
     return Page("dsv4-fidelity consistency report", compared, result["verdict"],
                 lead_figures=["prefix_kl"], sections=sections, manifest=m)
@@ -80,10 +125,11 @@ def write_report(out_dir, run_id: str, result: dict):
         w.table("conditions", result["conditions"])
         w.table("probes", result["probes"].drop(columns=["reference"], errors="ignore"))
         w.json("manifest", {**result["manifest"], "verdict": result["verdict"]})
-        fig = _prefix_figure(result["conditions"])
-        if fig is not None:
-            w.figure(fig, "prefix_kl", "Prefix-cache hits vs cold")
-            plt.close(fig)
+        for stem, (draw, title) in FIGURES.items():
+            fig = draw(result["conditions"])
+            if fig is not None:
+                w.figure(fig, stem, title)
+                plt.close(fig)
         page = build_page({**result, "probes": result["probes"].drop(columns=["reference"], errors="ignore")})
         w.page(page)
         return w.commit(latest=False)

@@ -10,18 +10,24 @@ from pathlib import Path
 
 import pandas as pd
 
+from .batch import BatchFamily, BatchPlan
 from .client import LiveArm
 from .judge import condition_table, verdict_lines
 from .prefix import PrefixFamily, PrefixPlan
 from .store import ProbeStore
 
-FAMILIES = ("prefix",)
+# family -> its runner: (arm, store, tokenizer, cfg, plan), run(progress), key_prefix(arm, plan)
+FAMILIES = {"prefix": PrefixFamily, "batch": BatchFamily}
 
 
 @dataclass(frozen=True)
 class ConsistencySettings:
-    families: tuple[str, ...] = FAMILIES
+    families: tuple[str, ...] = tuple(FAMILIES)
     prefix: PrefixPlan = field(default_factory=PrefixPlan)
+    batch: BatchPlan = field(default_factory=BatchPlan)
+
+    def plan(self, family: str):
+        return getattr(self, family)
 
 
 def store_path(out_dir) -> Path:
@@ -39,17 +45,18 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
     described = []
     for arm in arms:
         arm.connect()
-        described.append({**arm.ep.describe(), **arm.sizes(), "retries": dict(arm.ep.retries)})
-        if "prefix" in settings.families:
-            fam = PrefixFamily(arm, store, target.tokenizer, target.cfg, settings.prefix)
+        described.append({**arm.ep.describe(), **arm.sizes()})
+        for name in settings.families:
+            fam = FAMILIES[name](arm, store, target.tokenizer, target.cfg, settings.plan(name))
             fam.run(progress)
-            described[-1]["cold_by"] = fam.flush_route or "two random leading tokens (no flush route)"
+            if name == "prefix":
+                described[-1]["cold_by"] = fam.flush_route or "two random leading tokens (no flush route)"
         described[-1]["retries"] = dict(arm.ep.retries)
     names = {a.name for a in arms}
     rows = pd.DataFrame([r for r in store.rows if r.get("arm") in names and _current(r, settings)])
     table = condition_table(rows)
     result = {"manifest": {"arms": described, "settings": asdict(settings), "checkpoint": target.name,
-                           "seconds": round(time.time() - t0, 1), "requests": _requests(rows, settings)},
+                           "seconds": round(time.time() - t0, 1), "requests": _requests(rows)},
               "verdict": verdict_lines(table), "conditions": table, "probes": rows}
     if out_dir is not None:
         from .report import write_report
@@ -59,16 +66,23 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
 
 
 def _current(row: dict, s: ConsistencySettings) -> bool:
-    """A stored probe of this run's plan (the key carries the plan's settings)."""
-    p = s.prefix
-    return row["key"].startswith(f"{row['family']}|{row['arm']}|L{p.length}|s{p.seed}|n{p.max_tokens}|k{p.k}|") \
-        and int(row["probe"]) < p.probes
+    """A stored probe of this run's families and plans (the key carries the plan's settings)."""
+    fam = row["family"]
+    if fam not in s.families:
+        return False
+    plan = s.plan(fam)
+    return row["key"].startswith(FAMILIES[fam].key_prefix(row["arm"], plan)) and int(row["probe"]) < plan.probes
 
 
-def _requests(rows: pd.DataFrame, s: ConsistencySettings) -> dict:
-    """Requests per family and arm: a measured condition sends 1 (floor) or 2 (hits), a
-    reference 1; flushes not counted."""
+def _requests(rows: pd.DataFrame) -> dict:
+    """Requests per family and arm: references and floors send 1, a prefix hit 2 (the warm
+    prompt, then the prompt), a batch condition 1 + its k fillers; flushes not counted."""
     if rows.empty:
         return {}
-    per = rows.condition.map(lambda c: 1 if c in ("cold", "cold-again") else 2)
-    return {f"{fam}/{arm}": int(n) for (fam, arm), n in per.groupby([rows.family, rows.arm]).sum().items()}
+
+    def n(r) -> int:
+        if r.condition in ("cold", "cold-again", "alone", "alone-again"):
+            return 1
+        return 1 + int(r.shared) if r.family == "batch" else 2
+    per = rows.apply(n, axis=1)
+    return {f"{fam}/{arm}": int(v) for (fam, arm), v in per.groupby([rows.family, rows.arm]).sum().items()}
