@@ -140,3 +140,31 @@ def test_boundary_classes():
     assert got == [("window", 31), ("window", 32), ("window", 33), ("csa-group", 51), ("csa-group", 52),
                    ("csa-group", 53), ("hca-group", 127), ("hca-group", 128), ("hca-group", 129),
                    ("page", 63), ("page", 64), ("page", 65)]
+
+
+def test_chunk_boundary_bug_flagged_kernel_numerics_not(tmp_path):
+    """A server prefilling in 96-token chunks: chunk_stale_index_keys (the indexer keys before
+    a boundary lost) jumps at both boundaries against the golden scored here in one piece;
+    index_keys_fp8 differs from the golden along the whole prompt but does not jump there;
+    the golden arm is identical to it everywhere."""
+    from fidelity.consistency.chunk import ChunkPlan
+    from fidelity.kld.inprocess import InProcessScorer
+    from reference_model import Numerics
+    arms = ("--arm", "golden=golden", "--arm", "stale=chunk_stale_index_keys", "--arm", "fp8=index_keys_fp8")
+    ref = InProcessScorer("golden", Numerics("reference"), TARGET.weights)
+    with served("golden", extra=(*arms, "--chunked-prefill-size", "96")) as (u,):
+        res = run_consistency([_arm(n, u) for n in ("golden", "stale", "fp8")], TARGET,
+                              ConsistencySettings(("chunk",), chunk=ChunkPlan(length=300, probes=4)),
+                              tmp_path, "c", progress=lambda m: None, reference=ref)
+    t = res["conditions"].set_index(["arm", "condition"])
+    assert t.loc[("stale", "after@96"), "flagged"] and t.loc[("stale", "after@192"), "flagged"]
+    assert not t.loc["fp8", "flagged"].any() and t.loc[("fp8", "after@192"), "kl_max"] > 0
+    assert not t.loc["golden", "flagged"].any() and (t.loc["golden", "kl_max"] == 0).all()
+    assert "KL along the prompt, chunk boundaries marked" in open(f"{res['path']}/index.html").read()
+
+
+def test_chunk_family_needs_a_reference_and_a_chunk_size(url, tmp_path):
+    from fidelity.consistency.chunk import ChunkError, ChunkPlan
+    with pytest.raises(ChunkError, match="--inprocess"):
+        run_consistency([_arm("golden", url)], TARGET, ConsistencySettings(("chunk",), chunk=ChunkPlan()),
+                        tmp_path, "x", progress=lambda m: None)

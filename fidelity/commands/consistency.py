@@ -17,7 +17,8 @@ EXAMPLES = """\
 """
 
 
-FAMILY_NAMES = ("prefix", "batch")
+FAMILY_NAMES = ("prefix", "batch", "chunk")
+DEFAULT_FAMILIES = "prefix,batch"          # + chunk with --inprocess
 
 
 def add_arguments(p):
@@ -30,13 +31,17 @@ def add_arguments(p):
                    help="force an endpoint's dialect: sglang, vllm or openai (default: detected)")
     g.add_argument("--model", action="append", default=[], metavar="[ARM=]MODEL",
                    help="served model an endpoint arm queries (as in `fidelity kld`)")
+    g.add_argument("--inprocess", default=None, metavar="NAME=ARM",
+                   help="a reference computed here in one piece (e.g. golden=golden) for the "
+                        "chunk family")
     g.add_argument("--checkpoint", default=None,
                    help="whose tokenizer and config build the probes (default: the embedded model)")
     g.add_argument("--tokenizer", default=None, help="tokenizer.json the probes are built with")
     g = p.add_argument_group("probes")
-    g.add_argument("--families", default=",".join(FAMILY_NAMES),
+    g.add_argument("--families", default=None,
                    help="comma-separated probe families: prefix (cache hits vs cold), batch "
-                        "(alone vs in company) (default: %(default)s)")
+                        "(alone vs in company), chunk (KL along the prompt vs --inprocess, at the "
+                        f"prefill chunk boundaries) (default: {DEFAULT_FAMILIES}, and chunk with --inprocess)")
     g.add_argument("--probes", type=int, default=None,
                    help=f"probe prompts per family (default: prefix {PrefixPlan.probes}, batch {BatchPlan.probes})")
     g.add_argument("--length", type=int, default=None,
@@ -86,6 +91,7 @@ def _settings(args):
     from dataclasses import replace
 
     from fidelity.consistency.batch import BatchPlan
+    from fidelity.consistency.chunk import ChunkPlan
     from fidelity.consistency.prefix import PrefixPlan
     from fidelity.consistency.run import ConsistencySettings
     given = lambda **kw: {k: v for k, v in kw.items() if v is not None}       # noqa: E731
@@ -100,8 +106,23 @@ def _settings(args):
         raise ValueError("--concurrency needs integers >= 1 and --repeats at least 1")
     batch = replace(BatchPlan(), k=args.top_k, seed=args.seed, concurrency=conc, repeats=args.repeats,
                     **given(probes=args.probes, length=args.length, steps=args.max_tokens))
-    families = tuple(f.strip() for f in args.families.split(",") if f.strip())
-    return ConsistencySettings(families, prefix, batch)
+    chunk = replace(ChunkPlan(), k=args.top_k, seed=args.seed, chunk_size=args.chunk_size,
+                    **given(probes=args.probes, length=args.length))
+    text = args.families or (DEFAULT_FAMILIES + (",chunk" if args.inprocess else ""))
+    families = tuple(f.strip() for f in text.split(",") if f.strip())
+    return ConsistencySettings(families, prefix, batch, chunk)
+
+
+def _reference(spec: str | None, target):
+    """The in-process reference scorer of --inprocess NAME=ARM (None without it)."""
+    if spec is None:
+        return None
+    from fidelity.arms import parse_arm
+    from fidelity.cli import name_value_pairs
+    from fidelity.kld.inprocess import InProcessScorer
+    (name, text), = name_value_pairs([spec], "--inprocess", "ARM")
+    arm = parse_arm(text)
+    return InProcessScorer(name, arm.numerics(), target.weights, arm.name, schedule=arm.schedule)
 
 
 def run(args) -> int:
@@ -116,7 +137,8 @@ def run(args) -> int:
         arms = _arms(args, target, progress)
         if args.fresh:
             store_path(args.out).unlink(missing_ok=True)
-        res = run_consistency(arms, target, settings, args.out, args.run_id, progress)
+        res = run_consistency(arms, target, settings, args.out, args.run_id, progress,
+                              _reference(args.inprocess, target))
     except (ValueError, RuntimeError, EndpointError) as e:
         raise CommandError(str(e)) from None
     for line in res["verdict"]:

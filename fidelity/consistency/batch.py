@@ -50,7 +50,7 @@ def _scores(row: dict, ids: list[int]) -> PromptScores:
 
 
 class BatchFamily:
-    def __init__(self, arm: LiveArm, store: ProbeStore, tokenizer, cfg, plan: BatchPlan):
+    def __init__(self, arm: LiveArm, store: ProbeStore, tokenizer, cfg, plan: BatchPlan, reference=None):
         self.arm, self.store, self.tok, self.cfg, self.plan = arm, store, tokenizer, cfg, plan
         self.request = Request(k=plan.k, steps=plan.steps, model=None)
 

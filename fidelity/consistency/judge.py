@@ -14,13 +14,25 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-from scipy.stats import binomtest, fisher_exact
+from scipy.stats import binomtest, fisher_exact, mannwhitneyu
 
 ALPHA = 0.05
 # per family: the reference condition (stored, not judged) and the floor condition
-REFERENCE = {"prefix": "cold", "batch": "alone"}
+REFERENCE = {"prefix": "cold", "batch": "alone", "chunk": "profile"}
 FLOOR = {"prefix": "cold-again", "batch": "alone-again"}
-FLOORS = set(FLOOR.values())
+JUMP = 4.0               # chunk: the after-window's mean KL over the before-window's, at least
+
+
+def floor_of(family: str, condition: str) -> str:
+    """The floor condition a condition is judged against (chunk: its own boundary's
+    before-window)."""
+    if family == "chunk":
+        return "before@" + condition.split("@", 1)[1]
+    return FLOOR[family]
+
+
+def is_floor(family: str, condition: str) -> bool:
+    return condition.startswith("before@") if family == "chunk" else condition == FLOOR[family]
 
 
 def condition_table(rows: pd.DataFrame) -> pd.DataFrame:
@@ -28,9 +40,10 @@ def condition_table(rows: pd.DataFrame) -> pd.DataFrame:
     rows = rows[~rows.condition.isin(set(REFERENCE.values()))]
     out = []
     for (arm, fam), g in rows.groupby(["arm", "family"], sort=False):
-        floor = g[g.condition == FLOOR[fam]]
         for cond, c in g.groupby("condition", sort=False):
-            out.append({"arm": arm, "family": fam, "condition": cond, **_stats(c), **_flag(c, floor)})
+            floor = g[g.condition == floor_of(fam, cond)]
+            flag = _floor_row() if is_floor(fam, cond) else _jump(c, floor) if fam == "chunk" else _flag(c, floor)
+            out.append({"arm": arm, "family": fam, "condition": cond, **_stats(c), **flag})
     cols = ["arm", "family", "condition", "class", "shared", "probes", "bitwise", "diverged",
             "first_step", "distinct", "kl_first_median", "kl_first_max", "kl_max", "cached_median",
             "flagged", "why"]
@@ -51,9 +64,31 @@ def _stats(c: pd.DataFrame) -> dict:
             "cached_median": float(cached.median()) if len(cached) else None}
 
 
+def _floor_row() -> dict:
+    return {"flagged": False, "why": "floor"}
+
+
+def _jump(c: pd.DataFrame, floor: pd.DataFrame) -> dict:
+    """Chunk boundary: the KL of the positions after it against those before it, pooled
+    over probes: flagged when higher (one-sided Mann-Whitney, p < ALPHA) by at least JUMP
+    times in the mean -- a step where the prefill is cut, not a drift along the prompt."""
+    after = np.concatenate([np.asarray(x, float) for x in c.kl_window])
+    before = np.concatenate([np.asarray(x, float) for x in floor.kl_window]) if len(floor) else np.zeros(0)
+    if not len(before):
+        return {"flagged": False, "why": "no floor"}
+    if not after.any():
+        return {"flagged": False, "why": "identical to the reference after the boundary"}
+    p = mannwhitneyu(after, before, alternative="greater").pvalue
+    ratio = after.mean() / before.mean() if before.mean() > 0 else np.inf
+    step = (f"{ratio:.3g}x the KL just before it" if np.isfinite(ratio)
+            else "where the positions just before it are identical to the reference")
+    return {"flagged": bool(p < ALPHA and ratio >= JUMP),
+            "why": f"{step} (Mann-Whitney p={p:.2g}; flagged at >= {JUMP:g}x and p < {ALPHA})"}
+
+
 def _flag(c: pd.DataFrame, floor: pd.DataFrame) -> dict:
-    if c.condition.iloc[0] in FLOORS or floor.empty:
-        return {"flagged": False, "why": "floor" if c.condition.iloc[0] in FLOORS else "no floor"}
+    if floor.empty:
+        return {"flagged": False, "why": "no floor"}
     n, nf = len(c), len(floor)
     if floor.bitwise.all():
         k = int((~c.bitwise.astype(bool)).sum())
@@ -67,28 +102,39 @@ def _flag(c: pd.DataFrame, floor: pd.DataFrame) -> dict:
                                        f"KL above every floor pair in {above}/{n} (p={p_kl:.2g})"}
 
 
+# how a family's sentences name what a condition is compared with, and its floor
+COMPARED = {"prefix": ("its cold replies", "cold vs cold"), "batch": ("its alone replies", "alone vs alone"),
+            "chunk": ("the one-piece reference", "before the boundaries")}
+
+
 def verdict_lines(table: pd.DataFrame) -> list[str]:
-    """One sentence per arm: the conditions under which its replies differ from cold,
+    """One sentence per arm and family: the conditions under which its replies differ,
     strongest first, or that none does."""
     lines = []
     for (arm, fam), g in table.groupby(["arm", "family"], sort=False):
-        floor = g[g.condition == FLOOR[fam]]
+        floor = g[[is_floor(fam, c) for c in g.condition]]
         fl = ("bit-identical" if len(floor) and (floor.bitwise == floor.probes).all()
               else f"KL up to {floor.kl_max.max():.3g}" if len(floor) else "not measured")
-        ref = REFERENCE[fam]
+        what, floor_name = COMPARED[fam]
         hits = g[g.flagged].sort_values("kl_max", ascending=False)
+        n = len(g) - len(floor)
         if hits.empty:
-            lines.append(f"`{arm}` ({fam}): no serving condition changes its replies ({ref} vs {ref}: "
-                         f"{fl}; {len(g) - len(floor)} conditions).")
+            lines.append(f"`{arm}` ({fam}): no serving condition changes its replies "
+                         f"({floor_name}: {fl}; {n} conditions).")
             continue
         parts = [_describe(r) for _, r in hits.head(3).iterrows()]
         more = f"; {len(hits) - 3} more in the table" if len(hits) > 3 else ""
-        lines.append(f"`{arm}` ({fam}) differs from its {ref} replies under {len(hits)} of "
-                     f"{len(g) - len(floor)} conditions: " + "; ".join(parts) + f"{more} ({ref} vs {ref}: {fl}).")
+        lines.append(f"`{arm}` ({fam}) differs from {what} under {len(hits)} of {n} conditions: "
+                     + "; ".join(parts) + f"{more} ({floor_name}: {fl}).")
     return lines
 
 
 def _describe(r) -> str:
+    if r["class"] == "chunk-boundary":
+        top1 = (f", top-1 differs from the reference in {r.diverged}/{r.probes} windows" if r.diverged
+                else ", same top-1 throughout")
+        return (f"the prefill chunk boundary at token {int(r.shared)}: KL up to {r.kl_max:.3g} just "
+                f"after it, {r.why.split(' (')[0]}{top1}")
     if r["class"] == "full":
         where = "a full-prompt hit"
     elif r["class"] == "concurrency":

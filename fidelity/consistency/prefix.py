@@ -84,7 +84,7 @@ def _reply(row: dict) -> Reply:
 
 
 class PrefixFamily:
-    def __init__(self, arm: LiveArm, store: ProbeStore, tokenizer, cfg, plan: PrefixPlan):
+    def __init__(self, arm: LiveArm, store: ProbeStore, tokenizer, cfg, plan: PrefixPlan, reference=None):
         self.arm, self.store, self.tok, self.cfg, self.plan = arm, store, tokenizer, cfg, plan
         self.flush_route: str | None = None
         self.busting: bool | None = None             # decided at the first cold request

@@ -65,8 +65,34 @@ def _batch_figure(table: pd.DataFrame):
     return fig
 
 
-FIGURES = {"prefix_kl": (_prefix_figure, "Prefix-cache hits vs cold"),
-           "batch_kl": (_batch_figure, "Alone vs with other requests in flight")}
+def _chunk_figure(probes: pd.DataFrame):
+    """KL per prompt position against the reference (median over probes, per arm), the
+    prefill chunk boundaries marked."""
+    if probes.empty or "kl" not in probes:
+        return None
+    prof = probes[(probes.family == "chunk") & (probes.condition == "profile")]
+    if prof.empty:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 3.4))
+    for arm, g in prof.groupby("arm", sort=False):
+        kl = np.median(np.vstack([np.asarray(k, float) for k in g.kl]), 0)
+        ax.plot(np.arange(len(kl)), np.maximum(kl, KL_FLOOR_PLOT), lw=0.9, label=arm)
+    c, n = int(prof.chunk.iloc[0]), max(len(k) for k in prof.kl)
+    for b in range(c, n, c):
+        ax.axvline(b, color="0.5", ls="--", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"prompt position (dashed: prefill chunk boundaries, every {c} tokens)")
+    ax.set_ylabel("KL vs reference (median)")
+    ax.set_title(f"Per-position KL against the one-piece reference ({KL_FLOOR_PLOT:g} = identical)",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    return fig
+
+
+# stem -> (draw(conditions, probes), title)
+FIGURES = {"prefix_kl": (lambda t, p: _prefix_figure(t), "Prefix-cache hits vs cold"),
+           "batch_kl": (lambda t, p: _batch_figure(t), "Alone vs with other requests in flight"),
+           "chunk_kl": (lambda t, p: _chunk_figure(p), "KL along the prompt, chunk boundaries marked")}
 
 
 def _sections(table: pd.DataFrame) -> list[Section]:
@@ -92,6 +118,17 @@ def _sections(table: pd.DataFrame) -> list[Section]:
             "prefix caches, so repeats are not cache hits.",
             [Table(table[table.family == "batch"].drop(columns=["family", "cached_median"]), fold=False)],
             ["batch_kl"]))
+    if (table.family == "chunk").any():
+        out.append(Section(
+            "Chunked prefill: KL jumps at the chunk boundary",
+            "Each probe prompt (straddling the engine's prefill chunk) is scored by the endpoint "
+            "and by the reference in one piece; `before` is the window of positions just before "
+            "the first boundary (the floor), `after@b` the window just after boundary b. "
+            "`diverged`: windows where the top-1 token differs from the reference somewhere. An "
+            "arm that differs from the reference evenly (a kernel's numerics) is not flagged; one "
+            "whose KL jumps where the prefill is cut is.",
+            [Table(table[table.family == "chunk"].drop(columns=["family", "cached_median", "distinct"]),
+                   fold=False)], ["chunk_kl"]))
     return out
 
 
@@ -113,7 +150,7 @@ def build_page(result: dict) -> Page:
                 "no earlier request had. Retries are transport faults retried under the shared "
                 "policy, never counted as differences.", [Table(how, fold=False)]),
         Section("Every probe", "One row per comparison (probes.csv).",
-                [Table(result["probes"].drop(columns=["key", "tokens"], errors="ignore"), fold=True)]),
+                [Table(result["probes"].drop(columns=["key", "tokens", "kl"], errors="ignore"), fold=True)]),
     ]
     return Page("dsv4-fidelity consistency report", compared, result["verdict"],
                 lead_figures=["prefix_kl"], sections=sections, manifest=m)
@@ -126,7 +163,7 @@ def write_report(out_dir, run_id: str, result: dict):
         w.table("probes", result["probes"].drop(columns=["reference"], errors="ignore"))
         w.json("manifest", {**result["manifest"], "verdict": result["verdict"]})
         for stem, (draw, title) in FIGURES.items():
-            fig = draw(result["conditions"])
+            fig = draw(result["conditions"], result["probes"])
             if fig is not None:
                 w.figure(fig, stem, title)
                 plt.close(fig)

@@ -11,13 +11,15 @@ from pathlib import Path
 import pandas as pd
 
 from .batch import BatchFamily, BatchPlan
+from .chunk import ChunkFamily, ChunkPlan
 from .client import LiveArm
 from .judge import condition_table, verdict_lines
 from .prefix import PrefixFamily, PrefixPlan
 from .store import ProbeStore
 
-# family -> its runner: (arm, store, tokenizer, cfg, plan), run(progress), key_prefix(arm, plan)
-FAMILIES = {"prefix": PrefixFamily, "batch": BatchFamily}
+# family -> its runner: (arm, store, tokenizer, cfg, plan, reference), run(progress),
+# key_prefix(arm, plan); `reference` (a scorer computed here) is what chunk compares with
+FAMILIES = {"prefix": PrefixFamily, "batch": BatchFamily, "chunk": ChunkFamily}
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class ConsistencySettings:
     families: tuple[str, ...] = tuple(FAMILIES)
     prefix: PrefixPlan = field(default_factory=PrefixPlan)
     batch: BatchPlan = field(default_factory=BatchPlan)
+    chunk: ChunkPlan = field(default_factory=ChunkPlan)
 
     def plan(self, family: str):
         return getattr(self, family)
@@ -35,8 +38,10 @@ def store_path(out_dir) -> Path:
 
 
 def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, out_dir,
-                    run_id: str | None = None, progress=print) -> dict:
-    """Probe every arm with every family (connect() done here), then judge and report."""
+                    run_id: str | None = None, progress=print, reference=None) -> dict:
+    """Probe every arm with every family (connect() done here), then judge and report.
+    `reference`: a scorer computed here (kld's InProcessScorer) for the families that
+    compare with one."""
     unknown = sorted(set(settings.families) - set(FAMILIES))
     if unknown:
         raise ValueError(f"unknown probe family {', '.join(unknown)} (known: {', '.join(FAMILIES)})")
@@ -47,7 +52,7 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
         arm.connect()
         described.append({**arm.ep.describe(), **arm.sizes()})
         for name in settings.families:
-            fam = FAMILIES[name](arm, store, target.tokenizer, target.cfg, settings.plan(name))
+            fam = FAMILIES[name](arm, store, target.tokenizer, target.cfg, settings.plan(name), reference)
             fam.run(progress)
             if name == "prefix":
                 described[-1]["cold_by"] = fam.flush_route or "two random leading tokens (no flush route)"
@@ -56,6 +61,7 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
     rows = pd.DataFrame([r for r in store.rows if r.get("arm") in names and _current(r, settings)])
     table = condition_table(rows)
     result = {"manifest": {"arms": described, "settings": asdict(settings), "checkpoint": target.name,
+                           "reference": reference.describe() if reference is not None else None,
                            "seconds": round(time.time() - t0, 1), "requests": _requests(rows)},
               "verdict": verdict_lines(table), "conditions": table, "probes": rows}
     if out_dir is not None:
@@ -76,11 +82,14 @@ def _current(row: dict, s: ConsistencySettings) -> bool:
 
 def _requests(rows: pd.DataFrame) -> dict:
     """Requests per family and arm: references and floors send 1, a prefix hit 2 (the warm
-    prompt, then the prompt), a batch condition 1 + its k fillers; flushes not counted."""
+    prompt, then the prompt), a batch condition 1 + its k fillers, a chunk probe 1 (its
+    windows are cut from one answer); flushes and the reference's own scoring not counted."""
     if rows.empty:
         return {}
 
     def n(r) -> int:
+        if r.family == "chunk":
+            return int(r.condition == "profile")           # one scoring request per probe
         if r.condition in ("cold", "cold-again", "alone", "alone-again"):
             return 1
         return 1 + int(r.shared) if r.family == "batch" else 2

@@ -1,0 +1,105 @@
+"""The chunked-prefill family: does the engine's answer jump where its prefill is cut?
+
+An engine prefills a long prompt in chunks of its `chunked_prefill_size`; state carried
+across a chunk boundary (indexer keys, compressor rows, the window) is where serving bugs
+hide (vLLM PR #51252: top-k wrong only on chunked shapes). Per probe prompt (straddling the
+chunk size), the endpoint's prompt logprobs are compared position by position with a
+reference scored in one piece (`--inprocess`, e.g. the golden): KL per position along the
+prompt, chunk boundaries marked. Each boundary b is judged by its own pair of windows: the
+W positions just before it (`before@b`, the floor) and just after (`after@b`). An arm
+whose KL jumps at the boundary is flagged; one that differs from the reference evenly (a
+kernel's numerics) is not. What this family cannot tell apart: an arm whose own numerics
+change regime at the boundary's position (on the tiny model with 64-token chunks, the
+indexer starts selecting at 4 x index_topk = 64 tokens, so an indexer kernel's KL starts
+there); `fidelity ab --arms 'x@chunked(N)'` separates the two in-process."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fidelity.kld.bounds import compare
+from fidelity.kld.dialects import Request
+from fidelity.prompts import haystack_ids, prompt_seed
+
+from .client import LiveArm
+from .store import ProbeStore
+
+FAMILY = "chunk"
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    length: int | None = None      # prompt tokens (default: 1.5 chunks + 1)
+    probes: int = 4
+    window: int = 16               # positions compared on each side of a boundary
+    k: int = 5
+    seed: int = 0
+    chunk_size: int | None = None  # the engine's, when it does not report it
+
+
+class ChunkError(ValueError):
+    """The family cannot run: no chunk size known, or a prompt too short to cross one."""
+
+
+def chunk_size(arm: LiveArm, plan: ChunkPlan) -> int:
+    c = arm.sizes().get("chunked_prefill_size") or plan.chunk_size
+    if not c:
+        raise ChunkError(f"{arm.name}: the chunked-prefill family needs the engine's prefill chunk "
+                         "size: the server does not report chunked_prefill_size; give --chunk-size")
+    return int(c)
+
+
+class ChunkFamily:
+    def __init__(self, arm: LiveArm, store: ProbeStore, tokenizer, cfg, plan: ChunkPlan, reference=None):
+        self.arm, self.store, self.tok, self.cfg, self.plan = arm, store, tokenizer, cfg, plan
+        self.reference = reference                       # a scorer: score(ids, Request) -> PromptScores
+
+    @staticmethod
+    def key_prefix(arm: str, p: ChunkPlan) -> str:
+        return f"{FAMILY}|{arm}|L{p.length}|s{p.seed}|w{p.window}|k{p.k}|"
+
+    def _key(self, probe: int, condition: str) -> str:
+        return f"{self.key_prefix(self.arm.name, self.plan)}{probe}|{condition}"
+
+    def run(self, progress=lambda m: None) -> None:
+        if self.reference is None:
+            raise ChunkError("the chunked-prefill family compares with a reference scored in one "
+                             "piece: give --inprocess golden=golden (or another in-process arm)")
+        plan = self.plan
+        c = chunk_size(self.arm, plan)
+        n = plan.length or c + c // 2 + 1
+        w = min(plan.window, c // 2)
+        if n <= c + w:
+            raise ChunkError(f"a {n}-token prompt does not cross the {c}-token chunk by {w} positions; "
+                             f"use --length > {c + w}")
+        for probe in range(plan.probes):
+            if self.store.has(self._key(probe, "profile")):
+                continue
+            ids, _ = haystack_ids(self.tok, n, (probe + 0.5) / plan.probes * 100,
+                                  prompt_seed(plan.seed, n, probe, 4))
+            req = Request(k=plan.k, steps=1)
+            ref, got = self.reference.score(ids, req), self.arm.ep.score(ids, req)
+            pairs = list(zip(ref.known[:-1], got.known[:-1]))
+            kl = [compare(p, q, None)["kl_lb"] for p, q in pairs]
+            top1 = [bool(compare(p, q, None)["same_top1"]) for p, q in pairs]
+            rows = [self._row(probe, cond, cls, a, kl[a:b], top1[a:b]) for cond, cls, a, b in self._windows(n, c, w)]
+            rows.append({"key": self._key(probe, "profile"), "family": FAMILY, "arm": self.arm.name,
+                         "probe": probe, "condition": "profile", "chunk": c, "kl": kl})
+            for r in rows:                              # the profile last: it marks the probe done
+                if not self.store.has(r["key"]):
+                    self.store.add(r)
+            progress(f"{self.arm.name}: chunk probe {probe + 1}/{plan.probes} done")
+
+    def _row(self, probe, cond, cls, start, kl, same) -> dict:
+        return {"key": self._key(probe, cond), "family": FAMILY, "arm": self.arm.name, "probe": probe,
+                "condition": cond, "class": cls, "shared": start, "cached": None, "tokens": [],
+                "bitwise": all(x == 0 for x in kl), "kl_window": kl,
+                "first_diff": next((i for i, s in enumerate(same) if not s), None),
+                "kl_first": kl[0], "kl_max": max(kl), "same_top1_first": same[0]}
+
+    @staticmethod
+    def _windows(n: int, c: int, w: int):
+        """(condition, class, start, end): the W positions before and after each boundary."""
+        for b in range(c, n - 1, c):
+            if b + w <= n - 1:
+                yield f"before@{b}", "floor", b - w, b
+                yield f"after@{b}", "chunk-boundary", b, b + w
