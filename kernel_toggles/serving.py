@@ -141,3 +141,21 @@ def _decode_splitk_by_batch(golden, q, kv, sink, idx, scale, phase="prefill", *,
         return golden.sparse_attention(q, kv, sink, idx, scale, phase)
     return E.splitk_attention(q, kv, sink, idx, scale, splits, golden.cd, round_p=golden.rs,
                               round_partial=E.bf16, round_out=golden.rs)
+
+
+@toggle("decode_positions_wrap", kernel="rope_apply", phase="decode", category="known-bug", wraps=True,
+        _builtin=True,
+        params=(Param("at", int, 512, "size of the decode position buffer", min=2),),
+        provenance=Provenance(("sglang", "vllm"), ("long generations",),
+                              ("sglang #33397",),
+                              "planted: the report finds long outputs corrupted and short ones "
+                              "never; a decode position buffer that wraps is our reading"),
+        description="Decode-step RoPE positions taken modulo `at` (a position buffer sized for "
+                    "`at` tokens): prefill and every token before position `at` are exact, then "
+                    "each new token's query and key rotate as if at position - `at`, so a long "
+                    "generation leaves the reference a few hundred steps in while short ones "
+                    "never do (sglang #33397: long outputs corrupt in 6/11 runs, short 0/19).")
+def _decode_positions_wrap(golden, x, inv_freq, positions, site, inverse=False, phase="prefill", *, at):
+    if phase == "decode":
+        positions = positions % at
+    return golden.rope_apply(x, inv_freq, positions, site, inverse, phase)

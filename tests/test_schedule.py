@@ -192,3 +192,16 @@ def test_decode_splitk_by_batch_depends_on_the_steps_tokens(weights, tokens):
     golden, alone, cobatched = lps(Numerics("reference"), "oneshot"), lps(nx, "oneshot"), lps(nx, "batch(8)")
     assert cobatched == golden
     assert alone[0] == golden[0] and alone[1:] != golden[1:]      # first token: from the prefill
+
+
+def test_decode_positions_wrap_acts_only_past_its_buffer(weights, tokens):
+    """decode_positions_wrap(at=130): a 120-token prompt decoded 20 tokens is exact until the
+    generation reaches position 130, then its logprobs leave golden's; the prefill is exact."""
+    from reference_model.generate import Decoder, Scoring
+    ids = tokens[:120].tolist()
+
+    def lps(arm):
+        nx = ToggleSet.parse(arm).numerics("reference") if arm else Numerics("reference")
+        return [s.logprob for s in Decoder(Model(weights, nx), ids, 20, scoring=Scoring(top=1)).run().scores]
+    golden, bug = lps(""), lps("decode_positions_wrap(at=130)")
+    assert bug[:10] == golden[:10] and bug[11:] != golden[11:]   # step t is computed at position 119 + t

@@ -34,7 +34,7 @@ def test_required_toggles_and_fields():
 
 
 def test_decode_only_flag():
-    decode_only = {"splitk_decode", "decode_splitk_by_batch"}
+    decode_only = {"splitk_decode", "decode_splitk_by_batch", "decode_positions_wrap"}
     assert all(K.get(n).phase == "decode" for n in decode_only)
     assert all(t.phase == "all" for t in K.all_toggles() if t.name not in decode_only)
 
