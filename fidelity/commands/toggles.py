@@ -10,6 +10,7 @@ HELP = "List the engine-numerics toggles (or check an arm, or show engine settin
 EXAMPLES = """\
     fidelity toggles                                # every toggle, its kernel and the engines' settings
     fidelity toggles --category known-bug
+    fidelity toggles --serving --engine vllm        # launch-only serving settings (MTP, CUDA graphs, ...)
 """
 
 
@@ -20,9 +21,13 @@ def add_arguments(p):
     p.add_argument("--arm", metavar="ARM",
                    help="parse an arm (e.g. 'index_keys_fp8,splitk_decode(splits=8)', "
                         "'engine:sglang') and print its canonical spelling and kernels")
-    p.add_argument("--engine", choices=("sglang", "vllm"),
+    p.add_argument("--engine", choices=("sglang", "vllm", "fidelity"),
                    help="show each toggle's settings for this engine (with --arm: the "
                         "env/flags that realise the arm)")
+    p.add_argument("--serving", action="store_true",
+                   help="list the launch-only serving settings an engines arm can carry (serving = "
+                        "{...}: mtp, cuda_graphs, prefix_cache, ...) and their flags per engine (with "
+                        "--engine: one engine, with the sources)")
     from kernel_toggles.registry import CATEGORIES
     p.add_argument("--category", choices=CATEGORIES,
                    help="only toggles of this category (request: how a chat request is read "
@@ -41,6 +46,13 @@ def run(args) -> int:
     from kernel_toggles import profiles
 
     try:
+        if args.serving:
+            from kernel_toggles import serving_settings
+            print(serving_settings.render_text(args.engine), end="")
+            return 0
+        if args.engine == "fidelity":
+            raise K.ToggleError("--engine fidelity lists serving settings only (with --serving): "
+                                "fidelity serve takes toggles by name")
         if args.arm is not None:
             arm = K.ToggleSet.parse(args.arm)
             print(arm)

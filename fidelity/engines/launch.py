@@ -1,5 +1,5 @@
 """From an arm to a running server and back: the exact command line and environment
-(the engine's base flags and env, the arm's toggles translated through
+(the engine's base flags and env, the arm's toggles and serving settings translated through
 kernel_toggles/engine_profiles.json for the engine's version, then the arm's own env and
 flags, later ones winning), readiness within a timeout, logs captured, and the whole
 process group stopped (SIGTERM, then SIGKILL after a grace period) however the run ends.
@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from kernel_toggles import profiles
+from kernel_toggles import serving_settings as SS
 
 from .spec import EngineArm, EngineSpec, SpecError
 
@@ -72,9 +73,9 @@ def plan_arm(arm: EngineArm, e: EngineSpec, captures: bool = False, max_logprobs
     p = LaunchPlan(arm.name, e.name, e.kind, url, ready_path=e.ready_path or READY[e.kind],
                    start_timeout=e.start_timeout, stop_grace=e.stop_grace)
     if e.kind == "external":
-        if arm.toggles is not None or arm.env or arm.flags:
+        if arm.toggles is not None or arm.env or arm.flags or arm.serving:
             raise SpecError(f"arm {arm.name}: engine {e.name} is external (already running); it "
-                            "cannot be given toggles, env or flags")
+                            "cannot be given toggles, serving settings, env or flags")
         return p
     env, flags = dict(e.env), list(e.flags)
     if e.kind == "fidelity":
@@ -100,6 +101,8 @@ def plan_arm(arm: EngineArm, e: EngineSpec, captures: bool = False, max_logprobs
         p.notes += [f"engine behaviour unknown, nothing set: {t}" for t in ls.unknown]
         p.notes += [f"behaviour assumed (engine default, unconfirmed): {t}"
                     for t in ls.unconfirmed if t not in ls.applied]
+    if arm.serving:
+        _serving(arm, e, env, flags, p)
     if e.kind == "sglang" and captures:
         flags += ["--enable-return-indexer-topk", "--enable-return-routed-experts"]
     if e.kind == "vllm" and max_logprobs is not None:
@@ -108,6 +111,36 @@ def plan_arm(arm: EngineArm, e: EngineSpec, captures: bool = False, max_logprobs
     flags += arm.flags
     p.cmd, p.env = _base_cmd(e) + flags, env
     return p
+
+
+def _serving(arm: EngineArm, e: EngineSpec, env: dict, flags: list, p: LaunchPlan) -> None:
+    """The arm's serving settings as the engine's flags and env (kernel_toggles.serving_settings);
+    refused by name when the engine has no such setting, when the mapping is unconfirmed
+    and the engine does not allow that, or when a base or arm flag / env var would fight it."""
+    version = e.version if e.kind in ("sglang", "vllm") else None
+    where = f"arm {arm.name} on {e.kind}" + (f" {version}" if version else "")
+    try:
+        ls = SS.launch(arm.serving, e.kind, version)
+        owned = {n: SS.controls(n, e.kind, version) for n in arm.serving}
+    except ValueError as ex:
+        raise SpecError(f"{where}: {ex}") from None
+    if ls.refused:
+        raise SpecError(f"{where}: " + "; ".join(f"serving setting {why}" for _, why in ls.refused)
+                        + " (refused, not dropped)")
+    if ls.unconfirmed and not e.allow_unconfirmed:
+        raise SpecError(f"{where}: the mapping of serving setting {', '.join(ls.unconfirmed)} is UNCONFIRMED "
+                        f"(see `fidelity toggles --serving --engine {e.kind}`); set allow_unconfirmed = true "
+                        f"in [engines.{e.name}] to launch anyway")
+    given = {f.split("=", 1)[0]: "flags" for f in list(flags) + arm.flags if f.startswith("--")}
+    given.update({k: "env" for k in {**env, **arm.env}})
+    for name, (fl, ev) in owned.items():
+        clash = sorted((fl | ev) & set(given))
+        if clash:
+            raise SpecError(f"{where}: {clash[0]} is set in the engine's or the arm's {given[clash[0]]} and "
+                            f"by serving setting {name}; set it one way only (serving = {{ {name} = ... }})")
+    env.update(ls.env)
+    flags += ls.flags
+    p.notes += [f"serving setting {n}: unconfirmed mapping applied" for n in ls.unconfirmed]
 
 
 def port_busy(host: str, port: int) -> str | None:

@@ -1,8 +1,9 @@
 """`fidelity engines run`: each arm in turn (an engine owns the GPUs) is launched, waited
 for, asked for its own view of itself, given its tasks (KLD scoring into the shared score
-store, a needle sweep into its own results file) and stopped; then one report compares
-them. A rerun resumes: an arm whose tasks finished is not launched again, and a half-done
-arm's finished prompts and trials are kept."""
+store, a needle sweep into its own results file, consistency probes into the shared probe
+store and the arm's own consistency report) and stopped; then one report compares them.
+A rerun resumes: an arm whose tasks finished is not launched again, and a half-done arm's
+finished prompts, trials and probes are kept."""
 from __future__ import annotations
 
 import json
@@ -21,6 +22,7 @@ from fidelity.prompts import file_prompts, grid_prompts
 from fidelity.progress import Progress
 from fidelity.weights.target import load_target
 from infra.report_page import FigureStore, Page, Section, Table, render_html, render_markdown
+from kernel_toggles import serving_settings as SS
 from needle.haystack import HaystackSpec, PromptFormat
 from needle.http import HttpRunner, RequestOptions
 from needle.report import write_report
@@ -33,11 +35,20 @@ from .spec import Spec, SpecError
 
 KLD_KEYS = {"lengths", "depths", "reps", "seed", "top_k", "steps", "exact", "exact_k", "captures",
             "n_boot", "tokenizer", "prompts", "dialect"}
+# [run.consistency]: these, plus any field of a family's plan (fidelity.consistency), which
+# applies to every chosen family whose plan has it; [run.consistency.<family>] for one family
+CONSISTENCY_KEYS = {"families", "dialect", "retries", "timeout", "top_k", "max_tokens", "reference"}
+# as fidelity consistency: the families that need no reference by default; these compare
+# with a reference computed here in one piece (`reference = "golden"`, --inprocess there)
+CONSISTENCY_DEFAULT = ("prefix", "batch")
+NEEDS_REFERENCE = ("chunk", "longgen")
 NEEDLE_KEYS = {"lengths", "depths", "reps", "seed", "max_tokens", "api", "temperature", "kind",
                "value_type", "concurrency"}
 
 
 def plans(spec: Spec) -> list[LaunchPlan]:
+    if "consistency" in spec.tasks:
+        consistency_settings(spec)             # its mistakes before anything is launched
     k = spec.kld
     captures = "kld" in spec.tasks and k.get("captures", True)
     max_lp = -1 if k.get("exact") else max(20, int(k.get("top_k", 20)))
@@ -82,6 +93,127 @@ def _kld_prompts(spec: Spec, tok, vocab: int):
                         int(k.get("reps", g.reps)), int(k.get("seed", g.seed)))
 
 
+def consistency_settings(spec: Spec):
+    """ConsistencySettings from [run.consistency], every key checked: `families`, then plan
+    fields (top_k = the plans' k, max_tokens = the batch plan's steps) applied to each chosen
+    family that has them, then [run.consistency.<family>] tables of that plan's own fields."""
+    from dataclasses import fields, replace
+
+    from fidelity.consistency.run import FAMILIES, ConsistencySettings
+    c = dict(spec.consistency)
+    base = ConsistencySettings()
+    ref = c.pop("reference", None)
+    if ref is not None:
+        _reference_arm(ref)
+    fams = c.pop("families", [f for f in FAMILIES if f in CONSISTENCY_DEFAULT or (ref and f in NEEDS_REFERENCE)])
+    if isinstance(fams, str):
+        fams = [fams]
+    if not isinstance(fams, list) or not fams or not all(isinstance(f, str) for f in fams):
+        raise SpecError("run.consistency.families must be a list of family names "
+                        f"({', '.join(FAMILIES)})")
+    bad = [f for f in fams if f not in FAMILIES]
+    if bad:
+        raise SpecError(f"run.consistency.families: unknown family {bad[0]!r} (families: {', '.join(FAMILIES)})")
+    need = [f for f in fams if f in NEEDS_REFERENCE]
+    if need and ref is None:
+        raise SpecError(f"run.consistency: family {need[0]} compares with a reference computed here in one "
+                        "piece; give one, e.g. reference = \"golden\" (an arm of our toggles)")
+    dialect = c.pop("dialect", None)
+    if dialect not in (None, "sglang", "vllm", "openai"):
+        raise SpecError(f"run.consistency.dialect must be sglang, vllm or openai, got {dialect!r}")
+    for k in ("retries", "timeout"):
+        c.pop(k, None)
+    _policy(spec)
+    per_family = {f: c.pop(f) for f in list(c) if f in FAMILIES}
+    allowed = CONSISTENCY_KEYS | set(FAMILIES) | set().union(*({x.name for x in fields(base.plan(f))}
+                                                                for f in fams))
+    unknown = sorted(set(c) - allowed)
+    if unknown:
+        raise SpecError(f"run.consistency: unknown key {unknown[0]!r} for families {', '.join(fams)} "
+                        f"(allowed: {', '.join(sorted(allowed))})")
+    plans = {}
+    for fam in FAMILIES:
+        plan = base.plan(fam)
+        names = {x.name for x in fields(plan)}
+        alias = {"top_k": "k", "max_tokens": "max_tokens" if "max_tokens" in names else "steps"}
+        given = {alias.get(k, k): v for k, v in c.items() if alias.get(k, k) in names}
+        own = per_family.get(fam, {})
+        if not isinstance(own, dict):
+            raise SpecError(f"run.consistency.{fam} must be a table of the {fam} plan's settings")
+        unknown = sorted(set(own) - names)
+        if unknown:
+            raise SpecError(f"run.consistency.{fam}: unknown key {unknown[0]!r} "
+                            f"(allowed: {', '.join(sorted(names))})")
+        given.update(own)
+        plans[fam] = replace(plan, **{k: _plan_value(f"run.consistency.{k}", getattr(plan, k), v)
+                                      for k, v in given.items()})
+    return replace(base, families=tuple(fams), **plans)
+
+
+def _plan_value(where: str, default, v):
+    """A plan field's value: integers (>= 1, a seed >= 0), a list of integers >= 1 where the
+    plan has a tuple (concurrency)."""
+    if isinstance(default, tuple):
+        if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                       and x >= 1 for x in v):
+            raise SpecError(f"{where} must be a non-empty list of integers >= 1, got {v!r}")
+        return tuple(v)
+    low = 0 if where.endswith("seed") else 1
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        raise SpecError(f"{where} must be an integer >= {low}, got {v!r}")
+    return v
+
+
+def _reference_arm(text):
+    from fidelity.arms import parse_arm
+    if not isinstance(text, str):
+        raise SpecError(f"run.consistency.reference must be an arm string, e.g. \"golden\", got {text!r}")
+    try:
+        return parse_arm(text)
+    except ValueError as e:
+        raise SpecError(f"run.consistency.reference: {e}") from None
+
+
+def consistency_reference(spec: Spec, target):
+    """The in-process scorer `reference = ARM` names (fidelity consistency --inprocess), or None."""
+    text = spec.consistency.get("reference")
+    if text is None:
+        return None
+    from fidelity.kld.inprocess import InProcessScorer
+    arm = _reference_arm(text)
+    return InProcessScorer(text, arm.numerics(), target.weights, arm.name, schedule=arm.schedule)
+
+
+def _policy(spec: Spec):
+    from infra.http import RetryPolicy
+    c = spec.consistency
+    d = RetryPolicy()
+    r, t = c.get("retries", d.retries), c.get("timeout", d.timeout)
+    if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+        raise SpecError(f"run.consistency.retries must be an integer >= 0, got {r!r}")
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or t <= 0:
+        raise SpecError(f"run.consistency.timeout must be a positive number of seconds, got {t!r}")
+    return RetryPolicy(retries=r, timeout=float(t))
+
+
+def _consistency(spec: Spec, name: str, url: str, root: Path, target, cs, reference, progress) -> dict:
+    """fidelity consistency on one live arm: probes into <root>/consistency/probes.jsonl
+    (finished ones kept across reruns), the arm's report in <root>/consistency/<arm>/."""
+    from fidelity.consistency.client import LiveArm
+    from fidelity.consistency.judge import is_floor
+    from fidelity.consistency.run import run_consistency
+    ep = Endpoint(name, url, spec.consistency.get("dialect"), None, _policy(spec), target.tokenizer,
+                  on_retry=progress.log)
+    res = run_consistency([LiveArm(ep)], target, cs, root, name, progress, reference)
+    rows = [r for r in res["conditions"].to_dict("records") if not is_floor(r["family"], r["condition"])]
+    flagged = [f"{r['family']}/{r['condition']}" for r in rows if r["flagged"]]
+    behaviour = res.get("behaviour")                   # long generations, when that family ran
+    behaviour = [] if behaviour is None else behaviour.to_dict("records")
+    flagged += ["longgen/behaviour" for r in behaviour if r.get("flagged")]
+    return {"verdict": list(res["verdict"]), "path": str(Path(res["path"]).relative_to(root)),
+            "conditions": len(rows) + len(behaviour), "flagged": flagged}
+
+
 def _needle(spec: Spec, name: str, url: str, results: Path, quiet: bool) -> list[dict]:
     n = spec.needle
     bad = sorted(set(n) - NEEDLE_KEYS)
@@ -123,7 +255,9 @@ def run_engines(spec: Spec, run_id: str, progress: Progress, fresh: bool = False
     write_script(spec, list(ps.values()), root / "launch.sh")
     state = State(root / "state.json")
     s = _settings(spec)
+    cs = consistency_settings(spec) if "consistency" in spec.tasks else None
     target = load_target(None, spec.kld.get("tokenizer"))
+    reference = consistency_reference(spec, target) if cs is not None else None
     tok = target.tokenizer
     prompts = _kld_prompts(spec, tok, target.cfg.vocab_size) if "kld" in spec.tasks else []
     store = ScoreStore(root / "kld" / "scores")
@@ -133,11 +267,13 @@ def run_engines(spec: Spec, run_id: str, progress: Progress, fresh: bool = False
         if set(spec.tasks) <= set(st["done"]):
             progress.log(f"{arm.name}: tasks done earlier; not launched")
             continue
-        _run_arm(spec, arm, ps[arm.name], st, state, root, prompts, s, store, base.name, tok, progress)
+        _run_arm(spec, arm, ps[arm.name], st, state, root, prompts, s, store, base.name, target, (cs, reference),
+                 progress)
     return report(spec, root, run_id, state, prompts, s, store, progress)
 
 
-def _run_arm(spec, arm, plan, st, state, root, prompts, s, store, base, tok, progress):
+def _run_arm(spec, arm, plan, st, state, root, prompts, s, store, base, target, consistency, progress):
+    tok = target.tokenizer
     proc = EngineProcess(plan, root / "logs" / f"{arm.name}.log") if plan.cmd else None
     if proc:
         proc.check_port()                       # a busy port: say so before launching anything
@@ -170,6 +306,10 @@ def _run_arm(spec, arm, plan, st, state, root, prompts, s, store, base, tok, pro
             _needle(spec, arm.name, plan.url, root / "needle" / f"{arm.name}.jsonl", progress.quiet)
             st["done"].append("needle")
             state.save()
+        if "consistency" in spec.tasks and "consistency" not in st["done"]:
+            st["consistency"] = _consistency(spec, arm.name, plan.url, root, target, *consistency, progress)
+            st["done"].append("consistency")
+            state.save()
     finally:
         if proc and proc.proc is not None:
             code = proc.stop()
@@ -190,7 +330,8 @@ def report(spec: Spec, root: Path, run_id: str, state: State, prompts, s: KldSet
         manifest = {"spec": str(spec.path), "baseline": arms[0].name, "settings": s.__dict__,
                     "arms": [{"name": a.name, "engine": a.engine, "role": a.role,
                               "toggles": None if a.toggles is None else str(a.toggles),
-                              "env": a.env, "flags": a.flags, "factors": sorted(a.factors)} for a in arms],
+                              "env": a.env, "flags": a.flags, "serving": a.serving,
+                              "factors": sorted(a.factors)} for a in arms],
                     "servers": {a.name: state.arm(a.name).get("engine") for a in arms},
                     "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in prompts]}
         res = evaluate(entries, prompts, s, store, shape if s.captures else None, root, "kld-report",
@@ -205,6 +346,9 @@ def report(spec: Spec, root: Path, run_id: str, state: State, prompts, s: KldSet
         out["needle"] = write_report(rows, root / "needle", {"arms": metas}, run_id="needle-report",
                                      with_plots=True)
         out["recall"] = by_arm(rows)
+    if "consistency" in spec.tasks:
+        out["consistency"] = {a.name: state.arm(a.name)["consistency"] for a in arms
+                              if state.arm(a.name).get("consistency")}
     write_summary(root, _page(spec, state, out), out)
     return out
 
@@ -217,13 +361,19 @@ def _page(spec: Spec, state: State, out: dict) -> Page:
         verdict.append(f"`{r['arm']}` needle recall " + ("– (no scored trial)" if r["recall"] is None else
                        f"{r['recall']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] over {r['n_scored']} "
                        f"scored trials ({r['truncated']} truncated, {r['server_error']} server errors)"))
+    for name, c in (out.get("consistency") or {}).items():   # its lines name the arm, else say which
+        verdict += [f"Consistency: {line}" if line.startswith(f"`{name}`") else f"`{name}` consistency: {line}"
+                    for line in c["verdict"]]
     arms = pd.DataFrame([{"arm": a.name, "engine": a.engine, "role": a.role,
                           "toggles": a.toggles if a.toggles is not None else "-",
+                          "serving": " ".join(f"{k}={SS.get(k).spell(v)}" for k, v in a.serving.items()) or "-",
                           "env": " ".join(f"{k}={v}" for k, v in a.env.items()) or "-",
                           "flags": " ".join(a.flags) or "-", "ready_s": state.arm(a.name).get("ready_s"),
                           "tasks_done": ", ".join(state.arm(a.name)["done"]) or "-"} for a in spec.arms])
     where = [f"{k} report: `{Path(out[k]).relative_to(out['root'])}/index.html`" for k in ("kld", "needle")
              if k in out]
+    where += [f"consistency report ({name}, {len(c['flagged'])} of {c['conditions']} conditions flagged): "
+              f"`{c['path']}/index.html`" for name, c in (out.get("consistency") or {}).items()]
     where.append("Launch commands: `launch.sh`; engine logs: `logs/`; state: `state.json`.")
     compared = (f"Spec `{spec.path.name}`: " + ", ".join(f"`{a.name}` ({a.engine})" for a in spec.arms)
                 + f"; tasks {', '.join(spec.tasks)}.")

@@ -11,6 +11,9 @@ it is under.
     [run.kld]                      # fidelity kld options: lengths, depths, reps, top_k, steps, exact
                                    # (defaults: fidelity kld's, fidelity.kld.settings)
     [run.needle]                   # fidelity needle options: lengths, depths, reps, max_tokens, api, ...
+    [run.consistency]              # fidelity consistency: families, reference, probes, length,
+                                   # max_tokens, top_k, seed, concurrency, repeats, page_size, chunk_size,
+                                   # retries, timeout, dialect; [run.consistency.<family>] for one family
 
     [engines.sg]
     kind = "sglang"                # sglang | vllm | fidelity | external
@@ -21,6 +24,7 @@ it is under.
     env = { SGLANG_ENABLE_DETERMINISTIC_INFERENCE = "1" }
     start_timeout = 3600
     allow_unconfirmed = false      # toggles whose mapping the research marks UNCONFIRMED
+    serving = { max_running_requests = 64 }   # every arm's serving settings (an arm's value wins)
 
     [[arms]]
     name = "default"
@@ -28,6 +32,10 @@ it is under.
     toggles = "engine:sglang"      # our arm syntax; "closest" = every known reference
                                    # setting applied; omit for the engine as started
     env = {}; flags = []; role = "arm"   # role: arm | floor
+    serving = { mtp = 0, cuda_graphs = false }
+                                   # launch-only serving settings (kernel_toggles/serving_settings.py:
+                                   # mtp, cuda_graphs, prefix_cache, chunked_prefill_size, deterministic,
+                                   # max_running_requests), mapped to flags/env per engine version
 
     [[designs]]                    # arms generated from a base configuration
     engine = "sg"
@@ -43,11 +51,12 @@ from pathlib import Path
 
 from kernel_toggles import ToggleSet, profiles
 from kernel_toggles import arms as K
+from kernel_toggles import serving_settings as SS
 from kernel_toggles.arms import reference_closest
 
 KINDS = ("sglang", "vllm", "fidelity", "external")
 DESIGNS = ("one-at-a-time", "leave-one-out", "factorial")
-TASKS = ("kld", "needle")
+TASKS = ("kld", "needle", "consistency")
 
 
 class SpecError(ValueError):
@@ -70,6 +79,7 @@ class EngineSpec:
     stop_grace: float = 30.0
     ready_path: str | None = None
     allow_unconfirmed: bool = False
+    serving: dict = field(default_factory=dict)  # serving settings every arm starts from
 
 
 @dataclass
@@ -83,6 +93,7 @@ class EngineArm:
     flags: list[str] = field(default_factory=list)
     role: str = "arm"                            # baseline | arm | floor
     factors: frozenset = field(default_factory=frozenset)
+    serving: dict = field(default_factory=dict)  # serving settings: the engine's, then the arm's
 
 
 @dataclass
@@ -94,6 +105,7 @@ class Spec:
     kld: dict
     needle: dict
     out: str
+    consistency: dict = field(default_factory=dict)
 
 
 def _str_dict(v, where) -> dict[str, str]:
@@ -142,12 +154,20 @@ def _engine(name: str, d: dict) -> EngineSpec:
     e.env = _str_dict(d.get("env", {}), f"{where}.env")
     e.ready_path = d.get("ready")
     e.allow_unconfirmed = bool(d.get("allow_unconfirmed", False))
+    e.serving = _serving(d.get("serving", {}), f"{where}.serving")
     if kind == "external" and not e.url:
         raise SpecError(f"{where}: an external engine needs url")
     if kind in ("sglang", "vllm") and not (e.model and e.version):
         raise SpecError(f"{where}: a {kind} engine needs model and version "
                         "(toggle mappings are per version)")
     return e
+
+
+def _serving(d, where) -> dict:
+    try:
+        return SS.parse(d, where)
+    except SS.ServingError as e:
+        raise SpecError(str(e)) from None
 
 
 def _toggles(text, where):
@@ -173,7 +193,7 @@ def _closest(e: EngineSpec, where: str):
 
 def _arm(i: int, d: dict, engines) -> EngineArm:
     where = f"arms[{i}]"
-    _only(d, {"name", "engine", "toggles", "env", "flags", "role", "factors"}, where)
+    _only(d, {"name", "engine", "toggles", "env", "flags", "role", "factors", "serving"}, where)
     name, eng = d.get("name"), d.get("engine")
     if not isinstance(name, str) or not name or any(c in name for c in "/\\ "):
         raise SpecError(f"{where}.name must be a non-empty name without / or spaces")
@@ -189,12 +209,15 @@ def _arm(i: int, d: dict, engines) -> EngineArm:
         ts = _toggles(d.get("toggles"), f"{where}.toggles")
     env = _str_dict(d.get("env", {}), f"{where}.env")
     flags = _str_list(d.get("flags", []), f"{where}.flags")
+    own = _serving(d.get("serving", {}), f"{where}.serving")
     factors = d.get("factors")
     if factors is None:              # what attribution credits: the toggles, plus the patch
         factors = set(ts.names) if ts is not None else set()
-        if env or flags or not factors:
+        if env or flags or own or not factors:
             factors.add(name)
-    return EngineArm(name, eng, ts, env, flags, role, frozenset(_str_list(list(factors), f"{where}.factors")))
+    serving = {**engines[eng].serving, **own}
+    return EngineArm(name, eng, ts, env, flags, role, frozenset(_str_list(list(factors), f"{where}.factors")),
+                     {n: serving[n] for n in SS.SETTINGS if n in serving})
 
 
 def _design(i: int, d: dict, engines) -> list[EngineArm]:
@@ -228,7 +251,8 @@ def _design(i: int, d: dict, engines) -> list[EngineArm]:
                 ts = profiles.fixed_on(ts, e.kind, e.version)
             except ValueError as ex:
                 raise SpecError(f"{where}: {ex}") from None
-        out.append(EngineArm(f"{prefix}:{label}", d["engine"], ts, factors=frozenset(ts.names)))
+        out.append(EngineArm(f"{prefix}:{label}", d["engine"], ts, factors=frozenset(ts.names),
+                             serving=dict(e.serving)))
     return out
 
 
@@ -242,7 +266,7 @@ def load_spec(path: str | Path) -> Spec:
         raise SpecError(f"{p}: not valid TOML: {e}") from None
     _only(d, {"run", "engines", "arms", "designs"}, str(p))
     run = d.get("run", {})
-    _only(run, {"baseline", "tasks", "kld", "needle", "out"}, "run")
+    _only(run, {"baseline", "tasks", "kld", "needle", "consistency", "out"}, "run")
     engines = {n: _engine(n, e) for n, e in (d.get("engines") or {}).items()}
     if not engines:
         raise SpecError(f"{p}: no [engines.NAME] table")
@@ -264,8 +288,8 @@ def load_spec(path: str | Path) -> Spec:
     bad = [t for t in tasks if t not in TASKS]
     if bad:
         raise SpecError(f"run.tasks: unknown task {bad[0]!r} (tasks: {', '.join(TASKS)})")
-    for k in ("kld", "needle"):
+    for k in ("kld", "needle", "consistency"):
         if not isinstance(run.get(k, {}), dict):
             raise SpecError(f"run.{k} must be a table")
     return Spec(p, engines, [b] + arms, tasks, run.get("kld", {}), run.get("needle", {}),
-                run.get("out", "reports"))
+                run.get("out", "reports"), run.get("consistency", {}))
