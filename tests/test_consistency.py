@@ -168,3 +168,25 @@ def test_chunk_family_needs_a_reference_and_a_chunk_size(url, tmp_path):
     with pytest.raises(ChunkError, match="--inprocess"):
         run_consistency([_arm("golden", url)], TARGET, ConsistencySettings(("chunk",), chunk=ChunkPlan()),
                         tmp_path, "x", progress=lambda m: None)
+
+
+def test_long_generation_drift_found_where_it_starts(tmp_path):
+    """decode_positions_wrap (decode positions modulo 512): a 400-token generation after a
+    200-token prompt leaves the golden, scored teacher-forced here, exactly at step 313
+    (position 512); the golden arm's own output never drifts."""
+    from fidelity.consistency.longgen import LongGenPlan
+    from fidelity.kld.inprocess import InProcessScorer
+    from reference_model import Numerics
+    ref = InProcessScorer("golden", Numerics("reference"), TARGET.weights)
+    plan = LongGenPlan(length=200, probes=1, max_tokens=400, ignore_eos=True)
+    with served("golden", extra=("--arm", "golden=golden", "--arm", "wrap=decode_positions_wrap")) as (u,):
+        res = run_consistency([_arm(n, u) for n in ("golden", "wrap")], TARGET,
+                              ConsistencySettings(("longgen",), longgen=plan), tmp_path, "g",
+                              progress=lambda m: None, reference=ref)
+    b = res["behaviour"].set_index("arm")
+    assert b.loc["wrap", "drift_start_min"] == 313 and b.loc["wrap", "flagged"]
+    assert b.loc["golden", "drifting"] == 0 and not b.loc["golden", "flagged"]
+    t = res["conditions"].set_index(["arm", "condition"])
+    assert t.loc[("wrap", "steps@256"), "flagged"] and not t.loc["golden", "flagged"].any()
+    assert any("drift along its own output starts at step 313" in v for v in res["verdict"])
+    assert res["flagged"]

@@ -17,12 +17,13 @@ EXAMPLES = """\
 """
 
 
-FAMILY_NAMES = ("prefix", "batch", "chunk")
-DEFAULT_FAMILIES = "prefix,batch"          # + chunk with --inprocess
+FAMILY_NAMES = ("prefix", "batch", "chunk", "longgen")
+DEFAULT_FAMILIES = "prefix,batch"          # + chunk,longgen with --inprocess
 
 
 def add_arguments(p):
     from fidelity.consistency.batch import BatchPlan
+    from fidelity.consistency.longgen import LongGenPlan
     from fidelity.consistency.prefix import PrefixPlan
     g = p.add_argument_group("arms")
     g.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
@@ -41,7 +42,8 @@ def add_arguments(p):
     g.add_argument("--families", default=None,
                    help="comma-separated probe families: prefix (cache hits vs cold), batch "
                         "(alone vs in company), chunk (KL along the prompt vs --inprocess, at the "
-                        f"prefill chunk boundaries) (default: {DEFAULT_FAMILIES}, and chunk with --inprocess)")
+                        "prefill chunk boundaries), longgen (long generations scored by --inprocess "
+                        f"teacher-forced) (default: {DEFAULT_FAMILIES}, and chunk,longgen with --inprocess)")
     g.add_argument("--probes", type=int, default=None,
                    help=f"probe prompts per family (default: prefix {PrefixPlan.probes}, batch {BatchPlan.probes})")
     g.add_argument("--length", type=int, default=None,
@@ -61,6 +63,11 @@ def add_arguments(p):
                    help="batch family: filler requests in flight beside the probe (default: %(default)s)")
     g.add_argument("--repeats", type=int, default=BatchPlan.repeats,
                    help="batch family: repeats per probe and concurrency (default: %(default)s)")
+    g.add_argument("--gen-tokens", type=int, default=LongGenPlan.max_tokens,
+                   help="longgen family: tokens generated per probe (default: %(default)s)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="longgen family: generate --gen-tokens even past EOS (a model that answers "
+                        "and stops early; early EOS is then not measured)")
     http_options(g)
     output_options(p, "consistency", "consistency-<timestamp>",
                    fresh="discard stored probes instead of resuming",
@@ -92,6 +99,7 @@ def _settings(args):
 
     from fidelity.consistency.batch import BatchPlan
     from fidelity.consistency.chunk import ChunkPlan
+    from fidelity.consistency.longgen import LongGenPlan
     from fidelity.consistency.prefix import PrefixPlan
     from fidelity.consistency.run import ConsistencySettings
     given = lambda **kw: {k: v for k, v in kw.items() if v is not None}       # noqa: E731
@@ -108,9 +116,11 @@ def _settings(args):
                     **given(probes=args.probes, length=args.length, steps=args.max_tokens))
     chunk = replace(ChunkPlan(), k=args.top_k, seed=args.seed, chunk_size=args.chunk_size,
                     **given(probes=args.probes, length=args.length))
-    text = args.families or (DEFAULT_FAMILIES + (",chunk" if args.inprocess else ""))
+    longgen = replace(LongGenPlan(), k=args.top_k, seed=args.seed, max_tokens=args.gen_tokens,
+                      ignore_eos=args.ignore_eos, **given(probes=args.probes))
+    text = args.families or (DEFAULT_FAMILIES + (",chunk,longgen" if args.inprocess else ""))
     families = tuple(f.strip() for f in text.split(",") if f.strip())
-    return ConsistencySettings(families, prefix, batch, chunk)
+    return ConsistencySettings(families, prefix, batch, chunk, longgen)
 
 
 def _reference(spec: str | None, target):
@@ -144,4 +154,4 @@ def run(args) -> int:
     for line in res["verdict"]:
         print(line)
     print(f"report: {res['path']}", file=sys.stderr if args.quiet else sys.stdout)
-    return 1 if res["conditions"].flagged.any() else 0
+    return 1 if res["flagged"] else 0

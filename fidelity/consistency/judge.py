@@ -18,8 +18,8 @@ from scipy.stats import binomtest, fisher_exact, mannwhitneyu
 
 ALPHA = 0.05
 # per family: the reference condition (stored, not judged) and the floor condition
-REFERENCE = {"prefix": "cold", "batch": "alone", "chunk": "profile"}
-FLOOR = {"prefix": "cold-again", "batch": "alone-again"}
+REFERENCE = {"prefix": "cold", "batch": "alone", "chunk": "profile", "longgen": "behaviour"}
+FLOOR = {"prefix": "cold-again", "batch": "alone-again", "longgen": "start"}
 JUMP = 4.0               # chunk: the after-window's mean KL over the before-window's, at least
 
 
@@ -35,6 +35,10 @@ def is_floor(family: str, condition: str) -> bool:
     return condition.startswith("before@") if family == "chunk" else condition == FLOOR[family]
 
 
+# families judged as a step in KL against the stretch before (chunk boundary, later generation)
+STEP_FAMILIES = {"chunk", "longgen"}
+
+
 def condition_table(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per (arm, family, condition) with its counts, statistics and flag."""
     rows = rows[~rows.condition.isin(set(REFERENCE.values()))]
@@ -42,7 +46,8 @@ def condition_table(rows: pd.DataFrame) -> pd.DataFrame:
     for (arm, fam), g in rows.groupby(["arm", "family"], sort=False):
         for cond, c in g.groupby("condition", sort=False):
             floor = g[g.condition == floor_of(fam, cond)]
-            flag = _floor_row() if is_floor(fam, cond) else _jump(c, floor) if fam == "chunk" else _flag(c, floor)
+            flag = (_floor_row() if is_floor(fam, cond) else _jump(c, floor) if fam in STEP_FAMILIES
+                    else _flag(c, floor))
             out.append({"arm": arm, "family": fam, "condition": cond, **_stats(c), **flag})
     cols = ["arm", "family", "condition", "class", "shared", "probes", "bitwise", "diverged",
             "first_step", "distinct", "kl_first_median", "kl_first_max", "kl_max", "cached_median",
@@ -104,7 +109,8 @@ def _flag(c: pd.DataFrame, floor: pd.DataFrame) -> dict:
 
 # how a family's sentences name what a condition is compared with, and its floor
 COMPARED = {"prefix": ("its cold replies", "cold vs cold"), "batch": ("its alone replies", "alone vs alone"),
-            "chunk": ("the one-piece reference", "before the boundaries")}
+            "chunk": ("the one-piece reference", "before the boundaries"),
+            "longgen": ("the reference along its own output", "the first tokens")}
 
 
 def verdict_lines(table: pd.DataFrame) -> list[str]:
@@ -135,6 +141,9 @@ def _describe(r) -> str:
                 else ", same top-1 throughout")
         return (f"the prefill chunk boundary at token {int(r.shared)}: KL up to {r.kl_max:.3g} just "
                 f"after it, {r.why.split(' (')[0]}{top1}")
+    if r["class"] == "generation":
+        return (f"generated tokens from step {int(r.shared)}: KL up to {r.kl_max:.3g} against the "
+                f"reference, {r.why.split(' (')[0].replace('just before it', 'at the start')}")
     if r["class"] == "full":
         where = "a full-prompt hit"
     elif r["class"] == "concurrency":
@@ -147,3 +156,42 @@ def _describe(r) -> str:
            if r.diverged else ", same greedy tokens")
     return (f"{where}: KL up to {r.kl_max:.3g} over the generated tokens "
             f"({r.kl_first_max:.3g} at the first){tok}{cached}")
+
+
+def behaviour_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Long generations per arm: length (and against the first arm's), how they ended, loops,
+    thinking until the cap, special-token leaks, early EOS, where drift starts. Flagged:
+    drift, or more loops / thinking-until-cap / leaks than the first arm (the baseline; with
+    one arm, any)."""
+    b = rows[rows.condition == "behaviour"] if len(rows) else rows
+    if b.empty:
+        return pd.DataFrame()
+    out = []
+    for arm, g in b.groupby("arm", sort=False):
+        starts = g.drift_start.dropna()
+        out.append({"arm": arm, "generations": len(g), "mean_length": float(g.length.mean()),
+                    "finish": ", ".join(f"{k} {v}" for k, v in g.finish.value_counts().items()),
+                    "loops": int(g.loop.sum()), "thinking_until_cap": int(g.thinking_until_cap.sum()),
+                    "leaks": int(g.leaks.map(bool).sum()), "early_eos": int(g.early_eos.sum()),
+                    "drifting": len(starts), "drift_start_min": int(starts.min()) if len(starts) else None})
+    t = pd.DataFrame(out)
+    t.insert(3, "length_vs_first_arm", t.mean_length / t.mean_length.iloc[0])
+    # misbehaviour counts against the first arm's (the baseline) when there are several
+    odd = t[["loops", "thinking_until_cap", "leaks"]]
+    base = odd.iloc[0] if len(t) > 1 else 0
+    t["flagged"] = (t.drifting > 0) | (odd > base).any(axis=1)
+    return t
+
+
+def behaviour_lines(t: pd.DataFrame) -> list[str]:
+    lines = []
+    for _, r in t.iterrows():
+        n = r.generations
+        bad = [f"{what} in {int(r[col])}/{n}" for col, what in
+               (("loops", "loops"), ("thinking_until_cap", "thinking until the cap"),
+                ("leaks", "special tokens in the text"), ("early_eos", "early EOS")) if r[col]]
+        drift = (f"drift along its own output starts at step {int(r.drift_start_min)} in {r.drifting}/{n} "
+                 "generations" if r.drifting else "no drift along its own output")
+        lines.append(f"`{r.arm}` (long generation, {r.mean_length:.0f} tokens on average): {drift}"
+                     + (f"; {', '.join(bad)}" if bad else "") + ".")
+    return lines

@@ -89,13 +89,43 @@ def _chunk_figure(probes: pd.DataFrame):
     return fig
 
 
+def _drift_figure(probes: pd.DataFrame):
+    """Rolling KL against the reference along each long generation (one line per
+    generation, per-arm colour), where drift starts marked."""
+    if probes.empty or "drift_start" not in probes:
+        return None
+    b = probes[(probes.family == "longgen") & (probes.condition == "behaviour")]
+    if b.empty:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 3.4))
+    colours = {}
+    for _, r in b.iterrows():
+        kl = np.asarray(r.kl, float)
+        w = min(32, len(kl))
+        roll = np.convolve(kl, np.ones(w) / w, "valid") if w else kl
+        c = colours.get(r.arm)
+        line, = ax.plot(np.arange(len(roll)) + w - 1, np.maximum(roll, KL_FLOOR_PLOT), lw=0.9, color=c,
+                        label=None if c else r.arm)
+        colours[r.arm] = line.get_color()
+        if pd.notna(r.drift_start):
+            ax.axvline(r.drift_start, color=line.get_color(), ls=":", lw=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("generated token (dotted: where drift starts)")
+    ax.set_ylabel("KL vs reference (rolling mean, 32)")
+    ax.set_title(f"Along the engine's own long output, teacher-forced ({KL_FLOOR_PLOT:g} = identical)",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    return fig
+
+
 # stem -> (draw(conditions, probes), title)
 FIGURES = {"prefix_kl": (lambda t, p: _prefix_figure(t), "Prefix-cache hits vs cold"),
            "batch_kl": (lambda t, p: _batch_figure(t), "Alone vs with other requests in flight"),
-           "chunk_kl": (lambda t, p: _chunk_figure(p), "KL along the prompt, chunk boundaries marked")}
+           "chunk_kl": (lambda t, p: _chunk_figure(p), "KL along the prompt, chunk boundaries marked"),
+           "drift": (lambda t, p: _drift_figure(p), "KL along long generations")}
 
 
-def _sections(table: pd.DataFrame) -> list[Section]:
+def _sections(table: pd.DataFrame, behaviour: pd.DataFrame) -> list[Section]:
     out = []
     if (table.family == "prefix").any():
         out.append(Section(
@@ -129,6 +159,19 @@ def _sections(table: pd.DataFrame) -> list[Section]:
             "whose KL jumps where the prefill is cut is.",
             [Table(table[table.family == "chunk"].drop(columns=["family", "cached_median", "distinct"]),
                    fold=False)], ["chunk_kl"]))
+    if (table.family == "longgen").any():
+        out.append(Section(
+            "Long generations: where the engine leaves the reference along its own output",
+            "Each probe prompt is generated greedily to the token cap; the reference computed "
+            "here scores the engine's own tokens teacher-forced (KL against what the engine "
+            "reported, before each token). `start` (the first tokens) is the floor; each later "
+            "stretch `steps@a` is flagged when its KL jumps above the start's (a state that goes "
+            "bad, not a kernel that differs evenly). Behaviour: loops (a tail with under 30% "
+            "distinct 8-grams), thinking until the cap, special tokens in the text, early EOS, "
+            "length against the first arm.",
+            [Table(table[table.family == "longgen"].drop(columns=["family", "cached_median", "distinct",
+                                                                   "diverged", "first_step"]), fold=False),
+             Table(behaviour, fold=False)], ["drift"]))
     return out
 
 
@@ -144,13 +187,14 @@ def build_page(result: dict) -> Page:
                          "prefill chunk": a.get("chunked_prefill_size"),
                          "requests": sum(v for k, v in m["requests"].items() if k.endswith("/" + a["name"])),
                          "retries": sum(a.get("retries", {}).values())} for a in m["arms"]])
-    sections = _sections(table) + [
+    sections = _sections(table, result.get("behaviour", pd.DataFrame())) + [
         Section("How it was run", "Cold starts use the engine's flush route (SGLang "
                 "`/flush_cache`, vLLM `/reset_prefix_cache`); without one, two random leading tokens "
                 "no earlier request had. Retries are transport faults retried under the shared "
                 "policy, never counted as differences.", [Table(how, fold=False)]),
         Section("Every probe", "One row per comparison (probes.csv).",
-                [Table(result["probes"].drop(columns=["key", "tokens", "kl"], errors="ignore"), fold=True)]),
+                [Table(result["probes"].drop(columns=["key", "tokens", "kl", "rank", "kl_window"],
+                                              errors="ignore"), fold=True)]),
     ]
     return Page("dsv4-fidelity consistency report", compared, result["verdict"],
                 lead_figures=["prefix_kl"], sections=sections, manifest=m)
@@ -161,6 +205,8 @@ def write_report(out_dir, run_id: str, result: dict):
     try:
         w.table("conditions", result["conditions"])
         w.table("probes", result["probes"].drop(columns=["reference"], errors="ignore"))
+        if len(result.get("behaviour", [])):
+            w.table("behaviour", result["behaviour"])
         w.json("manifest", {**result["manifest"], "verdict": result["verdict"]})
         for stem, (draw, title) in FIGURES.items():
             fig = draw(result["conditions"], result["probes"])

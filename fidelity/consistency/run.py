@@ -13,13 +13,15 @@ import pandas as pd
 from .batch import BatchFamily, BatchPlan
 from .chunk import ChunkFamily, ChunkPlan
 from .client import LiveArm
-from .judge import condition_table, verdict_lines
+from .judge import behaviour_lines, behaviour_table, condition_table, verdict_lines
+from .longgen import LongGenFamily, LongGenPlan
 from .prefix import PrefixFamily, PrefixPlan
 from .store import ProbeStore
 
 # family -> its runner: (arm, store, tokenizer, cfg, plan, reference), run(progress),
-# key_prefix(arm, plan); `reference` (a scorer computed here) is what chunk compares with
-FAMILIES = {"prefix": PrefixFamily, "batch": BatchFamily, "chunk": ChunkFamily}
+# key_prefix(arm, plan); `reference` (a scorer computed here) is what chunk and longgen
+# compare with
+FAMILIES = {"prefix": PrefixFamily, "batch": BatchFamily, "chunk": ChunkFamily, "longgen": LongGenFamily}
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class ConsistencySettings:
     prefix: PrefixPlan = field(default_factory=PrefixPlan)
     batch: BatchPlan = field(default_factory=BatchPlan)
     chunk: ChunkPlan = field(default_factory=ChunkPlan)
+    longgen: LongGenPlan = field(default_factory=LongGenPlan)
 
     def plan(self, family: str):
         return getattr(self, family)
@@ -60,10 +63,13 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
     names = {a.name for a in arms}
     rows = pd.DataFrame([r for r in store.rows if r.get("arm") in names and _current(r, settings)])
     table = condition_table(rows)
+    behaviour = behaviour_table(rows)
     result = {"manifest": {"arms": described, "settings": asdict(settings), "checkpoint": target.name,
                            "reference": reference.describe() if reference is not None else None,
                            "seconds": round(time.time() - t0, 1), "requests": _requests(rows)},
-              "verdict": verdict_lines(table), "conditions": table, "probes": rows}
+              "verdict": verdict_lines(table) + behaviour_lines(behaviour), "conditions": table,
+              "behaviour": behaviour, "probes": rows,
+              "flagged": bool(table.flagged.any() or (len(behaviour) and behaviour.flagged.any()))}
     if out_dir is not None:
         from .report import write_report
         result["path"] = str(write_report(Path(out_dir) / "consistency",
@@ -88,8 +94,8 @@ def _requests(rows: pd.DataFrame) -> dict:
         return {}
 
     def n(r) -> int:
-        if r.family == "chunk":
-            return int(r.condition == "profile")           # one scoring request per probe
+        if r.family in ("chunk", "longgen"):
+            return int(r.condition in ("profile", "behaviour"))   # one request per probe
         if r.condition in ("cold", "cold-again", "alone", "alone-again"):
             return 1
         return 1 + int(r.shared) if r.family == "batch" else 2

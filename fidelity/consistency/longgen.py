@@ -1,0 +1,149 @@
+"""The long-generation family: where along its own long output does the engine leave what
+the reference would do, and does the output misbehave (loops, thinking until the cap,
+special tokens in the text, early EOS)?
+
+Per probe prompt the engine generates greedily up to `max_tokens` with top-k logprobs per
+token. The reference computed here (`--inprocess`) then scores the engine's own sequence
+teacher-forced, in one prefill: before each generated token, KL(reference || engine) on
+what the engine reported, and the rank of the engine's token under the reference. Drift is
+judged like a chunk boundary: each later stretch of the generation against its first
+`floor_tokens` tokens (the arm's own numerics at the start), so a kernel that differs
+evenly is not flagged and state that goes bad a few hundred steps in is, with the step
+where the rolling KL first leaves the start's range. Long outputs corrupting while short
+ones never do is sglang #33397's report."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fidelity.kld.bounds import Known, compare
+from fidelity.prompts import haystack_ids, prompt_seed
+
+from .client import LiveArm, Reply
+from .store import ProbeStore
+
+FAMILY = "longgen"
+ROWS = 256                        # reference logits rows handled at a time (never [n, vocab] whole)
+LEAKS = ("<think>", "</think>", "｜DSML｜")
+
+
+@dataclass(frozen=True)
+class LongGenPlan:
+    length: int = 200             # prompt tokens
+    probes: int = 2
+    max_tokens: int = 512
+    floor_tokens: int = 128       # the start of each generation: the floor of the later stretches
+    k: int = 5
+    ignore_eos: bool = False      # force the length (a model that answers and stops early)
+    seed: int = 0
+    rolling: int = 32             # tokens in the rolling mean that dates where drift starts
+
+
+def stretches(n: int, floor: int) -> list[tuple[int, int]]:
+    """[floor, 2 floor), [2 floor, 4 floor), ... up to n: the later parts of a generation."""
+    out, a = [], floor
+    while a < n:
+        out.append((a, min(2 * a, n)))
+        a *= 2
+    return out
+
+
+def teacher_forced(model, prompt: list[int], reply: Reply) -> tuple[list[float], list[int]]:
+    """Per generated token: KL(reference || engine's reported distribution) and the rank of
+    the engine's token under the reference (1 = its top choice), from one prefill of the
+    prompt and the engine's tokens, ROWS logits rows at a time."""
+    ids = torch.tensor(prompt + reply.tokens[:-1])
+    with torch.no_grad():
+        logits, _ = model.extend(ids, None, "all")
+    start = len(prompt) - 1
+    kl, rank = [], []
+    for a in range(0, len(reply.tokens), ROWS):
+        lp = torch.log_softmax(logits[start + a:start + a + ROWS].double(), -1).numpy()
+        for j, row in enumerate(lp):
+            t = a + j
+            ref = Known(np.arange(len(row)), row)
+            kl.append(compare(ref, reply.dists[t], None)["kl_lb"])
+            rank.append(1 + int((row > row[reply.tokens[t]]).sum()))
+    return kl, rank
+
+
+def _loop(tokens: list[int], tail: int = 256, n: int = 8) -> bool:
+    """A looping tail: under 30% of its n-grams distinct."""
+    t = tokens[-tail:]
+    grams = [tuple(t[i:i + n]) for i in range(len(t) - n + 1)]
+    return len(grams) >= 32 and len(set(grams)) / len(grams) < 0.3
+
+
+def drift_start(kl: list[float], floor: int, window: int, jump: float) -> int | None:
+    """Where drift starts: in the first stretch of `window` tokens after the floor whose mean
+    KL exceeds `jump` x the largest such mean within the floor (any KL at all where the floor
+    is exact), the first token above that level."""
+    x = np.asarray(kl, float)
+    if len(x) < floor + window:
+        return None
+    roll = np.convolve(x, np.ones(window) / window, "valid")     # roll[i] = mean x[i:i+window]
+    base = roll[:floor - window + 1].max() if floor >= window else x[:floor].max()
+    level = jump * base
+    over = np.nonzero(roll[floor:] > level)[0]
+    if not len(over):
+        return None
+    i = floor + int(over[0])
+    return i + int(np.argmax(x[i:i + window] > level))
+
+
+class LongGenFamily:
+    def __init__(self, arm: LiveArm, store: ProbeStore, tokenizer, cfg, plan: LongGenPlan, reference=None):
+        self.arm, self.store, self.tok, self.cfg, self.plan = arm, store, tokenizer, cfg, plan
+        self.reference = reference
+
+    @staticmethod
+    def key_prefix(arm: str, p: LongGenPlan) -> str:
+        return f"{FAMILY}|{arm}|L{p.length}|s{p.seed}|n{p.max_tokens}|f{p.floor_tokens}|k{p.k}|e{int(p.ignore_eos)}|"
+
+    def _key(self, probe: int, condition: str) -> str:
+        return f"{self.key_prefix(self.arm.name, self.plan)}{probe}|{condition}"
+
+    def run(self, progress=lambda m: None) -> None:
+        from .chunk import ChunkError
+        if self.reference is None:
+            raise ChunkError("the long-generation family scores the engine's output with a reference "
+                             "computed here: give --inprocess golden=golden (or another in-process arm)")
+        plan = self.plan
+        for probe in range(plan.probes):
+            if self.store.has(self._key(probe, "behaviour")):
+                continue
+            ids, _ = haystack_ids(self.tok, plan.length, (probe + 0.5) / plan.probes * 100,
+                                  prompt_seed(plan.seed, plan.length, probe, 5))
+            reply = self.arm.generate(ids, plan.max_tokens, plan.k, ignore_eos=plan.ignore_eos)
+            kl, rank = teacher_forced(self.reference.model, ids, reply)
+            for row in self._rows(probe, kl):
+                if not self.store.has(row["key"]):
+                    self.store.add(row)
+            self.store.add(self._behaviour(probe, reply, kl, rank))
+            progress(f"{self.arm.name}: long generation {probe + 1}/{plan.probes} done "
+                     f"({len(reply.tokens)} tokens)")
+
+    def _rows(self, probe: int, kl: list[float]) -> list[dict]:
+        f = self.plan.floor_tokens
+        parts = [("start", "floor", 0, min(f, len(kl)))] + [
+            (f"steps@{a}", "generation", a, b) for a, b in stretches(len(kl), f)]
+        return [{"key": self._key(probe, cond), "family": FAMILY, "arm": self.arm.name, "probe": probe,
+                 "condition": cond, "class": cls, "shared": a, "cached": None, "tokens": [],
+                 "bitwise": all(x == 0 for x in kl[a:b]), "kl_window": kl[a:b], "first_diff": None,
+                 "kl_first": kl[a], "kl_max": max(kl[a:b]), "same_top1_first": None}
+                for cond, cls, a, b in parts if b > a]
+
+    def _behaviour(self, probe: int, reply: Reply, kl: list[float], rank: list[int]) -> dict:
+        from .judge import JUMP
+        text = self.tok.decode(reply.tokens)
+        thinking = "<think>" in text and "</think>" not in text
+        return {"key": self._key(probe, "behaviour"), "family": FAMILY, "arm": self.arm.name,
+                "probe": probe, "condition": "behaviour", "tokens": reply.tokens, "finish": reply.finish,
+                "length": len(reply.tokens), "loop": _loop(reply.tokens),
+                "thinking_until_cap": bool(thinking and len(reply.tokens) >= self.plan.max_tokens),
+                "leaks": [t for t in LEAKS if t in text and not (t == "<think>" and text.lstrip().startswith(t))],
+                "early_eos": bool(not self.plan.ignore_eos and len(reply.tokens) < 16),
+                "drift_start": drift_start(kl, self.plan.floor_tokens, self.plan.rolling, JUMP),
+                "kl": kl, "rank": rank}
