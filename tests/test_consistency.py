@@ -2,8 +2,9 @@
 flags each planted restore bug exactly where the engine reports a cache hit and nowhere
 else; the batch family flags an arm whose decode kernel depends on the requests in flight,
 not its fixed counterpart; a clean server flags nothing over three seeds; transport faults
-are retried, never counted as differences; an interrupted run resumes to the same tables;
-the OpenAI dialect alone works on greedy text."""
+are retried, never counted as differences; a run killed with SIGKILL resumes to the same
+tables; the OpenAI dialect alone works on greedy text; the chunked-prefill family finds a
+boundary bug and not an even kernel difference; the long-generation family dates drift."""
 import json
 
 import pytest
@@ -98,22 +99,32 @@ def test_faults_are_retried_never_counted(url, tmp_path):
     assert retries == {"POST /generate": 4}, retries          # 500, drop, malformed, 503
 
 
-def test_interrupted_run_resumes_to_the_same_tables(url, tmp_path):
-    calls = []
-
-    def stop_after_first(msg):
-        calls.append(msg)
-        raise KeyboardInterrupt
-
-    plan = PrefixPlan(length=200, probes=2, max_tokens=3)
-    with pytest.raises(KeyboardInterrupt):
-        run_consistency([_arm("restore_window_one_off", url)], TARGET, ConsistencySettings(("prefix",), plan),
-                        tmp_path / "a", "r", progress=stop_after_first)
-    done = len(ProbeStore(store_path(tmp_path / "a")).rows)
-    assert done > 0
-    resumed = _run([_arm("restore_window_one_off", url)], tmp_path / "a", plan)
-    fresh = _run([_arm("restore_window_one_off", url)], tmp_path / "b", plan)
-    assert len(ProbeStore(store_path(tmp_path / "a")).rows) == len(ProbeStore(store_path(tmp_path / "b")).rows)
+def test_sigkill_mid_run_then_rerun_resumes_to_the_same_tables(url, tmp_path):
+    """`fidelity consistency` killed with SIGKILL after some probes finished: the rerun
+    keeps them (the store only grows), finishes, and its tables equal an uninterrupted run's."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from needle_util import ROOT, fidelity_cmd
+    args = ["consistency", "--endpoint", f"restore_window_one_off={url}", "--families", "prefix",
+            "--probes", "2", "--length", "200", "--max-tokens", "3", "--quiet"]
+    store = store_path(tmp_path / "a")
+    proc = subprocess.Popen(fidelity_cmd(*args, "--out", str(tmp_path / "a"), "--run-id", "r"),
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    end = time.monotonic() + 600
+    while not (store.exists() and len(store.read_text().splitlines()) >= 5):
+        assert proc.poll() is None and time.monotonic() < end, "the run ended before it could be killed"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    kept = [r["key"] for r in ProbeStore(store).rows]
+    assert 5 <= len(kept) < 2 * 14
+    resumed = _run([_arm("restore_window_one_off", url)], tmp_path / "a", PrefixPlan(length=200, probes=2, max_tokens=3))
+    assert [r["key"] for r in ProbeStore(store).rows][:len(kept)] == kept
+    fresh = _run([_arm("restore_window_one_off", url)], tmp_path / "b", PrefixPlan(length=200, probes=2, max_tokens=3))
+    assert len(ProbeStore(store).rows) == len(ProbeStore(store_path(tmp_path / "b")).rows)
     cols = ["condition", "probes", "bitwise", "flagged", "cached_median"]
     assert resumed["conditions"][cols].equals(fresh["conditions"][cols])
 
