@@ -134,6 +134,7 @@ def test_openai_dialect_alone_works_on_greedy_text(url, tmp_path):
     res = _run([_arm("restore_window_one_off", url, "openai")], tmp_path, plan)
     t = res["conditions"]
     assert t.flagged.any() and (t.flagged == (t.cached_median > 0)).all()
+    assert any("read through the OpenAI dialect" in v and "looser" in v for v in res["verdict"])
 
 
 def test_store_skips_a_torn_line(tmp_path):

@@ -4,13 +4,14 @@ Per probe prompt (an exact-length needle haystack): scored alone (prompt logprob
 greedy continuation through kld's dialects -- engines skip their prefix cache for prompt
 logprobs, so repeats are not cache hits); alone again (the floor: what "the same" means
 on this engine); then, for each concurrency k, `repeats` times while k filler requests of
-mixed lengths are in flight (their prompts random ids, so they share no prefix with it).
+mixed lengths are being decoded (streamed; the probe is sent once each has produced its
+first token; their prompts are random ids, so they share no prefix with it).
 Kernels an engine picks by the batch's token count (split-K, tile sizes) show here: "needle
 in a batch" (vLLM's batch-invariance test), asked of the deployment itself."""
 from __future__ import annotations
 
 import random
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -23,15 +24,14 @@ from .serial import known_list, known_rows
 from .store import ProbeStore
 
 FAMILY = "batch"
-FILLER_LENGTHS = (32, 64, 128, 256)
-FILLER_EXTRA = 32         # fillers generate this many tokens more than the probe: still decoding beside it
-SETTLE_S = 0.2            # fillers sent, then the probe: they are in flight when it arrives
+FILLER_LENGTHS = (16, 32, 64, 128)
+FILLER_EXTRA = 16         # fillers generate this many tokens more than the probe: still decoding beside it
 
 
 @dataclass(frozen=True)
 class BatchPlan:
     length: int = 200              # probe prompt tokens
-    probes: int = 2
+    probes: int = 1
     concurrency: tuple[int, ...] = (1, 8, 32)
     repeats: int = 2               # per probe and k
     steps: int = 8                 # greedy tokens scored after the prompt
@@ -71,12 +71,16 @@ class BatchFamily:
                 for i in range(n)]
 
     def _in_company(self, ids: list[int], k: int, salt: int) -> PromptScores:
-        """The probe scored while k fillers generate (longer than the probe, so they are still
-        decoding beside it)."""
+        """The probe scored while k fillers are being decoded: each filler is streamed and
+        the probe is sent once every filler's first token has arrived; fillers generate
+        more tokens than the probe, so they are still decoding beside it."""
+        fillers = self._fillers(k, salt)
+        started = [threading.Event() for _ in fillers]
         with ThreadPoolExecutor(k) as ex:
-            futs = [ex.submit(self.arm.generate, f, self.plan.steps + FILLER_EXTRA, 1)
-                    for f in self._fillers(k, salt)]
-            time.sleep(SETTLE_S)
+            futs = [ex.submit(self.arm.filler, f, self.plan.steps + FILLER_EXTRA, e)
+                    for f, e in zip(fillers, started)]
+            for e in started:
+                e.wait(self.arm.ep.policy.timeout)
             got = self._score(ids)
             for f in futs:
                 f.result()

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infra.http import RequestFailed, send
+import httpx
+
+from infra.http import RequestFailed, check_status, send
 
 from fidelity.kld.bounds import Known
 from fidelity.kld.dialects import ScoringError, _known
@@ -103,6 +105,27 @@ class LiveArm:
             pieces = ep.piece_ids() if ep.dialect == "openai" else None
             parse = lambda d: _completions_reply(d, pieces)       # noqa: E731
         return ep.call("POST", path, body, parse=parse)
+
+    def filler(self, ids: list[int], max_tokens: int, started) -> None:
+        """A streamed completion that only takes up room in the engine's batch: sets
+        `started` (a threading.Event) when its first token arrives -- it is then being
+        decoded -- and reads the stream to its end (closing early would cancel it)."""
+        ep = self.ep
+        body = {"prompt": list(ids), "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                **({"model": ep.model} if ep.model else {}),
+                **({"ignore_eos": True} if ep.dialect in ("sglang", "vllm") else {})}
+        try:
+            with ep.client.stream("POST", ep.v1 + "/completions", json=body) as r:
+                if r.status_code >= 400:
+                    r.read()                 # the error body, for the message
+                    check_status(r)
+                for line in r.iter_lines():
+                    if line.startswith("data:") and not started.is_set():
+                        started.set()
+        except (httpx.HTTPError, RequestFailed) as e:
+            raise EndpointError(f"{self.name}: a filler request failed: {e}") from None
+        finally:
+            started.set()                    # never leave the probe waiting
 
     def flush(self) -> str | None:
         """Empty the engine's prefix cache; the route that did it (None: the server has

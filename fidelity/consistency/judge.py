@@ -1,14 +1,21 @@
 """Which serving condition changes the answer: every condition's comparisons against the
-arm's own floor (the same request asked again under the reference condition).
+arm's own floor.
 
 Per (arm, family, condition): probes, bit-identical replies, replies whose greedy tokens
-part (and the earliest step), KL at the first generated token, the engine's cached-token
-count. A condition is flagged when
+part (and the earliest step), distinct completions, KL at the first generated token and
+over the generated tokens, the engine's cached-token count.
+
+Repeat families (prefix, batch: the floor is the same request asked again under the
+reference condition) flag a condition when
   * the floor is exact (every floor pair bit-identical) and some reply under it is not --
     on such an engine anything else is a change of serving numerics; or
   * the floor is not exact and its replies part from the reference more often than the
-    floor's (one-sided Fisher exact test, p < ALPHA), or its first-token KL is above
-    every floor pair's in more probes than chance allows (one-sided binomial, p < ALPHA).
+    floor's (one-sided Fisher exact test, p < ALPHA), or its KL is above every floor
+    pair's in more probes than chance allows (one-sided binomial, p < ALPHA).
+Step families (chunk, longgen: KL against a reference computed here, along a sequence)
+flag a stretch whose KL jumps above the stretch before it (`_jump`); an arm that differs
+from the reference evenly is not flagged. Long generations' behaviour (loops, leaks ...)
+is judged in `behaviour_table`.
 """
 from __future__ import annotations
 
@@ -20,12 +27,12 @@ ALPHA = 0.05
 # per family: the reference condition (stored, not judged) and the floor condition
 REFERENCE = {"prefix": "cold", "batch": "alone", "chunk": "profile", "longgen": "behaviour"}
 FLOOR = {"prefix": "cold-again", "batch": "alone-again", "longgen": "start"}
-JUMP = 4.0               # chunk: the after-window's mean KL over the before-window's, at least
+JUMP = 4.0               # step families: a stretch's mean KL over the one before it, at least
 
 
 def floor_of(family: str, condition: str) -> str:
     """The floor condition a condition is judged against (chunk: its own boundary's
-    before-window)."""
+    before-window; longgen: the generation's start)."""
     if family == "chunk":
         return "before@" + condition.split("@", 1)[1]
     return FLOOR[family]
@@ -35,10 +42,6 @@ def is_floor(family: str, condition: str) -> bool:
     return condition.startswith("before@") if family == "chunk" else condition == FLOOR[family]
 
 
-# families judged as a step in KL against the stretch before (chunk boundary, later generation)
-STEP_FAMILIES = {"chunk", "longgen"}
-
-
 def condition_table(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per (arm, family, condition) with its counts, statistics and flag."""
     rows = rows[~rows.condition.isin(set(REFERENCE.values()))]
@@ -46,8 +49,8 @@ def condition_table(rows: pd.DataFrame) -> pd.DataFrame:
     for (arm, fam), g in rows.groupby(["arm", "family"], sort=False):
         for cond, c in g.groupby("condition", sort=False):
             floor = g[g.condition == floor_of(fam, cond)]
-            flag = (_floor_row() if is_floor(fam, cond) else _jump(c, floor) if fam in STEP_FAMILIES
-                    else _flag(c, floor))
+            flag = (_floor_row() if is_floor(fam, cond) else _jump(c, floor, BEFORE[fam])
+                    if fam in BEFORE else _flag(c, floor))
             out.append({"arm": arm, "family": fam, "condition": cond, **_stats(c), **flag})
     cols = ["arm", "family", "condition", "class", "shared", "probes", "bitwise", "diverged",
             "first_step", "distinct", "kl_first_median", "kl_first_max", "kl_max", "cached_median",
@@ -73,20 +76,25 @@ def _floor_row() -> dict:
     return {"flagged": False, "why": "floor"}
 
 
-def _jump(c: pd.DataFrame, floor: pd.DataFrame) -> dict:
-    """Chunk boundary: the KL of the positions after it against those before it, pooled
-    over probes: flagged when higher (one-sided Mann-Whitney, p < ALPHA) by at least JUMP
-    times in the mean -- a step where the prefill is cut, not a drift along the prompt."""
+# families judged as a step in KL against the stretch before it (a chunk boundary, a later
+# part of a generation), and what that stretch is called in their sentences
+BEFORE = {"chunk": "just before it", "longgen": "at the start of the generation"}
+
+
+def _jump(c: pd.DataFrame, floor: pd.DataFrame, before_name: str) -> dict:
+    """A stretch (after a chunk boundary, later in a generation) against the one before it,
+    per-position KL pooled over probes: flagged when higher (one-sided Mann-Whitney,
+    p < ALPHA) by at least JUMP times in the mean -- a step, not an even difference."""
     after = np.concatenate([np.asarray(x, float) for x in c.kl_window])
     before = np.concatenate([np.asarray(x, float) for x in floor.kl_window]) if len(floor) else np.zeros(0)
     if not len(before):
         return {"flagged": False, "why": "no floor"}
     if not after.any():
-        return {"flagged": False, "why": "identical to the reference after the boundary"}
+        return {"flagged": False, "why": "identical to the reference here"}
     p = mannwhitneyu(after, before, alternative="greater").pvalue
     ratio = after.mean() / before.mean() if before.mean() > 0 else np.inf
-    step = (f"{ratio:.3g}x the KL just before it" if np.isfinite(ratio)
-            else "where the positions just before it are identical to the reference")
+    step = (f"{ratio:.3g}x the KL {before_name}" if np.isfinite(ratio)
+            else f"while the tokens {before_name} are identical to the reference")
     return {"flagged": bool(p < ALPHA and ratio >= JUMP),
             "why": f"{step} (Mann-Whitney p={p:.2g}; flagged at >= {JUMP:g}x and p < {ALPHA})"}
 
@@ -143,7 +151,7 @@ def _describe(r) -> str:
                 f"after it, {r.why.split(' (')[0]}{top1}")
     if r["class"] == "generation":
         return (f"generated tokens from step {int(r.shared)}: KL up to {r.kl_max:.3g} against the "
-                f"reference, {r.why.split(' (')[0].replace('just before it', 'at the start')}")
+                f"reference, {r.why.split(' (')[0]}")
     if r["class"] == "full":
         where = "a full-prompt hit"
     elif r["class"] == "concurrency":
