@@ -84,10 +84,13 @@ def test_batch_dependent_arm_flagged_its_fixed_counterpart_not(url, tmp_path):
 
 
 def test_clean_server_flags_nothing_over_three_seeds(url, tmp_path):
+    """The golden arm under the prefix and batch families, three seeds: no false positive."""
+    from fidelity.consistency.batch import BatchPlan
     for seed in (1, 2, 3):
-        plan = PrefixPlan(length=200, probes=1, max_tokens=3, seed=seed)
-        res = _run([_arm("golden", url)], tmp_path, plan, run_id=f"s{seed}")
-        assert not res["conditions"].flagged.any(), seed
+        s = ConsistencySettings(("prefix", "batch"), PrefixPlan(length=200, probes=1, max_tokens=3, seed=seed),
+                                BatchPlan(length=200, probes=1, concurrency=(2,), repeats=1, steps=3, seed=seed))
+        res = run_consistency([_arm("golden", url)], TARGET, s, tmp_path, f"s{seed}", progress=lambda m: None)
+        assert not res["flagged"] and len(res["conditions"]) == 16, seed     # 14 prefix + 2 batch
 
 
 def test_faults_are_retried_never_counted(url, tmp_path):
