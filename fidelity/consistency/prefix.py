@@ -30,7 +30,7 @@ FAMILY = "prefix"
 @dataclass(frozen=True)
 class PrefixPlan:
     length: int = 320            # prompt tokens
-    probes: int = 3              # prompts
+    probes: int = 2              # prompts
     max_tokens: int = 8          # greedy tokens compared
     k: int = 5                   # top-k per generated token
     seed: int = 0
