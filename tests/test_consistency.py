@@ -58,7 +58,7 @@ def test_restore_bugs_flagged_exactly_where_the_cache_hit(url, tmp_path):
         assert (b.flagged == (b.cached_median > 0)).all(), b[["condition", "cached_median", "flagged"]]
         assert b.flagged.sum() >= 6, bug                 # hits at 64, 65, 127-129 and the full hit
     assert res["verdict"][0].startswith("`golden` (prefix): no serving condition changes its replies")
-    assert any(line.startswith("`restore_window_one_off` (prefix) differs from its cold replies under 6 of 13")
+    assert any(line.startswith("`restore_window_one_off` (prefix) differs from its cold replies under 7 of 14")
                for line in res["verdict"])
     path = res["path"]
     html = open(f"{path}/index.html").read()
@@ -90,7 +90,7 @@ def test_clean_server_flags_nothing_over_three_seeds(url, tmp_path):
         s = ConsistencySettings(("prefix", "batch"), PrefixPlan(length=200, probes=1, max_tokens=3, seed=seed),
                                 BatchPlan(length=200, probes=1, concurrency=(2,), repeats=1, steps=3, seed=seed))
         res = run_consistency([_arm("golden", url)], TARGET, s, tmp_path, f"s{seed}", progress=lambda m: None)
-        assert not res["flagged"] and len(res["conditions"]) == 16, seed     # 14 prefix + 2 batch
+        assert not res["flagged"] and len(res["conditions"]) == 17, seed     # 15 prefix + 2 batch
 
 
 def test_faults_are_retried_never_counted(url, tmp_path):

@@ -154,6 +154,8 @@ def _describe(r) -> str:
                 f"reference, {r.why.split(' (')[0]}")
     if r["class"] == "full":
         where = "a full-prompt hit"
+    elif r["class"] == "multi-turn":
+        where = "a second chat turn re-sending the first"
     elif r["class"] == "concurrency":
         where = f"{int(r.shared)} other request(s) in flight ({r.distinct} distinct completions per probe)"
     else:

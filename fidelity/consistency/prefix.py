@@ -7,7 +7,9 @@ Per probe prompt (an exact-length needle haystack: the model has an answer to lo
   full-hit    asked twice in a row, the second answer compared;
   hit@P       the cache warmed by another prompt sharing the first P tokens, then the
               prompt: P at each boundary class (the window, a CSA group of 4, an HCA group
-              of 128, the page and prefill-chunk sizes the server reports) and P +- 1.
+              of 128, the page and prefill-chunk sizes the server reports) and P +- 1;
+  multi-turn  the chat's second turn (the prompt, its answer, a follow-up question) after
+              the first, against the second turn cold.
 Each hit records the engine's own cached-token count, the proof that a hit happened. On a
 server without a flush route every cold start is two random leading tokens no request had
 (the report says which was used); the floor then compares two such starts, so it is not
@@ -25,6 +27,7 @@ from .serial import known_list, known_rows
 from .store import ProbeStore
 
 FAMILY = "prefix"
+FOLLOW_UP = "Say that again, please."
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,27 @@ class PrefixFamily:
         self._ask(lead + warm)
         return self._ask(lead + ids)
 
+    def _multi_turn(self, ids: list[int]) -> tuple[Reply, Reply]:
+        """A chat's second turn re-sent with the first turn and its answer, after the first
+        turn (the cache holds its prompt, and its answer on engines that cache generated
+        tokens); and the same second turn cold."""
+        lead = self._fresh()
+        first = self._ask(lead + ids)
+        answer = first.tokens[:first.tokens.index(self.tok.eos_id)] if self.tok.eos_id in first.tokens \
+            else first.tokens
+        turn2 = ids + answer + self._follow_up()
+        got = self._ask(lead + turn2)
+        return self._cold(turn2), got
+
+    def _follow_up(self) -> list[int]:
+        """The tokens that end an assistant turn and ask a follow-up, in the chat encoding
+        (DeepSeek's own renderer: the text after the answer in a 3-message conversation)."""
+        from reference_model.tokenizer import render_chat
+        one = render_chat([{"role": "user", "content": "Q"}], thinking=False)
+        three = render_chat([{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"},
+                             {"role": "user", "content": FOLLOW_UP}], thinking=False)
+        return self.tok.encode(three[len(one) + 1:])
+
     def run(self, progress=lambda m: None) -> None:
         plan = self.plan
         points = boundaries(self.cfg, self.arm.sizes(), plan)
@@ -138,6 +162,7 @@ class PrefixFamily:
             for cls, p in points:
                 self._measure(probe, f"hit@{p}", cls, p, ref,
                               lambda p=p: self._after_warm(ids, _parting_at(ids, p, self.cfg.vocab_size)))
+            self._measure(probe, "multi-turn", "multi-turn", len(ids), None, lambda: self._multi_turn(ids))
             progress(f"{self.arm.name}: prefix probe {probe + 1}/{plan.probes} done")
 
     def _reference(self, probe: int, ids: list[int]) -> Reply:
@@ -149,11 +174,14 @@ class PrefixFamily:
         row = next(r for r in self.store.rows if r["key"] == key)
         return _reply(row["reference"])
 
-    def _measure(self, probe, condition, cls, shared, ref: Reply, ask) -> None:
+    def _measure(self, probe, condition, cls, shared, ref: Reply | None, ask) -> None:
+        """One condition's reply against `ref` (None: ask() returns its own (ref, reply))."""
         key = self._key(probe, condition)
         if self.store.has(key):
             return
         got = ask()
+        if ref is None:
+            ref, got = got
         self.store.add({"key": key, "family": FAMILY, "arm": self.arm.name, "probe": probe,
                         "condition": condition, "class": cls, "shared": shared,
                         "cached": got.cached, "tokens": got.tokens,
