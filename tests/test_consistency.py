@@ -186,22 +186,26 @@ def test_chunk_family_needs_a_reference_and_a_chunk_size(url, tmp_path):
 
 
 def test_long_generation_drift_found_where_it_starts(tmp_path):
-    """decode_positions_wrap (decode positions modulo 512): a 400-token generation after a
-    200-token prompt leaves the golden, scored teacher-forced here, exactly at step 313
-    (position 512); the golden arm's own output never drifts."""
-    from fidelity.consistency.longgen import LongGenPlan
+    """decode_positions_wrap(at=P+150) (decode positions modulo P+150, P the chat prompt's
+    length): a 300-token generation leaves the golden, scored teacher-forced here, exactly
+    at step 151, the token at position P+150 -- greedy and sampled; the golden arm's own
+    output never drifts."""
+    from fidelity.consistency.longgen import TASKS, LongGenPlan
     from fidelity.kld.inprocess import InProcessScorer
     from reference_model import Numerics
+    tok = TARGET.tokenizer
+    at = len(tok.encode(tok.render_chat([{"role": "user", "content": TASKS[0]}], thinking=True).text)) + 150
     ref = InProcessScorer("golden", Numerics("reference"), TARGET.weights)
-    plan = LongGenPlan(length=200, probes=1, max_tokens=400, ignore_eos=True)
-    with served("golden", extra=("--arm", "golden=golden", "--arm", "wrap=decode_positions_wrap")) as (u,):
+    plan = LongGenPlan(probes=1, max_tokens=300, ignore_eos=True)
+    with served("golden", extra=("--arm", "golden=golden", "--arm", f"wrap=decode_positions_wrap(at={at})")) as (u,):
         res = run_consistency([_arm(n, u) for n in ("golden", "wrap")], TARGET,
                               ConsistencySettings(("longgen",), longgen=plan), tmp_path, "g",
                               progress=lambda m: None, reference=ref)
-    b = res["behaviour"].set_index("arm")
-    assert b.loc["wrap", "drift_start_min"] == 313 and b.loc["wrap", "flagged"]
-    assert b.loc["golden", "drifting"] == 0 and not b.loc["golden", "flagged"]
+    b = res["behaviour"].set_index(["arm", "mode"])
+    for mode in ("greedy", "sampled"):
+        assert b.loc[("wrap", mode), "drift_start_min"] == 151 and b.loc[("wrap", mode), "flagged"]
+        assert b.loc[("golden", mode), "drifting"] == 0 and not b.loc[("golden", mode), "flagged"]
     t = res["conditions"].set_index(["arm", "condition"])
-    assert t.loc[("wrap", "steps@256"), "flagged"] and not t.loc["golden", "flagged"].any()
-    assert any("drift along its own output starts at step 313" in v for v in res["verdict"])
+    assert t.loc[("wrap", "greedy:steps@128"), "flagged"] and not t.loc["golden", "flagged"].any()
+    assert any("drift along its own output starts at step 151" in v for v in res["verdict"])
     assert res["flagged"]

@@ -30,9 +30,11 @@ class Reply:
     finish: str
 
 
-def _sglang_body(ids, max_tokens, k, model, ignore_eos):
-    body = {"input_ids": list(ids), "return_logprob": True, "top_logprobs_num": k,
-            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos}}
+def _sglang_body(ids, max_tokens, k, model, ignore_eos, temperature=0.0, seed=None):
+    sp = {"max_new_tokens": max_tokens, "temperature": temperature, "ignore_eos": ignore_eos}
+    if seed is not None:
+        sp["sampling_seed"] = seed
+    body = {"input_ids": list(ids), "return_logprob": True, "top_logprobs_num": k, "sampling_params": sp}
     return "/generate", {**body, **({"model": model} if model else {})}
 
 
@@ -48,8 +50,10 @@ def _sglang_reply(d: dict) -> Reply:
     return Reply([int(e[1]) for e in out], dists, m.get("cached_tokens"), finish)
 
 
-def _completions_body(ids, max_tokens, k, model, vllm: bool, ignore_eos):
-    body = {"prompt": list(ids), "max_tokens": max_tokens, "temperature": 0, "logprobs": k}
+def _completions_body(ids, max_tokens, k, model, vllm: bool, ignore_eos, temperature=0.0, seed=None):
+    body = {"prompt": list(ids), "max_tokens": max_tokens, "temperature": temperature, "logprobs": k}
+    if seed is not None:
+        body["seed"] = seed
     if vllm:
         body.update(ignore_eos=ignore_eos, return_tokens_as_token_ids=True)
     return "/v1/completions", {**body, **({"model": model} if model else {})}
@@ -93,15 +97,18 @@ class LiveArm:
         self.ep.connect()
         return self
 
-    def generate(self, ids: list[int], max_tokens: int, k: int = 5, ignore_eos: bool = True) -> Reply:
-        """Greedy continuation of `ids` with the top-k before each new token (`ignore_eos`:
-        always max_tokens of them, where the dialect has the field: SGLang, vLLM)."""
+    def generate(self, ids: list[int], max_tokens: int, k: int = 5, ignore_eos: bool = True,
+                 temperature: float = 0.0, seed: int | None = None) -> Reply:
+        """Continuation of `ids` (greedy unless `temperature`; `seed` where the engine takes
+        one) with the top-k before each new token, logprobs raw as the engines report them
+        (`ignore_eos`: always max_tokens of them, where the dialect has the field: SGLang, vLLM)."""
         ep = self.ep
         if ep.dialect == "sglang":
-            path, body = _sglang_body(ids, max_tokens, k, ep.model, ignore_eos)
+            path, body = _sglang_body(ids, max_tokens, k, ep.model, ignore_eos, temperature, seed)
             parse = _sglang_reply
         else:
-            path, body = _completions_body(ids, max_tokens, k, ep.model, ep.dialect == "vllm", ignore_eos)
+            path, body = _completions_body(ids, max_tokens, k, ep.model, ep.dialect == "vllm", ignore_eos,
+                                           temperature, seed)
             pieces = ep.piece_ids() if ep.dialect == "openai" else None
             parse = lambda d: _completions_reply(d, pieces)       # noqa: E731
         return ep.call("POST", path, body, parse=parse)

@@ -26,25 +26,32 @@ from scipy.stats import binomtest, fisher_exact, mannwhitneyu
 ALPHA = 0.05
 # per family: the reference condition (stored, not judged) and the floor condition
 REFERENCE = {"prefix": "cold", "batch": "alone", "chunk": "profile", "longgen": "behaviour"}
-FLOOR = {"prefix": "cold-again", "batch": "alone-again", "longgen": "start"}
+FLOOR = {"prefix": "cold-again", "batch": "alone-again"}
 JUMP = 4.0               # step families: a stretch's mean KL over the one before it, at least
 
 
 def floor_of(family: str, condition: str) -> str:
     """The floor condition a condition is judged against (chunk: its own boundary's
-    before-window; longgen: the generation's start)."""
+    before-window; longgen: the start of the same run, greedy or sampled)."""
     if family == "chunk":
         return "before@" + condition.split("@", 1)[1]
+    if family == "longgen":
+        return condition.split(":", 1)[0] + ":start"
     return FLOOR[family]
 
 
 def is_floor(family: str, condition: str) -> bool:
-    return condition.startswith("before@") if family == "chunk" else condition == FLOOR[family]
+    return floor_of(family, condition) == condition
+
+
+def is_reference(family: str, condition: str) -> bool:
+    """Rows that are not comparisons: stored references, profiles, behaviour summaries."""
+    return condition.split(":")[-1] == REFERENCE[family]
 
 
 def condition_table(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per (arm, family, condition) with its counts, statistics and flag."""
-    rows = rows[~rows.condition.isin(set(REFERENCE.values()))]
+    rows = rows[[not is_reference(f, c) for f, c in zip(rows.family, rows.condition)]]
     out = []
     for (arm, fam), g in rows.groupby(["arm", "family"], sort=False):
         for cond, c in g.groupby("condition", sort=False):
@@ -173,23 +180,24 @@ def behaviour_table(rows: pd.DataFrame) -> pd.DataFrame:
     thinking until the cap, special-token leaks, early EOS, where drift starts. Flagged:
     drift, or more loops / thinking-until-cap / leaks than the first arm (the baseline; with
     one arm, any)."""
-    b = rows[rows.condition == "behaviour"] if len(rows) else rows
+    b = rows[rows.condition.str.endswith(":behaviour")] if len(rows) else rows
     if b.empty:
         return pd.DataFrame()
     out = []
-    for arm, g in b.groupby("arm", sort=False):
+    for (arm, mode), g in b.groupby(["arm", "mode"], sort=False):
         starts = g.drift_start.dropna()
-        out.append({"arm": arm, "generations": len(g), "mean_length": float(g.length.mean()),
+        out.append({"arm": arm, "mode": mode, "generations": len(g), "mean_length": float(g.length.mean()),
                     "finish": ", ".join(f"{k} {v}" for k, v in g.finish.value_counts().items()),
                     "loops": int(g.loop.sum()), "thinking_until_cap": int(g.thinking_until_cap.sum()),
                     "leaks": int(g.leaks.map(bool).sum()), "early_eos": int(g.early_eos.sum()),
                     "drifting": len(starts), "drift_start_min": int(starts.min()) if len(starts) else None})
     t = pd.DataFrame(out)
-    t.insert(3, "length_vs_first_arm", t.mean_length / t.mean_length.iloc[0])
-    # misbehaviour counts against the first arm's (the baseline) when there are several
-    odd = t[["loops", "thinking_until_cap", "leaks"]]
-    base = odd.iloc[0] if len(t) > 1 else 0
-    t["flagged"] = (t.drifting > 0) | (odd > base).any(axis=1)
+    # lengths and misbehaviour counts against the first arm's (the baseline), mode by mode
+    first = t.groupby("mode")
+    t.insert(4, "length_vs_first_arm", t.mean_length / first.mean_length.transform("first"))
+    cols = ["loops", "thinking_until_cap", "leaks"]
+    base = first[cols].transform("first") if t.arm.nunique() > 1 else 0
+    t["flagged"] = (t.drifting > 0) | (t[cols] > base).any(axis=1)
     return t
 
 
@@ -202,6 +210,6 @@ def behaviour_lines(t: pd.DataFrame) -> list[str]:
                 ("leaks", "special tokens in the text"), ("early_eos", "early EOS")) if r[col]]
         drift = (f"drift along its own output starts at step {int(r.drift_start_min)} in {r.drifting}/{n} "
                  "generations" if r.drifting else "no drift along its own output")
-        lines.append(f"`{r.arm}` (long generation, {r.mean_length:.0f} tokens on average): {drift}"
+        lines.append(f"`{r.arm}` (long generation, {r['mode']}, {r.mean_length:.0f} tokens on average): {drift}"
                      + (f"; {', '.join(bad)}" if bad else "") + ".")
     return lines

@@ -2,8 +2,8 @@
 the reference would do, and does the output misbehave (loops, thinking until the cap,
 special tokens in the text, early EOS)?
 
-Per probe prompt the engine generates greedily up to `max_tokens` with top-k logprobs per
-token. The reference computed here (`--inprocess`) then scores the engine's own sequence
+Per probe (a chat task, thinking on) the engine generates up to `max_tokens` with top-k
+logprobs per token, greedily and once sampled at `temperature`. The reference computed here (`--inprocess`) then scores the engine's own sequence
 teacher-forced, in one prefill: before each generated token, KL(reference || engine) on
 what the engine reported, and the rank of the engine's token under the reference. Drift is
 judged like a chunk boundary: each later stretch of the generation against its first
@@ -19,8 +19,6 @@ import numpy as np
 import torch
 
 from fidelity.kld.bounds import Known, compare
-from fidelity.prompts import haystack_ids, prompt_seed
-
 from .client import LiveArm, Reply
 from .store import ProbeStore
 
@@ -29,16 +27,31 @@ ROWS = 256                        # reference logits rows handled at a time (nev
 LEAKS = ("<think>", "</think>", "｜DSML｜")
 
 
+# chat tasks that invite a long answer; rendered with thinking on (DeepSeek's encoder)
+TASKS = ("Explain, step by step, how a hash table handles collisions, and compare open "
+         "addressing with chaining on a worked example.",
+         "Plan a three-day walking tour of an old harbour town, hour by hour, and justify each "
+         "choice.",
+         "Prove that there are infinitely many primes, then give two other proofs and compare them.",
+         "Write a short story about a lighthouse keeper who finds a message in a bottle, then "
+         "summarise it in one paragraph.")
+
+
 @dataclass(frozen=True)
 class LongGenPlan:
-    length: int = 200             # prompt tokens
-    probes: int = 2
-    max_tokens: int = 512
+    probes: int = 2               # chat tasks (TASKS, in order)
+    max_tokens: int = 2048
+    thinking: bool = True
+    temperature: float = 1.0      # the sampled run's (DeepSeek's recommended); 0: greedy only
     floor_tokens: int = 128       # the start of each generation: the floor of the later stretches
     k: int = 5
     ignore_eos: bool = False      # force the length (a model that answers and stops early)
     seed: int = 0
     rolling: int = 32             # tokens in the rolling mean that dates where drift starts
+
+    def modes(self) -> list[tuple[str, float]]:
+        """(name, temperature) of the runs per probe: greedy, and sampled unless T is 0."""
+        return [("greedy", 0.0)] + ([("sampled", self.temperature)] if self.temperature > 0 else [])
 
 
 def stretches(n: int, floor: int) -> list[tuple[int, int]]:
@@ -100,7 +113,8 @@ class LongGenFamily:
 
     @staticmethod
     def key_prefix(arm: str, p: LongGenPlan) -> str:
-        return f"{FAMILY}|{arm}|L{p.length}|s{p.seed}|n{p.max_tokens}|f{p.floor_tokens}|k{p.k}|e{int(p.ignore_eos)}|"
+        return (f"{FAMILY}|{arm}|t{int(p.thinking)}|T{p.temperature}|s{p.seed}|n{p.max_tokens}|"
+                f"f{p.floor_tokens}|k{p.k}|e{int(p.ignore_eos)}|")
 
     def _key(self, probe: int, condition: str) -> str:
         return f"{self.key_prefix(self.arm.name, self.plan)}{probe}|{condition}"
@@ -112,38 +126,46 @@ class LongGenFamily:
                              "computed here: give --inprocess golden=golden (or another in-process arm)")
         plan = self.plan
         for probe in range(plan.probes):
-            if self.store.has(self._key(probe, "behaviour")):
-                continue
-            ids, _ = haystack_ids(self.tok, plan.length, (probe + 0.5) / plan.probes * 100,
-                                  prompt_seed(plan.seed, plan.length, probe, 5))
-            reply = self.arm.generate(ids, plan.max_tokens, plan.k, ignore_eos=plan.ignore_eos)
-            kl, rank = teacher_forced(self.reference.model, ids, reply)
-            for row in self._rows(probe, kl):
-                if not self.store.has(row["key"]):
-                    self.store.add(row)
-            self.store.add(self._behaviour(probe, reply, kl, rank))
-            progress(f"{self.arm.name}: long generation {probe + 1}/{plan.probes} done "
-                     f"({len(reply.tokens)} tokens)")
+            ids = self.tok.encode(self.tok.render_chat([{"role": "user", "content": TASKS[probe % len(TASKS)]}],
+                                                       thinking=plan.thinking).text)
+            for mode, temperature in plan.modes():
+                if self.store.has(self._key(probe, f"{mode}:behaviour")):
+                    continue
+                reply = self.arm.generate(ids, plan.max_tokens, plan.k, ignore_eos=plan.ignore_eos,
+                                          temperature=temperature, seed=plan.seed + probe)
+                kl, rank = teacher_forced(self.reference.model, ids, reply) if reply.tokens else ([], [])
+                for row in self._rows(probe, mode, kl):
+                    if not self.store.has(row["key"]):
+                        self.store.add(row)
+                self.store.add(self._behaviour(probe, mode, len(ids), reply, kl, rank))
+                progress(f"{self.arm.name}: long generation {probe + 1}/{plan.probes} ({mode}) done "
+                         f"({len(reply.tokens)} tokens)")
 
-    def _rows(self, probe: int, kl: list[float]) -> list[dict]:
+    def _rows(self, probe: int, mode: str, kl: list[float]) -> list[dict]:
         f = self.plan.floor_tokens
-        parts = [("start", "floor", 0, min(f, len(kl)))] + [
-            (f"steps@{a}", "generation", a, b) for a, b in stretches(len(kl), f)]
+        parts = [(f"{mode}:start", "floor", 0, min(f, len(kl)))] + [
+            (f"{mode}:steps@{a}", "generation", a, b) for a, b in stretches(len(kl), f)]
         return [{"key": self._key(probe, cond), "family": FAMILY, "arm": self.arm.name, "probe": probe,
                  "condition": cond, "class": cls, "shared": a, "cached": None, "tokens": [],
                  "bitwise": all(x == 0 for x in kl[a:b]), "kl_window": kl[a:b], "first_diff": None,
                  "kl_first": kl[a], "kl_max": max(kl[a:b]), "same_top1_first": None}
                 for cond, cls, a, b in parts if b > a]
 
-    def _behaviour(self, probe: int, reply: Reply, kl: list[float], rank: list[int]) -> dict:
+    def _behaviour(self, probe: int, mode: str, prompt_tokens: int, reply: Reply, kl: list[float],
+                   rank: list[int]) -> dict:
         from .judge import JUMP
-        text = self.tok.decode(reply.tokens)
-        thinking = "<think>" in text and "</think>" not in text
-        return {"key": self._key(probe, "behaviour"), "family": FAMILY, "arm": self.arm.name,
-                "probe": probe, "condition": "behaviour", "tokens": reply.tokens, "finish": reply.finish,
+        tok = self.tok
+        closed = tok.end_think_id in reply.tokens
+        # the reasoning ends at </think>: the content after it must carry no special tags
+        content = tok.decode(reply.tokens[reply.tokens.index(tok.end_think_id) + 1:] if closed else
+                             ([] if self.plan.thinking else reply.tokens), skip_special_tokens=False)
+        return {"key": self._key(probe, f"{mode}:behaviour"), "family": FAMILY, "arm": self.arm.name,
+                "probe": probe, "condition": f"{mode}:behaviour", "mode": mode, "prompt_tokens": prompt_tokens,
+                "tokens": reply.tokens, "finish": reply.finish,
                 "length": len(reply.tokens), "loop": _loop(reply.tokens),
-                "thinking_until_cap": bool(thinking and len(reply.tokens) >= self.plan.max_tokens),
-                "leaks": [t for t in LEAKS if t in text and not (t == "<think>" and text.lstrip().startswith(t))],
+                "thinking_until_cap": bool(self.plan.thinking and not closed
+                                           and len(reply.tokens) >= self.plan.max_tokens),
+                "leaks": [t for t in LEAKS if t in content],
                 "early_eos": bool(not self.plan.ignore_eos and len(reply.tokens) < 16),
                 "drift_start": drift_start(kl, self.plan.floor_tokens, self.plan.rolling, JUMP),
                 "kl": kl, "rank": rank}

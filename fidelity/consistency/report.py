@@ -94,7 +94,7 @@ def _drift_figure(probes: pd.DataFrame):
     generation, per-arm colour), where drift starts marked."""
     if probes.empty or "drift_start" not in probes:
         return None
-    b = probes[(probes.family == "longgen") & (probes.condition == "behaviour")]
+    b = probes[(probes.family == "longgen") & probes.condition.str.endswith(":behaviour")]
     if b.empty:
         return None
     fig, ax = plt.subplots(figsize=(9, 3.4))
@@ -103,10 +103,11 @@ def _drift_figure(probes: pd.DataFrame):
         kl = np.asarray(r.kl, float)
         w = min(32, len(kl))
         roll = np.convolve(kl, np.ones(w) / w, "valid") if w else kl
-        c = colours.get(r.arm)
+        label = f"{r.arm} ({r['mode']})"
+        c = colours.get(label)
         line, = ax.plot(np.arange(len(roll)) + w - 1, np.maximum(roll, KL_FLOOR_PLOT), lw=0.9, color=c,
-                        label=None if c else r.arm)
-        colours[r.arm] = line.get_color()
+                        ls="-" if r["mode"] == "greedy" else "--", label=None if c else label)
+        colours[label] = line.get_color()
         if pd.notna(r.drift_start):
             ax.axvline(r.drift_start, color=line.get_color(), ls=":", lw=1)
     ax.set_yscale("log")
@@ -175,12 +176,20 @@ def _sections(table: pd.DataFrame, behaviour: pd.DataFrame) -> list[Section]:
     return out
 
 
+def _plan_words(family: str, plan: dict) -> str:
+    if family == "longgen":
+        return (f"longgen: {plan['probes']} chat tasks (thinking {'on' if plan['thinking'] else 'off'}) "
+                f"to {plan['max_tokens']} tokens, greedy" + (f" and sampled at T={plan['temperature']:g}"
+                                                              if plan["temperature"] > 0 else ""))
+    length = plan.get("length") or "1.5 chunks of"
+    return f"{family}: {plan['probes']} probe prompts of {length} tokens"
+
+
 def build_page(result: dict) -> Page:
     m, table = result["manifest"], result["conditions"]
     arms = ", ".join(f"`{a['name']}` ({a['dialect']}, model {a['model']})" for a in m["arms"])
     fams = m["settings"]["families"]
-    plans = "; ".join(f"{f}: {m['settings'][f]['probes']} probe prompts of {m['settings'][f]['length']} tokens"
-                      for f in fams)
+    plans = "; ".join(_plan_words(f, m["settings"][f]) for f in fams)
     compared = f"Arms {arms} on {m['checkpoint']}'s tokenizer. Families {plans}; {m['seconds']} s."
     how = pd.DataFrame([{"arm": a["name"], "url": a["url"], "dialect": a["dialect"],
                          "cold start by": a.get("cold_by"), "page size": a.get("page_size"),

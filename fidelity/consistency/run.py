@@ -105,7 +105,7 @@ def _requests(rows: pd.DataFrame) -> dict:
 
     def n(r) -> int:
         if r.family in ("chunk", "longgen"):
-            return int(r.condition in ("profile", "behaviour"))   # one request per probe
+            return int(r.condition.split(":")[-1] in ("profile", "behaviour"))   # one request per run
         if r.condition in ("cold", "cold-again", "alone", "alone-again"):
             return 1
         return 1 + int(r.shared) if r.family == "batch" else 2
