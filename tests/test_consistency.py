@@ -209,3 +209,21 @@ def test_long_generation_drift_found_where_it_starts(tmp_path):
     assert t.loc[("wrap", "greedy:steps@128"), "flagged"] and not t.loc["golden", "flagged"].any()
     assert any("drift along its own output starts at step 151" in v for v in res["verdict"])
     assert res["flagged"]
+
+
+def test_eviction_condition_with_a_small_cache(tmp_path):
+    """A stand-in whose prefix cache holds a few snapshots: after 640 tokens of other
+    prompts the probe's prefix is gone (0 cached), so even a restore bug answers as cold;
+    requests are counted per condition."""
+    plan = PrefixPlan(length=200, probes=1, max_tokens=3, evict_tokens=640)
+    with served("golden", extra=("--arm", "golden=golden", "--arm", "bug=restore_window_one_off",
+                                 "--prefix-cache-bytes", "2000000")) as (u,):
+        res = _run([_arm("golden", u), _arm("bug", u)], tmp_path, plan)
+    t = res["conditions"].set_index(["arm", "condition"])
+    for arm in ("golden", "bug"):
+        assert t.loc[(arm, "evicted"), "cached_median"] == 0 and not t.loc[(arm, "evicted"), "flagged"]
+    assert t.loc[("bug", "full-hit"), "flagged"]
+    rows = res["probes"].set_index(["arm", "condition"])
+    assert rows.loc[("golden", "evicted"), "requests"] == 2 + 640 // 200 + 1
+    assert rows.loc[("golden", "multi-turn"), "requests"] == 3
+    assert res["manifest"]["requests"]["prefix/golden"] == rows.loc["golden", "requests"].sum()

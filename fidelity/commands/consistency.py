@@ -59,6 +59,10 @@ def add_arguments(p):
                    help="the engine's prefix-cache page, when /get_server_info does not report it")
     g.add_argument("--chunk-size", type=int, default=None,
                    help="the engine's prefill chunk, when /get_server_info does not report it")
+    g.add_argument("--evict-tokens", type=int, default=None,
+                   help="prefix family: tokens of other prompts sent to evict the cache before the "
+                        "`evicted` condition (default: 1.25 x max_total_num_tokens when the server "
+                        "reports it; else the condition is skipped)")
     g.add_argument("--concurrency", default=",".join(map(str, BatchPlan.concurrency)),
                    help="batch family: filler requests in flight beside the probe (default: %(default)s)")
     g.add_argument("--repeats", type=int, default=BatchPlan.repeats,
@@ -104,7 +108,7 @@ def _settings(args):
     from fidelity.consistency.run import ConsistencySettings
     given = lambda **kw: {k: v for k, v in kw.items() if v is not None}       # noqa: E731
     prefix = replace(PrefixPlan(), k=args.top_k, seed=args.seed, page_size=args.page_size,
-                     chunk_size=args.chunk_size,
+                     chunk_size=args.chunk_size, evict_tokens=args.evict_tokens,
                      **given(probes=args.probes, length=args.length, max_tokens=args.max_tokens))
     try:
         conc = tuple(int(x) for x in args.concurrency.split(",") if x.strip())

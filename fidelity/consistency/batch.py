@@ -63,7 +63,7 @@ class BatchFamily:
         return f"{self.key_prefix(self.arm.name, self.plan)}{probe}|{condition}"
 
     def _score(self, ids: list[int]) -> PromptScores:
-        return self.arm.ep.score(ids, self.request)
+        return self.arm.score(ids, self.request)
 
     def _fillers(self, n: int, salt: int) -> list[list[int]]:
         rng = random.Random(prompt_seed(self.plan.seed, self.plan.length, salt, 3))
@@ -103,7 +103,7 @@ class BatchFamily:
         key = self._key(probe, "alone")
         if not self.store.has(key):
             self.store.add({"key": key, "family": FAMILY, "arm": self.arm.name, "probe": probe,
-                            "condition": "alone", "reference": _scores_row(self._score(ids))})
+                            "condition": "alone", "requests": 1, "reference": _scores_row(self._score(ids))})
         row = next(r for r in self.store.rows if r["key"] == key)
         return _scores(row["reference"], ids)
 
@@ -114,5 +114,6 @@ class BatchFamily:
         got = ask()
         self.store.add({"key": key, "family": FAMILY, "arm": self.arm.name, "probe": probe,
                         "condition": condition, "class": "floor" if k == 0 else "concurrency",
+                        "requests": 1 + k,
                         "shared": k or None, "repeat": repeat, "cached": None,
                         "tokens": got.ladder_tokens, **compare_scores(ref, got)})

@@ -77,13 +77,13 @@ class ChunkFamily:
             ids, _ = haystack_ids(self.tok, n, (probe + 0.5) / plan.probes * 100,
                                   prompt_seed(plan.seed, n, probe, 4))
             req = Request(k=plan.k, steps=1)
-            ref, got = self.reference.score(ids, req), self.arm.ep.score(ids, req)
+            ref, got = self.reference.score(ids, req), self.arm.score(ids, req)
             pairs = list(zip(ref.known[:-1], got.known[:-1]))
             kl = [compare(p, q, None)["kl_lb"] for p, q in pairs]
             top1 = [bool(compare(p, q, None)["same_top1"]) for p, q in pairs]
             rows = [self._row(probe, cond, cls, a, kl[a:b], top1[a:b]) for cond, cls, a, b in self._windows(n, c, w)]
             rows.append({"key": self._key(probe, "profile"), "family": FAMILY, "arm": self.arm.name,
-                         "probe": probe, "condition": "profile", "chunk": c, "kl": kl})
+                         "probe": probe, "condition": "profile", "requests": 1, "chunk": c, "kl": kl})
             for r in rows:                              # the profile last: it marks the probe done
                 if not self.store.has(r["key"]):
                     self.store.add(r)

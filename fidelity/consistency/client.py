@@ -88,6 +88,7 @@ class LiveArm:
     def __init__(self, endpoint: Endpoint):
         self.ep = endpoint
         self.flush_route: str | None = None
+        self.sent = 0        # generate / score requests sent (flushes and threaded fillers not counted)
 
     @property
     def name(self) -> str:
@@ -103,6 +104,7 @@ class LiveArm:
         one) with the top-k before each new token, logprobs raw as the engines report them
         (`ignore_eos`: always max_tokens of them, where the dialect has the field: SGLang, vLLM)."""
         ep = self.ep
+        self.sent += 1
         if ep.dialect == "sglang":
             path, body = _sglang_body(ids, max_tokens, k, ep.model, ignore_eos, temperature, seed)
             parse = _sglang_reply
@@ -133,6 +135,11 @@ class LiveArm:
             raise EndpointError(f"{self.name}: a filler request failed: {e}") from None
         finally:
             started.set()                    # never leave the probe waiting
+
+    def score(self, ids: list[int], req):
+        """kld's scoring of a prompt (prompt logprobs and a greedy ladder), counted."""
+        self.sent += 1
+        return self.ep.score(ids, req)
 
     def flush(self) -> str | None:
         """Empty the engine's prefix cache; the route that did it (None: the server has

@@ -163,6 +163,8 @@ def _describe(r) -> str:
         where = "a full-prompt hit"
     elif r["class"] == "multi-turn":
         where = "a second chat turn re-sending the first"
+    elif r["class"] == "eviction":
+        where = f"the prompt again after {int(r.shared)} tokens of other prompts (eviction pressure)"
     elif r["class"] == "concurrency":
         where = f"{int(r.shared)} other request(s) in flight ({r.distinct} distinct completions per probe)"
     else:

@@ -161,6 +161,7 @@ class LongGenFamily:
                              ([] if self.plan.thinking else reply.tokens), skip_special_tokens=False)
         return {"key": self._key(probe, f"{mode}:behaviour"), "family": FAMILY, "arm": self.arm.name,
                 "probe": probe, "condition": f"{mode}:behaviour", "mode": mode, "prompt_tokens": prompt_tokens,
+                "requests": 1,
                 "tokens": reply.tokens, "finish": reply.finish,
                 "length": len(reply.tokens), "loop": _loop(reply.tokens),
                 "thinking_until_cap": bool(self.plan.thinking and not closed

@@ -9,7 +9,9 @@ Per probe prompt (an exact-length needle haystack: the model has an answer to lo
               prompt: P at each boundary class (the window, a CSA group of 4, an HCA group
               of 128, the page and prefill-chunk sizes the server reports) and P +- 1;
   multi-turn  the chat's second turn (the prompt, its answer, a follow-up question) after
-              the first, against the second turn cold.
+              the first, against the second turn cold;
+  evicted     the prompt, then other prompts worth more tokens than the cache holds, then
+              the prompt again (what is left of its cached prefix, if anything, restored).
 Each hit records the engine's own cached-token count, the proof that a hit happened. On a
 server without a flush route every cold start is two random leading tokens no request had
 (the report says which was used); the floor then compares two such starts, so it is not
@@ -39,6 +41,8 @@ class PrefixPlan:
     seed: int = 0
     page_size: int | None = None      # the engine's, when it does not report it
     chunk_size: int | None = None
+    evict_tokens: int | None = None   # other prompts' tokens sent between a warm-up and the ask
+                                      # (default: 1.25 x the cache's max_total_num_tokens if reported)
 
 
 def boundaries(cfg, sizes: dict, plan: PrefixPlan) -> list[tuple[str, int]]:
@@ -142,6 +146,22 @@ class PrefixFamily:
         got = self._ask(lead + turn2)
         return self._cold(turn2), got
 
+    def _evict_tokens(self) -> int | None:
+        """How many tokens of other prompts evict the cache: given, or 1.25 x the capacity
+        the server reports (SGLang's max_total_num_tokens); None: the condition is skipped."""
+        if self.plan.evict_tokens:
+            return self.plan.evict_tokens
+        cap = (self.arm.ep.info.get("server_info") or {}).get("max_total_num_tokens")
+        return int(1.25 * cap) if cap else None
+
+    def _after_eviction(self, ids: list[int], tokens: int) -> Reply:
+        lead = self._fresh()
+        self._ask(lead + ids)
+        rng = random.Random(tokens)
+        for _ in range(-(-tokens // len(ids))):              # prompts of the probe's length
+            self._ask(lead[:1] + [rng.randrange(2, self.cfg.vocab_size) for _ in range(len(ids))])
+        return self._ask(lead + ids)
+
     def _follow_up(self) -> list[int]:
         """The tokens that end an assistant turn and ask a follow-up, in the chat encoding
         (DeepSeek's own renderer: the text after the answer in a 3-message conversation)."""
@@ -163,14 +183,18 @@ class PrefixFamily:
                 self._measure(probe, f"hit@{p}", cls, p, ref,
                               lambda p=p: self._after_warm(ids, _parting_at(ids, p, self.cfg.vocab_size)))
             self._measure(probe, "multi-turn", "multi-turn", len(ids), None, lambda: self._multi_turn(ids))
+            evict = self._evict_tokens()
+            if evict:
+                self._measure(probe, "evicted", "eviction", evict, ref, lambda: self._after_eviction(ids, evict))
             progress(f"{self.arm.name}: prefix probe {probe + 1}/{plan.probes} done")
 
     def _reference(self, probe: int, ids: list[int]) -> Reply:
         key = self._key(probe, "cold")
         if not self.store.has(key):
+            n0 = self.arm.sent
             r = self._cold(ids)
             self.store.add({"key": key, "family": FAMILY, "arm": self.arm.name, "probe": probe,
-                            "condition": "cold", "reference": _reply_row(r)})
+                            "condition": "cold", "requests": self.arm.sent - n0, "reference": _reply_row(r)})
         row = next(r for r in self.store.rows if r["key"] == key)
         return _reply(row["reference"])
 
@@ -179,11 +203,12 @@ class PrefixFamily:
         key = self._key(probe, condition)
         if self.store.has(key):
             return
+        n0 = self.arm.sent
         got = ask()
         if ref is None:
             ref, got = got
         self.store.add({"key": key, "family": FAMILY, "arm": self.arm.name, "probe": probe,
-                        "condition": condition, "class": cls, "shared": shared,
+                        "condition": condition, "class": cls, "shared": shared, "requests": self.arm.sent - n0,
                         "cached": got.cached, "tokens": got.tokens,
                         "cold_by": self.flush_route or "two random leading tokens (no flush route)",
                         **compare_replies(ref, got)})

@@ -97,20 +97,9 @@ def _current(row: dict, s: ConsistencySettings) -> bool:
 
 
 def _requests(rows: pd.DataFrame) -> dict:
-    """Requests per family and arm: references and floors send 1, a prefix hit 2 (the warm
-    prompt, then the prompt), the multi-turn condition 3, a batch condition 1 + its k
-    fillers, a chunk probe or long generation 1 (its windows are cut from one answer);
-    flushes and the reference's own scoring not counted."""
-    if rows.empty:
+    """Requests sent per family and arm (each stored probe row says how many it sent;
+    flushes and the reference's own scoring are not requests to the engine)."""
+    if rows.empty or "requests" not in rows:
         return {}
-
-    def n(r) -> int:
-        if r.family in ("chunk", "longgen"):
-            return int(r.condition.split(":")[-1] in ("profile", "behaviour"))   # one request per run
-        if r.condition in ("cold", "cold-again", "alone", "alone-again"):
-            return 1
-        if r.condition == "multi-turn":
-            return 3                                       # turn 1, turn 2, turn 2 cold
-        return 1 + int(r.shared) if r.family == "batch" else 2
-    per = rows.apply(n, axis=1)
-    return {f"{fam}/{arm}": int(v) for (fam, arm), v in per.groupby([rows.family, rows.arm]).sum().items()}
+    per = rows.groupby(["family", "arm"]).requests.sum()
+    return {f"{fam}/{arm}": int(v) for (fam, arm), v in per.items()}
