@@ -1,8 +1,9 @@
 """A live server as the consistency probes see it: kld's Endpoint (model choice, dialect
-detection, prompt scoring, the shared retry policy) plus a plain greedy generation with
-output logprobs -- no prompt logprobs, because engines skip their prefix cache for those
+detection, prompt scoring, the shared retry policy) plus a plain generation (greedy, or
+sampled for long generations) with output logprobs -- no prompt logprobs, because engines skip their prefix cache for those
 (vLLM's prompt_logprobs, SGLang's logprob_start_len) -- the prompt tokens the engine says
-it took from its cache, its cache-flush route, and the serving sizes it reports."""
+it took from its cache, streamed filler requests, its cache-flush route, and the serving
+sizes it reports."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ FLUSH_ROUTES = ("/flush_cache", "/reset_prefix_cache")
 
 @dataclass
 class Reply:
-    """One greedy generation: its tokens, the distribution (top-k and the chosen token)
+    """One generation: its tokens, the distribution (top-k and the chosen token)
     before each, how many prompt tokens the engine reports from its cache (None: it does
     not say) and why it ended."""
     tokens: list[int]
