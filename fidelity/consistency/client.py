@@ -1,9 +1,9 @@
 """A live server as the consistency probes see it: kld's Endpoint (model choice, dialect
 detection, prompt scoring, the shared retry policy) plus a plain generation (greedy, or
-sampled for long generations) with output logprobs -- no prompt logprobs, because engines skip their prefix cache for those
-(vLLM's prompt_logprobs, SGLang's logprob_start_len) -- the prompt tokens the engine says
-it took from its cache, streamed filler requests, its cache-flush route, and the serving
-sizes it reports."""
+sampled for long generations) with output logprobs -- no prompt logprobs, because
+engines skip their prefix cache for those (vLLM's prompt_logprobs, SGLang's
+logprob_start_len) -- the prompt tokens the engine says it took from its cache, streamed
+filler requests, its cache-flush route, and the serving sizes it reports."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +13,7 @@ import httpx
 from infra.http import RequestFailed, check_status, send
 
 from fidelity.kld.bounds import Known
-from fidelity.kld.dialects import ScoringError, _known
+from fidelity.kld.dialects import ScoringError, known_from_pairs
 from fidelity.kld.endpoint import Endpoint, EndpointError
 
 # flush routes, in the order tried: SGLang, vLLM
@@ -45,7 +45,7 @@ def _sglang_reply(d: dict) -> Reply:
         out, tops = m["output_token_logprobs"], m["output_top_logprobs"]
     except (KeyError, TypeError):
         raise ScoringError("the /generate answer has no meta_info output logprobs") from None
-    dists = [_known([(x[1], x[0]) for x in top or []] + [(e[1], e[0])]) for e, top in zip(out, tops)]
+    dists = [known_from_pairs([(x[1], x[0]) for x in top or []] + [(e[1], e[0])]) for e, top in zip(out, tops)]
     finish = (m.get("finish_reason") or {}).get("type", "") if isinstance(m.get("finish_reason"), dict) \
         else str(m.get("finish_reason") or "")
     return Reply([int(e[1]) for e in out], dists, m.get("cached_tokens"), finish)
@@ -78,7 +78,7 @@ def _completions_reply(d: dict, piece_ids: dict | None) -> Reply:
     dists = []
     for i, v, top in zip(ids, vals, tops + [None] * (len(ids) - len(tops))):
         pairs = [(j, x) for t, x in (top or {}).items() if (j := tid(t)) is not None]
-        dists.append(_known(pairs + [(i, v)]))
+        dists.append(known_from_pairs(pairs + [(i, v)]))
     cached = ((d.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
     return Reply(ids, dists, cached, str(ch.get("finish_reason") or ""))
 

@@ -1,16 +1,17 @@
-"""The long-generation family: where along its own long output does the engine leave what
-the reference would do, and does the output misbehave (loops, thinking until the cap,
-special tokens in the text, early EOS)?
+"""The long-generation family: where along its own long output does the engine leave
+what the reference would do, and does the output misbehave (loops, thinking until the
+cap, special tokens in the text, early EOS)?
 
 Per probe (a chat task, thinking on) the engine generates up to `max_tokens` with top-k
-logprobs per token, greedily and once sampled at `temperature`. The reference computed here (`--inprocess`) then scores the engine's own sequence
-teacher-forced, in one prefill: before each generated token, KL(reference || engine) on
-what the engine reported, and the rank of the engine's token under the reference. Drift is
-judged like a chunk boundary: each later stretch of the generation against its first
-`floor_tokens` tokens (the arm's own numerics at the start), so a kernel that differs
-evenly is not flagged and state that goes bad a few hundred steps in is, with the step
-where the rolling KL first leaves the start's range. Long outputs corrupting while short
-ones never do is sglang #33397's report."""
+logprobs per token, greedily and once sampled at `temperature`. The reference computed
+here (`--inprocess`) then scores the engine's own sequence teacher-forced, in one
+prefill: before each generated token, KL(reference || engine) on what the engine
+reported, and the rank of the engine's token under the reference. Drift is judged like a
+chunk boundary: each later stretch of the generation against its first `floor_tokens`
+tokens (the arm's own numerics at the start), so a kernel that differs evenly is not
+flagged and state that goes bad a few hundred steps in is, with the step where the
+rolling KL first leaves the start's range. Long outputs corrupting while short ones
+never do is sglang #33397's report."""
 from __future__ import annotations
 
 from dataclasses import dataclass

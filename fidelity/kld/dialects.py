@@ -52,7 +52,7 @@ class Request:
     model: str | None = None
 
 
-def _known(pairs) -> Known:
+def known_from_pairs(pairs) -> Known:
     """Known from (id, logprob) pairs; duplicate ids (the actual token also in the top-k)
     kept once."""
     d: dict[int, float] = {}
@@ -111,7 +111,7 @@ def sglang_parse(data: dict, ids: list[int], r: Request, shape: dict | None = No
         pairs = [(e[1], e[0]) for e in top[j + 1] or []] + [(inp[j + 1][1], inp[j + 1][0])]
         if tid_in is not None:
             pairs += [(e[1], e[0]) for e in tid_in[j + 1] or []]
-        return _known(pairs)
+        return known_from_pairs(pairs)
 
     known = [pos(j) for j in range(n - 1)]
     ladder = []
@@ -119,7 +119,7 @@ def sglang_parse(data: dict, ids: list[int], r: Request, shape: dict | None = No
         pairs = [(x[1], x[0]) for x in out_top[t] or []] + [(e[1], e[0])]
         if tid_out is not None:
             pairs += [(x[1], x[0]) for x in tid_out[t] or []]
-        ladder.append(_known(pairs))
+        ladder.append(known_from_pairs(pairs))
     if not ladder:
         raise ScoringError("the response has no output token (max_new_tokens >= 1 was sent)")
     s = PromptScores(list(ids), known + [ladder[0]], [inp[j + 1][0] for j in range(n - 1)] + [None],
@@ -208,7 +208,7 @@ def vllm_parse(data: dict, ids: list[int], r: Request, shape: dict | None = None
         tok = str(ids[j])
         if tok not in d:
             raise ScoringError(f"prompt_logprobs[{j}] lacks the prompt token {ids[j]}")
-        known.append(_known((int(k), v["logprob"]) for k, v in d.items()))
+        known.append(known_from_pairs((int(k), v["logprob"]) for k, v in d.items()))
         actual.append(d[tok]["logprob"])
         ranks.append(d[tok].get("rank"))
     lp = ch.get("logprobs") or {}
@@ -217,7 +217,7 @@ def vllm_parse(data: dict, ids: list[int], r: Request, shape: dict | None = None
     if not tops or any(t is None for t in toks):
         raise ScoringError("the completion's logprobs lack token ids (needs logprobs k and "
                            "return_tokens_as_token_ids)")
-    ladder = [_known(tp + [(t, v)]) for tp, t, v in zip(tops, toks, lp["token_logprobs"])]
+    ladder = [known_from_pairs(tp + [(t, v)]) for tp, t, v in zip(tops, toks, lp["token_logprobs"])]
     return PromptScores(list(ids), known + [ladder[0]], actual + [None], ranks + [None],
                      [int(t) for t in toks], ladder)
 
@@ -246,7 +246,7 @@ def openai_parse(data: dict, ids: list[int], r: Request, piece_ids: dict | None 
     if any(i is None for i in out_ids):
         raise ScoringError("cannot map the new tokens' text back to ids (give the tokenizer)")
     seq = list(ids) + out_ids
-    known = [_known(tops[j + 1] + [(seq[j + 1], vals[j + 1])]) for j in range(len(seq) - 1)]
+    known = [known_from_pairs(tops[j + 1] + [(seq[j + 1], vals[j + 1])]) for j in range(len(seq) - 1)]
     return PromptScores(list(ids), known[:n], [vals[j + 1] for j in range(n - 1)] + [None],
                      [None] * n, out_ids, known[n - 1:])
 
