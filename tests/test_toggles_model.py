@@ -26,6 +26,7 @@ FIRST_TAP = {
     "index_keys_bf16": "layers.1.attn.index.topk",
     "splitk_decode": "layers.0.attn.out",
     "splitk_decode(splits=2,partials=fp32)": "layers.0.attn.out",
+    "decode_positions_wrap(at=100)": "layers.0.attn.q",      # the decode step at 128 rotates as at 28
     "wo_a_fp8": "layers.0.attn.out",
     "mhc_tf32": "layers.0.hc_attn.post",
     "mhc_bf16": "layers.0.hc_attn.post",
