@@ -49,20 +49,28 @@ def validate(data: dict) -> list[str]:
             for key in ("default", "params", "on", "off", "unconfirmed", "note"):
                 if key not in e:
                     errs.append(f"{t.name}.{eng}: missing {key!r}")
-            known = data.get("engines", {}).get(eng, {}).get("versions", [])
-            for v, over in e.get("by_version", {}).items():
-                if v not in known:
-                    errs.append(f"{t.name}.{eng}.by_version: {v!r} is not one of {eng}'s versions {known}")
-                if set(over) - {"default", "on", "off", "unconfirmed", "note"}:
-                    errs.append(f"{t.name}.{eng}.by_version.{v}: unknown keys")
+            errs += mapping_errors(f"{t.name}.{eng}", e, eng, data)
             try:
                 t.resolve(e.get("params", {}))
             except ToggleError as ex:
                 errs.append(f"{t.name}.{eng}: {ex}")
-            for side in ("on", "off"):
-                s = e.get(side)
-                if s is not None and set(s) - {"env", "flags"}:
-                    errs.append(f"{t.name}.{eng}.{side}: only 'env' and 'flags' allowed")
+    return errs
+
+
+def mapping_errors(where: str, e: dict, eng: str, data: dict) -> list[str]:
+    """Shape errors of one engine mapping (a toggle's or a serving setting's): the versions
+    it overrides exist and carry known keys; `on`/`off` hold only env and flags."""
+    errs = []
+    known = data.get("engines", {}).get(eng, {}).get("versions", [])
+    for v, over in e.get("by_version", {}).items():
+        if v not in known:
+            errs.append(f"{where}.by_version: {v!r} is not one of {eng}'s versions {known}")
+        if set(over) - {"default", "on", "off", "unconfirmed", "note"}:
+            errs.append(f"{where}.by_version.{v}: unknown keys")
+    for side in ("on", "off"):
+        x = e.get(side)
+        if x is not None and set(x) - {"env", "flags"}:
+            errs.append(f"{where}.{side}: only 'env' and 'flags' allowed")
     return errs
 
 

@@ -133,17 +133,7 @@ def validate(data: dict) -> list[str]:
                     s.check(e["default"])
                 except ServingError as ex:
                     errs.append(f"serving_settings.{s.name}.{eng}.default: {ex}")
-            known = data.get("engines", {}).get(eng, {}).get("versions", [])
-            for v, over in e.get("by_version", {}).items():
-                if v not in known:
-                    errs.append(f"serving_settings.{s.name}.{eng}.by_version: {v!r} is not one of {eng}'s "
-                                f"versions {known}")
-                if set(over) - {"default", "on", "off", "unconfirmed", "note"}:
-                    errs.append(f"serving_settings.{s.name}.{eng}.by_version.{v}: unknown keys")
-            for side in ("on", "off"):
-                x = e.get(side)
-                if x is not None and set(x) - {"env", "flags"}:
-                    errs.append(f"serving_settings.{s.name}.{eng}.{side}: only 'env' and 'flags' allowed")
+            errs += profiles.mapping_errors(f"serving_settings.{s.name}.{eng}", e, eng, data)
     return errs
 
 
