@@ -174,6 +174,7 @@ class PrefixFamily:
     def run(self, progress=lambda m: None) -> None:
         plan = self.plan
         points = boundaries(self.cfg, self.arm.sizes(), plan)
+        self._fresh()             # learn how cold starts are made, even when every probe is stored
         for probe in range(plan.probes):
             ids = _prompt(self.tok, plan, probe)
             ref = self._reference(probe, ids)
