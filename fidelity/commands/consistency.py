@@ -17,7 +17,6 @@ EXAMPLES = """\
 """
 
 
-FAMILY_NAMES = ("prefix", "batch", "chunk", "longgen")
 DEFAULT_FAMILIES = "prefix,batch"          # + chunk,longgen with --inprocess
 
 

@@ -20,6 +20,7 @@ from fidelity.prompts import haystack_ids, prompt_seed
 
 from .client import LiveArm
 from .compare import compare_scores
+from .family import Family
 from .serial import known_list, known_rows
 from .store import ProbeStore
 
@@ -49,18 +50,15 @@ def _scores(row: dict, ids: list[int]) -> PromptScores:
                         known_list(row["ladder"]))
 
 
-class BatchFamily:
+class BatchFamily(Family):
     def __init__(self, arm: LiveArm, store: ProbeStore, tokenizer, cfg, plan: BatchPlan, reference=None):
-        self.arm, self.store, self.tok, self.cfg, self.plan = arm, store, tokenizer, cfg, plan
+        super().__init__(arm, store, tokenizer, cfg, plan, reference)
         self.request = Request(k=plan.k, steps=plan.steps, model=None)
 
     @staticmethod
     def key_prefix(arm: str, p: BatchPlan) -> str:
         """What a stored probe's key starts with: the family, the arm and the plan."""
         return f"{FAMILY}|{arm}|L{p.length}|s{p.seed}|n{p.steps}|k{p.k}|"
-
-    def _key(self, probe: int, condition: str) -> str:
-        return f"{self.key_prefix(self.arm.name, self.plan)}{probe}|{condition}"
 
     def _score(self, ids: list[int]) -> PromptScores:
         return self.arm.score(ids, self.request)

@@ -21,7 +21,7 @@ from fidelity.kld.dialects import Request
 from fidelity.prompts import haystack_ids, prompt_seed
 
 from .client import LiveArm
-from .store import ProbeStore
+from .family import Family, FamilyError
 
 FAMILY = "chunk"
 
@@ -36,40 +36,27 @@ class ChunkPlan:
     chunk_size: int | None = None  # the engine's, when it does not report it
 
 
-class ChunkError(ValueError):
-    """The family cannot run: no chunk size known, or a prompt too short to cross one."""
-
-
 def chunk_size(arm: LiveArm, plan: ChunkPlan) -> int:
     c = arm.sizes().get("chunked_prefill_size") or plan.chunk_size
     if not c:
-        raise ChunkError(f"{arm.name}: the chunked-prefill family needs the engine's prefill chunk "
+        raise FamilyError(f"{arm.name}: the chunked-prefill family needs the engine's prefill chunk "
                          "size: the server does not report chunked_prefill_size; give --chunk-size")
     return int(c)
 
 
-class ChunkFamily:
-    def __init__(self, arm: LiveArm, store: ProbeStore, tokenizer, cfg, plan: ChunkPlan, reference=None):
-        self.arm, self.store, self.tok, self.cfg, self.plan = arm, store, tokenizer, cfg, plan
-        self.reference = reference                       # a scorer: score(ids, Request) -> PromptScores
-
+class ChunkFamily(Family):
     @staticmethod
     def key_prefix(arm: str, p: ChunkPlan) -> str:
         return f"{FAMILY}|{arm}|L{p.length}|s{p.seed}|w{p.window}|k{p.k}|"
 
-    def _key(self, probe: int, condition: str) -> str:
-        return f"{self.key_prefix(self.arm.name, self.plan)}{probe}|{condition}"
-
     def run(self, progress=lambda m: None) -> None:
-        if self.reference is None:
-            raise ChunkError("the chunked-prefill family compares with a reference scored in one "
-                             "piece: give --inprocess golden=golden (or another in-process arm)")
+        self._need_reference("chunked-prefill", "compares with a reference scored in one piece")
         plan = self.plan
         c = chunk_size(self.arm, plan)
         n = plan.length or c + c // 2 + 1
         w = min(plan.window, c // 2)
         if n <= c + w:
-            raise ChunkError(f"a {n}-token prompt does not cross the {c}-token chunk by {w} positions; "
+            raise FamilyError(f"a {n}-token prompt does not cross the {c}-token chunk by {w} positions; "
                              f"use --length > {c + w}")
         for probe in range(plan.probes):
             if self.store.has(self._key(probe, "profile")):
@@ -78,9 +65,8 @@ class ChunkFamily:
                                   prompt_seed(plan.seed, n, probe, 4))
             req = Request(k=plan.k, steps=1)
             ref, got = self.reference.score(ids, req), self.arm.score(ids, req)
-            pairs = list(zip(ref.known[:-1], got.known[:-1]))
-            kl = [compare(p, q, None)["kl_lb"] for p, q in pairs]
-            top1 = [bool(compare(p, q, None)["same_top1"]) for p, q in pairs]
+            cmp = [compare(p, q, None) for p, q in zip(ref.known[:-1], got.known[:-1])]
+            kl, top1 = [c["kl_lb"] for c in cmp], [bool(c["same_top1"]) for c in cmp]
             rows = [self._row(probe, cond, cls, a, kl[a:b], top1[a:b]) for cond, cls, a, b in self._windows(n, c, w)]
             rows.append({"key": self._key(probe, "profile"), "family": FAMILY, "arm": self.arm.name,
                          "probe": probe, "condition": "profile", "requests": 1, "chunk": c, "kl": kl})

@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from fidelity.kld.bounds import Known, compare
-from .client import LiveArm, Reply
-from .store import ProbeStore
+
+from .client import Reply
+from .family import Family
 
 FAMILY = "longgen"
 ROWS = 256                        # reference logits rows handled at a time (never [n, vocab] whole)
@@ -90,6 +91,11 @@ def _loop(tokens: list[int], tail: int = 256, n: int = 8) -> bool:
     return len(grams) >= 32 and len(set(grams)) / len(grams) < 0.3
 
 
+def rolling_mean(x, window: int) -> np.ndarray:
+    """r[i] = mean of x[i:i+window] (len(x) - window + 1 values)."""
+    return np.convolve(np.asarray(x, float), np.ones(window) / window, "valid")
+
+
 def drift_start(kl: list[float], floor: int, window: int, jump: float) -> int | None:
     """Where drift starts: in the first stretch of `window` tokens after the floor whose mean
     KL exceeds `jump` x the largest such mean within the floor (any KL at all where the floor
@@ -97,7 +103,7 @@ def drift_start(kl: list[float], floor: int, window: int, jump: float) -> int | 
     x = np.asarray(kl, float)
     if len(x) < floor + window:
         return None
-    roll = np.convolve(x, np.ones(window) / window, "valid")     # roll[i] = mean x[i:i+window]
+    roll = rolling_mean(x, window)
     base = roll[:floor - window + 1].max() if floor >= window else x[:floor].max()
     level = jump * base
     over = np.nonzero(roll[floor:] > level)[0]
@@ -107,24 +113,14 @@ def drift_start(kl: list[float], floor: int, window: int, jump: float) -> int | 
     return i + int(np.argmax(x[i:i + window] > level))
 
 
-class LongGenFamily:
-    def __init__(self, arm: LiveArm, store: ProbeStore, tokenizer, cfg, plan: LongGenPlan, reference=None):
-        self.arm, self.store, self.tok, self.cfg, self.plan = arm, store, tokenizer, cfg, plan
-        self.reference = reference
-
+class LongGenFamily(Family):
     @staticmethod
     def key_prefix(arm: str, p: LongGenPlan) -> str:
         return (f"{FAMILY}|{arm}|t{int(p.thinking)}|T{p.temperature}|s{p.seed}|n{p.max_tokens}|"
                 f"f{p.floor_tokens}|k{p.k}|e{int(p.ignore_eos)}|")
 
-    def _key(self, probe: int, condition: str) -> str:
-        return f"{self.key_prefix(self.arm.name, self.plan)}{probe}|{condition}"
-
     def run(self, progress=lambda m: None) -> None:
-        from .chunk import ChunkError
-        if self.reference is None:
-            raise ChunkError("the long-generation family scores the engine's output with a reference "
-                             "computed here: give --inprocess golden=golden (or another in-process arm)")
+        self._need_reference("long-generation", "scores the engine's output with a reference computed here")
         plan = self.plan
         for probe in range(plan.probes):
             ids = self.tok.encode(self.tok.render_chat([{"role": "user", "content": TASKS[probe % len(TASKS)]}],

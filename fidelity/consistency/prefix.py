@@ -25,6 +25,7 @@ from fidelity.prompts import haystack_ids, prompt_seed
 
 from .client import LiveArm, Reply
 from .compare import compare_replies
+from .family import Family
 from .serial import known_list, known_rows
 from .store import ProbeStore
 
@@ -90,9 +91,9 @@ def _reply(row: dict) -> Reply:
     return Reply(row["tokens"], known_list(row["dists"]), row["cached"], row["finish"])
 
 
-class PrefixFamily:
+class PrefixFamily(Family):
     def __init__(self, arm: LiveArm, store: ProbeStore, tokenizer, cfg, plan: PrefixPlan, reference=None):
-        self.arm, self.store, self.tok, self.cfg, self.plan = arm, store, tokenizer, cfg, plan
+        super().__init__(arm, store, tokenizer, cfg, plan, reference)
         self.flush_route: str | None = None
         self.busting: bool | None = None             # decided at the first cold request
         self._rng = random.SystemRandom()
@@ -101,9 +102,6 @@ class PrefixFamily:
     def key_prefix(arm: str, p: PrefixPlan) -> str:
         """What a stored probe's key starts with: the family, the arm and the plan."""
         return f"{FAMILY}|{arm}|L{p.length}|s{p.seed}|n{p.max_tokens}|k{p.k}|"
-
-    def _key(self, probe: int, condition: str) -> str:
-        return f"{self.key_prefix(self.arm.name, self.plan)}{probe}|{condition}"
 
     def _fresh(self) -> list[int]:
         """An empty cache for what follows: flushed (nothing to prepend), or, on a server

@@ -11,6 +11,8 @@ import pandas as pd
 from infra.report_page import Page, Section, Table
 from infra.report_writer import ReportWriter
 
+from .longgen import rolling_mean
+
 KL_FLOOR_PLOT = 1e-9          # zero KL drawn here on the log axis
 
 
@@ -102,7 +104,7 @@ def _drift_figure(probes: pd.DataFrame):
     for _, r in b.iterrows():
         kl = np.asarray(r.kl, float)
         w = min(32, len(kl))
-        roll = np.convolve(kl, np.ones(w) / w, "valid") if w else kl
+        roll = rolling_mean(kl, w) if w else kl
         label = f"{r.arm} ({r['mode']})"
         c = colours.get(label)
         line, = ax.plot(np.arange(len(roll)) + w - 1, np.maximum(roll, KL_FLOOR_PLOT), lw=0.9, color=c,
