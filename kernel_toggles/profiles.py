@@ -46,10 +46,7 @@ def validate(data: dict) -> list[str]:
             if e is None:
                 errs.append(f"{t.name}: no {eng} entry")
                 continue
-            for key in ("default", "params", "on", "off", "unconfirmed", "note"):
-                if key not in e:
-                    errs.append(f"{t.name}.{eng}: missing {key!r}")
-            errs += mapping_errors(f"{t.name}.{eng}", e, eng, data)
+            errs += mapping_errors(f"{t.name}.{eng}", e, eng, data, REQUIRED + ("params",))
             try:
                 t.resolve(e.get("params", {}))
             except ToggleError as ex:
@@ -57,10 +54,15 @@ def validate(data: dict) -> list[str]:
     return errs
 
 
-def mapping_errors(where: str, e: dict, eng: str, data: dict) -> list[str]:
-    """Shape errors of one engine mapping (a toggle's or a serving setting's): the versions
-    it overrides exist and carry known keys; `on`/`off` hold only env and flags."""
-    errs = []
+# keys every engine mapping (a toggle's or a serving setting's) carries
+REQUIRED = ("default", "on", "off", "unconfirmed", "note")
+
+
+def mapping_errors(where: str, e: dict, eng: str, data: dict, required=REQUIRED) -> list[str]:
+    """Shape errors of one engine mapping (a toggle's or a serving setting's): the
+    `required` keys are there, the versions it overrides exist and carry known keys, and
+    `on`/`off` hold only env and flags."""
+    errs = [f"{where}: missing {key!r}" for key in required if key not in e]
     known = data.get("engines", {}).get(eng, {}).get("versions", [])
     for v, over in e.get("by_version", {}).items():
         if v not in known:

@@ -125,9 +125,6 @@ def validate(data: dict) -> list[str]:
             if e is None:
                 errs.append(f"serving_settings.{s.name}: no {eng} entry")
                 continue
-            for key in ("default", "on", "off", "unconfirmed", "note"):
-                if key not in e:
-                    errs.append(f"serving_settings.{s.name}.{eng}: missing {key!r}")
             if e.get("default") is not None:
                 try:
                     s.check(e["default"])
