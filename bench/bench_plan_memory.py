@@ -30,7 +30,8 @@ def main() -> int:
          "`python bench/bench_plan_memory.py` = `fidelity plan-memory --preset flash --prompts "
          f"{PROMPTS} --arms {ARMS} --weights {WEIGHTS}` per setup, computed from the config "
          "(fidelity/weights/plan.py; nothing loaded or measured). Profile reference (state in "
-         "fp64 except the fp32 indexer keys, bf16 streams), prefill logits of every position, "
+         "fp64 except the fp32 indexer keys, bf16 streams), logits of every position compared a "
+         "head chunk of 2048 positions at a time (fidelity/ab/head.py), "
          "placement balanced by weight bytes. GiB = 2^30 bytes; 96 GB = 89.41 GiB, "
          "141 GB = 131.32 GiB. " + " ".join(per_sequence_line(by_len[n]) for n in LENGTHS),
          "",

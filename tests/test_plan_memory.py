@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from fidelity.ab.head import POSITION_STAT_BYTES
 from fidelity.cli import main
 from fidelity.weights import plan as PM
 from reference_model import Model, Numerics, random_weights, tiny
@@ -116,9 +117,10 @@ def test_streams_and_logits():
     stream = 8192 * cfg.hc_mult * cfg.dim * 2                    # bf16 [tokens, hc, dim]
     assert all(d.streams == (12 + 2) * stream for d in plan.devices)
     assert plan.devices[0].logits == 0
-    assert plan.devices[-1].logits == 2 * 8192 * cfg.vocab_size * 4
+    # one head chunk of logits per arm (the layers' 2048 tokens), per-position stats for all
+    assert plan.devices[-1].logits == 2 * (2048 * cfg.vocab_size * 4 + 8192 * POSITION_STAT_BYTES)
     last = PM.plan_memory(cfg, ["cpu", "cpu"], 8192, 6, 2, "resident-quantised", BIG, logits="last")
-    assert last.devices[-1].logits == 2 * cfg.vocab_size * 4
+    assert last.devices[-1].logits == 2 * (cfg.vocab_size * 4 + POSITION_STAT_BYTES)
 
 
 # ---- placement -------------------------------------------------------------------------------
@@ -172,13 +174,15 @@ def test_a_plan_that_does_not_fit_reports_numbers(capsys):
 def test_advice_numbers_are_the_largest_that_fit():
     cfg = flash()
     devs = [f"cuda:{i}" for i in range(8)]
-    plan = PM.plan_memory(cfg, devs, 65536, 6, 2, "resident-quantised", "96GB")
+    # the logits are never held whole (a head chunk at a time): 64K fits (193 GiB before)
+    assert PM.plan_memory(cfg, devs, 65536, 6, 2, "resident-quantised", "96GB").fits
+    plan = PM.plan_memory(cfg, devs, 131072, 6, 2, "resident-quantised", "96GB")
     assert not plan.fits
     line = next(a for a in plan.advice if a.startswith("shorter length"))
     n = int(line.split("up to ")[1].split()[0])
     assert PM.plan_memory(cfg, devs, n, 6, 2, device_memory="96GB").fits
     assert not PM.plan_memory(cfg, devs, n + 1, 6, 2, device_memory="96GB").fits
-    assert any(a.startswith("logits of the last position only") and a.endswith("fits")
+    assert any(a.startswith("logits of the last position only") and a.endswith("not enough on its own")
                for a in plan.advice)
 
 

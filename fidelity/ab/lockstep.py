@@ -29,6 +29,7 @@ from reference_model.schedule import ONESHOT, Schedule
 
 from ..prompts import Prompt
 from . import metrics as M
+from .head import ChunkedHead, run_head
 from .margins import margin_fields
 
 MODES = ("propagated", "isolated")
@@ -164,7 +165,8 @@ class LockstepRunner:
     def __init__(self, weights, arms: list[LockstepArm], mode: str = "propagated", decode_steps: int = 4,
                  taps=DEFAULT_TAPS, keep=(), progress: Callable[[str], None] | None = None,
                  chunk_tokens: int = 2048, pairs: dict[str, str] | None = None,
-                 activation_budget: int | None = None, devices: list | None = None):
+                 activation_budget: int | None = None, devices: list | None = None,
+                 head_chunk: int | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
         if not arms or arms[0].role != "golden":
@@ -194,6 +196,11 @@ class LockstepRunner:
                                      weight_cache=caches.setdefault(id(a.weights or weights), {}),
                                      devices=devices, schedule=a.schedule) for a in arms}
         self.streams = StreamStore(activation_budget)
+        # positions per head call (fidelity.ab.head): the layers' chunk by default, so an
+        # fp32 arm's head sees the row blocks its layers saw
+        self.head_chunk = head_chunk or chunk_tokens
+        if self.head_chunk < 1:
+            raise ValueError(f"head_chunk must be a positive number of positions, got {head_chunk}")
 
     # ------------------------------------------------------------------------------------
     def run(self, prompts: list[Prompt]) -> LockstepResult:
@@ -214,9 +221,9 @@ class LockstepRunner:
                     self.streams.put(r.prompt.id, {a: self.models[a].embed(r.tokens) for a in r.alive})
                 self._pass(runs, phase, step)
                 for r in runs:
-                    logits = self._head(r, phase)
-                    self._logit_rows(r.prompt, logits, r.alive, phase, step, r.res)
-                    r.next = int(logits[golden][-1].argmax())
+                    head = self._head(r, phase)
+                    self._logit_rows(r.prompt, head, r.alive, phase, step, r.res)
+                    r.next = int(head.last.argmax())
         finally:
             self.streams.clear()                      # spilled streams never outlive the run
         res = LockstepResult()
@@ -261,9 +268,13 @@ class LockstepRunner:
         if phase == "prefill" and prompt.needle_tokens:
             self._needle_rows(prompt, i, taps, r.alive, res)
 
-    def _head(self, r, phase):
+    def _head(self, r, phase) -> ChunkedHead:
+        """Every arm's logits, `head_chunk` positions at a time, reduced on the fly."""
         H = self.streams.get(r.prompt.id)
-        return {a: self.models[a].head(H[a] if phase == "prefill" else H[a][-1:]) for a in r.alive}
+        rows = {a: H[a] if phase == "prefill" else H[a][-1:] for a in r.alive}
+        pairs = {a: ref for a, ref in self.pairs.items() if a in rows and ref in rows}
+        return run_head(self.models, rows, self.arms[0].name, pairs, self.head_chunk,
+                        self.cfg.vocab_size)
 
     def _tap_rows(self, prompt, taps, alive, phase, step, res, bad):
         golden = self.arms[0].name
@@ -282,7 +293,7 @@ class LockstepRunner:
                     res.events.append({"prompt": prompt.id, "arm": a, "phase": phase, "step": step,
                                        "layer": _layer_of(name), "event": "non-finite",
                                        "detail": f"first non-finite value at tap {name}"})
-                buckets = self._buckets(name, ga, phase, prompt)
+                buckets = self._buckets(ga.shape[0], phase, prompt)
                 mets = compare_tap(name, ga, aa, [(lo, hi) for _, lo, hi in buckets])
                 for (label, _, _), m in zip(buckets, mets):
                     res.drift.append({"prompt": prompt.id, "group": prompt.group,
@@ -321,40 +332,39 @@ class LockstepRunner:
                                    "arm": a, "layer": i, "golden_picked": bool(g & set(held)),
                                    "picked": bool(picks & set(held)), "entries": len(held), **margins})
 
-    def _buckets(self, name, t, phase, prompt):
-        per_token = phase == "prefill" and t.dim() >= 1 and t.shape[0] == prompt.length
-        rows = [("all", 0, t.shape[0])]
-        if per_token:
+    def _buckets(self, n_rows, phase, prompt):
+        """All rows, and in prefill also the context-position buckets (a per-token tensor)."""
+        rows = [("all", 0, n_rows)]
+        if phase == "prefill" and n_rows == prompt.length:
             rows += position_buckets(prompt.length, self.cfg.window_size)
         return rows
 
-    def _logit_rows(self, prompt, logits, alive, phase, step, res):
+    def _logit_rows(self, prompt, head: ChunkedHead, alive, phase, step, res):
         golden = self.arms[0].name
-        g = logits[golden]
         pos0 = 0 if phase == "prefill" else prompt.length + step
+        spans = self._buckets(head.n, phase, prompt)
         for a in alive:
             if a == golden:
                 continue
-            kl = M.kld_per_position(g, logits[a])
-            for j, v in enumerate(kl.tolist()):
+            rows = head.rows(a, golden)
+            for j, v in enumerate(rows["kld"].tolist()):
                 res.kld.append({"prompt": prompt.id, "group": prompt.group, "length": prompt.length,
                                 "arm": a, "phase": phase, "step": step, "position": pos0 + j,
                                 "kld": v if math.isfinite(v) else math.inf})
-            spans = self._buckets("logits", g, phase, prompt)
-            rel = M.tensor_metrics_rows(g, logits[a], [(lo, hi) for _, lo, hi in spans])
+            rel = M.tensor_metrics_from_rows(rows, [(lo, hi) for _, lo, hi in spans], head.shape)
             for (label, lo, hi), r in zip(spans, rel):
-                m = M.logits_metrics(g[lo:hi], logits[a][lo:hi])
+                m = M.logits_summary({k: rows[k][lo:hi] for k in ("kld", "dp", "same", "finite")})
                 res.drift.append({"prompt": prompt.id, "group": prompt.group, "length": prompt.length,
                                   "arm": a, "phase": phase, "step": step, "layer": self.cfg.n_layers,
                                   "tap": "logits", "bucket": label, "rel_l2": r["rel_l2"], **m})
         for a, ref in self.pairs.items():
             if a in alive and ref in alive:
-                kl = M.kld_per_position(logits[ref], logits[a])
-                for j, v in enumerate(kl.tolist()):
+                rows = head.rows(a, ref)
+                for j, v in enumerate(rows["kld"].tolist()):
                     res.pair_kld.append({"prompt": prompt.id, "group": prompt.group, "length": prompt.length,
                                          "arm": a, "vs": ref, "phase": phase, "step": step,
                                          "position": pos0 + j, "kld": v if math.isfinite(v) else math.inf})
-                m = M.tensor_metrics(logits[ref], logits[a])
+                m = M.tensor_metrics_from_rows(rows, [(0, head.n)], head.shape)[0]
                 res.pairs.append({"prompt": prompt.id, "group": prompt.group, "arm": a, "vs": ref,
                                   "phase": phase, "step": step, "layer": self.cfg.n_layers,
                                   "tap": "logits", "bucket": "all", **m})

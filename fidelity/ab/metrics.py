@@ -26,6 +26,13 @@ def tensor_metrics_rows(golden: torch.Tensor, arm: torch.Tensor,
                         spans: list[tuple[int, int]]) -> list[dict]:
     """`tensor_metrics` of several row spans (e.g. context-position buckets) in one pass:
     per-row sums in fp64, then summed per span."""
+    return tensor_metrics_from_rows(tensor_row_sums(golden, arm), spans, tuple(golden.shape))
+
+
+def tensor_row_sums(golden: torch.Tensor, arm: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-row fp64 sums (|g|², |a|², |a-g|², g·a), finiteness and the largest |a-g| with
+    its column: everything `tensor_metrics_from_rows` needs, so rows can be reduced a chunk
+    at a time (the logits of a long prompt never held whole) and concatenated."""
     if golden.shape != arm.shape:
         raise ValueError(f"shape mismatch: golden {tuple(golden.shape)} vs arm {tuple(arm.shape)}")
     g, a = _f64(golden), _f64(arm)
@@ -33,11 +40,20 @@ def tensor_metrics_rows(golden: torch.Tensor, arm: torch.Tensor,
         g, a = g.reshape(1), a.reshape(1)
     g2, a2 = g.reshape(g.shape[0], -1), a.reshape(a.shape[0], -1)
     d2 = a2 - g2
-    gg, aa, dd, ga = ((g2 * g2).sum(1), (a2 * a2).sum(1), (d2 * d2).sum(1), (g2 * a2).sum(1))
-    fin = torch.isfinite(a2).all(1)
     ad = d2.abs().nan_to_num(nan=math.inf)
     rmax, rarg = (ad.max(1) if ad.shape[1] else (torch.zeros(len(ad), dtype=ad.dtype),
                                                   torch.zeros(len(ad), dtype=torch.long)))
+    return {"gg": (g2 * g2).sum(1), "aa": (a2 * a2).sum(1), "dd": (d2 * d2).sum(1),
+            "ga": (g2 * a2).sum(1), "fin": torch.isfinite(a2).all(1), "rmax": rmax, "rarg": rarg,
+            "cols": torch.full((len(ad),), d2.shape[1], dtype=torch.long)}
+
+
+def tensor_metrics_from_rows(rows: dict[str, torch.Tensor], spans: list[tuple[int, int]],
+                             shape: tuple[int, ...]) -> list[dict]:
+    """`tensor_metrics` per row span from `tensor_row_sums` rows (of a tensor of `shape`)."""
+    gg, aa, dd, ga, fin = rows["gg"], rows["aa"], rows["dd"], rows["ga"], rows["fin"]
+    rmax, rarg = rows["rmax"], rows["rarg"]
+    cols = int(rows["cols"][0]) if len(rows["cols"]) else 0
     out = []
     for lo, hi in spans:
         finite = bool(fin[lo:hi].all())
@@ -50,11 +66,11 @@ def tensor_metrics_rows(golden: torch.Tensor, arm: torch.Tensor,
             "finite": finite,
             "max_abs": 0.0, "max_abs_at": [],
         }
-        if hi > lo and d2.shape[1]:
+        if hi > lo and cols:
             r = lo + int(rmax[lo:hi].argmax())
             m["max_abs"] = float(rmax[r])
-            flat = r * d2.shape[1] + int(rarg[r])
-            m["max_abs_at"] = _unravel(flat, tuple(golden.shape))
+            flat = r * cols + int(rarg[r])
+            m["max_abs_at"] = _unravel(flat, shape)
         out.append(m)
     return out
 
@@ -110,14 +126,28 @@ def kld_per_position(golden_logits: torch.Tensor, arm_logits: torch.Tensor) -> t
 def logits_metrics(golden_logits: torch.Tensor, arm_logits: torch.Tensor) -> dict:
     """llama.cpp's `--kl-divergence` summary: KLD mean ± SE, median, p90/p99/p99.9, max;
     Δp of the golden top token (mean ± SE, RMS); same-top-1 rate ± binomial SE."""
+    return logits_summary(logit_row_stats(golden_logits, arm_logits))
+
+
+def logit_row_stats(golden_logits: torch.Tensor, arm_logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per position: KLD, Δp of the golden top token, same top-1, finite. Rows are
+    independent, so a long prompt's logits can be reduced a chunk at a time and the rows
+    concatenated; `logits_summary` of them equals `logits_metrics` of the whole."""
     k = kld_per_position(golden_logits, arm_logits)
     pg = torch.softmax(_f64(golden_logits), -1)
     pa = torch.softmax(_f64(arm_logits), -1)
     top = pg.argmax(-1, keepdim=True)
     dp = (pa.gather(-1, top) - pg.gather(-1, top)).squeeze(-1)
     same = (pa.argmax(-1) == top.squeeze(-1)).double()
+    finite = torch.isfinite(_f64(arm_logits)).reshape(len(k), -1).all(1)
+    return {"kld": k, "dp": dp, "same": same, "finite": finite}
+
+
+def logits_summary(rows: dict[str, torch.Tensor]) -> dict:
+    """`logits_metrics` from `logit_row_stats` rows."""
+    k, dp, same = rows["kld"], rows["dp"], rows["same"]
     n = k.numel()
-    finite = bool(torch.isfinite(_f64(arm_logits)).all())
+    finite = bool(rows["finite"].all())
 
     def se(x):
         return float(x.std(unbiased=True) / math.sqrt(n)) if n > 1 else math.nan

@@ -22,14 +22,16 @@ the first device, the head on the last) and returns a `MemoryPlan`: bytes per de
   streams    the residual stream [length, hc_mult, dim] in the storage dtype, held for every
              (prompt, arm) of the pass, + 2 in flight (a layer's output chunks and their
              concatenation, for the one arm being computed).
-  logits     last device: [length, vocab] fp32 x arms (the lockstep runs the head one prompt
-             at a time and compares every arm's prefill logits; `logits="last"` keeps one
-             row per arm).
+  logits     last device: one head chunk [min(length, chunk_tokens), vocab] fp32 x arms (the
+             lockstep's head runs a chunk of positions at a time and reduces it against
+             golden's on the fly, fidelity.ab.head), + the per-position statistics kept for
+             the tables [length] x arms; `logits="last"` keeps one row per arm.
   workspace  transient, one (prompt, arm) at a time (an estimate): the device's largest
              weight tensor converted to the compute dtype (the GEMM kernels convert weights
              per call), one attention gather (attn_budget elements) and one chunk's q / o
              [chunk, n_heads, head_dim] with their RoPE'd copies in the compute dtype, and on
-             the last device one sequence's logits in the compute dtype before the fp32 cast.
+             the last device one head chunk's logits in the compute dtype before the fp32
+             cast and the fp64 copies of the metric rows reduced at once.
 
 Prompts x arms sequences are planned as one pass (layer-major: every prompt and arm runs
 layer i before any runs layer i+1, so every sequence's state and stream is held at once).
@@ -43,6 +45,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from fidelity.ab.head import METRIC_ROWS, POSITION_STAT_BYTES
 from fidelity.devices import DeviceError, parse_devices
 from reference_model.checkpoint_format import disk_entries
 from reference_model.config import ModelConfig
@@ -58,6 +61,7 @@ PROFILES = ("reference", "reference-fp32", "exact")
 LOGITS_MODES = ("all", "last")
 FIRST_GLOBALS = ("embed.weight",)               # the rest of the globals go with the head
 GiB = 1 << 30
+METRIC_COPIES = 6             # fp64 [rows, vocab] copies alive while a chunk is reduced (5.2 measured)
 
 
 class PlanError(ValueError):
@@ -374,7 +378,8 @@ class _PassSizes:
     wkey: str                     # "quantised" or "bf16": the resident weights' format
     state_layer: list             # one sequence's state bytes per layer
     stream_seq: int               # one sequence's residual stream
-    logit_rows: int               # prefill logits rows kept per sequence
+    logit_rows: int               # logits rows held per arm at once (one head chunk)
+    stat_rows: int                # positions whose logit statistics are kept per arm
     act: int                      # attention / q,o workspace of one chunk
 
 
@@ -389,7 +394,8 @@ def _pass_sizes(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics) -> _PassSize
         wkey="quantised" if spec.weights_mode == "resident-quantised" else "bf16",
         state_layer=[sequence_state_bytes(cfg, i, spec.length, dt) for i in range(cfg.n_layers)],
         stream_seq=spec.length * cfg.hc_mult * cfg.dim * dt.stream,
-        logit_rows=spec.length if spec.logits_mode == "all" else 1,
+        logit_rows=min(spec.length, nx.chunk_tokens) if spec.logits_mode == "all" else 1,
+        stat_rows=spec.length if spec.logits_mode == "all" else 1,
         act=4 * chunk * cfg.n_heads * cfg.head_dim * dt.compute + nx.attn_budget * dt.compute)
 
 
@@ -409,7 +415,7 @@ def _plan(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics) -> MemoryPlan:
         "state": seqs * sum(sz.state_layer),
     }
     per_seq = {"state": sum(sz.state_layer), "stream": sz.stream_seq,
-               "logits": sz.logit_rows * cfg.vocab_size * 4,
+               "logits": sz.logit_rows * cfg.vocab_size * 4 + sz.stat_rows * POSITION_STAT_BYTES,
                "state_by_kind": _state_by_kind(cfg, sz.state_layer)}
     return MemoryPlan(cfg.name, cfg.n_layers, cfg.max_seq_len, spec.length, spec.prompts,
                       spec.arms, spec.weights_mode, spec.dequant, nx.profile, spec.logits_mode,
@@ -437,9 +443,10 @@ def _device_plan(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics, sz: _PassSi
                   + [s.numel for s in gl if s.name != "embed.weight"], default=0)
     p.workspace = (largest * dt.compute + sz.act) if layers else largest * dt.compute
     if k == last:
-        p.logits = spec.arms * sz.logit_rows * cfg.vocab_size * 4
+        p.logits = spec.arms * (sz.logit_rows * cfg.vocab_size * 4 + sz.stat_rows * POSITION_STAT_BYTES)
         if dt.compute != 4:
             p.workspace += sz.logit_rows * cfg.vocab_size * dt.compute
+        p.workspace += METRIC_COPIES * min(METRIC_ROWS, sz.logit_rows) * cfg.vocab_size * 8
     return p
 
 
@@ -481,7 +488,7 @@ def _advice(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics, plan: MemoryPlan
             "fits" if ok[-1] else "not enough on its own"))
     if spec.logits_mode == "all" and plan.devices[-1].logits > 0:
         ok.append(fits(logits_mode="last"))
-        out.append(f"logits of the last position only (--logits last; prefill logits "
+        out.append(f"logits of the last position only (--logits last; prefill logit chunks "
                    f"{_gib(plan.devices[-1].logits)} on {plan.devices[-1].device}): "
                    + ("fits" if ok[-1] else "not enough on its own"))
     if not any(ok):
