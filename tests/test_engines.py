@@ -125,6 +125,8 @@ def test_three_arms_kld_and_needle_name_the_bug(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "routed_scaling_double breaks coherence" in p.stdout
     st = _state(tmp_path)
+    runs = st.pop("run log")                                                # the run's order of events
+    assert [(e["event"], e["arm"]) for e in runs[0]["events"]][:2] == [("launched", "golden"), ("stopped", "golden")]
     assert set(st) == {"golden", "engine", "engine-bug"}
     for arm, s in st.items():
         assert s["done"] == ["kld", "needle"] and not _alive(s["pid"])       # stopped, by PID

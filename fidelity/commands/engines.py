@@ -10,7 +10,8 @@ from fidelity.errors import CommandError
 # and only the command that runs should pay for its machinery (pandas, plots, readers).
 
 HELP = ("Launch SGLang / vLLM / fidelity-serve configurations from a spec, one at a time, "
-        "score them over HTTP (KLD, needle) and attribute drift across them.")
+        "score them over HTTP (KLD, needle) and attribute drift across them; an in-process "
+        "golden on the same GPUs is scored and released first.")
 EXAMPLES = """\
     fidelity engines plan examples/engines/sglang-v4-flash.toml   # each arm's command line and env, nothing launched
     fidelity engines run examples/engines/fidelity-demo.toml --out reports
@@ -44,10 +45,13 @@ def run(args) -> int:
         if args.action == "plan":
             ps = plans(spec)
             for p in ps:
-                print(f"# {p.arm}  ({p.kind} engine {p.engine}, ready: GET {p.url}{p.ready_path})")
+                ready = "computed first, in this process" if p.kind == "inprocess" else \
+                    f"ready: GET {p.url}{p.ready_path}"
+                print(f"# {p.arm}  ({p.kind} engine {p.engine}, {ready})")
                 for n in p.notes:
                     print(f"#   note: {n}")
-                print(p.shell() if p.cmd else f"#   external: {p.url} (not launched)")
+                if p.cmd or p.kind == "external":
+                    print(p.shell() if p.cmd else f"#   external: {p.url} (not launched)")
                 print()
             script = Path(args.script) if args.script else Path(spec.out) / "engines" / run_id / "launch.sh"
             print(f"launch script: {write_script(spec, ps, script)}")

@@ -28,7 +28,7 @@ from kernel_toggles import serving_settings as SS
 from .spec import EngineArm, EngineSpec, SpecError
 
 READY = {"sglang": "/health_generate", "vllm": "/health", "fidelity": "/health_generate",
-         "external": "/v1/models"}
+         "external": "/v1/models", "inprocess": ""}
 LOG_TAIL = 20
 
 
@@ -69,6 +69,10 @@ def _base_cmd(e: EngineSpec) -> list[str]:
 def plan_arm(arm: EngineArm, e: EngineSpec, captures: bool = False, max_logprobs: int | None = None) -> LaunchPlan:
     """The launch of one arm; refuses (SpecError naming the toggle) what the engine cannot
     be set to, and unconfirmed mappings unless the engine allows them."""
+    if e.kind == "inprocess":                   # computed here, first (fidelity.engines.golden)
+        return LaunchPlan(arm.name, e.name, e.kind, "", ready_path="", notes=[
+            f"computed in this process on {','.join(e.devices)} ({e.model or 'the embedded model'}), "
+            "scored and released before any engine is launched"])
     url = e.url if e.kind == "external" else f"http://{e.host}:{e.port}"
     p = LaunchPlan(arm.name, e.name, e.kind, url, ready_path=e.ready_path or READY[e.kind],
                    start_timeout=e.start_timeout, stop_grace=e.stop_grace)

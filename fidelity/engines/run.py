@@ -2,8 +2,11 @@
 for, asked for its own view of itself, given its tasks (KLD scoring into the shared score
 store, a needle sweep into its own results file, consistency probes into the shared probe
 store and the arm's own consistency report) and stopped; then one report compares them.
-A rerun resumes: an arm whose tasks finished is not launched again, and a half-done arm's
-finished prompts, trials and probes are kept."""
+Arms of an in-process engine (the golden) are computed first, stored and released before
+any engine is launched (fidelity.engines.golden). A rerun resumes: an arm whose tasks
+finished is not launched again, and a half-done arm's finished prompts, trials and probes
+are kept. The order of it all, and the memory the golden gave back, are in the run log
+and in state.json ("run log")."""
 from __future__ import annotations
 
 import json
@@ -30,6 +33,7 @@ from needle.results import latest, read_rows
 from needle.sweep import SweepConfig, run_sweep
 from needle.tables import by_arm
 
+from . import golden
 from .launch import EngineProcess, LaunchPlan, ReadinessLog, describe_exit, plan_arm
 from .spec import Spec, SpecError
 
@@ -47,8 +51,8 @@ NEEDLE_KEYS = {"lengths", "depths", "reps", "seed", "max_tokens", "api", "temper
 
 
 def plans(spec: Spec) -> list[LaunchPlan]:
-    if "consistency" in spec.tasks:
-        consistency_settings(spec)             # its mistakes before anything is launched
+    cs = consistency_settings(spec) if "consistency" in spec.tasks else None   # its mistakes first
+    golden.check(spec, cs)                     # what cannot go with an in-process engine
     k = spec.kld
     captures = "kld" in spec.tasks and k.get("captures", True)
     max_lp = -1 if k.get("exact") else max(20, int(k.get("top_k", 20)))
@@ -62,8 +66,9 @@ def write_script(spec: Spec, ps: list[LaunchPlan], path: Path) -> Path:
              "# Run one block at a time: each engine owns the GPUs; stop it (Ctrl-C) before the next.",
              "set -euo pipefail", 'arm="${1:-}"', ""]
     for p in ps:
-        lines += [f"# --- {p.arm} ({p.kind} engine {p.engine}); ready when GET {p.url}{p.ready_path} "
-                  "answers 200"] + [f"#     note: {n}" for n in p.notes]
+        ready = ("computed by `fidelity engines run` itself, first; nothing to launch" if p.kind == "inprocess"
+                 else f"ready when GET {p.url}{p.ready_path} answers 200")
+        lines += [f"# --- {p.arm} ({p.kind} engine {p.engine}); {ready}"] + [f"#     note: {n}" for n in p.notes]
         if p.cmd:
             lines += [f'if [ -z "$arm" ] || [ "$arm" = {json.dumps(p.arm)} ]; then', f"  {p.shell()}", "fi"]
         lines.append("")
@@ -230,8 +235,13 @@ def _needle(spec: Spec, name: str, url: str, results: Path, quiet: bool) -> list
     return run_sweep(cfg, [runner], results, quiet=quiet)
 
 
+RUN_LOG = "run log"          # state.json's list of runs (a key no arm name can be: it has a space)
+
+
 class State:
-    """Per arm: tasks finished, the engine's own view, start-up seconds (state.json)."""
+    """Per arm: tasks finished, the engine's own view, start-up seconds (state.json); and
+    per run (RUN_LOG), what happened in which order: the golden scored, its memory released,
+    each engine launched and stopped."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -239,6 +249,16 @@ class State:
 
     def arm(self, name: str) -> dict:
         return self.data.setdefault(name, {"done": []})
+
+    def begin(self) -> None:
+        self.data.setdefault(RUN_LOG, []).append({"started": time.time(), "events": []})
+
+    def event(self, what: str, **details) -> None:
+        """One step of this run, in order, saved at once (a run that dies keeps its log)."""
+        if not self.data.get(RUN_LOG):
+            self.begin()
+        self.data[RUN_LOG][-1]["events"].append({"event": what, "at": time.time(), **details})
+        self.save()
 
     def save(self) -> None:
         tmp = self.path.with_suffix(".tmp")
@@ -254,22 +274,37 @@ def run_engines(spec: Spec, run_id: str, progress: Progress, fresh: bool = False
     ps = {p.arm: p for p in plans(spec)}
     write_script(spec, list(ps.values()), root / "launch.sh")
     state = State(root / "state.json")
+    state.begin()
     s = _settings(spec)
     cs = consistency_settings(spec) if "consistency" in spec.tasks else None
-    target = load_target(None, spec.kld.get("tokenizer"))
-    reference = consistency_reference(spec, target) if cs is not None else None
+    target = run_target(spec)
     tok = target.tokenizer
     prompts = _kld_prompts(spec, tok, target.cfg.vocab_size) if "kld" in spec.tasks else []
     store = ScoreStore(root / "kld" / "scores")
     base = spec.arms[0]
-    for arm in spec.arms:
+    done = {a.name for a in golden.launched(spec) if set(spec.tasks) <= set(state.arm(a.name)["done"])}
+    if golden.engine_of(spec):          # computed, stored and released before any launch
+        reference = golden.run_inprocess(spec, root, state, prompts, s, store, target, cs, done, progress)
+    else:                               # held while the engines run (they have the devices)
+        reference = consistency_reference(spec, target) if cs is not None else None
+    for arm in golden.launched(spec):
         st = state.arm(arm.name)
-        if set(spec.tasks) <= set(st["done"]):
+        if arm.name in done:
             progress.log(f"{arm.name}: tasks done earlier; not launched")
+            state.event("not launched", arm=arm.name, reason="tasks done earlier")
             continue
         _run_arm(spec, arm, ps[arm.name], st, state, root, prompts, s, store, base.name, target, (cs, reference),
                  progress)
     return report(spec, root, run_id, state, prompts, s, store, progress)
+
+
+def run_target(spec: Spec):
+    """The tokenizer and config the run's prompts are built with: the in-process engine's
+    checkpoint (headers only: its weights are the golden's to load), else the embedded model."""
+    e = golden.engine_of(spec)
+    if e is not None and e.model:
+        return load_target(e.model, spec.kld.get("tokenizer"), "streamed")
+    return load_target(None, spec.kld.get("tokenizer"))
 
 
 def _run_arm(spec, arm, plan, st, state, root, prompts, s, store, base, target, consistency, progress):
@@ -282,7 +317,7 @@ def _run_arm(spec, arm, plan, st, state, root, prompts, s, store, base, target, 
             progress.log(f"{arm.name}: launching {plan.kind} ({plan.shell()[:160]}...)")
             proc.start()
             st["pid"] = proc.pid
-            state.save()
+            state.event("launched", arm=arm.name, engine=arm.engine, pid=proc.pid)
             st["ready_s"] = proc.wait_ready(poll=1.0 if plan.kind != "fidelity" else 0.2,
                                             progress=ReadinessLog(progress.log, arm.name, plan.ready_path))
             progress.log(f"{arm.name}: ready after {st['ready_s']:.1f} s")
@@ -314,7 +349,7 @@ def _run_arm(spec, arm, plan, st, state, root, prompts, s, store, base, target, 
         if proc and proc.proc is not None:
             code = proc.stop()
             st["stopped"] = {"exit_code": code, "at": time.time()}
-            state.save()
+            state.event("stopped", arm=arm.name, exit_code=code)
             progress.log(f"{arm.name}: stopped ({describe_exit(code)})")
 
 
@@ -325,7 +360,11 @@ def report(spec: Spec, root: Path, run_id: str, state: State, prompts, s: KldSet
     arms = spec.arms
     if "kld" in spec.tasks:
         entries = [ScoredArm(a.name, None, a.role, a.factors) for a in arms]
-        entries.insert(1, repeat_floor(entries[0]))
+        if golden.baseline_inprocess(spec):        # fidelity ab's floor arms, scored in-process
+            from fidelity.ab.design import FLOORS
+            entries[1:1] = [ScoredArm(f, None, "floor") for f in FLOORS]
+        else:
+            entries.insert(1, repeat_floor(entries[0]))
         shape = next((state.arm(a.name).get("shape") for a in arms if state.arm(a.name).get("shape")), None)
         manifest = {"spec": str(spec.path), "baseline": arms[0].name, "settings": s.__dict__,
                     "arms": [{"name": a.name, "engine": a.engine, "role": a.role,

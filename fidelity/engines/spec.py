@@ -15,8 +15,15 @@ it is under.
                                    # max_tokens, top_k, seed, concurrency, repeats, page_size, chunk_size,
                                    # retries, timeout, dialect; [run.consistency.<family>] for one family
 
+    [engines.here]                 # arms computed in this process (the golden), not launched:
+    kind = "inprocess"             # scored first, then released, then the engines launch
+    devices = "cuda:0,cuda:1"      # required: where it runs ("cpu", or the GPUs it shares)
+    model = "/models/DeepSeek-V4-Flash"   # a checkpoint (default: the embedded model)
+    weights_mode = "dense"         # | streamed | resident-quantised
+    accumulate = "auto"            # | fp64 | fp32
+
     [engines.sg]
-    kind = "sglang"                # sglang | vllm | fidelity | external
+    kind = "sglang"                # sglang | vllm | fidelity | external | inprocess
     version = "0.5.23"             # mappings of toggles are per version
     model = "/models/DeepSeek-V4-Flash"
     port = 30000
@@ -54,7 +61,9 @@ from kernel_toggles import arms as K
 from kernel_toggles import serving_settings as SS
 from kernel_toggles.arms import reference_closest
 
-KINDS = ("sglang", "vllm", "fidelity", "external")
+KINDS = ("sglang", "vllm", "fidelity", "external", "inprocess")
+# what an in-process engine takes: it is computed here, so nothing about a launch applies
+INPROCESS_KEYS = ("kind", "model", "devices", "weights_mode", "accumulate")
 DESIGNS = ("one-at-a-time", "leave-one-out", "factorial")
 TASKS = ("kld", "needle", "consistency")
 
@@ -80,6 +89,9 @@ class EngineSpec:
     ready_path: str | None = None
     allow_unconfirmed: bool = False
     serving: dict = field(default_factory=dict)  # serving settings every arm starts from
+    devices: tuple[str, ...] | None = None       # inprocess only: where its arms are computed
+    weights_mode: str = "dense"                  # inprocess only (fidelity.weights.source)
+    accumulate: str = "auto"                     # inprocess only (fidelity.devices)
 
 
 @dataclass
@@ -131,10 +143,17 @@ def _engine(name: str, d: dict) -> EngineSpec:
     where = f"engines.{name}"
     if not isinstance(d, dict):
         raise SpecError(f"{where} must be a table")
-    _only(d, EngineSpec.__dataclass_fields__.keys() - {"name", "ready_path"} | {"ready"}, where)
     kind = d.get("kind")
     if kind not in KINDS:
         raise SpecError(f"{where}.kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "inprocess":
+        return _inprocess(name, d)
+    bad = sorted(set(d) & (set(INPROCESS_KEYS) - {"kind", "model"}))
+    if bad:
+        raise SpecError(f"{where}.{bad[0]}: only an engine of kind \"inprocess\" takes it (a {kind} engine "
+                        "is launched; give its placement through its own flags)")
+    _only(d, EngineSpec.__dataclass_fields__.keys() - {"name", "ready_path"} - set(INPROCESS_KEYS)
+          | {"ready", "kind", "model"}, where)
     e = EngineSpec(name, kind)
     for k in ("version", "model", "host", "url", "python"):
         if k in d:
@@ -160,6 +179,44 @@ def _engine(name: str, d: dict) -> EngineSpec:
     if kind in ("sglang", "vllm") and not (e.model and e.version):
         raise SpecError(f"{where}: a {kind} engine needs model and version "
                         "(toggle mappings are per version)")
+    return e
+
+
+def _inprocess(name: str, d: dict) -> EngineSpec:
+    """An engine computed in this process: where (devices: required, since what the golden
+    shares with the launched engines is the point), the checkpoint, how its weights are held
+    and the accumulation dtype. Device names are checked here; that they exist, at run."""
+    from fidelity.devices import DeviceError, parse_devices
+    from fidelity.weights.source import WEIGHT_MODES
+    where = f"engines.{name}"
+    extra = sorted(set(d) - set(INPROCESS_KEYS))
+    if extra:
+        raise SpecError(f"{where}.{extra[0]}: an inprocess engine is computed in this process, nothing is "
+                        f"launched, so it takes no {extra[0]} (allowed: {', '.join(INPROCESS_KEYS)})")
+    e = EngineSpec(name, "inprocess", host="", port=0)
+    if "model" in d:
+        if not isinstance(d["model"], str) or not d["model"]:
+            raise SpecError(f"{where}.model must be a checkpoint path or an embedded model's name")
+        e.model = d["model"]
+    if "devices" not in d:
+        raise SpecError(f"{where}: an inprocess engine needs devices: where its arms are computed, \"cpu\" "
+                        "or the GPUs it shares with the launched engines, e.g. \"cuda:0,cuda:1\" (they are "
+                        "scored and released before any engine is launched)")
+    v = d["devices"]
+    if not (isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))):
+        raise SpecError(f"{where}.devices must be a string (\"cuda:0,cuda:1\") or a list of device names")
+    if not (v.strip() if isinstance(v, str) else [x for x in v if x.strip()]):
+        raise SpecError(f"{where}.devices is empty: give \"cpu\" or the GPUs, e.g. \"cuda:0,cuda:1\"")
+    try:
+        e.devices = parse_devices(v, on_this_machine=False)
+    except DeviceError as ex:
+        raise SpecError(f"{where}.devices: {str(ex).removeprefix('--devices: ')}") from None
+    e.weights_mode = d.get("weights_mode", "dense")
+    if e.weights_mode not in WEIGHT_MODES:
+        raise SpecError(f"{where}.weights_mode must be one of {', '.join(WEIGHT_MODES)}, got {e.weights_mode!r}")
+    e.accumulate = d.get("accumulate", "auto")
+    if e.accumulate not in ("auto", "fp64", "fp32"):
+        raise SpecError(f"{where}.accumulate must be auto, fp64 or fp32, got {e.accumulate!r}")
     return e
 
 
@@ -210,6 +267,9 @@ def _arm(i: int, d: dict, engines) -> EngineArm:
     env = _str_dict(d.get("env", {}), f"{where}.env")
     flags = _str_list(d.get("flags", []), f"{where}.flags")
     own = _serving(d.get("serving", {}), f"{where}.serving")
+    if engines[eng].kind == "inprocess" and (env or flags or own):
+        raise SpecError(f"{where} ({name}): engine {eng} is computed in this process (kind \"inprocess\"); "
+                        "its arms take toggles only, not env, flags or serving settings")
     factors = d.get("factors")
     if factors is None:              # what attribution credits: the toggles, plus the patch
         factors = set(ts.names) if ts is not None else set()
@@ -270,6 +330,10 @@ def load_spec(path: str | Path) -> Spec:
     engines = {n: _engine(n, e) for n, e in (d.get("engines") or {}).items()}
     if not engines:
         raise SpecError(f"{p}: no [engines.NAME] table")
+    here = [n for n, e in engines.items() if e.kind == "inprocess"]
+    if len(here) > 1:
+        raise SpecError(f"engines {', '.join(here)} are both of kind \"inprocess\": give one (its arms share "
+                        "its weights, devices and release)")
     arms = [_arm(i, a, engines) for i, a in enumerate(d.get("arms") or [])]
     for i, g in enumerate(d.get("designs") or []):
         arms += _design(i, g, engines)

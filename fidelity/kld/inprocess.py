@@ -17,20 +17,29 @@ from .dialects import PromptScores, Request
 CAPTURE_TAPS = ["layers.*.attn.index.topk", "layers.*.ffn.router.experts"]
 
 
+def capture_shape(cfg) -> dict:
+    """What the captures of a model with this config look like (as an endpoint's
+    /get_model_info says): known without loading the model."""
+    return {"indexer_layers": [i for i, r in enumerate(cfg.compress_ratios) if r == 4],
+            "index_topk": cfg.index_topk, "num_hidden_layers": cfg.n_layers,
+            "num_experts_per_tok": cfg.n_activated_experts}
+
+
 class InProcessScorer:
     """Scores prompts on an arm computed here (see the module docstring)."""
 
     kind = "inprocess"
 
     def __init__(self, name: str, numerics, weights, label: str | None = None, devices=None,
-                 schedule=ONESHOT):
+                 schedule=ONESHOT, weight_cache: dict | None = None):
+        """`weight_cache`: converted weights shared by the scorers of one run (Model's), so
+        several arms over one checkpoint hold one copy per compute dtype."""
         self.name, self.label = name, label or name
-        self.model = Model(weights, numerics, devices=devices, schedule=schedule)
+        self.model = Model(weights, numerics, devices=devices, schedule=schedule, weight_cache=weight_cache)
         cfg = weights.cfg
-        self.csa = [i for i, r in enumerate(cfg.compress_ratios) if r == 4]
+        self.shape = capture_shape(cfg)
+        self.csa = self.shape["indexer_layers"]
         self.n_layers = cfg.n_layers
-        self.shape = {"indexer_layers": self.csa, "index_topk": cfg.index_topk,
-                      "num_hidden_layers": cfg.n_layers, "num_experts_per_tok": cfg.n_activated_experts}
 
     def describe(self) -> dict:
         return {"name": self.name, "kind": self.kind, "arm": self.label}
