@@ -2,7 +2,9 @@
 mechanism behind a hit or a miss. A runner for needle's sweep (needle/sweep.py takes any
 object with aopen/arun/aclose/counter/describe, like needle.http.HttpRunner); it lives in
 fidelity because it is built from an arm (fidelity.arms), and needle imports nothing of
-fidelity.
+fidelity. It also runs trials in batches (`arun_batch`; the sweep hands it every pending
+trial of one length): layer-major through fidelity.needle_batch, so each layer's weights
+are fetched once per pass for the batch, with rows identical to run()'s.
 
 Mechanism, per CSA layer, at the question's last position (the last prompt token): which
 compressed entries hold the needle value, whether the indexer picked one of them, its
@@ -28,6 +30,7 @@ import torch
 
 from fidelity.ab.margins import entry_margin
 from fidelity.arms import as_arm
+from fidelity.needle_batch import DEFAULT_BATCH_TOKENS, plan_batches, run_layer_major
 from needle.haystack import LocalCounter, Prompt, needle_entries, value_token_positions
 from reference_model import Model, Taps
 from reference_model.generate import generate
@@ -41,18 +44,22 @@ class InProcessRunner:
 
     def __init__(self, name: str, target, arm, temperature: float = 0.0, top_p: float = 1.0,
                  max_tokens: int | None = None, profile: str = "reference",
-                 mechanism: bool = True, placement=None):
+                 mechanism: bool = True, placement=None, batch: int | None = None,
+                 batch_tokens: int | None = DEFAULT_BATCH_TOKENS):
         self.name, self.target, self.arm = name, target, as_arm(arm)
+        plan_batches([], batch, batch_tokens)             # ValueError for bad bounds, now
+        self.batch, self.batch_tokens = batch, batch_tokens   # per layer-major batch (run_batch)
         self.temperature, self.top_p, self.max_tokens = temperature, top_p, max_tokens
         self.mechanism = mechanism
         kw = {"compute_dtype": placement.compute_dtype} if placement else {}
         devices = placement.model_devices if placement else None
         sched = self.arm.schedule            # feeds the prompt up to its last token (prefill)
+        cache: dict = {}                     # resident weights converted once, for both models
         self.model = Model(target.weights, self.arm.numerics(profile, **kw), devices=devices,
-                           schedule=sched)
+                           schedule=sched, weight_cache=cache)
         self._scores: list[torch.Tensor] = []
         rec = self.model.nx.with_kernels("index-score-recorder", index_scores=self._record)
-        self.model_rec = Model(target.weights, rec, devices=devices, schedule=sched)
+        self.model_rec = Model(target.weights, rec, devices=devices, schedule=sched, weight_cache=cache)
 
     def _record(self, golden, q, keys, w):
         s = golden.index_scores(q, keys, w)
@@ -91,11 +98,10 @@ class InProcessRunner:
         return answer + (256 if prompt.fmt.thinking else 0)
 
     def run(self, prompt: Prompt, seed: int) -> dict:
-        tok, cfg = self.target.tokenizer, self.target.cfg
+        tok = self.target.tokenizer
         ids, offsets = tok.encode_with_offsets(prompt.text)
-        value_tok = value_token_positions(offsets, prompt.value_spans)
         taps = Taps(["layers.*.attn.index.topk"])
-        self._scores.clear()
+        self.record_into([])
 
         def prefill(model, t, all_logits):
             st = None
@@ -111,6 +117,12 @@ class InProcessRunner:
         except (ValueError, RuntimeError) as e:
             return {"error": f"{type(e).__name__}: {e}", "attempts": 1,
                     "latency_s": time.perf_counter() - t0, "prompt_tokens": len(ids)}
+        return self._row(prompt, ids, offsets, gen, self._scores, taps, t0)
+
+    def _row(self, prompt: Prompt, ids, offsets, gen, scores, taps: Taps, t0: float) -> dict:
+        """A finished trial's result (also fidelity.needle_batch's, so the two agree)."""
+        tok, cfg = self.target.tokenizer, self.target.cfg
+        value_tok = value_token_positions(offsets, prompt.value_spans)
         reasoning, content = tok.split_reasoning(gen.tokens, prompt.fmt.thinking)
         row = {"response": content, "reasoning_content": reasoning,
                "finish_reason": gen.finish_reason, "completion_tokens": len(gen.tokens),
@@ -118,8 +130,38 @@ class InProcessRunner:
                "attempts": 1, "error": None, "value_token_positions": value_tok}
         if self.mechanism:
             per_value = [value_token_positions(offsets, [s]) for s in prompt.value_spans]
-            row["mechanism"] = mechanism(cfg, taps, self._scores, value_tok, len(ids) - 1, per_value)
+            row["mechanism"] = mechanism(cfg, taps, scores, value_tok, len(ids) - 1, per_value)
         return row
+
+    # ---- batches (needle/sweep.py hands every pending trial of one length at once) -------
+    def record_into(self, sink: list) -> None:
+        """Where the index-score recorder appends from now on (one list per trial)."""
+        self._scores = sink
+
+    def run_batch(self, items: list[tuple[Prompt, int]], on_done) -> None:
+        """Trials (prompt, seed), split by the batch bounds; each batch layer-major
+        (fidelity.needle_batch), or one at a time with `batch=1`. `on_done(index, result)`
+        as each trial finishes; results equal run()'s but for latency_s."""
+        if self.batch == 1:
+            for k, (p, seed) in enumerate(items):
+                on_done(k, self._locked_run(p, seed))
+            return
+        sizes = [p.n_tokens for p, _ in items]
+        for group in plan_batches(sizes, self.batch, self.batch_tokens):
+            with _COMPUTE:
+                run_layer_major(self, [items[k] for k in group],
+                                lambda j, res, group=group: on_done(group[j], res))
+
+    async def arun_batch(self, items: list[tuple[Prompt, int]]):
+        """Async iterator of (index, result) as each trial of run_batch finishes."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(asyncio.to_thread(
+            self.run_batch, items, lambda k, res: loop.call_soon_threadsafe(q.put_nowait, (k, res))))
+        task.add_done_callback(lambda _: loop.call_soon_threadsafe(q.put_nowait, None))
+        while (got := await q.get()) is not None:
+            yield got
+        await task                                   # re-raises the batch's exception
 
 
 def mechanism(cfg, taps: Taps, scores: list[torch.Tensor], value_tok: list[int], pos: int,

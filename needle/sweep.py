@@ -1,6 +1,7 @@
 """A sweep: lengths x depths x repetitions, every trial run on every arm with the same
 prompt (so arms pair up), rows appended to the results log as they finish, finished
-(arm, trial) pairs skipped on resume.
+(arm, trial) pairs skipped on resume. A runner that takes batches (`arun_batch`) is
+handed every pending trial of one length at once.
 
 Prompts are sized by the first arm's counter (in-process tokenizer, or the first
 endpoint's /tokenize, or a calibration against it); all arms then get identical text."""
@@ -103,39 +104,61 @@ def make_row(trial: Trial, prompt: H.Prompt, runner, res: dict, cfg: SweepConfig
     if isinstance(runner, HttpRunner):               # endpoint arms: asked for / answered by
         row["model_requested"] = runner.model
     for k in ("model", "response", "reasoning_content", "finish_reason", "completion_tokens", "latency_s",
-              "attempts", "error", "error_status", "errors", "mechanism", "value_token_positions"):
+              "attempts", "error", "error_status", "errors", "mechanism", "value_token_positions",
+              "batch_trials"):
         if k in res:
             row[k] = res[k]
     return row
 
 
 async def _execute(cfg, jobs, prompts, runners, log: ResultsLog, quiet: bool):
+    """Each runner works through its own jobs: a runner with `arun_batch` gets every pending
+    trial of one length at once (in-process: run layer-major, fidelity.needle_batch),
+    others `concurrency` trials at a time through `arun`. Rows are appended as each trial
+    finishes either way, so a resumed run skips exactly the finished trials."""
     total, done = len(jobs), 0
-    queues = {r.name: asyncio.Queue() for r in runners}
-    for t, r in jobs:
-        queues[r.name].put_nowait((t, r))
+    mine = {r.name: [t for t, j in jobs if j is r] for r in runners}
 
-    async def worker(q):
+    def record(t, r, res):
         nonlocal done
+        row = make_row(t, prompts[t.trial_id], r, res, cfg)
+        log.append(row)
+        done += 1
+        _log(f"[{done}/{total}] {r.name:>12} L={t.length} depth={t.depth:g} rep={t.rep}: "
+             f"{row['outcome']} ({row.get('latency_s', 0):.2f}s"
+             f"{', ' + str(row['attempts']) + ' attempts' if row.get('attempts', 1) > 1 else ''}"
+             f"{', batch of ' + str(row['batch_trials']) if row.get('batch_trials', 1) > 1 else ''})",
+             quiet)
+
+    async def worker(r, q):
         while True:
             try:
-                t, r = q.get_nowait()
+                t = q.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            res = await r.arun(prompts[t.trial_id], t.seed)
-            row = make_row(t, prompts[t.trial_id], r, res, cfg)
-            log.append(row)
-            done += 1
-            _log(f"[{done}/{total}] {r.name:>12} L={t.length} depth={t.depth:g} rep={t.rep}: "
-                 f"{row['outcome']} ({row.get('latency_s', 0):.2f}s"
-                 f"{', ' + str(row['attempts']) + ' attempts' if row.get('attempts', 1) > 1 else ''})",
-                 quiet)
+            record(t, r, await r.arun(prompts[t.trial_id], t.seed))
 
+    async def batches(r, trials):
+        by_length: dict[int, list[Trial]] = {}
+        for t in trials:
+            by_length.setdefault(t.length, []).append(t)
+        for group in by_length.values():
+            async for k, res in r.arun_batch([(prompts[t.trial_id], t.seed) for t in group]):
+                record(group[k], r, res)
+
+    tasks = []
+    for r in runners:
+        if hasattr(r, "arun_batch"):
+            tasks.append(batches(r, mine[r.name]))
+            continue
+        q = asyncio.Queue()
+        for t in mine[r.name]:
+            q.put_nowait(t)
+        tasks += [worker(r, q) for _ in range(r.concurrency)]
     for r in runners:
         await r.aopen()
     try:
-        await asyncio.gather(*(worker(queues[r.name]) for r in runners
-                               for _ in range(r.concurrency)))
+        await asyncio.gather(*tasks)
     finally:
         for r in runners:
             await r.aclose()

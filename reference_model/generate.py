@@ -177,6 +177,15 @@ class Decoder:
         else:
             logits, self.state = self.model.extend(torch.tensor([self.out.tokens[-1]]), self.state,
                                                    "last", self.taps)
+        return self.advance(logits)
+
+    def advance(self, logits: torch.Tensor, state: SequenceState | None = None) -> int | None:
+        """The rest of a step once its forward has run: count it, pick the next token, check
+        the stop conditions. step() calls it; a runner that runs the forward itself (layer-
+        major across requests, fidelity.needle_batch) passes the logits of the last position
+        and the state it advanced. Prompt scoring is step()'s prefill's, not done here."""
+        if state is not None:
+            self.state = state
         self.steps += 1
         if len(self.out.tokens) >= self.max_tokens:           # max_tokens 0: prompt only
             self.done = True

@@ -55,6 +55,14 @@ def add_arguments(p):
                         "sglang=http://127.0.0.1:30000/v1")
     g.add_argument("--checkpoint", help="DeepSeek-native checkpoint for in-process arms")
     g.add_argument("--tokenizer", help="tokenizer.json for in-process arms")
+    g.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="in-process arms: at most N trials of one length run together, layer-major "
+                        "(each layer's weights fetched once per pass for all of them; same results); "
+                        "1 = one at a time (default: all pending trials of a length, within --batch-tokens)")
+    g.add_argument("--batch-tokens", type=int, default=None, metavar="T",
+                   help="in-process arms: at most T prompt tokens per batch, which bounds the memory "
+                        "of the residual streams and states held at once; a longer trial runs alone "
+                        "(default: 65536)")
     from fidelity.devices import add_options
     add_options(p)
     g = p.add_argument_group("grid")
@@ -118,6 +126,11 @@ def _runners(args):
         else:
             notes.append("kernel_toggles is not available: golden arm only")
     if arm_specs:
+        from fidelity.needle_batch import DEFAULT_BATCH_TOKENS
+        batch_tokens = DEFAULT_BATCH_TOKENS if args.batch_tokens is None else args.batch_tokens
+        for opt, v in (("--batch", args.batch), ("--batch-tokens", batch_tokens)):
+            if v is not None and v < 1:
+                raise CommandError(f"{opt} must be at least 1, got {v}")
         from fidelity.devices import DeviceError, from_args
         try:
             place = from_args(args)
@@ -137,7 +150,8 @@ def _runners(args):
                 raise CommandError(f"--arm {s!r}: {e}") from None
             runners.append(InProcessRunner(name, target, arm,
                                            temperature=temp, top_p=args.top_p,
-                                           max_tokens=args.max_tokens, placement=place))
+                                           max_tokens=args.max_tokens, placement=place,
+                                           batch=args.batch, batch_tokens=batch_tokens))
     kw = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
     endpoints = [_named(s, "") for s in args.endpoint]
     for (name, url), s in zip(endpoints, args.endpoint):
