@@ -10,7 +10,9 @@ machine; without CUDA it says so and exits 0):
      dequantisation bit for bit, with throughput;
   5. the tiny model saved as a checkpoint and held quantised-resident on the GPU gives the
      CPU dense golden's logits bit for bit;
-  6. timings of each step.
+  6. with two or more GPUs: the golden's lockstep as 2 torchrun ranks (NCCL, one GPU each,
+     fidelity.pipeline) gives the one-process tables on cuda:0 bit for bit (fp64);
+  7. timings of each step.
 
 Exit status 1 on any failed check; results also written to bench/results/gpu_check.md.
     bash bench/gpu_check.sh
@@ -91,16 +93,16 @@ def main() -> int:
         x = torch.randn(shape, generator=g)
         if fmt == "fp8":
             q, s = Q.quantize_fp8_weight(x)
-            w, s8, decode = q, Q.float_to_e8m0(s), decode_fp8
+            packed, s8, decode = q, Q.float_to_e8m0(s), decode_fp8
         else:
             v, s = Q.quantize_fp4_weight(x)
-            w, s8, decode = Q.pack_fp4(v), Q.float_to_e8m0(s), decode_fp4
-        a = decode(w, s8)
+            packed, s8, decode = Q.pack_fp4(v), Q.float_to_e8m0(s), decode_fp4
+        a = decode(packed, s8)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        b = decode(w.cuda(), s8.cuda(), "cuda")
+        b = decode(packed.cuda(), s8.cuda(), "cuda")
         torch.cuda.synchronize()
-        nbytes = w.numel() + s8.numel()
+        nbytes = packed.numel() + s8.numel()
         dt = time.perf_counter() - t0
         check(torch.equal(a, b.cpu()), f"V4-Flash {name} {list(shape)} dequantised on CUDA == CPU "
                                        f"({nbytes / dt / 1e9:.2f} GB/s of checkpoint bytes)")
@@ -115,9 +117,42 @@ def main() -> int:
         torch.cuda.synchronize()
         check(all(torch.equal(a, b) for a, b in zip(cpu, res)),
               f"quantised-resident tiny checkpoint on CUDA == CPU dense golden ({time.perf_counter() - t0:.2f} s)")
+    if torch.cuda.device_count() >= 2:
+        distributed_check()
+    else:
+        say("skip: the golden over 2 torchrun ranks (one device)")
     (ROOT / "bench" / "results" / "gpu_check.md").write_text("\n".join(lines) + "\n")
     say(f"\n{'FAILED: ' + '; '.join(failed) if failed else 'all GPU checks passed'}")
     return 1 if failed else 0
+
+
+def distributed_check() -> None:
+    """2 pipeline ranks (torchrun, NCCL, cuda:0 and cuda:1) vs one process on cuda:0."""
+    import pickle
+    import subprocess
+    import tempfile
+
+    import pandas as pd
+    sys.path.insert(0, str(ROOT / "tests"))
+    from distributed.cases import arms, prompts, tables
+
+    from fidelity.ab.lockstep import LockstepRunner
+    one = tables(LockstepRunner(random_weights(tiny(), seed=0), arms(), decode_steps=2, pairs={"bug": "engine"},
+                                devices=["cuda:0"]).run(prompts()))
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "got.pkl"
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                            str(ROOT / "bench" / "gpu_check_dist.py"), str(out)], capture_output=True, text=True)
+        if r.returncode != 0:
+            check(False, f"golden over 2 torchrun ranks ran ({r.stderr.strip().splitlines()[-1:]})")
+            return
+        got = pickle.loads(out.read_bytes())["tables"]
+    same = all(v.equals(got[k]) if len(v) else len(got[k]) == 0 for k, v in one.items())
+    rows = sum(len(v) for v in one.values())
+    check(same and isinstance(got["kld"], pd.DataFrame),
+          f"golden over 2 torchrun ranks (NCCL) == one process on cuda:0: {rows} table rows bit-identical "
+          f"({time.perf_counter() - t0:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ class QuantisedResidentWeights:
     resident = False          # Model must not keep dense converted copies
 
     def __init__(self, path, device="cpu", cfg: ModelConfig | None = None, devices=None,
-                 io_chunk_bytes: int = 64 << 20):
+                 io_chunk_bytes: int = 64 << 20, layers: range | None = None):
         self.info = path if isinstance(path, CheckpointInfo) else scan_checkpoint(path, cfg)
         self.cfg = self.info.cfg
         self.devices = [torch.device(d) for d in devices] if devices else [torch.device(device)]
@@ -63,8 +63,10 @@ class QuantisedResidentWeights:
         reader = _ShardReader(self.info.root, io_chunk_bytes)
         try:
             self.raw_globals = self._read(reader, global_specs(self.cfg), "", self.devices[0])
+            # a pipeline stage (fidelity.pipeline) reads only its own layers
+            self.layers = range(self.cfg.n_layers) if layers is None else layers
             self.raw_layers = [self._read(reader, layer_specs(self.cfg, i), f"layers.{i}.", self.device_of(i))
-                               for i in range(self.cfg.n_layers)]
+                               if i in self.layers else None for i in range(self.cfg.n_layers)]
         finally:
             reader.close()
         self._globals: dict | None = None
@@ -88,7 +90,7 @@ class QuantisedResidentWeights:
     def resident_bytes(self) -> int:
         """Bytes held resident (the checkpoint's own formats)."""
         return sum(t.numel() * t.element_size() for part in [self.raw_globals, *self.raw_layers]
-                   for _, raw in part.values() for t in raw.values())
+                   if part is not None for _, raw in part.values() for t in raw.values())
 
     def global_weights(self) -> dict[str, torch.Tensor]:
         if self._globals is None:
@@ -98,6 +100,9 @@ class QuantisedResidentWeights:
     def layer_weights(self, i: int) -> LazyLayer:
         if not 0 <= i < self.cfg.n_layers:
             raise IndexError(f"layer {i} out of range 0..{self.cfg.n_layers - 1}")
+        if self.raw_layers[i] is None:
+            raise IndexError(f"layer {i} was not read: this source holds layers "
+                             f"{self.layers.start}-{self.layers.stop - 1} only (a pipeline stage)")
         if self._layer is None or self._layer.i != i:
             self._layer = None                              # free the previous layer's decode
             self._layer = LazyLayer(self, i)

@@ -302,3 +302,17 @@ def test_cuda_memory_is_read_from_torch_or_asked_for(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
     plan = PM.plan_memory(tiny(), "cuda:0,cuda:1", 10)
     assert [d.budget for d in plan.devices] == [80 * 2 ** 30] * 2 and plan.fits
+
+
+def test_nodes_plan_one_pipeline_over_every_nodes_devices():
+    """--nodes 2: the devices are one node's, repeated; one pipeline over all 16."""
+    cfg = flash()
+    devs = [f"cuda:{i}" for i in range(8)]
+    one = PM.plan_memory(cfg, devs, 8192, 6, 2, "resident-quantised", "96GB")
+    two = PM.plan_memory(cfg, devs, 8192, 6, 2, "resident-quantised", "96GB", nodes=2)
+    assert [d.device for d in two.devices] == [f"cuda:{i}@node{k}" for k in range(2) for i in range(8)]
+    assert sum((d.layers for d in two.devices), []) == list(range(cfg.n_layers))
+    assert two.fits and max(d.weights for d in two.devices) < max(d.weights for d in one.devices)
+    assert sum(d.weights for d in two.devices) == sum(d.weights for d in one.devices)
+    with pytest.raises(PM.PlanError, match="nodes must be a positive integer"):
+        PM.plan_memory(cfg, devs, 8192, nodes=0, device_memory="96GB")

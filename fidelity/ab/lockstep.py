@@ -111,6 +111,7 @@ class _PromptRun:
     tokens: torch.Tensor | None = None
     next: int = 0
     res: LockstepResult = field(default_factory=LockstepResult)
+    parts: list = field(default_factory=list)       # (phase index, rows of that phase)
 
 
 class StreamStore:
@@ -166,7 +167,7 @@ class LockstepRunner:
                  taps=DEFAULT_TAPS, keep=(), progress: Callable[[str], None] | None = None,
                  chunk_tokens: int = 2048, pairs: dict[str, str] | None = None,
                  activation_budget: int | None = None, devices: list | None = None,
-                 head_chunk: int | None = None):
+                 head_chunk: int | None = None, stage=None):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
         if not arms or arms[0].role != "golden":
@@ -178,6 +179,8 @@ class LockstepRunner:
         if unknown:
             raise ValueError(f"pairs name arms that are not in the run: {unknown}")
         self.pairs = dict(pairs or {})
+        self.stage = stage                     # a fidelity.pipeline.Stage: only its layers run here
+        self.layers = stage.layers if stage is not None else range(weights.cfg.n_layers)
         self.weights = weights
         self.cfg = weights.cfg
         self.arms = arms
@@ -206,43 +209,92 @@ class LockstepRunner:
     def run(self, prompts: list[Prompt]) -> LockstepResult:
         """All prompts through each layer before the next layer (layer-major): a streamed
         checkpoint's layer is fetched once per pass for every prompt and arm, not once per
-        prompt. Rows come out in prompt order, as if the prompts had run one by one."""
+        prompt. Rows come out in prompt order, as if the prompts had run one by one. On a
+        pipeline stage (fidelity.pipeline) this rank runs its own layers only; every rank
+        returns the whole run's rows."""
         ids = [p.id for p in prompts]
         if len(set(ids)) != len(ids):
             raise ValueError(f"prompt ids must be unique, got {ids}")
+        if self.stage is not None and prompts:
+            self.stage.check_memory(self.cfg, max(p.length for p in prompts) + self.decode_steps,
+                                    len(prompts), len(self.arms), self.weights)
         runs = [_PromptRun(p, {a.name: self.models[a.name].new_state() for a in self.arms},
                            [a.name for a in self.arms]) for p in prompts]
-        golden = self.arms[0].name
+        phases = [("prefill", -1)] + [("decode", s) for s in range(self.decode_steps)]
         try:
-            for phase, step in [("prefill", -1)] + [("decode", s) for s in range(self.decode_steps)]:
+            for k, (phase, step) in enumerate(phases):
                 for r in runs:
                     r.tokens = (r.prompt.tokens if phase == "prefill"
                                 else torch.tensor([r.next], device=r.prompt.tokens.device))
-                    self.streams.put(r.prompt.id, {a: self.models[a].embed(r.tokens) for a in r.alive})
+                self._streams_in(runs, phase, step)
                 self._pass(runs, phase, step)
-                for r in runs:
-                    head = self._head(r, phase)
-                    self._logit_rows(r.prompt, head, r.alive, phase, step, r.res)
-                    r.next = int(head.last.argmax())
+                self._streams_out(runs, phase, step)
+                for r in runs:                            # this phase's rows, in stage order later
+                    r.parts.append((k, r.res))
+                    r.res = LockstepResult()
         finally:
             self.streams.clear()                      # spilled streams never outlive the run
-        res = LockstepResult()
+        return self._collect(runs)
+
+    def _streams_in(self, runs, phase, step):
+        """The residual streams entering this stage's first layer: the embedding on the
+        first stage, the previous stage's output (and which arms are alive) on the others."""
+        st = self.stage
         for r in runs:
-            res.extend(r.res)
-        return res
+            if st is None or st.first:
+                self.streams.put(r.prompt.id, {a: self.models[a].embed(r.tokens) for a in r.alive})
+                continue
+            meta, hs = st.recv_streams(f"{r.prompt.id} {phase} streams")
+            r.alive, r.bad = list(meta["alive"]), set(meta["bad"])
+            self.streams.put(r.prompt.id, dict(zip(r.alive, hs)))
+
+    def _streams_out(self, runs, phase, step):
+        """To the next stage; or, on the last, the head, its rows and the next greedy token
+        (which every stage then learns, with the arms still alive)."""
+        st = self.stage
+        if st is not None and not st.last:
+            for r in runs:
+                H = self.streams.get(r.prompt.id)
+                st.send_streams({"alive": r.alive, "bad": sorted(r.bad)}, [H[a] for a in r.alive],
+                                f"{r.prompt.id} {phase} streams")
+        else:
+            for r in runs:
+                head = self._head(r, phase)
+                self._logit_rows(r.prompt, head, r.alive, phase, step, r.res)
+                r.next = int(head.last.argmax())
+        if st is not None:
+            sync = st.from_last({r.prompt.id: (r.next, r.alive, sorted(r.bad)) for r in runs},
+                                f"the next tokens after {phase}")
+            for r in runs:
+                r.next, r.alive, r.bad = sync[r.prompt.id][0], list(sync[r.prompt.id][1]), set(sync[r.prompt.id][2])
+
+    def _collect(self, runs) -> LockstepResult:
+        """Every stage's rows of every prompt: per prompt, phase by phase, in stage order
+        (= layer order, the head last), as one process appends them."""
+        parts = {r.prompt.id: [(k, 0, res) for k, res in r.parts] for r in runs}
+        if self.stage is not None:
+            gathered = self.stage.gather({pid: [(k, res) for k, _, res in v] for pid, v in parts.items()},
+                                         "the run's rows")
+            parts = {pid: [(k, rank, res) for rank, g in enumerate(gathered) for k, res in g[pid]]
+                     for pid in parts}
+        out = LockstepResult()
+        for r in runs:
+            for _, _, res in sorted(parts[r.prompt.id], key=lambda x: (x[0], x[1])):
+                out.extend(res)
+        return out
 
     def _pass(self, runs, phase, step):
-        """Layer i for every prompt and arm, then layer i+1; residual streams wait in the
-        stream store (in memory, or on disk beyond the activation budget)."""
-        t0, n = time.monotonic(), self.cfg.n_layers
-        for i in range(n):
+        """This stage's layers for every prompt and arm, layer i before layer i+1; residual
+        streams wait in the stream store (in memory, or on disk beyond the activation budget)."""
+        t0, layers = time.monotonic(), self.layers
+        for n, i in enumerate(layers, 1):
             for r in runs:
                 H = self.streams.get(r.prompt.id)
                 self._layer(r, i, H, phase, step)
                 self.streams.put(r.prompt.id, H)
             el = time.monotonic() - t0
-            self.progress(f"  {phase}{'' if step < 0 else f' step {step + 1}'}: layer {i + 1}/{n} "
-                          f"for {len(runs)} prompt(s), {el:.0f} s, eta {el / (i + 1) * (n - i - 1):.0f} s")
+            self.progress(f"  {phase}{'' if step < 0 else f' step {step + 1}'}: layer {i + 1}/{self.cfg.n_layers} "
+                          f"for {len(runs)} prompt(s), {el:.0f} s, eta {el / n * (len(layers) - n):.0f} s")
         for r in runs:
             for a in r.alive:
                 r.states[a].pos += r.tokens.numel()          # as Model.extend does after its layers

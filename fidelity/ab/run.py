@@ -39,17 +39,20 @@ class _Stages:
 
 
 def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None = None,
-           progress=print, tokenizer=None, variants: dict | None = None) -> dict:
+           progress=print, tokenizer=None, variants: dict | None = None, stage=None) -> dict:
     """`variants`: {name: WeightSource} of other checkpoints of the same architecture; each
     becomes an arm `weights:<name>` (golden numerics on those weights), so drift and KLD
-    are attributed to the checkpoint as well as to the numerics toggles."""
+    are attributed to the checkpoint as well as to the numerics toggles. `stage`: this
+    rank's fidelity.pipeline.Stage when the golden runs across processes (every rank
+    gets the whole run's tables, so all take the same decisions)."""
+    progress = progress or (lambda msg: None)
     t_start = time.time()
     cfg = weights.cfg
     prompts, longest = _prompts(cfg, settings, tokenizer)
-    st = _stage_one(weights, settings, prompts, longest, progress, variants)
-    _stage_two(weights, settings, prompts, longest, progress, st)
+    st = _stage_one(weights, settings, prompts, longest, progress, variants, stage)
+    _stage_two(weights, settings, prompts, longest, progress, st, stage)
     tables, judged = _judged_tables(cfg, settings, prompts, longest, st)
-    result = {"manifest": _manifest(cfg, settings, st, prompts, run_id, t_start),
+    result = {"manifest": _manifest(cfg, settings, st, prompts, run_id, t_start, stage),
               "verdict": judged["verdict"], "noise_floor": _noise_floor(st.outcomes, settings),
               "floors": judged["floors"].to_dict("records"),
               "first_divergence": _first_divergences(tables["drift"], tables["pairs"], st.sets, st.pairs,
@@ -74,7 +77,7 @@ def _prompts(cfg, settings: ABSettings, tokenizer) -> tuple[list[Prompt], str]:
             f"L{max(p.lengths)}")
 
 
-def _stage_one(weights, settings, prompts, longest, progress, variants) -> _Stages:
+def _stage_one(weights, settings, prompts, longest, progress, variants, stage=None) -> _Stages:
     """Golden, the floors, the design's toggle arms and the weight variants."""
     label_sets, toggles, schedules = arm_sets(settings)
     pairs = vs_pairs(settings.design.vs, label_sets)
@@ -84,14 +87,14 @@ def _stage_one(weights, settings, prompts, longest, progress, variants) -> _Stag
     arms = ([golden_arm(cd)] + floor_arms(cd) + schedule_arms(schedules, cd)
             + toggle_arms(label_sets, cd, schedules) + w_arms)
     progress(f"stage 1: {len(arms)} arms × {len(prompts)} prompts, mode {settings.runner.mode}")
-    res = _run(weights, arms, prompts, settings.runner, progress, pairs)
+    res = _run(weights, arms, prompts, settings.runner, progress, pairs, stage)
     sets = {a.name: a.toggles for a in arms if a.role == "arm"}
     outcomes = prompt_outcomes(pd.DataFrame(res.kld), group=longest)
     return _Stages(res, sets, toggles, label_sets, pairs, outcomes,
                    outcome_matrix(outcomes, sets, GOLDEN), [], [a.name for a in arms if a.role == "floor"])
 
 
-def _stage_two(weights, settings, prompts, longest, progress, st: _Stages) -> None:
+def _stage_two(weights, settings, prompts, longest, progress, st: _Stages, stage=None) -> None:
     """Full factorial over the toggles with the largest single or leave-one-out effect."""
     st.top = top_toggles([t for t in st.toggles if not t.startswith(WEIGHTS_PREFIX)], st.table,
                          settings.design.shapley_top)
@@ -100,7 +103,8 @@ def _stage_two(weights, settings, prompts, longest, progress, st: _Stages) -> No
         return
     progress(f"stage 2: factorial over {', '.join(st.top)} ({len(new)} more arms)")
     cd = getattr(torch, settings.runner.accumulate)
-    extra = _run(weights, [golden_arm(cd)] + toggle_arms(new, cd), prompts, settings.runner, progress)
+    extra = _run(weights, [golden_arm(cd)] + toggle_arms(new, cd), prompts, settings.runner, progress,
+                 stage=stage)
     extra.needle = [r for r in extra.needle if r["arm"] != GOLDEN]   # already in stage 1
     st.res.extend(extra)
     st.sets.update({k: frozenset(v.names) for k, v in new.items()})
@@ -139,7 +143,7 @@ def _noise_floor(outcomes: pd.DataFrame, settings) -> dict:
     return {"mean": fmean, "lo": flo, "hi": fhi}
 
 
-def _manifest(cfg, settings, st: _Stages, prompts, run_id, t_start) -> dict:
+def _manifest(cfg, settings, st: _Stages, prompts, run_id, t_start, stage=None) -> dict:
     return {
         "run_id": run_id, "config": cfg.to_dict(), "config_hash": cfg.config_hash(),
         "checkpoint": settings.checkpoint, "settings": asdict(settings),
@@ -149,13 +153,16 @@ def _manifest(cfg, settings, st: _Stages, prompts, run_id, t_start) -> dict:
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "numpy": np.__version__, "pandas": pd.__version__},
         "seconds": round(time.time() - t_start, 1),
+        "pipeline": None if stage is None else {"ranks": stage.world, "layers": [
+            [r.start, r.stop - 1] for r in stage.ranges]},
     }
 
 
-def _run(weights, arms, prompts, r: RunnerSettings, progress, pairs=None) -> LockstepResult:
+def _run(weights, arms, prompts, r: RunnerSettings, progress, pairs=None, stage=None) -> LockstepResult:
     return LockstepRunner(weights, arms, r.mode, r.decode_steps, r.taps, r.keep, progress=progress,
                           pairs=pairs, activation_budget=r.activation_budget,
-                          devices=list(r.devices) if r.devices != ("cpu",) else None).run(prompts)
+                          devices=list(r.devices) if r.devices != ("cpu",) else None,
+                          stage=stage).run(prompts)
 
 
 def _first_divergences(drift, pair_df, sets, pairs, k) -> list[dict]:

@@ -13,6 +13,7 @@ EXAMPLES = """\
     fidelity ab --checkpoint /models/DeepSeek-V4-Flash --devices cuda:0,cuda:1,cuda:2,cuda:3 --long
     fidelity ab --arms engine --arms engine-wo_a_fp8 --vs engine   # does removing wo_a_fp8 from the engine explain it?
     fidelity ab --arms 'engine@prefix_hit(128)' --arms 'engine,chunk_stale_index_keys@chunked(64)'   # serving state
+    fidelity ab --distributed --checkpoint /models/DeepSeek-V4-Pro   # each rank of `torchrun --nnodes 2 --nproc-per-node 8 ... -m fidelity ab --distributed` (docs/distributed.md)
 """
 
 
@@ -67,6 +68,15 @@ def add_arguments(p):
                         "they wait on disk (default: no limit)")
     from fidelity.devices import add_options
     add_options(p)
+    p.add_argument("--distributed", nargs="?", const=0, type=int, default=None, metavar="RANKS",
+                   help="run as one pipeline stage of a torchrun launch (torchrun ... -m fidelity ab "
+                        "--distributed): each rank runs its contiguous layers, rank 0 writes the "
+                        "report; RANKS, if given, must equal torchrun's world size (docs/distributed.md)")
+    p.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="with --distributed: each rank's memory budget (e.g. 96GB) for the stage "
+                        "memory check before the run; default: each GPU's total memory, no check on CPU")
+    p.add_argument("--dist-timeout", type=float, default=600, metavar="S",
+                   help="seconds to wait for the other ranks at any exchange before failing (default 600)")
     output_options(p, "", "ab-<timestamp>", quiet=False)
 
 
@@ -88,8 +98,11 @@ def run(args) -> int:
     if not args.checkpoint and variants:
         args.checkpoint = variants.pop(0)[1]
     mode = args.weights_mode or "streamed"
-    weights, label = load_weights(args.checkpoint, mode=mode, devices=place.model_devices)
-    others = {n: load_weights(path, mode=mode, devices=place.model_devices)[0] for n, path in variants}
+    stage = _stage(args, mode) if args.distributed is not None else None
+    layers = stage.layers if stage is not None else None
+    devices = [str(stage.device)] if stage is not None and stage.device.type == "cuda" else place.model_devices
+    weights, label = load_weights(args.checkpoint, mode=mode, devices=devices, layers=layers)
+    others = {n: load_weights(path, mode=mode, devices=devices, layers=layers)[0] for n, path in variants}
     for n, w in others.items():
         diff = weights.cfg.differences(w.cfg)
         if diff:
@@ -109,17 +122,37 @@ def run(args) -> int:
                              prompts_per_length=per_length, decode_steps=args.decode_steps,
                              seed=args.seed, shapley_top=args.shapley_top, n_boot=args.n_boot,
                              floor_k=args.floor_k, vs=args.vs, keep=tuple(args.keep), checkpoint=label,
-                             prompts_file=args.prompts, devices=place.devices,
+                             prompts_file=args.prompts,
+                             devices=tuple(devices) if devices else place.devices,
                              accumulate=str(place.compute_dtype).replace("torch.", ""),
                              activation_budget=budget, weights_variants=tuple(variants),
                              schedule=args.schedule)
+    writer = stage is None or stage.first           # rank 0 alone prints and writes
     try:
-        res = run_ab(weights, settings, args.out, args.run_id,
-                     progress=lambda m: print(m, file=sys.stderr, flush=True), tokenizer=tokenizer,
-                     variants=others)
+        res = run_ab(weights, settings, args.out if writer else None, args.run_id,
+                     progress=(lambda m: print(m, file=sys.stderr, flush=True)) if writer else None,
+                     tokenizer=tokenizer, variants=others, stage=stage)
     except ValueError as e:              # unknown arm/toggle, bad parameters
         raise CommandError(str(e)) from None
+    finally:
+        if stage is not None:
+            from fidelity.pipeline import shutdown
+            shutdown()
+    if not writer:
+        return 0
     print(res["verdict"]["sentence"])
     print(res["summary"].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"report: {res['path']}")
     return 0
+
+
+def _stage(args, mode):
+    """This rank's pipeline stage (fidelity.pipeline), from the checkpoint's config."""
+    from fidelity.pipeline import init_stage
+    from fidelity.weights.source import checkpoint_config
+    from fidelity.weights.sizes import parse_bytes
+    try:
+        budget = parse_bytes(args.device_memory) if args.device_memory else None
+    except ValueError as e:
+        raise CommandError(f"--device-memory: {e}") from None
+    return init_stage(checkpoint_config(args.checkpoint), args.dist_timeout, args.distributed or None, budget)

@@ -17,6 +17,7 @@ HELP = ("Plan memory per device for a run (weights, dequant buffers, KV/compress
 EXAMPLES = """\
     fidelity plan-memory --preset flash --devices cuda:0,cuda:1,cuda:2,cuda:3,cuda:4,cuda:5,cuda:6,cuda:7 --device-memory 96GB --length 65536
     fidelity plan-memory --checkpoint /models/DeepSeek-V4-Flash --devices cuda:0 --device-memory 141GB --length 8192
+    fidelity plan-memory --checkpoint /models/DeepSeek-V4-Pro --devices cuda:0,cuda:1,cuda:2,cuda:3,cuda:4,cuda:5,cuda:6,cuda:7 --device-memory 96GB --nodes 2 --length 65536   # two nodes, one rank per GPU
 """
 
 
@@ -51,6 +52,9 @@ def add_arguments(p):
                         "compute; reference-fp32; exact) (default reference)")
     p.add_argument("--logits", choices=LOGITS_MODES, default="all",
                    help="prefill logits for every position (the lockstep's KLD) or the last only")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="the --devices are one node's, repeated on this many nodes: a torchrun "
+                        "pipeline, one rank per device (fidelity ab --distributed; default 1)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
@@ -78,7 +82,8 @@ def run(args) -> int:
         cfg = load_config(args)
         mem = args.device_memory.split(",") if args.device_memory else None
         plan = plan_memory(cfg, args.devices, args.length, args.prompts, args.arms, args.weights,
-                           mem, profile=args.profile, dequant=args.dequant, logits=args.logits)
+                           mem, profile=args.profile, dequant=args.dequant, logits=args.logits,
+                           nodes=args.nodes)
     except (PlanError, ConfigError) as e:
         raise CommandError(str(e)) from None
     print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))

@@ -311,13 +311,15 @@ def plan_memory(cfg: ModelConfig, devices, length: int, prompts: int = 1, arms: 
                 weights_mode: str = "resident-quantised", device_memory=None, *,
                 profile="reference", dequant: str = "full", logits: str = "all",
                 chunk_tokens: int = 2048,
-                attn_budget: int = 1 << 25, advise: bool = True) -> MemoryPlan:
+                attn_budget: int = 1 << 25, advise: bool = True, nodes: int = 1) -> MemoryPlan:
     """Bytes per device for a pass of `prompts` x `arms` sequences of `length` tokens (see the
     module docstring for each term). `devices`: list or comma string of cpu / cuda:N;
     `device_memory`: bytes or a size string ('96GB') per device, a list of them, or None to
     read CUDA devices' total memory. Raises PlanError on bad input. When the plan does not
     fit and `advise`, `advice` says what would: fewer prompts per pass, a shorter length,
-    more devices, streamed weights, last-position logits."""
+    more devices, streamed weights, last-position logits. `nodes`: the devices are one
+    node's, repeated on each of `nodes` nodes (a torchrun pipeline, fidelity.pipeline: one
+    rank per device, labelled DEV@nodeK)."""
     # the public entry keeps one parameter per `plan-memory` option (keyword-only past
     # device_memory); inside, they travel as PassSpec + PlanNumerics
     try:
@@ -325,14 +327,16 @@ def plan_memory(cfg: ModelConfig, devices, length: int, prompts: int = 1, arms: 
     except DeviceError as e:
         raise PlanError(str(e)) from None
     _check_modes(weights_mode, dequant, logits)
-    for name, v in (("length", length), ("prompts", prompts), ("arms", arms)):
+    for name, v in (("length", length), ("prompts", prompts), ("arms", arms), ("nodes", nodes)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise PlanError(f"{name} must be a positive integer, got {v!r}")
     if length > cfg.max_seq_len:
         raise PlanError(f"length {length} exceeds the config's max_seq_len {cfg.max_seq_len} "
                         f"(by {length - cfg.max_seq_len} tokens)")
-    spec = PassSpec(devices, tuple(device_budgets(list(devices), device_memory)), length,
-                    prompts, arms, weights_mode, dequant, logits)
+    budgets = device_budgets(list(devices), device_memory) * nodes
+    if nodes > 1:
+        devices = tuple(f"{d}@node{k}" for k in range(nodes) for d in devices)
+    spec = PassSpec(devices, tuple(budgets), length, prompts, arms, weights_mode, dequant, logits)
     nx = PlanNumerics(profile if isinstance(profile, StateDtypes) else state_dtypes(profile),
                       profile if isinstance(profile, str) else "custom", chunk_tokens, attn_budget)
     plan = _plan(cfg, spec, nx)

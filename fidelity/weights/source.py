@@ -49,11 +49,13 @@ def resolve_checkpoint(checkpoint: str | Path) -> Path:
     return path
 
 
-def load_weights(checkpoint: str | None, device: str = "cpu", mode: str = "streamed", devices=None):
+def load_weights(checkpoint: str | None, device: str = "cpu", mode: str = "streamed", devices=None,
+                 layers: range | None = None):
     """Returns (WeightSource, label for the manifest). A checkpoint is `streamed` (one
     dequantised layer resident; each pass re-reads it), `resident-quantised` (the
-    checkpoint's own tensors resident on `devices`, dequantised on use) or `dense` (all
-    dequantised in memory). Raises WeightsError."""
+    checkpoint's own tensors resident on `devices`, dequantised on use; with `layers`, a
+    pipeline stage's, only those layers are read) or `dense` (all dequantised in memory).
+    Raises WeightsError."""
     if checkpoint:
         path = resolve_checkpoint(checkpoint)
         if not path.exists():
@@ -61,13 +63,30 @@ def load_weights(checkpoint: str | None, device: str = "cpu", mode: str = "strea
         if mode not in WEIGHT_MODES:
             raise WeightsError(f"weights mode must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
         if mode == "resident-quantised":
-            return QuantisedResidentWeights(path, device=device, devices=devices), f"{path} (resident-quantised)"
+            return (QuantisedResidentWeights(path, device=device, devices=devices, layers=layers),
+                    f"{path} (resident-quantised)")
         if mode == "dense":
             return load_checkpoint(path, device=device), f"{path} (dense)"
         return StreamingWeights(path, device=device), str(path)
     if (EMBEDDED / "config.json").is_file():
         return load_checkpoint(EMBEDDED, device=device), "embedded:tiny-needle"
     return random_weights(tiny(), 0), "embedded:tiny-random(seed=0)"
+
+
+def checkpoint_config(checkpoint: str | None):
+    """The model config a command will run, read without loading weights (a pipeline
+    stage needs it to know its layers before it reads them)."""
+    from reference_model.config import ModelConfig
+    root = resolve_checkpoint(checkpoint) if checkpoint else EMBEDDED
+    for p in (root / "config.json", root / "inference" / "config.json"):
+        if p.is_file():
+            try:
+                return ModelConfig.from_file(p)
+            except ValueError as e:
+                raise WeightsError(f"{p}: {e}") from None
+    if checkpoint:
+        raise WeightsError(f"checkpoint not found or without config.json: {root}")
+    return tiny()
 
 
 def load_tokenizer_for(checkpoint: str | None):
