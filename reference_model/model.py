@@ -132,7 +132,9 @@ class Model:
 
     def extend(self, tokens, state: SequenceState | None = None, logits: str = "last",
                taps: Taps | None = None, phase: str | None = None):
-        """Run new tokens; returns (logits, state). logits: 'last', 'all' or 'none'."""
+        """Run new tokens; returns (logits, state). logits: 'last', 'all', 'none', or
+        'hidden' (the residual streams the head would read, so a caller can run the head a
+        chunk of positions at a time and never hold [tokens, vocab] logits)."""
         state = state or self.new_state()
         tokens = self.check_tokens(tokens, state)
         if phase is None:
@@ -141,7 +143,9 @@ class Model:
         for i in range(self.cfg.n_layers):
             H = self.layer(i, H, tokens, state, taps, phase)
         out = None
-        if logits != "none":
+        if logits == "hidden":
+            out = H
+        elif logits != "none":
             out = self.head(H if logits == "all" else H[-1:], taps)
         state.pos += tokens.numel()
         return out, state

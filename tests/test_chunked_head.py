@@ -87,3 +87,26 @@ def test_row_stats_summaries_equal_whole_tensor_metrics(monkeypatch):
     assert M.logits_summary(rows) == whole and whole["n"] == 23
     arm[2, 0] = math.nan
     assert not M.logits_summary(HD.row_stats(ref, arm))["finite"]
+
+
+def test_inprocess_kld_scorer_reads_the_head_a_chunk_at_a_time(weights, monkeypatch):
+    """fidelity kld's in-process arm: its per-position distributions equal log-softmax of
+    the whole-prompt logits, and no head call sees more than the model's chunk."""
+    import numpy as np
+
+    from fidelity.kld.dialects import Request
+    from fidelity.kld.inprocess import InProcessScorer
+    ids = _prompts()[0].tokens.tolist()
+    want = torch.log_softmax(Model(weights, Numerics("reference")).prefill_logits(torch.tensor(ids)).double(), -1)
+    sc = InProcessScorer("golden", Numerics("reference"), weights)
+    sc.model.chunk_tokens = 16
+    seen = []
+    real = Model.head
+    monkeypatch.setattr(Model, "head", lambda self, H, taps=None: seen.append(H.shape[0]) or real(self, H, taps))
+    s = sc.score(ids, Request(k=20, steps=2, captures=False))
+    rows = np.stack([k.logp for k in s.known])
+    assert rows.shape == tuple(want.shape) and max(seen) == 16
+    np.testing.assert_array_equal(rows, want.numpy())
+    assert s.actual[:-1] == [float(want[j, ids[j + 1]]) for j in range(len(ids) - 1)]
+    tail = s.known[-3:]
+    assert len(tail) == 3 and np.array_equal(tail[2].logp, want[-1].numpy())

@@ -71,11 +71,13 @@ def teacher_forced(model, prompt: list[int], reply: Reply) -> tuple[list[float],
     prompt and the engine's tokens, ROWS logits rows at a time."""
     ids = torch.tensor(prompt + reply.tokens[:-1])
     with torch.no_grad():
-        logits, _ = model.extend(ids, None, "all")
+        H, _ = model.extend(ids, None, "hidden")       # the head runs ROWS positions at a time
     start = len(prompt) - 1
     kl, rank = [], []
     for a in range(0, len(reply.tokens), ROWS):
-        lp = torch.log_softmax(logits[start + a:start + a + ROWS].double(), -1).numpy()
+        with torch.no_grad():
+            logits = model.head(H[start + a:start + a + ROWS])
+        lp = torch.log_softmax(logits.double(), -1).numpy()
         for j, row in enumerate(lp):
             t = a + j
             ref = Known(np.arange(len(row)), row)

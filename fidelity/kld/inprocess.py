@@ -1,11 +1,17 @@
 """An arm computed here rather than served: the reference model under a toggle arm, with
 the whole vocabulary known at every position (so KL against it is exact), a greedy decode
 ladder, and the same captures a served arm returns. Used as the baseline when the served
-model is one we can run (the embedded model or --checkpoint)."""
+model is one we can run (the embedded model or --checkpoint).
+
+The per-position distributions are `HeadRows`: the head runs over a chunk of positions
+when a row of it is first read, so a long prompt never holds [tokens, vocab] log-probs
+(the score store keeps the top ids of each row as it iterates)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from collections.abc import Sequence
 
 from reference_model import Model
 from reference_model.schedule import ONESHOT
@@ -23,6 +29,38 @@ def capture_shape(cfg) -> dict:
     return {"indexer_layers": [i for i, r in enumerate(cfg.compress_ratios) if r == 4],
             "index_topk": cfg.index_topk, "num_hidden_layers": cfg.n_layers,
             "num_experts_per_tok": cfg.n_activated_experts}
+
+
+class HeadRows(Sequence):
+    """Known log-probs per position, from the final residual streams `H` (Model.extend's
+    'hidden'), computed `chunk` positions at a time: the current chunk is the only one
+    held. Slices are lazy views; iteration walks the chunks in order."""
+
+    def __init__(self, model, H: torch.Tensor, chunk: int, start: int = 0, stop: int | None = None,
+                 cache: list | None = None):
+        self.model, self.H, self.chunk = model, H, chunk
+        self.start, self.stop = start, H.shape[0] if stop is None else stop
+        self._cache = cache if cache is not None else [None, None]     # [chunk start, rows], shared by views
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            a, b, step = j.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(a, b, step)]
+            return HeadRows(self.model, self.H, self.chunk, self.start + a, self.start + max(a, b), self._cache)
+        if j < 0:
+            j += len(self)
+        if not 0 <= j < len(self):
+            raise IndexError(j)
+        j += self.start
+        a = j - j % self.chunk
+        if self._cache[0] != a:
+            self._cache[:] = [None, None]                       # drop the old chunk first
+            self._cache[:] = [a, InProcessScorer._full(self.model.head(self.H[a:a + self.chunk]))]
+        return self._cache[1][j - a]
 
 
 class InProcessScorer:
@@ -52,10 +90,10 @@ class InProcessScorer:
 
     def score(self, ids: list[int], req: Request) -> PromptScores:
         taps = Taps(CAPTURE_TAPS) if req.captures else None
-        logits, st = self.model.extend(torch.tensor(ids), None, "all", taps)
-        known = self._full(logits)
+        H, st = self.model.extend(torch.tensor(ids), None, "hidden", taps)
+        known = HeadRows(self.model, H, self.model.chunk_tokens)
         n = len(ids)
-        actual = [float(known[j].logp[ids[j + 1]]) for j in range(n - 1)] + [None]
+        actual = [float(k.logp[t]) for k, t in zip(known, ids[1:])] + [None]
         ladder, toks = [known[-1]], []
         for t in range(req.steps):
             toks.append(int(np.argmax(ladder[-1].logp)))
