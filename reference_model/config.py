@@ -98,6 +98,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict, name: str = "custom") -> "ModelConfig":
         """Accept HF `config.json` keys, `ModelArgs` keys, or our own field names."""
+        _refuse_v41(d)
         if "hidden_size" in d or "num_hidden_layers" in d:
             return from_hf_dict(d, name)
         if "dim" in d or "n_layers" in d:
@@ -115,6 +116,25 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
         return cls.from_dict(d, name=path.parent.name or "custom")
+
+
+def _refuse_v41(d) -> None:
+    """A DeepSeek-V4.1 config (model_type, or V4.1-only fields such as kv_source_layer_ids,
+    engram_layer_ids, ratio 1) must not be misread as V4: point to V4.1 support instead."""
+    if not isinstance(d, dict):
+        return
+    from .v41.config import declared_v41, v41_markers
+    marks = v41_markers(d)
+    if not marks:
+        return
+    mt = d.get("model_type")
+    if not declared_v41(d) and mt is not None:
+        raise ConfigError(f"model_type says {mt!r} but the fields are DeepSeek-V4.1's "
+                          f"({', '.join(marks)}): a V4.1 config mislabelled as V4? Fix "
+                          "model_type and load it with reference_model.v41.config.V41Config")
+    raise ConfigError(f"this is a DeepSeek-V4.1 config ({', '.join(marks)}), which the V4 "
+                      "loader does not read; load it with reference_model.v41.config.V41Config "
+                      "(or v41.config.any_config_from_file for either version)")
 
 
 # ---- key maps: our field <- (HF key, ModelArgs key) ------------------------------------

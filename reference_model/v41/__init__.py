@@ -1,0 +1,20 @@
+"""DeepSeek-V4.1 in the golden: what V4.1 adds to the V4 code base, one module per job
+(docs/v41-architecture.md is the spec).
+
+    config       V41Config from either config dialect, validated; presets v41_flash, tiny_v41
+    engram       Engram constants: prime bucket layout, hash multipliers, compressed vocabulary
+    specs        the V4.1 tensor table in DeepSeek-native names (32x32 FP8, Engram tables)
+    checkpoint_format / checkpoint_read / checkpoint_write
+                 V4.1 safetensors entries, scan + validate + load, and a writer for tests
+    weights      seeded random weights for any V4.1 config
+    sizes        tensor bytes and per-sequence state for `fidelity plan-memory`
+    kernels      the new steps as pure functions (Engram, compressors, indexer, candidates,
+                 lagged mHC, KV fake-quant), called through the seam by the V4.1 model
+
+V4 stays in reference_model/*.py; `is_v41(cfg)` tells the two apart."""
+from __future__ import annotations
+
+
+def is_v41(cfg) -> bool:
+    """Is this a DeepSeek-V4.1 config object (V41Config) rather than V4's ModelConfig?"""
+    return getattr(cfg, "version", "v4") == "v4.1"
