@@ -167,6 +167,11 @@ def _shard_files(root: Path, problems: list[str]):
 def _hints(cfg: ModelConfig, names: set[str]) -> list[str]:
     """Point at the config field when the tensors imply a different model size."""
     out = []
+    from .v41.checkpoint_format import v41_signatures       # a V4.1 checkpoint under a V4 config
+    v41 = v41_signatures(names) if getattr(cfg, "version", "v4") == "v4" else []
+    if len(v41) >= 2:                                        # one stray name is just unexpected
+        out.append(f"config says DeepSeek-V4 but tensors are DeepSeek-V4.1's ({', '.join(v41)}): "
+                   "a V4.1 checkpoint mislabelled as V4? (reference_model.v41 reads V4.1)")
     layers = {int(n.split(".")[1]) for n in names if n.startswith("layers.") and n.split(".")[1].isdigit()}
     if layers and max(layers) + 1 != cfg.n_layers:
         out.append(f"config mismatch: checkpoint has layers 0..{max(layers)} "

@@ -170,16 +170,30 @@ class CheckpointWriter:
         self.problems: list[str] = []
         self.closed = False
 
+    # -- per-version hooks (reference_model/v41/checkpoint_write.py overrides them) --
+    def _specs(self, i: int | None = None) -> list[TensorSpec]:
+        """The globals' specs (i None) or layer i's."""
+        return global_specs(self.cfg) if i is None else layer_specs(self.cfg, i)
+
+    def _input_problems(self, spec: TensorSpec, t) -> list[str]:
+        return _input_problems(spec, t)
+
+    def _encode(self, spec: TensorSpec, t) -> dict[str, torch.Tensor]:
+        return encode(spec, t)
+
+    def _config_dict(self) -> dict:
+        return hf_config_dict(self.cfg)
+
     # -- input --
     def write_globals(self, tensors: dict[str, torch.Tensor]):
-        self._write("globals", global_specs(self.cfg), tensors, "")
+        self._write("globals", self._specs(), tensors, "")
 
     def write_layer(self, i: int, tensors: dict[str, torch.Tensor]):
         """`tensors` keyed like WeightSource.layer_weights (no `layers.{i}.` prefix)."""
         if not 0 <= i < self.cfg.n_layers:
             self.problems.append(f"layer {i} out of range 0..{self.cfg.n_layers - 1}")
             return
-        self._write(f"layer {i}", layer_specs(self.cfg, i), tensors, f"layers.{i}.")
+        self._write(f"layer {i}", self._specs(i), tensors, f"layers.{i}.")
 
     def _write(self, what, specs, tensors, prefix):
         if what in self._done:
@@ -194,12 +208,12 @@ class CheckpointWriter:
             if k not in tensors:
                 self.problems.append(f"missing tensor: {s.name}")
                 continue
-            errs = _input_problems(s, tensors[k])
+            errs = self._input_problems(s, tensors[k])
             if errs:
                 self.problems += errs
                 continue
             if not self.problems:          # after the first problem only validate
-                self._add(encode(s, tensors[k]))
+                self._add(self._encode(s, tensors[k]))
 
     def _add(self, entries: dict[str, torch.Tensor]):
         nbytes = sum(t.numel() * t.element_size() for t in entries.values())
@@ -238,7 +252,7 @@ class CheckpointWriter:
             index = {"metadata": {"total_size": sum(self._sizes.values())},
                      "weight_map": dict(sorted(weight_map.items(), key=lambda kv: natural_key(kv[0])))}
             (self.tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-            (self.tmp / "config.json").write_text(json.dumps(hf_config_dict(self.cfg), indent=2) + "\n")
+            (self.tmp / "config.json").write_text(json.dumps(self._config_dict(), indent=2) + "\n")
             self._publish()
         except BaseException:
             self.abort()

@@ -13,7 +13,9 @@ from fidelity.errors import CommandError
 from reference_model.checkpoint import CheckpointError, scan_checkpoint
 from reference_model.checkpoint_format import INDEX_NAME, expected_entries
 from reference_model.checkpoint_read import _quant_problems
-from reference_model.config import ConfigError, ModelConfig
+from reference_model.config import ConfigError
+from reference_model.v41 import checkpoint_format as v41_format, checkpoint_read as v41_read, is_v41
+from reference_model.v41.config import any_config_from_dict
 
 HELP = "show a checkpoint's config, layer schedule and tensor table (headers only)"
 EXAMPLES = """\
@@ -133,10 +135,10 @@ def config_summary(root: Path, all_tensors: bool = False) -> dict:
         raw = json.loads(cfg_file.read_text())
         if not isinstance(raw, dict):
             raise ConfigError("not a JSON object")
-        cfg = ModelConfig.from_dict(raw, name=root.name or "custom")
+        cfg = any_config_from_dict(raw, name=root.name or "custom")     # V4 or V4.1
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise ConfigError(f"{cfg_file} is invalid: {e}") from None
-    ents = expected_entries(cfg)
+    ents = v41_format.expected_entries(cfg) if is_v41(cfg) else expected_entries(cfg)
     per_layer: dict[int, list[int]] = {}
     dtypes: dict[str, list[int]] = {}
     table: dict[tuple, list[int]] = {}
@@ -165,7 +167,7 @@ def config_summary(root: Path, all_tensors: bool = False) -> dict:
                     for (n, d, shp), (c, b) in table.items()],
         "total_tensors": len(ents),
         "total_bytes": sum(e.nbytes for e in ents.values()),
-        "problems": _quant_problems(raw),
+        "problems": v41_read.quant_problems(raw) if is_v41(cfg) else _quant_problems(raw),
     }
 
 
@@ -201,8 +203,9 @@ def run(args) -> int:
             raise CommandError(str(e)) from None
         print(json.dumps(s, indent=2) if args.json else render_config_only(s))
         return 1 if s["problems"] else 0
+    scan = v41_read.scan_checkpoint if v41_read.is_v41_checkpoint(args.checkpoint) else scan_checkpoint
     try:
-        info = scan_checkpoint(args.checkpoint, strict=False)
+        info = scan(args.checkpoint, strict=False)
     except CheckpointError as e:
         raise CommandError(str(e)) from None
     s = summary(info)

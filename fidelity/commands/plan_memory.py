@@ -17,6 +17,7 @@ HELP = ("Plan memory per device for a run (weights, dequant buffers, KV/compress
 EXAMPLES = """\
     fidelity plan-memory --preset flash --devices cuda:0,cuda:1,cuda:2,cuda:3,cuda:4,cuda:5,cuda:6,cuda:7 --device-memory 96GB --length 65536
     fidelity plan-memory --checkpoint /models/DeepSeek-V4-Flash --devices cuda:0 --device-memory 141GB --length 8192
+    fidelity plan-memory --preset v41-flash --devices cuda:0,cuda:1,cuda:2,cuda:3,cuda:4,cuda:5,cuda:6,cuda:7 --device-memory 141GB --length 65536
     fidelity plan-memory --checkpoint /models/DeepSeek-V4-Pro --devices cuda:0,cuda:1,cuda:2,cuda:3,cuda:4,cuda:5,cuda:6,cuda:7 --device-memory 96GB --nodes 2 --length 65536   # two nodes, one rank per GPU
 """
 
@@ -28,7 +29,8 @@ def add_arguments(p):
     src.add_argument("--checkpoint", metavar="DIR",
                      help="checkpoint directory (only its config.json is read)")
     src.add_argument("--config", metavar="FILE", help="a config.json (HF or inference/ dialect)")
-    src.add_argument("--preset", choices=("flash", "tiny"), help="a built-in config")
+    src.add_argument("--preset", choices=("flash", "tiny", "v41-flash", "tiny-v41"),
+                     help="a built-in config (v41-flash: DeepSeek-V4.1-Flash's published config)")
     p.add_argument("--devices", default="cpu",
                    help="comma-separated cpu / cuda / cuda:N; layers are placed contiguously "
                         "over them in this order (default: cpu)")
@@ -60,17 +62,18 @@ def add_arguments(p):
 
 def load_config(args):
     """The config named by --checkpoint / --config / --preset (ConfigError on failure)."""
-    from reference_model.config import ConfigError, ModelConfig, preset
+    from reference_model.config import ConfigError, preset
+    from reference_model.v41 import config as v41
     if args.preset:
-        return preset(args.preset)
-    if args.config:
-        return ModelConfig.from_file(args.config)
+        return v41.preset(args.preset) if args.preset in v41.PRESETS else preset(args.preset)
+    if args.config:                      # either version: V4.1 by model_type / its fields
+        return v41.any_config_from_file(args.config)
     root = Path(args.checkpoint)
     if not root.is_dir():
         raise ConfigError(f"checkpoint directory does not exist: {root}")
     for p in (root / "config.json", root / "inference" / "config.json"):
         if p.is_file():
-            cfg = ModelConfig.from_file(p)
+            cfg = v41.any_config_from_file(p)
             return cfg if cfg.name != "inference" else cfg.replace(name=root.name)
     raise ConfigError(f"{root}: no config.json (or inference/config.json)")
 

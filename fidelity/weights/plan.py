@@ -52,6 +52,9 @@ from reference_model.config import ModelConfig
 from reference_model.numerics import Numerics
 from reference_model.placement import MEM_BYTES, place_layers
 from reference_model.specs import FP4, FP8, TensorSpec, global_specs, layer_specs
+from reference_model.v41 import is_v41
+from reference_model.v41 import sizes as v41_sizes
+from reference_model.v41.specs import global_specs as v41_global_specs
 
 from .sizes import parse_bytes
 
@@ -151,12 +154,21 @@ def _is_routed_expert(name: str) -> bool:
 
 
 def layer_weight_bytes(cfg: ModelConfig, i: int, mode: str) -> int:
+    if is_v41(cfg):
+        return _layer_table(cfg)[i]["quantised" if mode == "quantised" else "bf16"]
     return sum(spec_bytes(s, mode) for s in layer_specs(cfg, i))
+
+
+def _global_specs(cfg) -> list[TensorSpec]:
+    """The globals of the config's version (V4.1: no hc_head; reference_model/v41)."""
+    return v41_global_specs(cfg) if is_v41(cfg) else global_specs(cfg)
 
 
 def dequant_buffer_bytes(cfg: ModelConfig, i: int, mode: str = "full", tokens: int = 0) -> int:
     """bf16 bytes of layer i's FP8/FP4 tensors dequantised for use; 'expert-sparse' counts
     the routed experts a pass of `tokens` tokens can reach (bounded by n_routed_experts)."""
+    if is_v41(cfg):
+        return _dequant(_layer_table(cfg)[i]["dequant"], cfg, mode, tokens)
     return _dequant(_dequant_parts(layer_specs(cfg, i), i), cfg, mode, tokens)
 
 
@@ -206,6 +218,8 @@ def sequence_state_elements(cfg: ModelConfig, i: int, length: int) -> dict[str, 
 
 def sequence_state_bytes(cfg: ModelConfig, i: int, length: int, dt: StateDtypes) -> int:
     """Bytes of layer i's state for one sequence of `length` tokens."""
+    if is_v41(cfg):                      # shared compressed KV, Engram history (v41/sizes.py)
+        return v41_sizes.sequence_state_bytes(cfg, i, length, dt)
     e = sequence_state_elements(cfg, i, length)
     return ((e["window"] + e["comp_kv"]) * dt.kv + (e["comp"] + e["index_comp"]) * dt.compressor
             + e["index_keys"] * dt.index_keys)
@@ -360,6 +374,9 @@ def _layer_table(cfg: ModelConfig) -> list[dict]:
     if key not in _CACHE:
         rows = []
         for i in range(cfg.n_layers):
+            if is_v41(cfg):
+                rows.append(v41_sizes.layer_row(cfg, i))
+                continue
             specs = layer_specs(cfg, i)
             rows.append({"quantised": sum(spec_bytes(s, "quantised") for s in specs),
                          "bf16": sum(spec_bytes(s, "bf16") for s in specs),
@@ -390,7 +407,7 @@ class _PassSizes:
 def _pass_sizes(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics) -> _PassSizes:
     dt = nx.dtypes
     chunk = min(spec.length, nx.chunk_tokens)
-    gspecs = global_specs(cfg)
+    gspecs = _global_specs(cfg)
     return _PassSizes(
         table=_layer_table(cfg),
         first_g=[s for s in gspecs if s.name in FIRST_GLOBALS],
@@ -405,7 +422,7 @@ def _pass_sizes(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics) -> _PassSize
 
 def _plan(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics) -> MemoryPlan:
     sz = _pass_sizes(cfg, spec, nx)
-    gspecs = global_specs(cfg)
+    gspecs = _global_specs(cfg)
     ranges = place_layers([r[sz.wkey] for r in sz.table], len(spec.devices),
                           sum(spec_bytes(s, sz.wkey) for s in sz.first_g),
                           sum(spec_bytes(s, sz.wkey) for s in sz.last_g))

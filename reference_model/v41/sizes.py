@@ -1,0 +1,63 @@
+"""Bytes of a V4.1 model for `fidelity plan-memory` (fidelity/weights/plan.py asks here for
+V4.1 configs): per-layer weights in checkpoint and in-memory form, the dequantisation
+buffer parts, and one sequence's state per layer.
+
+Engram tables count at their checkpoint bytes in every mode: they are gathered row by row
+(24 rows per token per layer), never dequantised whole (v41/weights.EngramTable)."""
+from __future__ import annotations
+
+from ..specs import BF16, F32, FP4
+from .checkpoint_format import disk_entries
+from .specs import ENGRAM_TABLE, FP8_32, QUANTISED, layer_specs
+
+_MEM = {FP8_32: 2, FP4: 2, BF16: 2, F32: 4}          # held dequantised (bf16) or as stored
+ENGRAM_HISTORY_BYTES = 8                              # one int64 compressed id per position
+
+
+def spec_bytes(spec, mode: str) -> int:
+    """'quantised': every safetensors entry incl. scales; otherwise the in-memory form."""
+    if mode == "quantised" or spec.fmt == ENGRAM_TABLE:
+        return sum(e.nbytes for e in disk_entries(spec))
+    return spec.numel * _MEM[spec.fmt]
+
+
+def layer_row(cfg, i: int) -> dict:
+    """plan.py's per-layer row: weight bytes both ways, the largest GEMM weight (numel),
+    and the dequant buffer parts (all quantised tensors / all but routed experts / one
+    routed expert)."""
+    specs = layer_specs(cfg, i)
+    q = [s for s in specs if s.fmt in QUANTISED]
+    expert0 = f"layers.{i}.ffn.experts.0."
+    return {"quantised": sum(spec_bytes(s, "quantised") for s in specs),
+            "bf16": sum(spec_bytes(s, "bf16") for s in specs),
+            "largest": max((s.numel for s in specs if s.fmt != ENGRAM_TABLE), default=0),
+            "dequant": {"full": sum(s.numel * 2 for s in q),
+                        "base": sum(s.numel * 2 for s in q if ".ffn.experts." not in s.name),
+                        "expert": sum(s.numel * 2 for s in q if s.name.startswith(expert0))}}
+
+
+def sequence_state_elements(cfg, i: int, length: int) -> dict[str, int]:
+    """Elements of layer i's state after `length` tokens (doc §5.7):
+      window      min(length, window_size - 1) latents x head_dim        (every layer)
+      comp_kv     length // ratio compressed entries x head_dim          (KV sources)
+      comp        the open ratio-2 group: (length % 2) kv + score rows   (ratio-2 KV sources)
+      index_keys  length // ratio index keys x index_head_dim            (KV sources)
+      engram      one compressed id per position, kept by the model      (first Engram layer)"""
+    r = cfg.compress_ratios[i]
+    out = {"window": min(length, cfg.window_size - 1) * cfg.head_dim,
+           "comp_kv": 0, "comp": 0, "index_keys": 0, "engram": 0}
+    if i in cfg.kv_source_layers:
+        out["comp_kv"] = (length // r) * cfg.head_dim
+        out["index_keys"] = (length // r) * cfg.index_head_dim
+        if r == 2:
+            out["comp"] = 2 * (length % 2) * cfg.head_dim
+    if cfg.engram_layer_ids and i == cfg.engram_layer_ids[0]:
+        out["engram"] = length
+    return out
+
+
+def sequence_state_bytes(cfg, i: int, length: int, dt) -> int:
+    """Bytes of layer i's state for one sequence, in the profile's dtypes (plan.StateDtypes)."""
+    e = sequence_state_elements(cfg, i, length)
+    return ((e["window"] + e["comp_kv"]) * dt.kv + e["comp"] * dt.compressor
+            + e["index_keys"] * dt.index_keys + e["engram"] * ENGRAM_HISTORY_BYTES)
