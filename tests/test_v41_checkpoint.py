@@ -280,7 +280,17 @@ def test_plan_memory_v41_flash_preset_and_config(tmp_path, capsys):
     b = json.loads(capsys.readouterr().out)
     want = sum(e.nbytes for e in expected_entries(v41_flash()).values())
     assert a["totals"]["weights_quantised"] == b["totals"]["weights_quantised"] == want
+    # Engram tables count at their checkpoint bytes even with bf16-resident weights
+    assert b["totals"]["weights_bf16"] > want
     assert a["n_layers"] == 40 and "c1-reindex" in a["per_sequence"]["state_by_kind"]
+
+
+def test_plan_memory_from_a_v41_checkpoint(pristine, capsys):
+    argv = ["--devices", "cpu,cpu", "--device-memory", "1GB", "--length", "512", "--json"]
+    assert cli.main(["plan-memory", "--checkpoint", str(pristine), *argv]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"] == "tiny-v41" and plan["n_layers"] == 10
+    assert plan["totals"]["weights_quantised"] == sum(e.nbytes for e in expected_entries(tiny_v41()).values())
 
 
 def test_plan_memory_v41_state_matches_the_layout():

@@ -315,6 +315,18 @@ def test_compressed_kv_store_is_fp4_in_16_blocks_over_all_dims():
     assert torch.equal(K.compressed_kv_store(EXACT, x), x)
 
 
+def test_compressed_entries_rotate_at_the_groups_first_token():
+    c = tiny_v41()
+    lat = torch.randn(3, 128, generator=_g(21), dtype=torch.float64)
+    inv = EXACT.rope_inv_freq(c, 2)
+    e = K.compressed_entries(EXACT, lat, inv, torch.tensor([0, 1, 5]), 2)
+    for j, g in enumerate([0, 1, 5]):
+        assert torch.allclose(e[j], _rope_pairs(lat[j], 2 * g, inv), atol=1e-12)
+    r = K.compressed_entries(REF, REF.rs(lat), REF.rope_inv_freq(c, 2), torch.tensor([0, 1, 5]), 2)
+    assert torch.equal(r, K.compressed_kv_store(REF, K.rope(REF, REF.rs(lat), REF.rope_inv_freq(c, 2),
+                                                                torch.tensor([0, 2, 10]))))
+
+
 def _py_fp8_block(block):
     amax = max(max(abs(v) for v in block), 1e-4)
     s = 2.0 ** math.ceil(math.log2(amax / 448))

@@ -16,7 +16,7 @@ rounded where the reference rounds, as in V4's Numerics.
                   index_visible_mask, candidate_blocks, index_topk
     mHC (lagged)  identity_pre_mix, hc_mix, hc_collapse, lagged_block, head_collapse
     KV storage    window_kv_store (FP8, 1x32 ue8m0), compressed_kv_store (FP4, 1x16 e4m3
-                  scales), fp4_e4m3_qdq"""
+                  scales), compressed_entries (RoPE at j·r, then the store), fp4_e4m3_qdq"""
 from __future__ import annotations
 
 import torch
@@ -190,6 +190,12 @@ def rope(nx, x, inv_freq, positions, inverse: bool = False):
     """Interleaved RoPE on the last 2·len(inv_freq) dims at `positions`, storage-rounded."""
     table = P.rope_table(positions, inv_freq.to(positions.device))
     return nx.rs(P.apply_rope(x, table, inverse))
+
+
+def compressed_entries(nx, latent, inv_freq, groups, ratio: int):
+    """Compressed KV entries e_j of a KV source: its pre-RoPE latents rotated at the group's
+    first token j·ratio (compress RoPE table), then `compressed_kv_store`."""
+    return compressed_kv_store(nx, rope(nx, latent, inv_freq, groups.long() * ratio))
 
 
 # ---- indexer --------------------------------------------------------------------------------
