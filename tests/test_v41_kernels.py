@@ -433,6 +433,10 @@ def test_candidate_blocks_by_hand():
     assert K.index_topk(sc[:1], 3).tolist() == [[1, 4, 5]]
     # doc §9 D9: fewer candidates than k -> the missing picks are -1 (dropped)
     assert K.index_topk(sc[1:], 6, C[1:]).tolist() == [[0, 1, 2, 3, -1, -1]]
+    # before any compressed entry exists: empty mask, no picks
+    empty = torch.zeros(2, 0, dtype=torch.float64)
+    assert K.candidate_blocks(empty, pos, 1, 4, 2).shape == (2, 0)
+    assert K.index_topk(empty, 3).shape == (2, 0)
 
 
 def _py_candidates(row, t, ratio, B, kb):

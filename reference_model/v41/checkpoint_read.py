@@ -19,7 +19,7 @@ from ..checkpoint_format import CheckpointError, natural_key
 from ..checkpoint_read import (CheckpointInfo, _check_index, _find_config, _hints, _read_headers,
                                _shard_files, _ShardReader)
 from ..config import ConfigError
-from ..specs import BF16, F32, FP4
+from ..specs import BF16, F32
 from .checkpoint_format import (block128_scale, disk_entries, expected_entries, v4_signatures,
                                 v41_signatures)
 from .config import V41Config, from_dict, is_v41_dict
@@ -221,4 +221,4 @@ def load_checkpoint(path, device="cpu", cfg: V41Config | None = None) -> V41Weig
     return w
 
 
-__all__ = ["FP4", "is_v41_checkpoint", "load_checkpoint", "quant_problems", "scan_checkpoint"]
+__all__ = ["is_v41_checkpoint", "load_checkpoint", "quant_problems", "scan_checkpoint"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint_format import CheckpointError, natural_key
+from ..checkpoint_format import natural_key
 from ..checkpoint_write import CheckpointWriter, _input_problems as v4_input_problems
 from ..checkpoint_write import encode as v4_encode, encode_fp8
 from .checkpoint_format import disk_entries
@@ -98,4 +98,4 @@ def save_checkpoint(weights, out_dir, max_shard_bytes: int = 4 << 30,
         raise
 
 
-__all__ = ["CheckpointError", "V41CheckpointWriter", "encode", "hf_config_dict", "save_checkpoint"]
+__all__ = ["V41CheckpointWriter", "encode", "hf_config_dict", "save_checkpoint"]

@@ -237,6 +237,8 @@ def candidate_blocks(scores, positions, ratio: int, block: int, topk_blocks: int
     keep the top min(topk_blocks, n_blocks) blocks whose score is finite-or-+inf (ties by
     the lower block index); expand back to positions. `scores` are already visibility-masked."""
     c, n = scores.shape
+    if n == 0:                                   # no compressed entry yet
+        return torch.zeros(c, 0, dtype=torch.bool, device=scores.device)
     nb = -(-n // block)
     padded = F.pad(scores, (0, nb * block - n), value=float("-inf"))
     bs = padded.view(c, nb, block).amax(-1)
