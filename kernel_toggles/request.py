@@ -2,7 +2,9 @@
 it, so `fidelity serve` can reproduce each engine behaviour and each misconfiguration and
 `fidelity chat-check` can tell documented engine behaviour from a broken deployment.
 They replace the request seam (`chat_request`: the fields as read; `chat_render`: the
-template), never a numerics kernel. Facts: research engine-integration.md §3."""
+template, and the DSML dialect the answer's tool calls are read in), never a numerics
+kernel. Facts: research engine-integration.md §3, docs/v41-architecture.md §7. An engine
+bug on this seam (`v4_dsml_parser`) is category `known-bug`."""
 from __future__ import annotations
 
 import json
@@ -119,3 +121,20 @@ def _render_v32(req, add_generation_prompt) -> tuple[str, bool]:
     if add_generation_prompt:
         out.append("<｜Assistant｜>" + ("<think>" if thinking else "</think>"))
     return "".join(out), thinking
+
+
+@toggle("v4_dsml_parser", kernel="chat_render", wraps=True, _builtin=True, category="known-bug",
+        provenance=Provenance(("sglang", "vllm"),
+                              ("a V4 tool-call parser (--tool-call-parser deepseekv4 / deepseek_v4) "
+                               "serving a DeepSeek-V4.1 checkpoint",),
+                              ("docs/v41-architecture.md §7, §9 (v4_dsml_parser)",
+                               "sglang #40236: the V4 detector keys on <｜DSML｜tool_calls>; other "
+                               "block names come back as content"),
+                              unconfirmed="no engine release is known to have shipped a V4 parser "
+                                          "for V4.1; zero tool calls follows from the tag strings"),
+        description="Tool calls in a DeepSeek-V4.1 answer are read with V4's DSML parser "
+                    "(<｜DSML｜tool_calls>, <｜DSML｜invoke>) while V4.1 writes spaced tags "
+                    "(<｜DSML｜ calls>, <｜DSML｜ invoke>): no tool call is found, the markup comes "
+                    "back as content and finish_reason stays 'stop'. No effect on a V4 chat.")
+def _v4_dsml_parser(golden, req, generation="0731", add_generation_prompt=True):
+    return replace(golden.chat_render(req, generation, add_generation_prompt), dsml="v4")

@@ -3,7 +3,11 @@ every case renders as DeepSeek's encoder; each request toggle alone is flagged o
 the cases it changes (the expected set derived here from research engine-integration.md
 §3.3's rules, not from our renderer); an engine profile turns SGLang's documented reading
 into 'documented'; bad input: no tokenize route (counts, weaker), a tokenizer mismatch
-(stops), a server that errors on tools (reported per case, the run goes on)."""
+(stops), a server that errors on tools (reported per case, the run goes on). DeepSeek-V4.1
+(`--chat-version v41`, issue 25): a V4.1 server renders every case like the V4.1 reference
+and its tool call is read; the same server reading V4.1 output with V4's DSML parser
+(`v4_dsml_parser`) is named on the tool case; V4 and V4.1 servers checked as each other
+differ, tools named by their DSML tags."""
 import json
 
 import pandas as pd
@@ -13,6 +17,7 @@ from fidelity.chat_check.cases import all_cases
 from fidelity.cli import main
 
 from needle_util import served
+from test_chat_encoding_v41 import SCRIPT_PLUGIN
 
 CASES = {c.id: c for c in all_cases()}
 
@@ -176,3 +181,52 @@ def test_server_erroring_on_tools_is_reported_per_case(tmp_path):
     assert rc == 1 and set(err.case) == {cid for cid, c in CASES.items() if c.tools}
     assert err.detail.str.contains("tools are not supported").all()
     assert (df.status == "identical").sum() == len(CASES) - len(err)
+
+
+# ---- DeepSeek-V4.1 -----------------------------------------------------------------------------
+TOOL_PROBE = "nosys-tools-think=off-effort=absent"          # the tool case asked to answer at length
+
+
+@pytest.fixture(scope="module")
+def v41_servers(tmp_path_factory):
+    """One V4.1 server, two models: the golden rendering with a model that always answers
+    with a V4.1 DSML tool call (a test plugin), and the same with V4's DSML parser."""
+    plug = tmp_path_factory.mktemp("plugin") / "dsml_script.py"
+    plug.write_text(SCRIPT_PLUGIN)
+    with served("golden", extra=("--plugin", str(plug), "--chat-version", "v41", "--no-prefix-cache",
+                                 "--arm", "golden=dsml_script", "--arm", "buggy=dsml_script,v4_dsml_parser")) as (u,):
+        yield u
+
+
+def test_v41_server_renders_every_case_like_the_v41_reference(tmp_path, v41_servers):
+    rc, df, rep = _run(tmp_path, v41_servers, "v41", "--chat-version", "v41", "--model", "golden")
+    assert rc == 0 and set(df.status) == {"identical"} and len(df) == len(CASES)
+    checked = df.behaviour.dropna()
+    assert len(checked) >= 9 and (checked == "ok").all() and TOOL_PROBE in set(df[df.behaviour.notna()].case)
+    assert df[df.case == "nosys-notools-think=on-effort=max"].iloc[0].reference_state == "thinking, effort 100 preamble"
+    m = json.loads((rep / "manifest.json").read_text())
+    assert m["meta"]["chat_version"] == "v41" and "DeepSeek-V4.1 encoding" in (rep / "summary.md").read_text()
+
+
+def test_v4_dsml_parser_on_v41_output_is_named(tmp_path, v41_servers):
+    rc, df, rep = _run(tmp_path, v41_servers, "v41-bug", "--chat-version", "v41", "--model", "buggy")
+    assert rc == 1 and set(df.status) == {"identical"}              # the prompts are right
+    bad = df[df.behaviour.notna() & (df.behaviour != "ok")]
+    assert list(bad.case) == [TOOL_PROBE]
+    assert "v4_dsml_parser" in bad.iloc[0].behaviour and "no tool_calls" in bad.iloc[0].behaviour
+    assert "1 case(s) whose response does not behave" in (rep / "summary.md").read_text()
+
+
+def test_v4_and_v41_servers_checked_as_each_other_differ(tmp_path, servers, v41_servers):
+    rc, df, _ = _run(tmp_path, servers["golden"], "v4-as-v41", "--chat-version", "v41", "--no-behaviour")
+    trip = df[df.case == "tool-round-trip-think=on"].iloc[0]
+    assert rc == 1 and (df.status == "differs").sum() > 0
+    assert "tools are in DeepSeek-V4's DSML tags, not DeepSeek-V4.1's" in trip.detail
+    rc, df, _ = _run(tmp_path, v41_servers, "v41-as-v4", "--model", "golden", "--no-behaviour")
+    trip = df[df.case == "tool-round-trip-think=on"].iloc[0]
+    assert rc == 1 and "tools are in DeepSeek-V4.1's DSML tags, not DeepSeek-V4's" in trip.detail
+
+
+def test_v41_refuses_the_original_generation(tmp_path, capsys):
+    rc, df, _ = _run(tmp_path, "http://127.0.0.1:9", "bad", "--chat-version", "v41", "--generation", "original")
+    assert rc == 2 and df is None and "'original' is a DeepSeek-V4 checkpoint generation" in capsys.readouterr().err

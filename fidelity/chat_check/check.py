@@ -1,6 +1,6 @@
 """One case: the reference rendering (DeepSeek's encoder, the chosen checkpoint
-generation) tokenized by the engine's own raw-text tokenizer, against the ids the engine
-gives the same chat request; verdict per case:
+generation, or DeepSeek-V4.1's encoding) tokenized by the engine's own raw-text tokenizer,
+against the ids the engine gives the same chat request; verdict per case:
 
   identical     same ids
   documented    differs, but exactly as the named engine profile's documented reading
@@ -9,7 +9,12 @@ gives the same chat request; verdict per case:
                 the thinking state / effort preamble became (e.g. "medium -> no thinking")
   same-count    only counts were available and they agree (a weak check)
   error         the engine refused the request (reported, the run goes on)
-  undefined     the request has no reference for this generation (original + low/medium/xhigh)"""
+  undefined     the request has no reference for this generation (original + low/medium/xhigh)
+
+Behaviour (short completions): reasoning_content as the rendering says, and tool calls
+read: a tool case asked to answer without thinking must not come back with the model's
+DSML call block left in its content (an engine reading V4.1 output with V4's DSML parser
+finds no call: the `v4_dsml_parser` toggle)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,10 +24,14 @@ from reference_model import Numerics
 from reference_model.chat_encoding import ChatEncodingError, preamble_of, thinking_of
 
 from fidelity.kld.endpoint import EndpointError
+from fidelity.serve.tool_calls import DIALECTS, dialect_in
 
 PROFILES = {"sglang": "chat_sglang_0523", "vllm": "chat_vllm_033"}
 CONTEXT = 8                                     # tokens of decoded context on each side
 SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>")
+SYSTEM_V41 = "<｜System｜>"                   # V4.1's system token (in the tokenizer probe)
+TOOL_MAX_TOKENS = 256                         # a tool case's completion: room for one call
+DSML_NAMES = {"v4": "DeepSeek-V4", "v41": "DeepSeek-V4.1"}
 
 
 class TokenizerMismatch(RuntimeError):
@@ -34,6 +43,7 @@ class Reference:
     text: str
     thinking: bool
     preamble: str
+    dsml: str = "v4"                            # the DSML dialect the answer's tool calls use
 
 
 def reference(case, generation: str, nx=None) -> Reference | None:
@@ -46,7 +56,7 @@ def reference(case, generation: str, nx=None) -> Reference | None:
         if "not defined for the original" in str(e):
             return None
         raise
-    return Reference(r.text, r.thinking, r.preamble)
+    return Reference(r.text, r.thinking, r.preamble, r.dsml)
 
 
 def profile_numerics(engine_profile: str | None):
@@ -55,9 +65,10 @@ def profile_numerics(engine_profile: str | None):
     return ToggleSet.parse(PROFILES[engine_profile]).numerics()
 
 
-def check_specials(probe) -> None:
+def check_specials(probe, generation: str = "0731") -> None:
     """The engine's raw-text tokenizer must know DeepSeek-V4's special tokens; otherwise
-    nothing rendered by the reference can be compared."""
+    nothing rendered by the reference can be compared. Checking V4.1, the probe text
+    carries `<｜System｜>` too (so a tokenizer without it differs from ours there)."""
     bad = []
     for s in SPECIALS:
         ids = probe.raw_ids(s)
@@ -69,7 +80,7 @@ def check_specials(probe) -> None:
                                 "so its prompts cannot be compared with the reference rendering")
     local = probe.local
     if local is not None and probe.raw_route:
-        probe_text = SPECIALS[0] + "Tokenizer probe: 12345, naïve café."
+        probe_text = SPECIALS[0] + (SYSTEM_V41 if generation == "v41" else "") + "Tokenizer probe: 12345, naïve café."
         a, b = probe.raw_ids(probe_text), local.encode(probe_text)
         if a != b:
             raise TokenizerMismatch(f"the engine tokenizes a probe text to {a[:12]}..., our tokenizer "
@@ -112,14 +123,32 @@ def run_case(case, probe, generation: str, profile_nx=None) -> dict:
               f"{row['reference_state']} -> {row['engine_state']}")
     detail = (f"first difference at token {j} (engine {len(ids)} tokens, reference {len(ref_ids)}); "
               f"engine: ...{probe.decode(ids[lo:j + CONTEXT])!r}; reference: ...{probe.decode(ref_ids[lo:j + CONTEXT])!r}")
-    if case.tools and "｜DSML｜" not in eng_text:
-        detail += "; tools are not in DeepSeek-V4's DSML format"
+    if case.tools:
+        detail += _dsml_note(eng_text, ref)
     row.update(first_diff=j, became=became, detail=detail, status="differs")
     if profile_nx is not None:
         exp = reference(case, generation, profile_nx)
         if exp is not None and probe.raw_ids(exp.text) == ids:
             row["status"] = "documented"
     return row
+
+
+def _dsml_note(eng_text: str, ref: Reference) -> str:
+    """What the engine's prompt says about its tool format, when it is not the reference's."""
+    want = DIALECTS[ref.dsml]
+    if "｜DSML｜" not in eng_text:
+        return f"; tools are not in {DSML_NAMES[ref.dsml]}'s DSML format"
+    if want.opening not in eng_text:
+        other = next((n for n, d in DIALECTS.items() if d.opening in eng_text and n != ref.dsml), None)
+        if other:
+            return f"; tools are in {DSML_NAMES[other]}'s DSML tags, not {DSML_NAMES[ref.dsml]}'s"
+    return ""
+
+
+def tool_probe(case, ref: Reference | None) -> bool:
+    """A case whose completion is long enough for a tool call: the matrix's tool cases
+    rendered without thinking (a model thinking first may not reach its call)."""
+    return bool(case.tools) and case.kind == "matrix" and ref is not None and not ref.thinking
 
 
 def expected_reading(case, row: dict, generation: str, profile_nx=None) -> tuple[Reference | None, str]:
@@ -138,7 +167,7 @@ def behaviour(case, probe, ref: Reference | None, reading: str = "the reference"
     trip refused."""
     if ref is None:
         return "ok"
-    r = probe.complete(case)
+    r = probe.complete(case, TOOL_MAX_TOKENS if tool_probe(case, ref) else 4)
     if "error" in r:
         return f"completion failed: {r['error'][:200]}"
     try:
@@ -149,4 +178,22 @@ def behaviour(case, probe, ref: Reference | None, reading: str = "the reference"
         return f"thinking should be on ({reading}) but the response has no reasoning_content"
     if not ref.thinking and msg.get("reasoning_content"):
         return f"thinking should be off ({reading}) but the response has reasoning_content"
-    return "ok"
+    return (tool_calls_left_in_content(msg, ref.dsml) if case.tools else None) or "ok"
+
+
+def tool_calls_left_in_content(msg: dict, dsml: str) -> str | None:
+    """The problem when the model wrote a DSML call block but the response has no
+    tool_calls (the engine's parser did not read it), else None."""
+    found = dialect_in(msg.get("content"))
+    if found is None or msg.get("tool_calls"):
+        return None
+    if found == dsml == "v41":
+        return ("the model called a tool in DeepSeek-V4.1's DSML (<｜DSML｜ calls>) but the response "
+                "has no tool_calls: the markup came back as content, as a V4 DSML parser reading V4.1 "
+                "output leaves it (toggle v4_dsml_parser), or no tool parser is enabled")
+    if found == dsml:
+        return ("the model called a tool in DeepSeek-V4's DSML (<｜DSML｜tool_calls>) but the response "
+                "has no tool_calls: the markup came back as content (no DSML tool parser on the "
+                "serving path?)")
+    return (f"the response's content holds {DSML_NAMES[found]}'s DSML call block and no tool_calls, "
+            f"but the chat was rendered for {DSML_NAMES[dsml]}")

@@ -96,7 +96,7 @@ class ChatProbe:
         return f"<{len(ids)} ids>"
 
     def complete(self, case, max_tokens: int = 4) -> dict:
-        """A short chat completion of the case (behaviour checks)."""
+        """A short chat completion of the case (behaviour checks; longer for a tool call)."""
         try:
             return self._post("/v1/chat/completions", {**case.body(), "max_tokens": max_tokens,
                                                         "temperature": 0}, ok404=False)

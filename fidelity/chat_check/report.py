@@ -1,7 +1,7 @@
 """The chat-check report on the common page layout (verdict, a thinking × effort status
 grid, the failing cases first), cases.csv, and the run's
-manifest (endpoint, the engine's own view, generation, engine profile, how prompt ids were
-obtained). `failed` = any undocumented difference, error or behaviour problem."""
+manifest (endpoint, the engine's own view, chat version and generation, engine profile, how
+prompt ids were obtained). `failed` = any undocumented difference, error or behaviour problem."""
 from __future__ import annotations
 
 import re
@@ -77,11 +77,20 @@ def _next_steps(meta: dict, failed: bool) -> list[str]:
     if not meta.get("engine_profile"):
         return [f"fidelity chat-check --endpoint {url} --engine-profile sglang   # or vllm: judge "
                 "documented readings as documented"]
+    if failed and meta.get("chat_version") == "v41":
+        return [f"fidelity chat-check --endpoint {url} --engine-profile {meta['engine_profile']} "
+                "--chat-version v4   # if the deployment serves a DeepSeek-V4 checkpoint"]
     if failed:
         other = "original" if meta.get("generation") == "0731" else "0731"
         return [f"fidelity chat-check --endpoint {url} --engine-profile {meta['engine_profile']} "
                 f"--generation {other}   # if the checkpoint is the {other} generation (its effort tiers)"]
     return []
+
+
+def _encoding(meta: dict) -> str:
+    if meta.get("chat_version") == "v41":
+        return "DeepSeek-V4.1 encoding"
+    return f"DeepSeek-V4 generation `{meta['generation']}`"
 
 
 def write(rows: list[dict], meta: dict, out_dir, run_id: str):
@@ -111,7 +120,7 @@ def write(rows: list[dict], meta: dict, out_dir, run_id: str):
                  "refused) of all; '!' = a response that does not behave as its rendering says.")
         plt.close("all")
         compared = (f"Endpoint `{meta['endpoint']['url']}` (model `{meta['endpoint']['model']}`) against "
-                    f"DeepSeek's encoder (deepseek-recipe, generation `{meta['generation']}`) on {len(df)} chat "
+                    f"DeepSeek's encoder (deepseek-recipe, {_encoding(meta)}) on {len(df)} chat "
                     f"requests; engine profile `{meta['engine_profile'] or 'none'}`; prompt ids via "
                     f"`{meta['method']}`, raw text tokenized by `{meta['raw_tokenizer']}`.")
         page = Page("dsv4-fidelity chat-check", compared, [verdict + "."], ["status_grid"],

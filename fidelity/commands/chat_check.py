@@ -10,10 +10,11 @@ from fidelity.commands.options import http_options, output_options
 from fidelity.errors import CommandError
 
 HELP = ("Check that an engine renders chat requests (system, tools, thinking, reasoning effort, "
-        "multi-turn, tool results) exactly as DeepSeek's own encoder does; exit 1 on any "
-        "undocumented difference.")
+        "multi-turn, tool results) exactly as DeepSeek's own encoder does, and reads the tool calls "
+        "its model writes; exit 1 on any undocumented difference.")
 EXAMPLES = """\
     fidelity chat-check --endpoint http://127.0.0.1:30000 --engine-profile sglang   # exit 1 on an undocumented difference
+    fidelity chat-check --endpoint http://127.0.0.1:30000 --chat-version v41        # a DeepSeek-V4.1 deployment
 """
 
 
@@ -23,7 +24,11 @@ def add_arguments(p):
                    help="served model to check (default: the only one served; a server serving several "
                         "needs it)")
     p.add_argument("--generation", choices=("0731", "original"), default="0731",
-                   help="checkpoint generation of the reference's effort tiers (research §3.2)")
+                   help="DeepSeek-V4 checkpoint generation of the reference's effort tiers (research §3.2)")
+    p.add_argument("--chat-version", choices=("v4", "v41"), default="v4",
+                   help="model whose chat encoding is the reference: v4 (DeepSeek-V4) or v41 "
+                        "(DeepSeek-V4.1: spaced DSML tags, <｜System｜>, numeric reasoning effort; "
+                        "tool calls read in V4.1's DSML) (default v4)")
     p.add_argument("--engine-profile", choices=("sglang", "vllm"), default=None,
                    help="differences this engine is documented to make count as 'documented', not "
                         "failures, and those cases' responses are judged against the documented "
@@ -45,8 +50,13 @@ def run(args) -> int:
     from fidelity.chat_check.probe import WEAK, ChatProbe, ProbeError
     from fidelity.kld.endpoint import Endpoint, EndpointError
     from fidelity.progress import Progress
+    from reference_model.chat_encoding import ChatEncodingError, encoding_for
     from reference_model.tokenizer import load_tokenizer
 
+    try:
+        generation = encoding_for(args.chat_version, args.generation)
+    except ChatEncodingError as e:
+        raise CommandError(f"--chat-version {args.chat_version}: {e}") from None
     progress = Progress(args.quiet)
     try:
         tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
@@ -55,18 +65,19 @@ def run(args) -> int:
         probe = ChatProbe(ep, tok or load_tokenizer())
         cases = all_cases()
         prof = profile_numerics(args.engine_profile)
-        check_specials(probe)
+        check_specials(probe, generation)
         rows = []
         with progress.task("chat-check", len(cases)) as advance:
             for c in cases:
-                row = run_case(c, probe, args.generation, prof)
+                row = run_case(c, probe, generation, prof)
                 if not args.no_behaviour and (c.kind != "matrix" or (c.effort is None and not c.tags["system"])):
-                    row["behaviour"] = behaviour(c, probe, *expected_reading(c, row, args.generation, prof))
+                    row["behaviour"] = behaviour(c, probe, *expected_reading(c, row, generation, prof))
                 rows.append(row)
                 advance(1, c.id)
     except (EndpointError, ProbeError, TokenizerMismatch, ValueError) as e:
         raise CommandError(str(e)) from None
     meta = {"endpoint": ep.describe(), "server": ep.info, "generation": args.generation,
+            "chat_version": args.chat_version,
             "engine_profile": args.engine_profile, "method": probe.method,
             "weak": probe.method == WEAK, "raw_tokenizer": probe.raw_route or f"local {probe.local.name}",
             "command": " ".join(sys.argv)}

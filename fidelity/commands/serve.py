@@ -44,8 +44,12 @@ def add_arguments(p):
                         "(/generate) a request may ask for, -1 = the vocabulary (vLLM's "
                         "--max-logprobs; default 20)")
     p.add_argument("--generation", choices=("0731", "original"), default="0731",
-                   help="checkpoint generation whose reasoning-effort tiers the chat encoding "
-                        "uses (research engine-integration.md §3.2; default 0731)")
+                   help="DeepSeek-V4 checkpoint generation whose reasoning-effort tiers the chat "
+                        "encoding uses (research engine-integration.md §3.2; default 0731)")
+    p.add_argument("--chat-version", choices=("v4", "v41"), default="v4",
+                   help="chat encoding and tool-call format: v4 (DeepSeek-V4) or v41 (DeepSeek-V4.1: "
+                        "spaced DSML tags, <｜System｜>, numeric reasoning effort) (default v4; "
+                        "docs/serve.md)")
     p.add_argument("--page-size", type=int, default=64, metavar="TOKENS",
                    help="prefix-cache page: the sequence state is kept at every multiple of it "
                         "and a cached prefix ends on one (vLLM's --block-size, SGLang's "
@@ -82,6 +86,11 @@ def run(args) -> int:
     from fidelity.serve import Engine, ServeOptions, create_app, parse_arm_options
     from fidelity.devices import DeviceError, from_args
     from fidelity.weights.target import load_target
+    from reference_model.chat_encoding import ChatEncodingError, encoding_for
+    try:
+        generation = encoding_for(args.chat_version, args.generation)
+    except ChatEncodingError as e:
+        raise CommandError(f"--chat-version {args.chat_version}: {e}") from None
     try:
         place = from_args(args)
         if args.arm:
@@ -107,7 +116,7 @@ def run(args) -> int:
                              place.model_devices)
     try:
         engine = Engine(target, arms, ServeOptions(args.model_name, args.max_queue, args.max_logprobs,
-                                                   args.time_slice, args.generation, place, args.default_arm,
+                                                   args.time_slice, generation, place, args.default_arm,
                                                    args.page_size,
                                                    None if args.no_prefix_cache else args.prefix_cache_bytes,
                                                    args.chunked_prefill_size))

@@ -3,7 +3,8 @@ speaks OpenAI's, vLLM's and SGLang's wire formats, so the same HTTP clients (nee
 sweeps, KLD over HTTP, lm-eval, the `openai` package) measure golden, any toggle arm and
 a real SGLang/vLLM deployment alike. Modules: engine (arms, models, captures), scheduler
 (round-robin decode steps, cancellation, bounded queue), openai_api, sglang_api, ops_api
-(tokenize, health, info), app (routes and errors)."""
+(tokenize, health, info), tool_calls (DSML tool calls read out of an answer, V4 and V4.1
+tags), app (routes and errors)."""
 from .app import create_app
 from .engine import Engine, GenerationRequest, ServeOptions, parse_arm_options
 

@@ -58,7 +58,7 @@ class ServeOptions:
     max_jobs: int = 256                  # requests queued or running before 429
     max_logprobs: int = 20               # cap on every logprobs field (-1: the vocabulary)
     time_slice: float = 1.0              # seconds a request runs before the next one's turn
-    generation: str = "0731"             # checkpoint generation of the chat encoding's effort tiers
+    generation: str = "0731"             # chat encoding: V4's 0731 / original tiers, or v41 (DeepSeek-V4.1)
     placement: object = None             # fidelity.devices placement (devices, compute dtype)
     default_arm: str | None = None       # answers requests naming no model
     page_size: int = DEFAULT_PAGE_SIZE   # prefix-cache page (tokens per snapshot step)
@@ -248,9 +248,10 @@ class Engine:
             raise ApiError(f"{field} is required", field)
         return [self.prompt_ids(prompt, field)]
 
-    def chat_prompt(self, body: dict, served: ServedArm | None = None) -> tuple[str, bool]:
-        """The chat's prompt text and whether thinking is on, as the served arm reads and
-        renders it (its request-level toggles; golden: DeepSeek's own encoder)."""
+    def chat_prompt(self, body: dict, served: ServedArm | None = None):
+        """The chat as the served arm reads and renders it (its request-level toggles;
+        golden: DeepSeek's own encoder): a Rendered with the prompt text, whether thinking
+        is on, and the DSML dialect the answer's tool calls are read in."""
         nx = (served or self.first).model.nx
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -266,12 +267,15 @@ class Engine:
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise ApiError("tools must be a list of tool definitions", "tools")
+        if body.get("tool_choice") is not None and not isinstance(body["tool_choice"], (str, dict)):
+            raise ApiError("tool_choice must be 'none', 'auto', 'required' or an object naming a "
+                           "function", "tool_choice")
         add_gen = Fields(body).flag("add_generation_prompt", True)
         try:
             r = nx.chat_render(nx.chat_request(body), self.generation, add_gen)
         except ValueError as e:
             raise ApiError(str(e), "messages") from None
-        return r.text, r.thinking
+        return r
 
     # ---- captures -----------------------------------------------------------------------
     def captures(self, taps, indexer: bool, experts: bool, experts_from: int = 0) -> dict:
@@ -334,7 +338,8 @@ class Engine:
                                 "compute_dtype": str(getattr(s.model.nx, "cd", ""))}
                          for s in self.arms.values()},
                 "logprobs": "raw (before temperature, bias and truncation)",
-                "chat_encoding": f"deepseek-recipe, generation {self.generation}",
+                "chat_encoding": ("deepseek-recipe, DeepSeek-V4.1 encoding" if self.generation == "v41"
+                                  else f"deepseek-recipe, DeepSeek-V4 generation {self.generation}"),
                 "placement": self.placement.describe() if self.placement else {"devices": ["cpu"]},
                 "scheduler": self.scheduler.snapshot(),
                 "prefix_cache": ({"enabled": True, **self.prefix_cache.snapshot(),

@@ -1,6 +1,7 @@
 """OpenAI's routes as vLLM serves them: /v1/models, /v1/completions (logprobs, echo, vLLM's
 `prompt_logprobs` and `return_token_ids`, `ignore_eos`, `top_k`), /v1/chat/completions
-(DeepSeek-V4 chat encoding, reasoning split into `reasoning_content`), both streamed as
+(DeepSeek-V4 / V4.1 chat encoding, reasoning split into `reasoning_content`, DSML tool
+calls read into `tool_calls` when the request declares tools), both streamed as
 server-sent events on `stream: true` in OpenAI's chunk format. Logprobs are raw (vLLM's
 default `raw_logprobs`). A sampled stop token (EOS or a `stop_token_ids` id) is returned as
 vLLM returns it: in `token_ids` and in every logprob list (its text left out of `text`), so
@@ -12,6 +13,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -23,6 +25,7 @@ from .errors import ApiError
 from .fields import Fields, read_json, warn_unknown
 from .scheduler import token_events, wait_done
 from .textstream import TextStream, cut_stop
+from .tool_calls import CallStream, parse
 
 DEFAULT_CHAT_MAX_TOKENS = 256
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
@@ -46,6 +49,7 @@ class StreamShape:
     echo: bool = False              # completions: the prompt's text first
     as_ids: bool = False            # completions: tokens spelt "token_id:<id>"
     thinking: bool = False          # chat: reasoning streamed as reasoning_content
+    dsml: str | None = None         # chat: DSML dialect tool calls are read in (None: not read)
     usage_chunk: bool = False       # a last chunk with the usage (stream_options)
 
 
@@ -107,6 +111,15 @@ def _stop_reason(g, req: GenerationRequest, text: str) -> int | str | None:
     if g.finish_reason == "stop":
         return next((s for s in req.stop if s in text), None)
     return None
+
+
+def _tool_dialect(body: dict, rendered) -> str | None:
+    """The DSML dialect the answer's tool calls are read in: the rendering's (the arm's
+    request toggles may change it), when the request declares tools and tool_choice is
+    not 'none'; None: the answer is all content, as engines leave it without tools."""
+    if not body.get("tools") or body.get("tool_choice") == "none":
+        return None
+    return rendered.dsml
 
 
 def _sse(obj) -> str:
@@ -270,8 +283,9 @@ class OpenAIRoutes:
     async def chat(self, request: Request):
         body, f, served, stream, usage_chunk = await self._open(request, "POST /v1/chat/completions",
                                                                 CHAT_FIELDS)
-        text, thinking = self.e.chat_prompt(body, served)
-        ids = self.tok.encode(text)
+        rendered = self.e.chat_prompt(body, served)
+        thinking, dsml = rendered.thinking, _tool_dialect(body, rendered)
+        ids = self.tok.encode(rendered.text)
         mt = body.get("max_completion_tokens", body.get("max_tokens"))
         max_tokens = DEFAULT_CHAT_MAX_TOKENS if mt is None else Fields({"max_tokens": mt}).integer(
             "max_tokens", None, 1)
@@ -284,15 +298,21 @@ class OpenAIRoutes:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": served.id}
         if stream:
-            shape = StreamShape(head, stop, top, thinking=thinking, usage_chunk=usage_chunk)
+            shape = StreamShape(head, stop, top, thinking=thinking, usage_chunk=usage_chunk, dsml=dsml)
             return StreamingResponse(self._stream_chat(job, ids, shape), media_type="text/event-stream")
         await wait_done(job, request.is_disconnected)
         g = job.decoder.out
-        reasoning, content = self._split(g.tokens, thinking, stop)
+        reasoning, content = self._split(g.tokens, thinking, stop, keep_specials=dsml is not None)
         msg = {"role": "assistant", "content": content}
+        finish = g.finish_reason
+        if dsml is not None and content is not None:
+            msg["content"], calls = parse(content, dsml)
+            if calls:
+                msg["tool_calls"] = [c.openai() for c in calls]
+                finish = "tool_calls" if finish == "stop" else finish
         if thinking:
             msg["reasoning_content"] = reasoning
-        choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": g.finish_reason,
+        choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish,
                   "stop_reason": _stop_reason(g, req, self.tok.decode(g.tokens))}
         if want_lp:
             choice["logprobs"] = {"content": [self._chat_lp(s) for s in g.scores]}
@@ -301,9 +321,15 @@ class OpenAIRoutes:
             out["prompt_token_ids"], choice["token_ids"] = list(ids), g.output_ids
         return out
 
-    def _split(self, tokens, thinking, stop):
-        """(reasoning, content) with the stop strings applied to the content."""
+    def _split(self, tokens, thinking, stop, keep_specials: bool = False):
+        """(reasoning, content) with the stop strings applied to the content. With tool
+        calls to read, the content keeps special-token text (｜DSML｜ is one in DeepSeek's
+        vocabulary), as engines decode for their tool parsers."""
         reasoning, content = self.tok.split_reasoning(tokens, thinking)
+        if keep_specials and content is not None:
+            ids = list(tokens)
+            ids = ids[ids.index(self.tok.end_think_id) + 1:] if thinking else ids
+            content = self.tok.decode(ids, skip_special_tokens=False)
         return reasoning, None if content is None else cut_stop(content, stop)
 
     def _chat_lp(self, s) -> dict:
@@ -323,7 +349,9 @@ class OpenAIRoutes:
 
         yield chunk({"role": "assistant", "content": ""})
         reasoning = TextStream(self.tok.decode) if shape.thinking else None
-        content = TextStream(self.tok.decode, shape.stop)
+        calls = CallStream(shape.dsml) if shape.dsml else None
+        content = TextStream(partial(self.tok.decode, skip_special_tokens=False) if calls else self.tok.decode,
+                             shape.stop)
         n = 0
         async for tok in token_events(job):
             lp = {"content": [self._chat_lp(job.decoder.out.scores[n])]} if want_lp else None
@@ -340,15 +368,24 @@ class OpenAIRoutes:
                     yield chunk({"reasoning_content": d}, lp=lp)
             else:
                 d = content.push(tok)
+                d = calls.push(d) if calls else d
                 if d or lp:
                     yield chunk({"content": d}, lp=lp)
         rest = reasoning.finish() if reasoning is not None else content.finish()
+        found = []
+        if reasoning is None and calls is not None:            # the content's held-back end
+            rest = calls.push(rest)
+            held, found = calls.finish()
+            rest += held
         if rest:
             yield chunk({"reasoning_content": rest} if reasoning is not None else {"content": rest})
+        if found:
+            yield chunk({"tool_calls": [c.openai(i) for i, c in enumerate(found)]})
         g = job.decoder.out
         stop_lp = ({"content": [self._chat_lp(g.scores[-1])]}
                    if want_lp and g.stop_token is not None else None)
-        yield chunk({}, g.finish_reason, stop_lp)      # the stop token's logprobs, no text
+        finish = "tool_calls" if found and g.finish_reason == "stop" else g.finish_reason
+        yield chunk({}, finish, stop_lp)      # the stop token's logprobs, no text
         if shape.usage_chunk:
             yield _sse({**head, "choices": [], "usage": _usage([(ids, g)])})
         yield "data: [DONE]\n\n"

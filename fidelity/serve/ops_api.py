@@ -36,7 +36,7 @@ class OpsRoutes:
         f = Fields(body)
         f.flag("add_special_tokens")
         if "messages" in body:
-            text, _ = self.e.chat_prompt(body, self.e.resolve(body.get("model")))
+            text = self.e.chat_prompt(body, self.e.resolve(body.get("model"))).text
         else:
             text = f.string("prompt", None)
             text = f.string("text", None) if text is None else text
