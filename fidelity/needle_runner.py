@@ -32,7 +32,7 @@ from fidelity.ab.margins import entry_margin
 from fidelity.arms import as_arm
 from fidelity.needle_batch import DEFAULT_BATCH_TOKENS, plan_batches, run_layer_major
 from needle.haystack import LocalCounter, Prompt, needle_entries, value_token_positions
-from reference_model import Model, Taps
+from reference_model import Taps, build_model
 from reference_model.generate import generate
 
 _COMPUTE = threading.Lock()          # one model computation at a time on this machine
@@ -55,11 +55,11 @@ class InProcessRunner:
         devices = placement.model_devices if placement else None
         sched = self.arm.schedule            # feeds the prompt up to its last token (prefill)
         cache: dict = {}                     # resident weights converted once, for both models
-        self.model = Model(target.weights, self.arm.numerics(profile, **kw), devices=devices,
-                           schedule=sched, weight_cache=cache)
+        self.model = build_model(target.weights, self.arm.numerics(profile, **kw), devices=devices,
+                                 schedule=sched, weight_cache=cache)
         self._scores: list[torch.Tensor] = []
         rec = self.model.nx.with_kernels("index-score-recorder", index_scores=self._record)
-        self.model_rec = Model(target.weights, rec, devices=devices, schedule=sched, weight_cache=cache)
+        self.model_rec = build_model(target.weights, rec, devices=devices, schedule=sched, weight_cache=cache)
 
     def _record(self, golden, q, keys, w):
         s = golden.index_scores(q, keys, w)

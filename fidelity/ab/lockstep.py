@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from needle.haystack import needle_entries
-from reference_model import Model, Numerics, Taps
+from reference_model import Numerics, Taps, build_model
 from reference_model.schedule import ONESHOT, Schedule
 
 from ..prompts import Prompt
@@ -195,9 +195,9 @@ class LockstepRunner:
                 raise ValueError(f"arm {a.name}: its checkpoint is another architecture "
                                  f"(config differs in {', '.join(diff)})")
         caches: dict = {}                      # arms on one checkpoint share converted weights
-        self.models = {a.name: Model(a.weights or weights, a.numerics, chunk_tokens=chunk_tokens,
-                                     weight_cache=caches.setdefault(id(a.weights or weights), {}),
-                                     devices=devices, schedule=a.schedule) for a in arms}
+        self.models = {a.name: build_model(a.weights or weights, a.numerics, chunk_tokens=chunk_tokens,
+                                           weight_cache=caches.setdefault(id(a.weights or weights), {}),
+                                           devices=devices, schedule=a.schedule) for a in arms}
         self.streams = StreamStore(activation_budget)
         # positions per head call (fidelity.ab.head): the layers' chunk by default, so an
         # fp32 arm's head sees the row blocks its layers saw

@@ -13,7 +13,7 @@ import torch
 
 from collections.abc import Sequence
 
-from reference_model import Model
+from reference_model import build_model
 from reference_model.schedule import ONESHOT
 from reference_model.taps import Taps
 
@@ -73,7 +73,7 @@ class InProcessScorer:
         """`weight_cache`: converted weights shared by the scorers of one run (Model's), so
         several arms over one checkpoint hold one copy per compute dtype."""
         self.name, self.label = name, label or name
-        self.model = Model(weights, numerics, devices=devices, schedule=schedule, weight_cache=weight_cache)
+        self.model = build_model(weights, numerics, devices=devices, schedule=schedule, weight_cache=weight_cache)
         cfg = weights.cfg
         self.shape = capture_shape(cfg)
         self.csa = self.shape["indexer_layers"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from reference_model import Model
+from reference_model import Model, build_model
 from reference_model.generate import Decoder, Sampling, Scoring, score_prompt
 from reference_model.tokenizer import BOS, EOS
 
@@ -141,9 +141,9 @@ class Engine:
             if sid in self.arms:
                 raise ValueError(f"two arms are served as model {sid!r}; name them with NAME=ARM")
             nx = arm.numerics(compute_dtype=placement.compute_dtype) if placement else arm.numerics()
-            self.arms[sid] = ServedArm(sid, arm, Model(target.weights, nx, weight_cache=cache,
-                                                       chunk_tokens=o.chunked_prefill,
-                                                       devices=placement.model_devices if placement else None))
+            self.arms[sid] = ServedArm(sid, arm, build_model(target.weights, nx, weight_cache=cache,
+                                                             chunk_tokens=o.chunked_prefill,
+                                                             devices=placement.model_devices if placement else None))
         self.first = next(iter(self.arms.values()))       # internal probes (/health_generate)
         if default_arm is not None and default_arm not in self.arms:
             raise ValueError(f"--default-arm {default_arm!r} is not served (served: "

@@ -1,8 +1,9 @@
 """Which weights a command runs on: a DeepSeek-native checkpoint (streamed layer by
-layer), or the embedded default — the trained tiny model shipped in models/tiny-needle
-(falling back to seeded random tiny weights if that folder is absent). The other embedded
-models are selected by name: `--checkpoint tiny-needle-v2` or `embedded:tiny-needle-v2`
-resolve to models/tiny-needle-v2 (`resolve_checkpoint`)."""
+layer; a DeepSeek-V4.1 one is read by reference_model/v41), or the embedded default — the
+trained tiny model shipped in models/tiny-needle (falling back to seeded random tiny
+weights if that folder is absent). The other embedded models are selected by name:
+`--checkpoint tiny-needle-v2` or `embedded:tiny-needle-v2` resolve to
+models/tiny-needle-v2 (`resolve_checkpoint`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,6 +13,7 @@ from reference_model import random_weights, tiny
 from reference_model.checkpoint import StreamingWeights, load_checkpoint
 from reference_model.resident import QuantisedResidentWeights
 from reference_model.tokenizer import load_tokenizer
+from reference_model.v41.checkpoint_read import is_v41_checkpoint
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 EMBEDDED = MODELS / "tiny-needle"
@@ -62,6 +64,8 @@ def load_weights(checkpoint: str | None, device: str = "cpu", mode: str = "strea
             raise WeightsError(f"checkpoint not found: {path}")
         if mode not in WEIGHT_MODES:
             raise WeightsError(f"weights mode must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
+        if is_v41_checkpoint(path):
+            return _load_v41(path, device, mode)
         if mode == "resident-quantised":
             return (QuantisedResidentWeights(path, device=device, devices=devices, layers=layers),
                     f"{path} (resident-quantised)")
@@ -73,15 +77,27 @@ def load_weights(checkpoint: str | None, device: str = "cpu", mode: str = "strea
     return random_weights(tiny(), 0), "embedded:tiny-random(seed=0)"
 
 
+def _load_v41(path: Path, device: str, mode: str):
+    """A DeepSeek-V4.1 checkpoint (reference_model/v41): streamed or dense."""
+    from reference_model.v41.checkpoint_read import StreamingWeights as V41Streaming
+    from reference_model.v41.checkpoint_read import load_checkpoint as v41_load
+    if mode == "resident-quantised":
+        raise WeightsError(f"{path}: DeepSeek-V4.1 checkpoints load streamed or dense; "
+                           "resident-quantised is not implemented for V4.1 yet")
+    if mode == "dense":
+        return v41_load(path, device=device), f"{path} (dense)"
+    return V41Streaming(path, device=device), str(path)
+
+
 def checkpoint_config(checkpoint: str | None):
     """The model config a command will run, read without loading weights (a pipeline
     stage needs it to know its layers before it reads them)."""
-    from reference_model.config import ModelConfig
+    from reference_model.v41.config import any_config_from_file
     root = resolve_checkpoint(checkpoint) if checkpoint else EMBEDDED
     for p in (root / "config.json", root / "inference" / "config.json"):
         if p.is_file():
             try:
-                return ModelConfig.from_file(p)
+                return any_config_from_file(p)
             except ValueError as e:
                 raise WeightsError(f"{p}: {e}") from None
     if checkpoint:

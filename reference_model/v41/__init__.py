@@ -10,6 +10,9 @@
     sizes        tensor bytes and per-sequence state for `fidelity plan-memory`
     kernels      the new steps as pure functions (Engram, compressors, indexer, candidates,
                  lagged mHC, KV fake-quant), called through the seam by the V4.1 model
+    numerics     those steps as seam kernels (V41Kernels, V41_KERNELS), so toggles replace them
+    stream       the residual stream between layers: H with the lagged mHC pre-mix packed in
+    model        ModelV41: the V4.1 forward with V4's Model API (reference_model.build_model)
 
 V4 stays in reference_model/*.py; `is_v41(cfg)` tells the two apart."""
 from __future__ import annotations
