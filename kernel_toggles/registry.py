@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from reference_model.numerics import KERNELS
+from reference_model import KERNELS       # V4's seam and V4.1's steps
 
 # serving: engine behaviour by design that depends on serving state (batch, cache hits);
 # like known-bug it stays out of the `engine` arm, which is the numerics at batch 1

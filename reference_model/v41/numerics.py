@@ -23,6 +23,11 @@ V41_KERNELS = (
 )
 
 
+def _all_kernels() -> frozenset:
+    from ..numerics import KERNELS
+    return frozenset(KERNELS) | frozenset(V41_KERNELS)
+
+
 def _K():
     """v41/kernels.py, imported on first use (it imports reference_model.numerics, which
     inherits this mixin: importing it here at module level would be circular)."""
@@ -32,7 +37,26 @@ def _K():
 
 class V41Kernels:
     """DeepSeek-V4.1's kernels (reference reading). Needs Numerics' rs / r32 / c / quant /
-    cd / rms_norm / swiglu from the class it is mixed into."""
+    cd / rms_norm / swiglu / with_kernels from the class it is mixed into."""
+
+    def with_kernels(self, label: str = "custom", _top: list | None = None, **fns):
+        """Numerics.with_kernels for V4 and V4.1 kernel names alike (interim, while
+        numerics.KERNELS lists V4's only; shadowed once Numerics inherits this mixin and
+        lists both): V4 names go through Numerics', V4.1 names are bound here the same way
+        (`golden` = the previous implementation of the replaced kernel, the arm's final
+        one of every other)."""
+        own = {k: f for k, f in fns.items() if k in V41_KERNELS}
+        new = super().with_kernels(label, _top, **{k: f for k, f in fns.items() if k not in own})
+        if not own:
+            return new
+        top = _top if _top is not None else [new]
+        below = _Below41(self, top, frozenset(own))
+        for name, fn in own.items():
+            def bound(*a, _fn=fn, **k):
+                return _fn(below, *a, **k)
+            setattr(new, name, bound)
+            new.replaced[name] = label
+        return new
 
     # ---- GEMMs ----------------------------------------------------------------------------
     def fp8_linear32(self, x, w):
@@ -131,6 +155,23 @@ class V41Kernels:
         """The site's input: the streams collapsed with the PREVIOUS site's pre-mix (V4.1's
         lag); `pre_own` (this site's) is what V4 would have used."""
         return _K().hc_collapse(self, H, pre_prev)
+
+
+class _Below41:
+    """`golden` for a V4.1 kernel replacement (numerics._Below's rule): the replaced
+    kernels as they were before it, every other kernel as the finished arm has it."""
+
+    def __init__(self, prev, top: list, own: frozenset):
+        self._prev, self._top, self._own = prev, top, own
+
+    def __getattr__(self, name):
+        if self._top and name in _all_kernels():
+            final = self._top[0]
+            if name not in self._own:
+                return getattr(final, name)
+            if name not in vars(self._prev):           # golden's own implementation
+                return getattr(type(self._prev), name).__get__(final)
+        return getattr(self._prev, name)
 
 
 _CLASSES: dict[type, type] = {}
