@@ -268,3 +268,9 @@ def test_bad_input_is_named(weights, toks):
     from reference_model import InputError
     with pytest.raises(InputError, match="out of range"):
         m.prefill_logits(torch.tensor([1, CFG.vocab_size]))
+
+
+def test_placement_over_devices_equals_one_device(weights, toks, golden):
+    m = build_model(weights, Numerics("reference"), devices=["cpu", "cpu"])
+    assert sorted(set(m._owner)) == [0, 1]
+    assert torch.equal(m.prefill_logits(toks), golden[0])
