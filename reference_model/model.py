@@ -275,10 +275,8 @@ class Model:
 
         prev = st.window_kv
         n_prev = 0 if prev is None else prev.shape[0]
-        rows = kv if prev is None else torch.cat([prev, kv], 0)
         n_comp = 0 if st.comp_kv is None else st.comp_kv.shape[0]
-        if n_comp:
-            rows = torch.cat([rows, st.comp_kv], 0)
+        rows = torch.cat([t for t in (prev, kv, st.comp_kv if n_comp else None) if t is not None], 0)
         comp_off = n_prev + n
         idx = self._attn_indices(pos, pos0, n_prev, comp_off, ratio, topk, n_comp)
         o = torch.empty_like(q)
@@ -290,8 +288,8 @@ class Model:
         o = rope(o, "output", inverse=True)
         # keep the last window-1 rows for the next chunk / decode step
         keep = cfg.window_size - 1
-        allw = kv if prev is None else torch.cat([prev, kv], 0)
-        st.window_kv = allw[-keep:].clone() if keep > 0 else allw[:0]
+        allw = rows[:n_prev + n]                                       # [window rows | new rows]
+        st.window_kv = allw[-keep:].clone() if keep > 0 else allw[:0].clone()
 
         g = cfg.o_groups
         wo_a = w["attn.wo_a.weight"].view(g, cfg.o_lora_rank, -1)
@@ -424,8 +422,11 @@ def moe_experts(nx: Numerics, cfg: ModelConfig, w: dict, x, idx, weights):
         if tok.numel() == 0:
             continue
         p = f"ffn.experts.{e}."
-        y = y.index_add(0, tok, nx.expert_ffn(x[tok], w[p + "w1.weight"], w[p + "w3.weight"],
-                                              w[p + "w2.weight"], weights[tok, slot], cfg.swiglu_limit))
+        out = nx.expert_ffn(x[tok], w[p + "w1.weight"], w[p + "w3.weight"], w[p + "w2.weight"],
+                            weights[tok, slot], cfg.swiglu_limit)
+        # in place when autograd is not recording (inference): the same sums, no copy of y
+        grad = torch.is_grad_enabled() and (y.requires_grad or out.requires_grad)
+        y = y.index_add(0, tok, out) if grad else y.index_add_(0, tok, out)
     shared = None
     if cfg.n_shared_experts:
         p = "ffn.shared_experts."

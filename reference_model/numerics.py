@@ -42,6 +42,33 @@ ROPE_SITES = ("q", "kv", "compressed_kv", "index_q", "index_k", "output")
 
 PROFILES = ("reference", "exact")
 
+# Row blocking. On CPU the memory-bound kernels (sparse attention, indexer scores, mHC) run
+# a chunk's tokens in blocks of about 1 MB of compute-dtype intermediates, so those
+# stay in cache instead of streaming through RAM (at 2048-token chunks in fp64 they are
+# tens of MB). Each step is row-local, so the values are those of one call over all rows
+# (tests/test_reference_speed_identity.py checks every blocked kernel against it, bit for
+# bit). GEMMs in a block see at least ROW_BLOCK_MIN rows: MKL computes the rows of a GEMM
+# with 1-3 rows (or a 1-2 row remainder) by another path whose fp64 sums round
+# differently, so the remainder joins the last block instead of forming a short one.
+ROW_BLOCK_MIN = 64
+ROW_BLOCK_ELEMS = 1 << 17            # compute-dtype elements per row block (1 MB in fp64)
+
+
+def row_blocks(n: int, row_elems: int, min_rows: int = ROW_BLOCK_MIN) -> list[tuple[int, int]]:
+    """[start, end) row ranges covering 0..n, about ROW_BLOCK_ELEMS elements each, a
+    multiple of `min_rows` rows (ranges start where MKL's row groups of one call over all n
+    rows start); the remainder joins the last range, so no range but a lone one is shorter
+    than the step."""
+    step = max(min_rows, ROW_BLOCK_ELEMS // max(1, row_elems) // min_rows * min_rows)
+    cuts = list(range(0, max(n, 1), step))
+    if len(cuts) > 1 and n - cuts[-1] < step:
+        cuts.pop()
+    return list(zip(cuts, cuts[1:] + [n]))
+
+
+def _row_elems(x: torch.Tensor) -> int:
+    return x.numel() // max(1, x.shape[0]) if x.dim() else 1
+
 
 class Numerics:
     def __init__(self, profile: str = "reference", compute_dtype: torch.dtype | None = None):
@@ -63,6 +90,7 @@ class Numerics:
             self.cd = compute_dtype or torch.float32
             self.sd = self.cd
         self.replaced: dict[str, str] = {}          # kernel -> name of the replacement
+        self._rope_memo = None
 
     def __repr__(self):
         extra = f", replaced={sorted(self.replaced)}" if self.replaced else ""
@@ -94,8 +122,47 @@ class Numerics:
         """Round to the storage dtype, return in compute dtype."""
         if self.sd == self.cd:
             return x.to(self.cd)
-        # via fp32, like the reference (fp32 result, then the bf16 cast); also the fast path
-        return x.float().to(self.sd).float().to(self.cd)
+        return self._to_sd(x).to(self.cd)          # bf16 -> fp32/fp64 is exact
+
+    def _to_sd(self, x: torch.Tensor) -> torch.Tensor:
+        """x rounded to the storage dtype, as a storage-dtype tensor: via fp32, like the
+        reference (fp32 result, then the bf16 cast). On CPU torch's fp64 -> bf16 cast
+        already goes through fp32 (tests/test_reference_speed_identity.py pins it on
+        double-rounding cases), so one cast does it."""
+        if x.device.type != "cpu" and x.dtype == torch.float64:
+            x = x.float()
+        return x.to(self.sd)
+
+    def _blocked(self, row_elems: int, x: torch.Tensor, *more) -> list[tuple[int, int]]:
+        """Row blocks for a kernel over x's rows: on CPU, and only when autograd records
+        none of the inputs (training then runs the plain one-call formulation, so its
+        gradients are unchanged); otherwise one block."""
+        n = x.shape[0] if x.dim() else 0
+        if x.device.type != "cpu" or Q.tracks_grad(x, *more):
+            return [(0, n)]
+        return row_blocks(n, row_elems)
+
+    def _rows_of(self, x: torch.Tensor, row_elems: int, *more) -> list[tuple[int, int]]:
+        """_blocked for a kernel whose rows are those of a 2-D x (any other x: one block)."""
+        return self._blocked(row_elems, x, *more) if x.dim() == 2 else [(0, x.shape[0] if x.dim() else 0)]
+
+    def _rows_rounded(self, blocks, shape, device, rows_fn, fp32: bool = False):
+        """rs (r32 if `fp32`) of a kernel's output computed by `rows_fn(start, end)`
+        (unrounded rows) over `blocks`; each block's rounded rows are written straight into
+        one compute-dtype tensor (the rounding is elementwise: the same values as rounding
+        the whole)."""
+        rnd = self.r32 if fp32 else self.rs
+        if len(blocks) == 1:
+            return rnd(rows_fn(*blocks[0]))
+        out = torch.empty(shape, dtype=self.cd, device=device)
+        for a, b in blocks:
+            v = rows_fn(a, b)
+            if fp32:
+                v = v.float() if self.quant else v
+            elif self.sd != self.cd:
+                v = self._to_sd(v)
+            out[a:b].copy_(v)
+        return out
 
     def r32(self, x: torch.Tensor) -> torch.Tensor:
         """Round to fp32 where the reference stores fp32 (a no-op in the exact profile)."""
@@ -110,9 +177,16 @@ class Numerics:
     def fp8_linear(self, x, w):
         """FP8/FP4-weight GEMM: FP8 act-quant (1×128, ue8m0) of the bf16 input, fp32
         accumulate, bf16 output. `w` holds the dequantised weight values."""
+        w = self.c(w)
+        blocks = self._rows_of(x, x.shape[-1] + w.shape[0], w)
+        return self._rows_rounded(blocks, (x.shape[0], w.shape[0]), x.device,
+                                  lambda a, b: self._fp8_linear_rows(x[a:b], w))
+
+    def _fp8_linear_rows(self, x, w):
+        """fp8_linear before its output rounding."""
         if self.quant:
-            x = Q.fp8_qdq(x, 128)
-        return self.rs(self.c(x) @ self.c(w).T)
+            x = Q.fp8_qdq(x, 128, dtype=self.cd)
+        return self.c(x) @ w.T
 
     def bf16_linear(self, x, w):
         """Plain bf16 GEMM (e.g. `weights_proj`): fp32 accumulate, bf16 out."""
@@ -129,8 +203,12 @@ class Numerics:
         if not self.quant:
             return q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)
         r = self.rs
-        ms = r(r(q * q).mean(-1, keepdim=True))
-        return r(q * r(torch.rsqrt(r(ms + eps))))
+
+        def rows(a, b):
+            qb = q[a:b]
+            ms = r(r(qb * qb).mean(-1, keepdim=True))
+            return qb * r(torch.rsqrt(r(ms + eps)))
+        return self._rows_rounded(self._blocked(_row_elems(q), q), q.shape, q.device, rows)
 
     def rope_inv_freq(self, cfg, ratio: int):
         """Per-layer-type RoPE: window-only layers base `rope_theta` without YaRN; compressed
@@ -147,8 +225,29 @@ class Numerics:
         `positions` (one per row of x), fp32 rotation written back in the storage dtype.
         `site` is one of ROPE_SITES; `inverse` rotates back (the attention output, whose V
         rows carry rotated dims). The same layout and table at every site in V4."""
-        table = P.rope_table(positions, inv_freq.to(positions.device))
-        return self.rs(P.apply_rope(x, table, inverse))
+        table = self._rope_table(positions, inv_freq.to(positions.device))
+        if self.sd == self.cd or x.device.type != "cpu" or Q.tracks_grad(x):
+            return self.rs(P.apply_rope(x, table, inverse))
+        # rs(cat(pass-through dims, rotated dims)), written block by block into one
+        # storage-dtype tensor (rs is elementwise, so the same values)
+        r = table.shape[-1] * 2
+        out = torch.empty(x.shape, dtype=self.sd, device=x.device)
+        out[..., :-r].copy_(x[..., :-r])                 # CPU fp64 -> bf16 goes via fp32
+        for a, b in self._blocked(_row_elems(x), x):
+            out[a:b, ..., -r:].copy_(P.rope_rotate(x[a:b, ..., -r:], table[a:b], inverse))
+        return out.to(self.cd)
+
+    def _rope_table(self, positions, inv_freq):
+        """P.rope_table, kept for the last (positions, inv_freq) values: a layer rotates q,
+        the KV latent, the indexer query and the output at the same positions."""
+        memo = self._rope_memo
+        if (memo is not None and all(
+                m.shape == t.shape and m.dtype == t.dtype and m.device == t.device
+                and torch.equal(m, t) for m, t in ((memo[0], positions), (memo[1], inv_freq)))):
+            return memo[2]
+        table = P.rope_table(positions, inv_freq)
+        self._rope_memo = (positions.clone(), inv_freq.clone(), table)
+        return table
 
     def window_first(self, positions, window: int):
         """First absolute position each query sees in its sliding window: t - W + 1
@@ -166,7 +265,11 @@ class Numerics:
     def compressor_proj(self, x, wkv, wgate):
         """Compressor kv/score projections: fp32 GEMM of the bf16 input with fp32 weights."""
         cd = self.cd
-        return self.r32(x.to(cd) @ wkv.to(cd).T), self.r32(x.to(cd) @ wgate.to(cd).T)
+        x, wkv, wgate = x.to(cd), wkv.to(cd), wgate.to(cd)
+        blocks = self._rows_of(x, x.shape[-1] + wkv.shape[0], wkv, wgate)
+        return tuple(self._rows_rounded(blocks, (*x.shape[:-1], w.shape[0]), x.device,
+                                        lambda a, b, w=w: x[a:b] @ w.T, fp32=True)
+                     for w in (wkv, wgate))
 
     def compress_score_bias(self, score, ape, positions, ratio: int):
         """Adds the learned position bias ape[t mod ratio] to each token's score row."""
@@ -229,15 +332,34 @@ class Numerics:
     def index_scores(self, q, keys, w):
         """score[t, T] = Σ_h relu(q[t,h]·k[T]) · w[t,h]; every step rounded to bf16 in the
         reference. q [c,h,d], keys [n,d], w [c,h] -> [c,n]."""
+        q, keys = self.c(q), self.c(keys)
+        # relu(s)·w in bf16 arithmetic when w holds bf16 values (as index_weights gives it):
+        # the product of two bf16 values is exact in fp32, which torch's bf16 multiply
+        # rounds once, as the reference rounds its product (pinned by the identity tests)
+        bf = (self.quant and self.sd == torch.bfloat16 and q.device.type == "cpu"
+              and not Q.tracks_grad(q, keys, w) and torch.equal(w, w.to(torch.bfloat16).to(w.dtype)))
+        blocks = self._blocked(q.shape[1] * keys.shape[0], q, keys, w)
+        return self._rows_rounded(blocks, (q.shape[0], keys.shape[0]), q.device,
+                                  lambda a, b: self._index_scores_rows(q[a:b], keys, w[a:b], bf))
+
+    def _index_scores_rows(self, q, keys, w, bf: bool):
+        """index_scores before its last rounding."""
         r = self.rs
-        s = r(torch.einsum("chd,nd->chn", self.c(q), self.c(keys)))
+        s = torch.einsum("chd,nd->chn", q, keys)
+        if bf:
+            s = self._to_sd(s).relu_().mul_(w.to(torch.bfloat16).unsqueeze(-1))
+            return s.to(self.cd).sum(1)
+        s = r(s)
         s = r(s.relu() * w.unsqueeze(-1))
-        return r(s.sum(1))
+        return s.sum(1)
 
     def index_topk(self, scores, k: int):
         """Top-k of each row (-inf = not visible); ties broken by the lower index. Returns
         indices [c, k] with -1 where fewer than k entries are visible."""
-        return topk_lowest_index_ties(scores, k)
+        blocks = self._rows_of(scores, scores.shape[-1])
+        if len(blocks) == 1:
+            return topk_lowest_index_ties(scores, k)
+        return torch.cat([topk_lowest_index_ties(scores[a:b], k) for a, b in blocks])
 
     # ---- attention ----------------------------------------------------------------------
     def sparse_attention(self, q, kv, sink, idx, scale, phase="prefill"):
@@ -246,19 +368,30 @@ class Numerics:
         Scores and softmax fp32; probabilities rounded to bf16 before P·V (fp32 accumulate);
         the max is taken over the selected rows (the TileLang kernel's online rescaling only
         changes where bf16 rounding of P happens)."""
+        q, kv = self.c(q), self.c(kv)
+        blocks = self._blocked(idx.shape[1] * kv.shape[-1], q, kv, sink)
+        return self._rows_rounded(blocks, q.shape, q.device,
+                                  lambda a, b: self._attend(q[a:b], kv, sink, idx[a:b], scale))
+
+    def _attend(self, q, kv, sink, idx, scale):
+        """sparse_attention for a block of queries (q, kv in the compute dtype), before the
+        output's rounding."""
         valid = idx >= 0
-        rows = self.c(kv)[idx.clamp(min=0)]                                # [c,k,D]
-        s = torch.einsum("chd,ckd->chk", self.c(q), rows) * scale
+        c, k = idx.shape
+        rows = kv.index_select(0, idx.clamp(min=0).reshape(-1)).view(c, k, kv.shape[-1])
+        s = torch.einsum("chd,ckd->chk", q, rows) * scale
         s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
         m = s.amax(-1, keepdim=True)
         p = torch.exp(s - m)
         denom = p.sum(-1, keepdim=True) + torch.exp(sink.to(self.cd).view(1, -1, 1) - m)
-        o = torch.einsum("chk,ckd->chd", self.rs(p), rows) / denom
-        return self.rs(o)
+        return torch.einsum("chk,ckd->chd", self.rs(p), rows) / denom
 
     def wo_a(self, o, w):
         """Grouped low-rank output projection, a bf16 einsum: o [c,g,in], w [g,r,in] -> [c,g,r]."""
-        return self.rs(torch.einsum("cgd,grd->cgr", self.c(o), self.c(w)))
+        o, w = self.c(o), self.c(w)
+        blocks = self._blocked(_row_elems(o) + w.shape[0] * w.shape[1], o, w)
+        return self._rows_rounded(blocks, (o.shape[0], w.shape[0], w.shape[1]), o.device,
+                                  lambda a, b: torch.einsum("cgd,grd->cgr", o[a:b], w))
 
     # ---- mHC ----------------------------------------------------------------------------
     def _hc_mixes(self, X, fn, eps):
@@ -270,8 +403,14 @@ class Numerics:
         """mHC pre: fp32 GEMM of the flattened stream, Sinkhorn, weighted collapse.
         H [n,hc,d] -> (x [n,d], post [n,hc], comb [n,hc,hc])."""
         n, hc, d = H.shape
-        mixes = self.r32(self._hc_mixes(H.reshape(n, hc * d), fn, cfg.norm_eps))
-        return self.hc_collapse(H, mixes, scale, base, cfg)
+        blocks = self._blocked(hc * d, H, fn)
+        if len(blocks) == 1:
+            mixes = self._hc_mixes(H.reshape(n, hc * d), fn, cfg.norm_eps)
+        else:
+            fn = fn.to(self.cd)
+            mixes = torch.cat([self._hc_mixes(H[a:b].reshape(b - a, hc * d), fn, cfg.norm_eps)
+                               for a, b in blocks])
+        return self.hc_collapse(H, self.r32(mixes), scale, base, cfg)
 
     def hc_collapse(self, H, mixes, scale, base, cfg):
         """hc_pre after its GEMM (a helper, not a kernel: a toggle that computes the mixes
@@ -279,14 +418,22 @@ class Numerics:
         hc = H.shape[1]
         pre, post, comb = (self.r32(t) for t in sinkhorn_split(
             mixes, scale.to(self.cd), base.to(self.cd), hc, cfg.hc_sinkhorn_iters, cfg.hc_eps))
-        x = self.rs((pre.unsqueeze(-1) * self.c(H)).sum(1))
+        blocks = self._blocked(_row_elems(H), H, pre)
+        x = self._rows_rounded(blocks, (H.shape[0], H.shape[2]), H.device,
+                               lambda a, b: (pre[a:b].unsqueeze(-1) * self.c(H[a:b])).sum(1))
         return x, post, comb
 
     def hc_post(self, a, H, post, comb):
         """H_new[k] = post_k·a + Σ_j comb[j,k]·H[j] in fp32, one bf16 cast."""
+        blocks = self._blocked(_row_elems(H), a, H, post, comb)
+        return self._rows_rounded(blocks, H.shape, H.device,
+                                  lambda i, j: self._hc_post_rows(a[i:j], H[i:j], post[i:j], comb[i:j]))
+
+    def _hc_post_rows(self, a, H, post, comb):
+        """hc_post before its rounding."""
         Hc = self.c(H)
         mixed = torch.einsum("njk,njd->nkd", comb.to(self.cd), Hc)
-        return self.rs(post.to(self.cd).unsqueeze(-1) * self.c(a).unsqueeze(1) + mixed)
+        return post.to(self.cd).unsqueeze(-1) * self.c(a).unsqueeze(1) + mixed
 
     def hc_head(self, H, fn, scale, base, cfg):
         """Final collapse of the stream: sigmoid pre-weights only (no Sinkhorn)."""

@@ -74,13 +74,17 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, inverse: bool = False) -> t
     x [..., n, (heads,) d]; table [n, r/2] broadcast over the head axis if x has one.
     Returns a new tensor in x's dtype; the rotation itself is computed in fp32 (or fp64)."""
     r = table.shape[-1] * 2
-    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
-    tail = x[..., -r:].to(cd)
+    return torch.cat([x[..., :-r], rope_rotate(x[..., -r:], table, inverse)], dim=-1)
+
+
+def rope_rotate(tail: torch.Tensor, table: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """The rotated dims alone: `tail` holds exactly the 2·table.shape[-1] rotated dims;
+    computed in fp32 (fp64 for fp64 input), returned in tail's dtype."""
+    cd = torch.float64 if tail.dtype == torch.float64 else torch.float32
     t = table.to(torch.complex128 if cd == torch.float64 else torch.complex64)
     if inverse:
         t = t.conj()
     while t.dim() < tail.dim():
         t = t.unsqueeze(-2)
-    z = torch.view_as_complex(tail.unflatten(-1, (-1, 2)).contiguous()) * t
-    rot = torch.view_as_real(z).flatten(-2).to(x.dtype)
-    return torch.cat([x[..., :-r], rot], dim=-1)
+    z = torch.view_as_complex(tail.to(cd).unflatten(-1, (-1, 2)).contiguous()) * t
+    return torch.view_as_real(z).flatten(-2).to(tail.dtype)

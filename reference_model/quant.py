@@ -60,12 +60,48 @@ def fp8_block_scales(x: torch.Tensor, block: int, pow2: bool = True) -> torch.Te
     return pow2_ceil(s) if pow2 else s
 
 
-def fp8_qdq(x: torch.Tensor, block: int, pow2: bool = True) -> torch.Tensor:
-    """FP8 e4m3 quantise-dequantise in 1×`block` blocks (reference `act_quant`)."""
-    xb = _blocks(x, block)
-    s = fp8_block_scales(x, block, pow2).unsqueeze(-1)
-    q = (xb / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-    return (q * s).flatten(-2)
+def tracks_grad(*ts) -> bool:
+    """Whether autograd records through any of these tensors (QAT trains through the
+    reference numerics: the in-place and table fast paths then step aside)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in ts)
+
+
+def fp8_qdq(x: torch.Tensor, block: int, pow2: bool = True,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 e4m3 quantise-dequantise in 1×`block` blocks (reference `act_quant`): fp32 grid
+    values, returned as `dtype`. Under autograd the casts pass the gradient straight
+    through."""
+    xf = x.float()                              # one fp32 copy, shared with the scales
+    xb = _blocks(xf, block)
+    s = fp8_block_scales(xf, block, pow2).unsqueeze(-1)
+    if tracks_grad(x, s):
+        q = (xb / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+        return (q * s).flatten(-2).to(dtype)
+    q = (xb / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    # fp64 straight from the codes: code·s is exact in fp32 when s is a power of two with
+    # 448·s below the fp32 maximum (every product is then a normal fp32: s >= 2^-22 by the
+    # amax floor), so the fp64 product is the same value without an fp32 pass
+    if (dtype == torch.float64 and pow2 and q.device.type == "cpu" and s.numel()
+            and bool(s.max() <= 2.0 ** 119)):
+        return e4m3_to_float(q, torch.float64).mul_(s.double()).flatten(-2)
+    return e4m3_to_float(q).mul_(s).flatten(-2).to(dtype)
+
+
+# e4m3fn code byte -> its value, every code (NaN codes 0x7F/0xFF included) as torch's own
+# cast gives it; torch's e4m3 -> fp32 cast is scalar code on CPU, a table gather is ~4x
+# faster (tests/test_reference_speed_identity.py checks the table against the cast).
+_E4M3_TABLES = {torch.float32: torch.arange(256, dtype=torch.int32).to(torch.uint8)
+                .view(torch.float8_e4m3fn).float()}
+_E4M3_TABLES[torch.float64] = _E4M3_TABLES[torch.float32].double()
+
+
+def e4m3_to_float(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """float8_e4m3fn -> fp32 (or fp64), equal bit for bit to `q.to(dtype)`."""
+    if q.device.type != "cpu" or dtype not in _E4M3_TABLES:
+        return q.to(dtype)
+    idx = q.reshape(-1).view(torch.uint8).to(torch.int32)
+    return _E4M3_TABLES[dtype].index_select(0, idx).view(q.shape)
 
 
 def fp8_quantize(x: torch.Tensor, block: int, pow2: bool = True):
@@ -76,20 +112,34 @@ def fp8_quantize(x: torch.Tensor, block: int, pow2: bool = True):
     return q.flatten(-2), s
 
 
+# e2m1 magnitudes by code, and the midpoints between neighbours. Ties go to the even code
+# (value with mantissa bit 0: 0, 1.0, 2.0, 4.0), so |v| rounds up past 0.25, 1.25, 2.5 and
+# 5.0 only when strictly above them, and past 0.75, 1.75, 3.5 when at or above them.
+_E2M1_GRID = FP4_VALUES[:8]
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_TIE_UP = (False, True, False, True, False, True, False)
+
+
+def _e2m1_edges(dtype: torch.dtype, device) -> torch.Tensor:
+    """Thresholds t_i with code(|v|) = #{i: |v| > t_i}: the midpoints, with each tie-up
+    midpoint replaced by the next value below it in `dtype` (|v| >= m <=> |v| > prev(m))."""
+    m = torch.tensor(_E2M1_MIDPOINTS, dtype=dtype, device=device)
+    up = torch.tensor(_E2M1_TIE_UP, device=device)
+    return torch.where(up, torch.nextafter(m, torch.zeros_like(m)), m)
+
+
 def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """Round fp32 values in [-6, 6] to the e2m1 grid, nearest with ties to the even code."""
+    """Round fp32 values in [-6, 6] to the e2m1 grid, nearest with ties to the even code
+    (beyond ±6: ±6; NaN: a zero with NaN's sign). The code is a count of thresholds passed,
+    then one table gather (tests/test_reference_speed_identity.py compares it with the
+    midpoint-by-midpoint rule; every fp32 value was checked once, bench/results/reference_speed.md)."""
     a = v.abs()
-    # midpoints between grid values; ties go to the even code (value with mantissa bit 0)
-    # grid 0 .5 1 1.5 2 3 4 6 ; codes 0..7 ; even codes: 0, 1.0, 2.0, 4.0
-    r = torch.zeros_like(a)
-    r = torch.where(a > 0.25, torch.full_like(a, 0.5), r)
-    r = torch.where(a >= 0.75, torch.full_like(a, 1.0), r)
-    r = torch.where(a > 1.25, torch.full_like(a, 1.5), r)
-    r = torch.where(a >= 1.75, torch.full_like(a, 2.0), r)
-    r = torch.where(a > 2.5, torch.full_like(a, 3.0), r)
-    r = torch.where(a >= 3.5, torch.full_like(a, 4.0), r)
-    r = torch.where(a > 5.0, torch.full_like(a, 6.0), r)
-    return torch.copysign(r, v)
+    code = None
+    for t in _e2m1_edges(v.dtype, v.device).tolist():      # exact in v's dtype
+        hit = (a > t).view(torch.uint8)                     # NaN passes none: code 0
+        code = hit if code is None else code.add_(hit)
+    r = _E2M1_GRID.to(device=v.device, dtype=v.dtype).index_select(0, code.reshape(-1).int())
+    return torch.copysign(r.view(v.shape), v)
 
 
 def fp4_block_scales(x: torch.Tensor, block: int = 32) -> torch.Tensor:
@@ -99,9 +149,12 @@ def fp4_block_scales(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 def fp4_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """FP4 e2m1 quantise-dequantise in 1×`block` blocks with E8M0 scales (`fp4_act_quant`)."""
-    xb = _blocks(x, block)
-    s = fp4_block_scales(x, block).unsqueeze(-1)
-    return (round_to_e2m1((xb / s).clamp(-FP4_MAX, FP4_MAX)) * s).flatten(-2)
+    xf = x.float()                              # one fp32 copy, shared with the scales
+    xb = _blocks(xf, block)
+    s = fp4_block_scales(xf, block).unsqueeze(-1)
+    if tracks_grad(x, s):
+        return (round_to_e2m1((xb / s).clamp(-FP4_MAX, FP4_MAX)) * s).flatten(-2)
+    return round_to_e2m1((xb / s).clamp_(-FP4_MAX, FP4_MAX)).mul_(s).flatten(-2)
 
 
 # ---- weight formats (checkpoint side) ---------------------------------------------------
