@@ -112,7 +112,12 @@ def _quant_problems(raw: dict) -> list[str]:
     return errs
 
 
-def _config(root: Path, cfg: ModelConfig | None, problems: list[str], notes: list[str]):
+def _config(root: Path, cfg, problems: list[str], notes: list[str], parse=None, quant=None):
+    """The checkpoint's config (or the given one, checked against the file's). `parse` /
+    `quant`: the version's config reader and quantisation check (default V4's; V4.1's
+    reader passes its own)."""
+    parse = parse or ModelConfig.from_dict
+    quant = quant or _quant_problems
     path = _find_config(root)
     if path is None:
         if cfg is None:
@@ -125,14 +130,14 @@ def _config(root: Path, cfg: ModelConfig | None, problems: list[str], notes: lis
         raw = json.loads(path.read_text())
         if not isinstance(raw, dict):
             raise ConfigError("not a JSON object")
-        file_cfg = ModelConfig.from_dict(raw, name=root.name or "custom")
+        file_cfg = parse(raw, name=root.name or "custom")
     except (ValueError, TypeError, KeyError, AttributeError) as e:    # ConfigError is a ValueError
         msg = f"config: {rel} is invalid: {e}"
         if cfg is None:
             raise CheckpointError(str(root), [msg]) from None
         problems.append(msg)
         return cfg, path
-    problems += _quant_problems(raw)
+    problems += quant(raw)
     if cfg is None:
         return file_cfg, path
     a, b = file_cfg.to_dict(), cfg.to_dict()

@@ -16,9 +16,8 @@ import torch
 
 from .. import quant as Q
 from ..checkpoint_format import CheckpointError, natural_key
-from ..checkpoint_read import (CheckpointInfo, _check_index, _find_config, _hints, _read_headers,
+from ..checkpoint_read import (CheckpointInfo, _check_index, _config, _find_config, _hints, _read_headers,
                                _shard_files, _ShardReader)
-from ..config import ConfigError
 from ..specs import BF16, F32
 from .checkpoint_format import (block128_scale, disk_entries, expected_entries, v4_signatures,
                                 v41_signatures)
@@ -58,35 +57,6 @@ def quant_problems(raw: dict) -> list[str]:
     if ed != "fp4":
         errs.append(f"config: expert_dtype is {ed!r}; only 'fp4' is supported")
     return errs
-
-
-def _config(root: Path, cfg: V41Config | None, problems: list[str], notes: list[str]):
-    path = _find_config(root)
-    if path is None:
-        if cfg is None:
-            raise CheckpointError(str(root), ["no config.json (or inference/config.json) and "
-                                              "no config given"])
-        notes.append("no config.json in the checkpoint; using the given config")
-        return cfg, None
-    rel = path.relative_to(root)
-    try:
-        raw = json.loads(path.read_text())
-        if not isinstance(raw, dict):
-            raise ConfigError("not a JSON object")
-        file_cfg = from_dict(raw, name=root.name or "custom")
-    except (ValueError, TypeError, KeyError, AttributeError) as e:     # ConfigError is a ValueError
-        msg = f"config: {rel} is invalid: {e}"
-        if cfg is None:
-            raise CheckpointError(str(root), [msg]) from None
-        problems.append(msg)
-        return cfg, path
-    problems += quant_problems(raw)
-    if cfg is None:
-        return file_cfg, path
-    a, b = file_cfg.to_dict(), cfg.to_dict()
-    problems += [f"config mismatch: {k}: {rel} has {a[k]!r}, given config has {b[k]!r}"
-                 for k in a if k != "name" and a[k] != b[k]]
-    return cfg, path
 
 
 def _fmt(e) -> str:
@@ -147,7 +117,7 @@ def scan_checkpoint(path, cfg: V41Config | None = None, strict: bool = True) -> 
         raise CheckpointError(str(root), ["checkpoint directory does not exist"])
     problems: list[str] = []
     notes: list[str] = []
-    cfg, config_file = _config(root, cfg, problems, notes)
+    cfg, config_file = _config(root, cfg, problems, notes, parse=from_dict, quant=quant_problems)
     wm, files, total = _shard_files(root, problems)
     headers, bad_files = _read_headers(root, files, wm, problems)
     if wm is not None:
