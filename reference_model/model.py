@@ -222,6 +222,10 @@ class Model:
         if t:
             t("attn.out", a)
         H = nx.hc_post(a, H, post, comb)
+        if "hc_post" not in nx.replaced:
+            # the golden hc_post returns storage-dtype values: held as such (lossless, as
+            # between layers) they cost the FFN's hc_pre/hc_post a quarter of the reads
+            H = H.to(nx.sd)
         x, post, comb = nx.hc_pre(H, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], cfg)
         if t:
             t("hc_ffn.post", post), t("hc_ffn.comb", comb)

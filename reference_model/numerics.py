@@ -42,24 +42,28 @@ ROPE_SITES = ("q", "kv", "compressed_kv", "index_q", "index_k", "output")
 
 PROFILES = ("reference", "exact")
 
-# Row blocking. On CPU the memory-bound kernels (sparse attention, indexer scores, mHC) run
-# a chunk's tokens in blocks of about 1 MB of compute-dtype intermediates, so those
-# stay in cache instead of streaming through RAM (at 2048-token chunks in fp64 they are
-# tens of MB). Each step is row-local, so the values are those of one call over all rows
-# (tests/test_reference_speed_identity.py checks every blocked kernel against it, bit for
-# bit). GEMMs in a block see at least ROW_BLOCK_MIN rows: MKL computes the rows of a GEMM
-# with 1-3 rows (or a 1-2 row remainder) by another path whose fp64 sums round
-# differently, so the remainder joins the last block instead of forming a short one.
+# Row blocking. On CPU the memory-bound kernels (sparse attention, indexer scores, mHC,
+# the FP8 GEMMs with their quantisation and roundings) run a chunk's tokens in blocks of
+# about 2 MB of compute-dtype intermediates per thread, so those stay in cache instead of
+# streaming through RAM (at 2048-token chunks in fp64 they are tens of MB). Not smaller:
+# with 2+ threads each op of a block is an OpenMP region, and on a busy machine a region
+# can wait for a descheduled thread. Every step is row-local, so the values are those of
+# one call over all rows (tests/test_reference_speed_identity.py checks each blocked kernel
+# against it, bit for bit, including fp64 sums that round). For that, blocks start at
+# multiples of ROW_BLOCK_MIN rows and the remainder joins the last block: MKL computes the
+# rows of a short GEMM (1-3 rows, or a 1-2 row remainder, or rows grouped from another
+# start) by other paths whose fp64 sums round differently.
 ROW_BLOCK_MIN = 64
-ROW_BLOCK_ELEMS = 1 << 17            # compute-dtype elements per row block (1 MB in fp64)
+ROW_BLOCK_ELEMS = 1 << 18            # compute-dtype elements per row block and thread (2 MB fp64)
 
 
 def row_blocks(n: int, row_elems: int, min_rows: int = ROW_BLOCK_MIN) -> list[tuple[int, int]]:
-    """[start, end) row ranges covering 0..n, about ROW_BLOCK_ELEMS elements each, a
-    multiple of `min_rows` rows (ranges start where MKL's row groups of one call over all n
-    rows start); the remainder joins the last range, so no range but a lone one is shorter
-    than the step."""
-    step = max(min_rows, ROW_BLOCK_ELEMS // max(1, row_elems) // min_rows * min_rows)
+    """[start, end) row ranges covering 0..n, about ROW_BLOCK_ELEMS elements per torch
+    thread each, a multiple of `min_rows` rows (ranges start where MKL's row groups of one
+    call over all n rows start); the remainder joins the last range, so no range but a lone
+    one is shorter than the step."""
+    elems = ROW_BLOCK_ELEMS * torch.get_num_threads()
+    step = max(min_rows, elems // max(1, row_elems) // min_rows * min_rows)
     cuts = list(range(0, max(n, 1), step))
     if len(cuts) > 1 and n - cuts[-1] < step:
         cuts.pop()

@@ -31,6 +31,15 @@ CFG = SimpleNamespace(norm_eps=1e-6, hc_eps=1e-6, hc_sinkhorn_iters=20)
 ROWS = [1, 63, 64, 130, 300, 1027]           # one block, edge sizes, several blocks + remainder
 
 
+@pytest.fixture(autouse=True, params=["default-blocks", "small-blocks"])
+def block_size(request, monkeypatch):
+    """Every test runs with the shipped block size and with blocks of ROW_BLOCK_MIN rows
+    (many blocks and a remainder at these row counts)."""
+    if request.param == "small-blocks":
+        monkeypatch.setattr(N, "ROW_BLOCK_ELEMS", 1 << 10)
+    return request.param
+
+
 def gen(seed):
     return torch.Generator().manual_seed(seed)
 
@@ -244,7 +253,8 @@ def test_row_blocks_cover_rows_with_no_short_block():
             bl = row_blocks(n, elems)
             assert bl[0][0] == 0 and bl[-1][1] == n
             assert all(b0 == a1 for (_, b0), (a1, _) in zip(bl, bl[1:]))
-            step = max(N.ROW_BLOCK_MIN, N.ROW_BLOCK_ELEMS // elems // N.ROW_BLOCK_MIN * N.ROW_BLOCK_MIN)
+            per = N.ROW_BLOCK_ELEMS * torch.get_num_threads()
+            step = max(N.ROW_BLOCK_MIN, per // elems // N.ROW_BLOCK_MIN * N.ROW_BLOCK_MIN)
             assert all(b - a == step and a % N.ROW_BLOCK_MIN == 0 for a, b in bl[:-1])
             assert len(bl) == 1 or step <= bl[-1][1] - bl[-1][0] < 2 * step
 
