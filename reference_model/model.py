@@ -283,12 +283,11 @@ class Model:
         rows = torch.cat([t for t in (prev, kv, st.comp_kv if n_comp else None) if t is not None], 0)
         comp_off = n_prev + n
         idx = self._attn_indices(pos, pos0, n_prev, comp_off, ratio, topk, n_comp)
-        o = torch.empty_like(q)
         step = max(1, self.attn_budget // max(1, idx.shape[1] * cfg.head_dim))
         scale = cfg.head_dim ** -0.5
-        for a in range(0, n, step):
-            o[a:a + step] = nx.sparse_attention(q[a:a + step], rows, w["attn.attn_sink"],
-                                                idx[a:a + step], scale, phase)
+        parts = [nx.sparse_attention(q[a:a + step], rows, w["attn.attn_sink"], idx[a:a + step],
+                                     scale, phase) for a in range(0, n, step)]
+        o = parts[0].to(q.dtype) if len(parts) == 1 else torch.cat([p.to(q.dtype) for p in parts])
         o = rope(o, "output", inverse=True)
         # keep the last window-1 rows for the next chunk / decode step
         keep = cfg.window_size - 1

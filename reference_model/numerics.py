@@ -44,17 +44,17 @@ PROFILES = ("reference", "exact")
 
 # Row blocking. On CPU the memory-bound kernels (sparse attention, indexer scores, mHC,
 # the FP8 GEMMs with their quantisation and roundings) run a chunk's tokens in blocks of
-# about 2 MB of compute-dtype intermediates per thread, so those stay in cache instead of
-# streaming through RAM (at 2048-token chunks in fp64 they are tens of MB). Not smaller:
-# with 2+ threads each op of a block is an OpenMP region, and on a busy machine a region
-# can wait for a descheduled thread. Every step is row-local, so the values are those of
+# about 4 MB of compute-dtype intermediates per thread, so those stay in cache instead of
+# streaming through RAM (at 2048-token chunks in fp64 they are tens of MB). Not smaller
+# (1-4 MB run alike on one thread here): with 2+ threads each op of a block is an OpenMP
+# region, and on a busy machine a region can wait for a descheduled thread. Every step is row-local, so the values are those of
 # one call over all rows (tests/test_reference_speed_identity.py checks each blocked kernel
 # against it, bit for bit, including fp64 sums that round). For that, blocks start at
 # multiples of ROW_BLOCK_MIN rows and the remainder joins the last block: MKL computes the
 # rows of a short GEMM (1-3 rows, or a 1-2 row remainder, or rows grouped from another
 # start) by other paths whose fp64 sums round differently.
 ROW_BLOCK_MIN = 64
-ROW_BLOCK_ELEMS = 1 << 18            # compute-dtype elements per row block and thread (2 MB fp64)
+ROW_BLOCK_ELEMS = 1 << 19            # compute-dtype elements per row block and thread (4 MB fp64)
 
 
 def row_blocks(n: int, row_elems: int, min_rows: int = ROW_BLOCK_MIN) -> list[tuple[int, int]]:
