@@ -541,11 +541,40 @@ def sinkhorn_split(mixes, scale, base, hc: int, iters: int, eps: float):
     c = mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]
     c = c.unflatten(-1, (hc, hc))
     c = torch.softmax(c, dim=-1) + eps
+    if 2 <= hc <= 4 and c.device.type == "cpu" and not Q.tracks_grad(c):
+        return pre, post, _sinkhorn_streams_last(c, iters, eps)
     c = c / (c.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         c = c / (c.sum(-1, keepdim=True) + eps)
         c = c / (c.sum(-2, keepdim=True) + eps)
     return pre, post, c
+
+
+def _sinkhorn_streams_last(c, iters: int, eps: float):
+    """The normalisations of sinkhorn_split with the tokens as the last, contiguous axis
+    ([hc, hc, n]), so every step is a whole-vector op instead of a reduction over 4
+    elements. torch sums 2-4 elements left to right (tests/test_reference_speed_identity.py
+    checks it), so the explicit left-to-right sums here are the same values."""
+    shape = c.shape
+    t = c.reshape(-1, *shape[-2:]).permute(1, 2, 0).contiguous()       # [j, k, n]
+
+    def col_norm():                                  # c / (sum over j + eps)
+        s = t[0] + t[1]
+        for j in range(2, t.shape[0]):
+            s = s + t[j]
+        t.div_((s + eps).unsqueeze(0))
+
+    def row_norm():                                  # c / (sum over k + eps)
+        s = t[:, 0] + t[:, 1]
+        for k in range(2, t.shape[1]):
+            s = s + t[:, k]
+        t.div_((s + eps).unsqueeze(1))
+
+    col_norm()
+    for _ in range(iters - 1):
+        row_norm()
+        col_norm()
+    return t.permute(2, 0, 1).reshape(shape).contiguous()
 
 
 def topk_lowest_index_ties(scores: torch.Tensor, k: int) -> torch.Tensor:

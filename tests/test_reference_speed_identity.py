@@ -144,12 +144,24 @@ def plain_wo_a(nx, o, w):
     return plain_rs(nx, torch.einsum("cgd,grd->cgr", nx.c(o), nx.c(w)))
 
 
+def plain_sinkhorn(mixes, scale, base, hc, iters, eps):
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    c = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    c = torch.softmax(c, dim=-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return pre, post, c
+
+
 def plain_hc_pre(nx, H, fn, scale, base, cfg):
     n, hc, d = H.shape
     r32 = lambda t: t.to(nx.cd) if not nx.quant or nx.cd == F32 else t.float().to(nx.cd)  # noqa
     X = nx.c(H.reshape(n, hc * d))
     mixes = r32((X @ fn.to(nx.cd).T) * torch.rsqrt(X.square().mean(-1, keepdim=True) + cfg.norm_eps))
-    pre, post, comb = (r32(t) for t in sinkhorn_split(
+    pre, post, comb = (r32(t) for t in plain_sinkhorn(
         mixes, scale.to(nx.cd), base.to(nx.cd), hc, cfg.hc_sinkhorn_iters, cfg.hc_eps))
     return plain_rs(nx, (pre.unsqueeze(-1) * nx.c(H)).sum(1)), post, comb
 
@@ -327,6 +339,28 @@ def test_sparse_attention(nx, n):
     qw, kvw = wide(n, 4, 128, seed=35) * 1e-12, wide(N_rows, 128, seed=36) * 1e-12
     assert same(nx.sparse_attention(qw, kvw, sink, idx, 128 ** -0.5),
                 plain_sparse_attention(nx, qw, kvw, sink, idx, 128 ** -0.5))
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("hc", [2, 3, 4, 5])
+def test_sinkhorn_tokens_last(dtype, hc):
+    """Sinkhorn with the token axis last sums 2-4 entries left to right, as torch's sum over
+    a dimension of 2-4 does (wide-range values, where another order would round otherwise);
+    other sizes keep torch's sum."""
+    g = gen(hc)
+    for n in (2048, 7, 1):
+        c = wide(n, hc, hc, seed=hc + n)
+        for dim in (-1, -2):
+            parts = c.unbind(dim)
+            seq = parts[0]
+            for p in parts[1:]:
+                seq = seq + p
+            assert same(c.sum(dim), seq) or hc > 4
+        mixes = (torch.randn(3, n, hc * (hc + 2), generator=g, dtype=F64) * 5).to(dtype)
+        scale = (torch.rand(3, generator=g, dtype=F64) * 3).to(dtype)
+        base = torch.randn(hc * (hc + 2), generator=g, dtype=F64).to(dtype)
+        assert same(sinkhorn_split(mixes, scale, base, hc, 20, 1e-6),
+                    plain_sinkhorn(mixes, scale, base, hc, 20, 1e-6))
 
 
 def test_blocked_kernels_with_two_threads():
