@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .v41.markers import declared_v41, v41_markers
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, malformed or inconsistent."""
@@ -123,7 +125,6 @@ def _refuse_v41(d) -> None:
     engram_layer_ids, ratio 1) must not be misread as V4: point to V4.1 support instead."""
     if not isinstance(d, dict):
         return
-    from .v41.config import declared_v41, v41_markers
     marks = v41_markers(d)
     if not marks:
         return

@@ -22,9 +22,6 @@ ALLOWED = {
 # the one circle kept on purpose: the registry imports the built-ins on first use
 REGISTRY_CIRCLE = {"kernel_toggles.registry", "kernel_toggles.builtin", "kernel_toggles.request",
                    "kernel_toggles.serving", "kernel_toggles.v41"}
-# known, to be removed: config.py refuses a V4.1 config by name through a function-level
-# import of v41.config (its marker checks belong in a module that imports no config)
-KNOWN_CIRCLES = [{"reference_model.config", "reference_model.v41.config"}]
 
 
 def modules() -> dict[str, Path]:
@@ -105,8 +102,7 @@ def test_no_package_imports_one_above_it():
 
 
 def test_no_import_circles_but_the_registry():
-    found = [c for c in circles(import_graph()) if not c <= REGISTRY_CIRCLE | {"kernel_toggles"}
-             and c not in KNOWN_CIRCLES]
+    found = [c for c in circles(import_graph()) if not c <= REGISTRY_CIRCLE | {"kernel_toggles"}]
     assert not found, "import circles:\n" + "\n".join(" <-> ".join(sorted(c)) for c in found)
 
 

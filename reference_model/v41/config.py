@@ -17,9 +17,8 @@ from pathlib import Path
 
 from ..config import ConfigError, ModelConfig
 from .engram import check_rows
+from .markers import V41_ONLY_KEYS, declared_v41, text_part, v41_markers
 
-V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
-V41_ARCHITECTURES = ("DeepseekV41ForCausalLM", "DeepseekV41ForConditionalGeneration")
 WEIGHT_BLOCK = 32                 # FP8 weight blocks 32x32, activation quant 1x32 (doc §4)
 RATIOS = (0, 1, 2)
 
@@ -161,46 +160,12 @@ class V41Config:
         return from_dict(d, name)
 
 
-# ---- detection ---------------------------------------------------------------------------
-# Keys only V4.1 has (either dialect); V4 signatures a V4.1 config must not carry.
-V41_ONLY_KEYS = ("kv_source_layer_ids", "kv_source_layers", "index_source_layer_ids",
-                 "index_source_layers", "candidate_source_layer_id", "candidate_source_layer",
-                 "engram_layer_ids")
-
-
-def _text(d: dict) -> dict:
-    tc = d.get("text_config")
-    return tc if isinstance(tc, dict) else d
-
-
-def declared_v41(d: dict) -> bool:
-    """The file says it is V4.1: model_type or architectures (root or text_config)."""
-    t = _text(d)
-    archs = d.get("architectures") or []
-    return (d.get("model_type") in V41_MODEL_TYPES or t.get("model_type") in V41_MODEL_TYPES
-            or any(a in V41_ARCHITECTURES for a in archs if isinstance(a, str)))
-
-
-def v41_markers(d: dict) -> list[str]:
-    """Why a config dict looks like DeepSeek-V4.1 (empty: it does not)."""
-    t = _text(d)
-    out = []
-    if declared_v41(d):
-        out.append(f"model_type {t.get('model_type') or d.get('model_type')!r}"
-                   if (t.get("model_type") or d.get("model_type")) in V41_MODEL_TYPES
-                   else f"architectures {d.get('architectures')!r}")
-    out += [k for k in V41_ONLY_KEYS if k in t]
-    ratios = t.get("compress_ratios")
-    if isinstance(ratios, list) and 1 in ratios:
-        out.append("compress_ratios contains 1")
-    return out
-
-
+# ---- detection (the markers live in .markers so V4's config can read them) -----------
 def is_v41_dict(d: dict) -> bool:
     """V4.1 by model_type / architectures, or (unlabelled) by V4.1-only fields."""
     if declared_v41(d):
         return True
-    mt = _text(d).get("model_type") or d.get("model_type")
+    mt = text_part(d).get("model_type") or d.get("model_type")
     return mt is None and bool(v41_markers(d))
 
 
@@ -298,7 +263,7 @@ def from_dict(d: dict, name: str = "custom") -> V41Config:
     HF text config, or inference/config.json (ModelArgs keys)."""
     if not isinstance(d, dict):
         raise ConfigError(f"config is not a JSON object: {type(d).__name__}")
-    t = _text(d)
+    t = text_part(d)
     hf = "hidden_size" in t or "num_hidden_layers" in t
     where = "config.json" if hf else "inference/config.json"
     if not hf and "dim" not in t and "n_layers" not in t:
