@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from reference_model.numerics import Numerics
-from reference_model.v41.numerics import V41_KERNELS, as_v41
 
 from . import profiles
 from . import registry as R
@@ -242,8 +241,6 @@ class ToggleSet:
         """The arm's Numerics: `base` (default Numerics(profile)) with each toggle's kernels
         applied in canonical order; each toggle sees the previous ones as its golden."""
         nx = base if base is not None else Numerics(profile, **numerics_kwargs)
-        if any(k in V41_KERNELS for k in self.kernels):
-            nx = as_v41(nx)                # a seam with the DeepSeek-V4.1 kernels
         top: list = []                     # filled with the finished arm (see with_kernels)
         for s in self._specs:
             nx = nx.with_kernels(str(s), _top=top, **s.toggle.build(s.params))

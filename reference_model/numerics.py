@@ -8,7 +8,8 @@ math in fp32 (or fp64) with no simulated quantisation: the noise floor.
 Tensors travel between kernels in the compute dtype (fp32/fp64) holding values already
 rounded to the storage dtype (bf16 in `reference`), which equals what bf16 kernels with fp32
 accumulation produce, up to summation order. Engine toggles (kernel_toggles/) replace
-methods via `Numerics.with_kernels`, so one set of weights serves every arm."""
+methods via `Numerics.with_kernels`, so one set of weights serves every arm. V4.1's kernels
+(reference_model/v41/numerics.py) are inherited, so every Numerics serves both versions."""
 from __future__ import annotations
 
 import copy
@@ -18,9 +19,11 @@ import torch.nn.functional as F
 
 from . import primitives as P
 from . import quant as Q
+from .primitives import sinkhorn_split, topk_highest_index_ties, topk_lowest_index_ties  # noqa: F401  (re-exported)
+from .v41.numerics import V41_KERNELS, V41Kernels
 
-# Names of the replaceable kernels (the seam). Toggles may only replace these.
-KERNELS = (
+# Names of V4's replaceable kernels.
+V4_KERNELS = (
     "fp8_linear", "bf16_linear", "rms_norm", "q_head_rescale", "rope_inv_freq", "rope_apply",
     "window_first", "kv_store", "compressor_proj", "compress_score_bias", "compress_state",
     "compress_pool", "compressed_positions", "compressed_visible",
@@ -30,6 +33,9 @@ KERNELS = (
     "moe_gate", "moe_select", "route_weights", "swiglu", "expert_ffn", "moe_combine", "lm_head",
     "chat_request", "chat_render", "chunk_boundary", "state_restore",
 )
+# The seam: every kernel a toggle may replace, V4's and the steps V4.1 adds (one Numerics
+# serves both versions; a V4 model never calls the V4.1 ones).
+KERNELS = V4_KERNELS + V41_KERNELS
 # chat_request / chat_render are the request-level seam (not numerics): how a chat request
 # is read and rendered to a prompt, so engines' chat-handling differences are toggles like
 # the rest. chunk_boundary / state_restore are the serving seam: what happens to a
@@ -74,7 +80,9 @@ def _row_elems(x: torch.Tensor) -> int:
     return x.numel() // max(1, x.shape[0]) if x.dim() else 1
 
 
-class Numerics:
+class Numerics(V41Kernels):
+    """The seam of both versions: V4's kernels here, V4.1's inherited from V41Kernels."""
+
     def __init__(self, profile: str = "reference", compute_dtype: torch.dtype | None = None):
         """`reference`: bf16 storage, computed in fp64 by default ("wide accumulation": every
         step the reference does in fp32 is done in fp64 and rounded to fp32 where the
@@ -530,79 +538,3 @@ class _Below:
             if name not in vars(self._prev):           # golden's own implementation
                 return getattr(Numerics, name).__get__(final)
         return getattr(self._prev, name)
-
-
-def sinkhorn_split(mixes, scale, base, hc: int, iters: int, eps: float):
-    """`hc_split_sinkhorn` (research §4.8): pre = sigmoid + eps, post = 2·sigmoid,
-    comb = softmax(rows) + eps, one column normalisation, then iters-1 row/column pairs.
-    comb[.., j, k]: j = source stream, k = destination."""
-    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    c = mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]
-    c = c.unflatten(-1, (hc, hc))
-    c = torch.softmax(c, dim=-1) + eps
-    if 2 <= hc <= 4 and c.device.type == "cpu" and not Q.tracks_grad(c):
-        return pre, post, _sinkhorn_streams_last(c, iters, eps)
-    c = c / (c.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        c = c / (c.sum(-1, keepdim=True) + eps)
-        c = c / (c.sum(-2, keepdim=True) + eps)
-    return pre, post, c
-
-
-def _sinkhorn_streams_last(c, iters: int, eps: float):
-    """The normalisations of sinkhorn_split with the tokens as the last, contiguous axis
-    ([hc, hc, n]), so every step is a whole-vector op instead of a reduction over 4
-    elements. torch sums 2-4 elements left to right (tests/test_reference_speed_identity.py
-    checks it), so the explicit left-to-right sums here are the same values."""
-    shape = c.shape
-    t = c.reshape(-1, *shape[-2:]).permute(1, 2, 0).contiguous()       # [j, k, n]
-
-    def col_norm():                                  # c / (sum over j + eps)
-        s = t[0] + t[1]
-        for j in range(2, t.shape[0]):
-            s = s + t[j]
-        t.div_((s + eps).unsqueeze(0))
-
-    def row_norm():                                  # c / (sum over k + eps)
-        s = t[:, 0] + t[:, 1]
-        for k in range(2, t.shape[1]):
-            s = s + t[:, k]
-        t.div_((s + eps).unsqueeze(1))
-
-    col_norm()
-    for _ in range(iters - 1):
-        row_norm()
-        col_norm()
-    return t.permute(2, 0, 1).reshape(shape).contiguous()
-
-
-def topk_lowest_index_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Deterministic top-k set per row: everything above the k-th value, then the
-    lowest-index entries equal to it. Indices come back in ascending position order (the
-    set is what matters to attention); -1 marks picks whose score is -inf (not visible)."""
-    # a NaN score can never be selected; (nan_to_num alone would also turn -inf into the
-    # finite dtype minimum, and invisible picks would no longer come back as -1)
-    scores = scores.masked_fill(scores.isnan(), float("-inf"))
-    n = scores.shape[-1]
-    k = min(k, n)
-    if k == 0:
-        return torch.empty(*scores.shape[:-1], 0, dtype=torch.long, device=scores.device)
-    cut = torch.topk(scores, k, dim=-1).values[..., -1:]
-    gt = scores > cut
-    eq = scores == cut
-    need = k - gt.sum(-1, keepdim=True)
-    sel = gt | (eq & (eq.cumsum(-1) <= need))
-    pos = torch.arange(n, device=scores.device).expand_as(scores)
-    idx = torch.masked_select(pos, sel).view(*scores.shape[:-1], k)
-    picked = torch.gather(scores, -1, idx)
-    return torch.where(torch.isneginf(picked), torch.full_like(idx, -1), idx)
-
-
-def topk_highest_index_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The same top-k set rule with exact ties broken towards the HIGHER index: the other
-    tie order torch.topk may legally use. Running it as an arm measures what tie order
-    alone does to the selection (a floor for indexer signals)."""
-    n = scores.shape[-1]
-    idx = topk_lowest_index_ties(scores.flip(-1), k)
-    return torch.where(idx >= 0, n - 1 - idx, idx).flip(-1)

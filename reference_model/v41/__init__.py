@@ -10,7 +10,7 @@
     sizes        tensor bytes and per-sequence state for `fidelity plan-memory`
     kernels      the new steps as pure functions (Engram, compressors, indexer, candidates,
                  lagged mHC, KV fake-quant), called through the seam by the V4.1 model
-    numerics     those steps as seam kernels (V41Kernels, V41_KERNELS), so toggles replace them
+    numerics     those steps as seam kernels (V41Kernels, the base class of Numerics; V41_KERNELS)
     stream       the residual stream between layers: H with the lagged mHC pre-mix packed in
     model        ModelV41: the V4.1 forward with V4's Model API (reference_model.build_model)
 

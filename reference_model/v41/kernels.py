@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import primitives as P
 from .. import quant as Q
-from ..numerics import sinkhorn_split, topk_lowest_index_ties
+from ..primitives import sinkhorn_split, topk_lowest_index_ties
 from .weights import EngramTable
 
 DEAD = -1                       # Engram history entry of an image-span token

@@ -31,7 +31,6 @@ from . import kernels as K
 from . import stream
 from .config import V41Config
 from .engram import compressed_token_map, engram_layout
-from .numerics import as_v41
 from .sizes import spec_bytes
 from .specs import global_specs, layer_specs
 from .weights import EngramTable
@@ -118,10 +117,9 @@ class ModelV41(Model):
                  token_map=None, tokenizer=None):
         """V4's constructor arguments; `token_map` (token id -> compressed id) or
         `tokenizer` give Engram's compressed vocabulary (default: token_map_for)."""
-        super().__init__(weights, as_v41(numerics) if numerics is not None else None,
+        super().__init__(weights, numerics,
                          chunk_tokens=chunk_tokens, attn_budget=attn_budget,
                          weight_cache=weight_cache, devices=None, schedule=schedule)
-        self.nx = as_v41(self.nx)
         cfg = self.cfg
         if not isinstance(cfg, V41Config):
             raise TypeError(f"ModelV41 runs DeepSeek-V4.1 configs, got {type(cfg).__name__}; "
