@@ -76,16 +76,17 @@ class Stage:
                     f"arm(s) of {length} tokens; `fidelity plan-memory --nodes` says what would fit")
 
     # ---- exchanges ------------------------------------------------------------------
-    def send_streams(self, meta: dict, tensors: list[torch.Tensor], what: str) -> None:
-        """To the next stage: `meta` (any picklable object) then each tensor's bytes."""
-        peer = self.rank + 1
+    def send_streams(self, meta: dict, tensors: list[torch.Tensor], what: str, peer: int | None = None) -> None:
+        """To the next stage (or `peer`): `meta` (any picklable object) then each tensor's bytes."""
+        peer = self.rank + 1 if peer is None else peer
         with self._peer(peer, f"sending {what}"):
             dist.send_object_list([meta, [(tuple(t.shape), str(t.dtype)) for t in tensors]], dst=peer)
             for t in tensors:
                 dist.send(_bytes(t), dst=peer)
 
-    def recv_streams(self, what: str) -> tuple[dict, list[torch.Tensor]]:
-        peer = self.rank - 1
+    def recv_streams(self, what: str, peer: int | None = None) -> tuple[dict, list[torch.Tensor]]:
+        """From the previous stage (or `peer`): what its send_streams sent."""
+        peer = self.rank - 1 if peer is None else peer
         with self._peer(peer, f"waiting for {what}"):
             box = [None, None]
             dist.recv_object_list(box, src=peer, device=self._obj_device())
@@ -103,6 +104,14 @@ class Stage:
         box = [obj]
         with self._peer(self.world - 1, f"waiting for {what}"):
             dist.broadcast_object_list(box, src=self.world - 1, device=self._obj_device())
+        return box[0]
+
+    def from_first(self, obj, what: str, group=None):
+        """`obj` of rank 0, on every rank (rank 0's calls to the other stages); `group`: a
+        gloo group of every rank (then on the CPU), e.g. one without the default timeout."""
+        box = [obj]
+        with self._peer(None, f"sending {what}") if self.first else self._peer(0, f"waiting for {what}"):
+            dist.broadcast_object_list(box, src=0, group=group, device=None if group else self._obj_device())
         return box[0]
 
     def gather(self, obj, what: str) -> list:

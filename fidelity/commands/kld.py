@@ -16,6 +16,7 @@ HELP = ("KLD of live endpoints (and in-process arms) against a baseline over HTT
 EXAMPLES = """\
     fidelity kld --inprocess golden=golden --endpoint engine=http://127.0.0.1:30000   # a live engine vs the golden
     fidelity kld --endpoint base=http://127.0.0.1:30000 --endpoint new=http://127.0.0.1:30001 --exact
+    torchrun --nproc-per-node 8 -m fidelity kld --distributed --checkpoint /models/DeepSeek-V4-Pro --inprocess golden=golden --endpoint engine=http://127.0.0.1:30000
 """
 
 
@@ -49,6 +50,8 @@ def add_arguments(p):
     g.add_argument("--tokenizer", default=None, help="tokenizer.json the prompts are built with")
     from fidelity.devices import add_options
     add_options(p)
+    from fidelity.pipeline_model import add_options as distributed_options
+    distributed_options(p.add_argument_group("distributed (docs/distributed.md)"), "kld")
     g = p.add_argument_group("prompts")
     g.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                    help="your own prompts: one JSON per line with text, messages or token_ids")
@@ -83,8 +86,21 @@ def add_arguments(p):
                    out_help="writes <out>/kld/scores (resumable) and <out>/kld/<run-id>/ (default: %(default)s)")
 
 
-def build_entries(args, target, progress, place=None):
-    """ScoredArm list, the baseline first."""
+def arm_numerics(spec: str, numerics_kwargs: dict):
+    """An --inprocess arm's Numerics (a recipe every pipeline rank can rebuild)."""
+    from fidelity.arms import parse_arm
+    return parse_arm(spec).numerics(**numerics_kwargs)
+
+
+def floor_numerics(k: int, compute_dtype):
+    """The k-th automatic floor arm's Numerics (a recipe every pipeline rank can rebuild)."""
+    from fidelity.ab.design import floor_arms
+    return floor_arms(compute_dtype)[k].numerics
+
+
+def build_entries(args, target, progress, place=None, driver=None):
+    """ScoredArm list, the baseline first. `driver` (fidelity.pipeline_model.Driver, on
+    rank 0 under --distributed): in-process arms run across the pipeline."""
     from infra.http import RetryPolicy, model_options
     from fidelity.arms import parse_arm
     from fidelity.kld.endpoint import Endpoint
@@ -99,10 +115,12 @@ def build_entries(args, target, progress, place=None):
     entries = []
     for name, spec in _pairs(args.inprocess, "--inprocess"):
         arm = parse_arm(spec)
-        nx = arm.numerics(compute_dtype=place.compute_dtype) if place else arm.numerics()
+        kw = {"compute_dtype": place.compute_dtype} if place else {}
+        model = driver.model((arm_numerics, spec, kw), arm.schedule) if driver else None
+        nx = None if driver else arm_numerics(spec, kw)
         entries.append(ScoredArm(name, InProcessScorer(name, nx, target.weights, arm.name,
                                                        place.model_devices if place else None,
-                                                       arm.schedule),
+                                                       arm.schedule, model=model),
                                  factors=frozenset({name})))
     for name, url in endpoints:
         ep = Endpoint(name, url, dialects.pop(name, None), per_arm.get(name, every), policy,
@@ -124,13 +142,13 @@ def build_entries(args, target, progress, place=None):
     b.role, b.factors = "baseline", frozenset()
     entries.insert(0, b)
     if not args.no_floors:
-        entries += auto_floors(b, target, place)
+        entries += auto_floors(b, target, place, driver)
     if len([e for e in entries if e.role == "arm"]) < 1:
         raise ValueError("nothing to compare: give at least one arm besides the baseline")
     return entries
 
 
-def auto_floors(base, target, place=None):
+def auto_floors(base, target, place=None, driver=None):
     """In-process baseline: `fidelity ab`'s floor arms; endpoint baseline: itself again."""
     import torch
     from fidelity.ab.design import floor_arms
@@ -139,12 +157,37 @@ def auto_floors(base, target, place=None):
     if base.scorer.kind == "inprocess":
         cd = place.compute_dtype if place else torch.float64
         return [ScoredArm(a.name, InProcessScorer(a.name, a.numerics, target.weights, None,
-                                                  place.model_devices if place else None), "floor")
-                for a in floor_arms(cd)]
+                                                  place.model_devices if place else None,
+                                                  model=driver.model((floor_numerics, k, cd)) if driver else None),
+                          "floor")
+                for k, a in enumerate(floor_arms(cd))]
     return [repeat_floor(base)]
 
 
 def run(args) -> int:
+    if args.distributed is None:
+        return _run(args)
+    from fidelity.pipeline import shutdown
+    from fidelity.pipeline_model import Driver, join, stage_weights, work
+    if not args.inprocess:
+        raise CommandError("--distributed runs the in-process arms across the ranks; give at least one "
+                           "--inprocess arm (endpoint arms are scored from rank 0 as usual)")
+    stage = join(args)
+    try:
+        if not stage.first:
+            work(stage, stage_weights(args.checkpoint, args.weights_mode, stage))
+            return 0
+        driver = Driver(stage)
+        try:
+            return _run(args, driver)
+        finally:
+            driver.stop()
+    finally:
+        shutdown()
+
+
+def _run(args, driver=None) -> int:
+    """The command on one process, or on rank 0 with `driver`'s pipeline models."""
     from fidelity.kld.run import run_kld
     from fidelity.kld.endpoint import EndpointError
     from fidelity.prompts import PromptFileError, file_prompts, grid_prompts
@@ -155,9 +198,14 @@ def run(args) -> int:
     try:
         from fidelity.devices import DeviceError, from_args
         place = from_args(args)
-        target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
-                             place.model_devices)
-        entries = build_entries(args, target, progress, place)
+        if driver is None:
+            target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
+                                 place.model_devices)
+        else:
+            from fidelity.pipeline_model import stage_target
+            target = stage_target(args.checkpoint, args.tokenizer, args.weights_mode, driver.stage)
+            driver.weights = target.weights
+        entries = build_entries(args, target, progress, place, driver)
         tok = target.tokenizer
         if args.prompts:
             prompts = file_prompts(args.prompts, tok, target.cfg.vocab_size)

@@ -69,11 +69,13 @@ class InProcessScorer:
     kind = "inprocess"
 
     def __init__(self, name: str, numerics, weights, label: str | None = None, devices=None,
-                 schedule=ONESHOT, weight_cache: dict | None = None):
+                 schedule=ONESHOT, weight_cache: dict | None = None, model=None):
         """`weight_cache`: converted weights shared by the scorers of one run (Model's), so
-        several arms over one checkpoint hold one copy per compute dtype."""
+        several arms over one checkpoint hold one copy per compute dtype. `model`: one built
+        already (a fidelity.pipeline_model.PipelineModel under --distributed)."""
         self.name, self.label = name, label or name
-        self.model = build_model(weights, numerics, devices=devices, schedule=schedule, weight_cache=weight_cache)
+        self.model = model or build_model(weights, numerics, devices=devices, schedule=schedule,
+                                          weight_cache=weight_cache)
         cfg = weights.cfg
         self.shape = capture_shape(cfg)
         self.csa = self.shape["indexer_layers"]

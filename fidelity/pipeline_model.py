@@ -1,0 +1,310 @@
+"""The golden's Model API across pipeline ranks, for commands that call the model one
+prompt at a time (`fidelity kld`, `fidelity needle`): a driver/worker split over the
+stages of fidelity.pipeline.
+
+Rank 0 runs the command as one process does, with `PipelineModel`s in place of Models.
+Every `extend` is one call: rank 0 broadcasts a small command (model key, state handle,
+token ids, phase, tap patterns), embeds, runs its own layers and sends the residual
+streams to rank 1; each rank runs its contiguous layers on its own part of the state and
+sends them on; the last rank sends the final streams (all rows for 'all'/'hidden', the
+last row for 'last', none for 'none') and its ranks' taps back to rank 0, which runs the
+head. So rank 0 holds the embedding and the head; the streams cross every boundary once
+per call and come back once. States live with their stage under the handle's id; a
+handle rank 0 drops is freed on every rank with the next call.
+
+Ranks > 0 run `work` until rank 0 says stop. An exception on a worker travels down the
+pipeline in place of the streams and is raised on rank 0 as one StageError naming the
+rank; a rank that dies or hangs is the Stage's DistributedError (process-group timeout).
+Models are built on every rank from a picklable recipe (a module-level function and its
+arguments returning the Numerics), since a Numerics with replaced kernels does not pickle."""
+from __future__ import annotations
+
+import datetime
+import itertools
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from reference_model import build_model
+from reference_model.schedule import ONESHOT
+
+from .pipeline import DistributedError
+
+
+class StageError(RuntimeError):
+    """A call failed on another rank: the message names it (the command's error)."""
+
+
+@dataclass
+class _Recipe:
+    numerics: tuple                      # (module-level function, *args) -> Numerics
+    schedule: object = ONESHOT
+    chunk_tokens: int = 2048
+    record_index_scores: bool = False    # return each index_scores result (needle's mechanism)
+
+    def build(self, weights, devices, cache: dict, sink: list | None = None):
+        fn, *args = self.numerics
+        nx = fn(*args)
+        if self.record_index_scores:
+            def record(golden, q, keys, w):
+                s = golden.index_scores(q, keys, w)
+                sink.append(s.detach().cpu())
+                return s
+            nx = nx.with_kernels("index-score-recorder", index_scores=record)
+        return build_model(weights, nx, chunk_tokens=self.chunk_tokens, devices=devices,
+                           schedule=self.schedule, weight_cache=cache)
+
+
+CALL_WAIT = datetime.timedelta(days=30)      # a worker waits for rank 0's next call this long
+
+
+def calls_group():
+    """The group rank 0's calls are broadcast in (every rank joins it, in the same order):
+    gloo, with no practical timeout, since rank 0 may be busy elsewhere (an endpoint arm)
+    or idle between calls. A dead rank 0 still ends the wait: its connections close."""
+    return dist.new_group(backend="gloo", timeout=CALL_WAIT)
+
+
+def stage_devices(stage) -> list | None:
+    """A rank's model devices: its GPU, or None (CPU as given)."""
+    return [stage.device] if stage.device.type == "cuda" else None
+
+
+def check_supported(cfg) -> None:
+    """DeepSeek-V4.1 layers read other layers' state (KV and index sources), which a stage
+    does not have: refused rather than wrong."""
+    from reference_model.v41 import is_v41
+    if is_v41(cfg):
+        raise DistributedError("--distributed runs DeepSeek-V4 checkpoints only: V4.1 layers read other "
+                               "layers' state, which would sit on another rank")
+
+
+@dataclass
+class PipelineState:
+    """A handle on one sequence's state: rank 0's layers' part here, the rest on its ranks."""
+    id: int
+    local: object                       # rank 0's SequenceState (only its layers are filled)
+
+    @property
+    def pos(self) -> int:
+        return self.local.pos
+
+    @pos.setter
+    def pos(self, v: int) -> None:
+        self.local.pos = v
+
+
+class Driver:
+    """Rank 0's side: builds PipelineModels and sends every call down the pipeline."""
+
+    def __init__(self, stage, weights=None):
+        """Made right after init_stage (joining the calls' group is collective); `weights`
+        (this stage's) may be set later, before the first model."""
+        self.stage, self.weights = stage, weights
+        self.group = calls_group()
+        self.devices = stage_devices(stage)
+        self._cache: dict = {}
+        self._keys = itertools.count()
+        self._ids = itertools.count()
+        self._freed: list[int] = []
+        self.calls = 0
+        self.bytes_out = 0                      # stream bytes rank 0 sent / got back
+        self.bytes_back = 0
+
+    def model(self, numerics: tuple, schedule=ONESHOT, chunk_tokens: int = 2048,
+              record_index_scores: bool = False) -> "PipelineModel":
+        recipe = _Recipe(numerics, schedule, chunk_tokens, record_index_scores)
+        key = next(self._keys)
+        self._send({"op": "model", "key": key, "recipe": recipe})
+        return PipelineModel(self, key, recipe)
+
+    def _send(self, cmd: dict) -> None:
+        cmd["free"], self._freed = self._freed, []
+        self.stage.from_first(cmd, f"its next call ({cmd['op']})", self.group)
+
+    def stop(self) -> None:
+        """Every worker leaves its loop; a worker already gone is no new error."""
+        try:
+            self._send({"op": "stop"})
+        except DistributedError:
+            pass
+
+
+class PipelineModel:
+    """The subset of Model's API the per-prompt commands use, run across the pipeline:
+    new_state, check_tokens, extend, embed and head (rank 0 holds the embedding and head)."""
+
+    def __init__(self, driver: Driver, key: int, recipe: _Recipe):
+        self.driver, self.key = driver, key
+        self.scores: list = []                       # index_scores recorded (record_index_scores)
+        self.local = recipe.build(driver.weights, driver.devices, driver._cache, self.scores)
+        self.cfg, self.nx, self.chunk_tokens = self.local.cfg, self.local.nx, self.local.chunk_tokens
+        self.schedule = self.local.schedule
+
+    def new_state(self) -> PipelineState:
+        d = self.driver
+        st = PipelineState(next(d._ids), self.local.new_state())
+        weakref.finalize(st, d._freed.append, st.id)
+        return st
+
+    def check_tokens(self, tokens, state: PipelineState) -> torch.Tensor:
+        return self.local.check_tokens(tokens, state.local)
+
+    def embed(self, tokens, taps=None):
+        return self.local.embed(tokens, taps)
+
+    def head(self, H, taps=None):
+        return self.local.head(H, taps)
+
+    def extend(self, tokens, state: PipelineState | None = None, logits: str = "last", taps=None,
+               phase: str | None = None):
+        """Model.extend across the ranks (module docstring); returns (logits, state)."""
+        state = state or self.new_state()
+        tokens = self.local.check_tokens(tokens, state.local)
+        if phase is None:
+            phase = "decode" if state.pos > 0 and tokens.numel() == 1 else "prefill"
+        d, st = self.driver, self.driver.stage
+        rows = {"hidden": "all", "all": "all", "none": "none"}.get(logits, "last")
+        d._send({"op": "extend", "key": self.key, "state": state.id, "tokens": tokens.cpu(), "phase": phase,
+                 "taps": taps.patterns if taps else None, "rows": rows})
+        d.calls += 1
+        try:
+            H = self.local.embed(tokens, taps)
+            for i in st.layers:
+                H = self.local.layer(i, H, tokens, state.local, taps, phase)
+        except Exception as e:
+            st.send_streams({"error": None, "failed": True}, [], "a failed call")
+            st.recv_streams("the end of a failed call", peer=st.world - 1)
+            raise e
+        st.send_streams({"error": None}, [H], "the call's streams")
+        d.bytes_out += H.numel() * H.element_size()
+        meta, back = st.recv_streams("the call's final streams", peer=st.world - 1)
+        if meta["error"]:
+            raise StageError(meta["error"])
+        self.scores.extend(meta.get("scores", []))
+        if taps is not None:
+            for name, part in meta["taps"]:
+                taps.put(name, part)
+        state.pos += tokens.numel()
+        d.bytes_back += sum(t.numel() * t.element_size() for t in back)
+        if logits == "none":
+            return None, state
+        H = back[0]
+        if logits == "hidden":
+            return H, state
+        return self.local.head(H if logits == "all" else H[-1:], taps), state
+
+
+@dataclass
+class _Worker:
+    stage: object
+    weights: object
+    models: dict = field(default_factory=dict)
+    scores: dict = field(default_factory=dict)       # model key -> its recorder's sink
+    states: dict = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)
+    broken: dict = field(default_factory=dict)       # model key -> why it could not be built
+
+    def build(self, key, recipe: _Recipe) -> None:
+        self.scores[key] = []
+        try:
+            self.models[key] = recipe.build(self.weights, stage_devices(self.stage), self.cache, self.scores[key])
+        except Exception as e:                        # said on rank 0 at the model's first call
+            self.broken[key] = f"{type(e).__name__}: {e}"
+
+    def extend(self, cmd) -> None:
+        st = self.stage
+        meta, got = st.recv_streams("the call's streams")
+        out, taps_out, scores = [], [], []
+        if meta.get("failed") or meta["error"]:
+            pass
+        else:
+            try:
+                out, taps_out, scores = self._run(cmd, got[0])
+                if st.last and cmd["rows"] != "all":
+                    out = [] if cmd["rows"] == "none" else [out[0][-1:]]
+            except Exception as e:                    # goes down the pipeline to rank 0
+                meta = {"error": f"{st.describe()} failed: {type(e).__name__}: {e}"}
+        meta = {**meta, "taps": meta.get("taps", []) + taps_out, "scores": meta.get("scores", []) + scores}
+        st.send_streams(meta, out, "the call's streams", peer=(st.rank + 1) % st.world)
+
+    def _run(self, cmd, H):
+        key = cmd["key"]
+        if key in self.broken:
+            raise RuntimeError(f"its model could not be built: {self.broken[key]}")
+        from reference_model import Taps
+        model, sink = self.models[key], self.scores[key]
+        state = self.states.get(cmd["state"])
+        if state is None:
+            state = self.states[cmd["state"]] = model.new_state()
+        taps = Taps(cmd["taps"]) if cmd["taps"] else None
+        tokens = cmd["tokens"].to(H.device)
+        del sink[:]
+        for i in self.stage.layers:
+            H = model.layer(i, H, tokens, state, taps, cmd["phase"])
+        state.pos += tokens.numel()
+        parts = [(n, p) for n in (taps.names() if taps else []) for p in taps._parts[n]]
+        return [H], parts, list(sink)
+
+
+def work(stage, weights) -> None:
+    """A rank > 0: run rank 0's calls on this stage's layers until it says stop."""
+    w, group = _Worker(stage, weights), calls_group()
+    while True:
+        cmd = stage.from_first(None, "rank 0's next call", group)
+        for sid in cmd["free"]:
+            w.states.pop(sid, None)
+        if cmd["op"] == "stop":
+            return
+        if cmd["op"] == "model":
+            w.build(cmd["key"], cmd["recipe"])
+        elif cmd["op"] == "extend":
+            w.extend(cmd)
+
+
+# ---- the commands' side ---------------------------------------------------------------------
+def add_options(p, command: str) -> None:
+    """--distributed and --dist-timeout, as `fidelity ab` has them."""
+    p.add_argument("--distributed", nargs="?", const=0, type=int, default=None, metavar="RANKS",
+                   help=f"run the in-process golden as a pipeline over torchrun ranks (torchrun ... -m fidelity "
+                        f"{command} --distributed): each rank runs its contiguous layers, rank 0 runs the command, "
+                        "the embedding and the head; RANKS, if given, must equal torchrun's world size "
+                        "(docs/distributed.md)")
+    p.add_argument("--dist-timeout", type=float, default=600, metavar="S",
+                   help="with --distributed: seconds to wait for another rank within a call before failing "
+                        "(default 600)")
+
+
+def join(args):
+    """This rank's Stage for a per-prompt command (`args.checkpoint`'s config)."""
+    from fidelity.weights.source import checkpoint_config
+    from .pipeline import init_stage
+    cfg = checkpoint_config(args.checkpoint)
+    check_supported(cfg)
+    return init_stage(cfg, args.dist_timeout, args.distributed or None)
+
+
+def stage_weights_mode(mode: str | None) -> str:
+    """Streamed (each rank reads its layers as it runs them) unless resident-quantised
+    (each rank reads only its layers); dense would hold every layer on every rank."""
+    if mode == "dense":
+        raise DistributedError("--weights-mode dense loads every layer on every rank; with --distributed use "
+                               "streamed (the default) or resident-quantised")
+    return mode or "streamed"
+
+
+def stage_weights(checkpoint, mode: str | None, stage):
+    """This stage's weight source: only its layers are ever read (globals on every rank)."""
+    from fidelity.weights.source import load_weights
+    devices = [str(stage.device)] if stage.device.type == "cuda" else None
+    return load_weights(checkpoint, mode=stage_weights_mode(mode), devices=devices, layers=stage.layers)[0]
+
+
+def stage_target(checkpoint, tokenizer, mode: str | None, stage):
+    """Rank 0's Target (tokenizer, name) over this stage's weights."""
+    import dataclasses
+    from fidelity.weights.target import load_target
+    target = load_target(checkpoint, tokenizer, "streamed")          # lazy: reads no layer
+    return dataclasses.replace(target, weights=stage_weights(checkpoint, mode, stage))

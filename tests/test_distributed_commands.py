@@ -1,0 +1,66 @@
+"""`fidelity kld` with --distributed (fidelity.pipeline_model, torchrun + gloo on this CPU):
+the in-process golden arms run as a 2-rank pipeline and the report's tables equal the
+single-process run's bit for bit; an exception on rank 1 is one error on rank 0 naming
+that rank; bad combinations are named before any process group is formed."""
+import gzip
+import sys
+from pathlib import Path
+
+import pytest
+
+from fidelity.cli import main
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_distributed import HERE, _torchrun  # noqa: E402
+
+KLD = ["--inprocess", "golden=golden", "--inprocess", "engine=engine", "--lengths", "200", "--depths", "50",
+       "--reps", "1", "--steps", "3", "--n-boot", "50"]
+KLD_TABLES = ("capture_coverage.csv", "captures.csv", "kld_by_position.csv", "ladder.csv", "ladder_summary.csv",
+              "positions.csv.gz", "signal_attribution.csv", "signal_summary.csv", "signals.csv.gz", "summary.md")
+
+
+def _same_files(a: Path, b: Path, names) -> None:
+    for name in names:
+        x, y = (a / name).read_bytes(), (b / name).read_bytes()
+        if name.endswith(".gz"):
+            x, y = gzip.decompress(x), gzip.decompress(y)
+        assert x == y, name
+
+
+def test_kld_on_two_ranks_writes_the_single_process_tables(tmp_path):
+    r = _torchrun(2, "-m", "fidelity", "kld", "--distributed", "2", *KLD, "--out", str(tmp_path / "d"),
+                  "--run-id", "x")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("report:") == 1                       # rank 0 alone runs the command
+    assert main(["kld", "--threads", "1", *KLD, "--out", str(tmp_path / "s"), "--run-id", "x"]) == 0
+    _same_files(tmp_path / "s" / "kld" / "x", tmp_path / "d" / "kld" / "x", KLD_TABLES)
+
+
+def test_kld_an_exception_on_rank_1_is_one_error_on_rank_0(tmp_path):
+    r = _torchrun(2, "-m", "fidelity", "kld", "--plugin", str(HERE / "distributed" / "raise_plugin.py"),
+                  "--distributed", "--inprocess", "golden=golden", "--inprocess", "bad=rank1_raises",
+                  "--lengths", "200", "--depths", "50", "--reps", "1", "--steps", "1", "--no-floors",
+                  "--out", str(tmp_path))
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: rank 1 (layers 3-4) failed: RuntimeError: planted failure on rank 1"], r.stderr[-3000:]
+
+
+def test_kld_distributed_needs_an_inprocess_arm(capsys, tmp_path):
+    assert main(["kld", "--distributed", "--endpoint", "a=http://127.0.0.1:9", "--out", str(tmp_path)]) == 2
+    assert "--distributed runs the in-process arms across the ranks" in capsys.readouterr().err
+
+
+def test_kld_distributed_world_size_is_checked(monkeypatch, capsys, tmp_path):
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["kld", "--distributed", "3", "--inprocess", "g=golden", "--out", str(tmp_path)]) == 2
+    assert "--distributed 3 ranks asked for, but torchrun started 2" in capsys.readouterr().err
+
+
+def test_dense_weights_are_refused_under_distributed():
+    from fidelity.pipeline import DistributedError
+    from fidelity.pipeline_model import stage_weights_mode
+    with pytest.raises(DistributedError, match="loads every layer on every rank"):
+        stage_weights_mode("dense")
+    assert stage_weights_mode(None) == "streamed"
