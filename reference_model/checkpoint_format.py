@@ -180,6 +180,7 @@ class TensorHeader:
     shape: tuple[int, ...]
     file: str            # shard file name (relative to the checkpoint dir)
     nbytes: int
+    offset: int = 0      # where its bytes start in the file (for memory-mapping one entry)
 
 
 class ShardError(Exception):
@@ -223,7 +224,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorHeader], dict]:
         if b - a != numel * DTYPE_BYTES[dtype] or a < 0:
             raise ShardError(f"data offsets of {name} ({a}..{b}) do not match its dtype/shape")
         end = max(end, b)
-        out[name] = TensorHeader(name, dtype, shape, path.name, b - a)
+        out[name] = TensorHeader(name, dtype, shape, path.name, b - a, 8 + n + a)
     if size != 8 + n + end:
         what = "truncated" if size < 8 + n + end else "has trailing bytes"
         raise ShardError(f"{what}: header describes {8 + n + end} bytes, file has {size}")

@@ -10,7 +10,9 @@ the first device, the head on the last) and returns a `MemoryPlan`: bytes per de
              `resident-bf16` = the in-memory format of reference_model/weights.py (FP8/FP4
              dequantised to bf16, f32 and i64 as stored); `streamed` = the globals placed on
              the device + its largest layer in the in-memory format (StreamingWeights keeps
-             one layer resident).
+             one layer resident). V4.1's Engram tables are not device weights: they stay
+             memory-mapped on the host (checkpoint files; only gathered rows move), counted
+             apart as `totals["host_mapped"]` and named in a line of the rendered plan.
   dequant    dequantisation buffer (resident-quantised only): the FP8/FP4 tensors of the
              device's largest layer dequantised to bf16 (bf16/f32/i64 tensors are used in
              place). With `dequant="expert-sparse"`, MoE layers dequantise the non-expert
@@ -433,6 +435,7 @@ def _plan(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics) -> MemoryPlan:
         + sum(r["quantised"] for r in table),
         "weights_bf16": sum(spec_bytes(s, "bf16") for s in gspecs) + sum(r["bf16"] for r in table),
         "largest_layer_bf16": max(r["bf16"] for r in table),
+        "host_mapped": sum(r.get("host_mapped", 0) for r in table),
         "state": seqs * sum(sz.state_layer),
     }
     per_seq = {"state": sum(sz.state_layer), "stream": sz.stream_seq,
@@ -614,6 +617,12 @@ def per_sequence_line(plan: MemoryPlan) -> str:
             f"residual stream {_gib(ps['stream'])}; logits {_gib(ps['logits'])}.")
 
 
+def host_mapped_line(plan: MemoryPlan) -> str:
+    return (f"Host, memory-mapped: Engram tables {_gib(plan.totals['host_mapped'])}, read from "
+            "the checkpoint files in place (only the rows each token gathers move to its "
+            "layer's device); not counted on any device.")
+
+
 def render(plan: MemoryPlan, title: str | None = None, full: bool = True) -> str:
     """Markdown: the run and per-sequence sizes (full), one row per device (GiB), the
     verdict and what would fit."""
@@ -622,6 +631,8 @@ def render(plan: MemoryPlan, title: str | None = None, full: bool = True) -> str
         L += [title, ""]
     if full:
         L += [describe(plan), "", per_sequence_line(plan), ""]
+        if plan.totals.get("host_mapped"):
+            L += [host_mapped_line(plan), ""]
     L += ["| device | layers | globals | weights | dequant | state | streams | logits | "
           "workspace | total | budget | free |",
           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 from pathlib import Path
 
 import torch
@@ -148,16 +149,17 @@ def _bad(info, name, why):
 
 def decode(info: CheckpointInfo, s: TensorSpec, raw: dict, device):
     """One tensor's entries in the in-memory form: FP8_32 / FP4 dequantised to bf16 (exact),
-    Engram tables kept as codes + scales, bf16 / f32 as stored. NaN scale bytes and e4m3
-    NaN codes are named errors."""
+    Engram tables kept as codes + scales on the host, as the reader's memory-mapped views of
+    the shard (whatever `device`), bf16 / f32 as stored. NaN scale bytes and e4m3 NaN codes
+    are named errors (an Engram table's codes when its rows are gathered: EngramTable)."""
     if "scale" in raw:
         sc, w = raw["scale"], raw["weight"]
         if bool((sc.view(torch.uint8) == 255).any()):
             _bad(info, s.name[: -len(".weight")] + ".scale", "scale contains the E8M0 NaN byte 255")
-        if s.fmt in (FP8_32, ENGRAM_TABLE) and Q.has_e4m3_nan(w):
-            _bad(info, s.name, "weight contains e4m3 NaN codes (0x7F/0xFF)")
         if s.fmt == ENGRAM_TABLE:
-            return EngramTable(w.to(device), sc.to(device))
+            return EngramTable(w, sc, f"{s.name} in {info.tensors[s.name].file}")
+        if s.fmt == FP8_32 and Q.has_e4m3_nan(w):
+            _bad(info, s.name, "weight contains e4m3 NaN codes (0x7F/0xFF)")
         if s.fmt == FP8_32:
             return Q.dequant_fp8_bf16(w, sc, info.cfg.weight_block_size, device)
         return Q.dequant_fp4_bf16(w, sc, 32, device)
@@ -166,12 +168,33 @@ def decode(info: CheckpointInfo, s: TensorSpec, raw: dict, device):
     return t.to(device, dtype=want, copy=True)
 
 
+_MAPPED_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu}
+
+
+def map_entry(root: Path, h) -> torch.Tensor:
+    """One safetensors entry as a tensor over a private memory map of just its pages:
+    nothing is read until rows are indexed, and other tensors of the shard are not kept
+    mapped with it (a view of safe_open's map would keep the whole shard)."""
+    start = h.offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+    try:
+        with open(root / h.file, "rb") as f:
+            mm = mmap.mmap(f.fileno(), h.offset + h.nbytes - start, access=mmap.ACCESS_COPY,
+                           offset=start)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {root}",
+                              [f"corrupt shard: {h.file}: cannot map {h.name}: {e}"]) from None
+    t = torch.frombuffer(mm, dtype=torch.uint8, offset=h.offset - start, count=h.nbytes)
+    return t.view(_MAPPED_DTYPES[h.dtype]).view(h.shape)
+
+
 def _load(info: CheckpointInfo, specs, device, strip: str = "", chunk_bytes: int = 64 << 20) -> dict:
+    """Specs' tensors in the in-memory form; Engram tables memory-mapped (map_entry)."""
     reader = _ShardReader(info.root, chunk_bytes)
     out = {}
     try:
         for s in specs:
-            raw = {e.role: reader.get(info.tensors[e.name])
+            get = ((lambda h: map_entry(info.root, h)) if s.fmt == ENGRAM_TABLE else reader.get)
+            raw = {e.role: get(info.tensors[e.name])
                    for e in disk_entries(s, info.cfg.weight_block_size)}
             out[s.name[len(strip):]] = decode(info, s, raw, device)
     finally:

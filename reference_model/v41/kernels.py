@@ -76,7 +76,8 @@ def engram_hash(hist: torch.Tensor, positions: torch.Tensor, layout, pad_c: int)
 # ---- Engram: lookup and gate ----------------------------------------------------------------
 def engram_lookup(nx, table, ids: torch.Tensor) -> torch.Tensor:
     """Rows [.., head_dim] of an Engram table (EngramTable: e4m3 · E8M0 per 32 channels, in
-    fp32, then bf16 -- exact; or a dense tensor of those values) in the compute dtype."""
+    fp32, then bf16 -- exact, gathered on the host and moved to ids' device; or a dense
+    tensor of those values) in the compute dtype."""
     rows = table.lookup(ids) if isinstance(table, EngramTable) else table[ids.long()]
     return nx.c(rows)
 

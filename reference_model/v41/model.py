@@ -31,7 +31,7 @@ from . import kernels as K
 from . import stream
 from .config import V41Config
 from .engram import compressed_token_map, engram_layout
-from .sizes import spec_bytes
+from .sizes import layer_row, spec_bytes
 from .specs import global_specs, layer_specs
 from .weights import EngramTable
 
@@ -149,7 +149,8 @@ class ModelV41(Model):
     # ---- weights --------------------------------------------------------------------------
     def _weights(self, i: int | None, head: bool = False) -> dict:
         """As V4's: resident layers converted once to the compute dtype and kept, streamed
-        layers used as given; Engram tables stay in checkpoint form (gathered by rows)."""
+        layers used as given; Engram tables stay in checkpoint form on the host (their
+        `to` is a no-op; engram_lookup moves only the gathered rows to the layer's device)."""
         src = self.weights.global_weights() if i is None else self.weights.layer_weights(i)
         dev = self.device_of(i, head)
         if i is not None and not getattr(self.weights, "resident", False):
@@ -499,8 +500,8 @@ def _from_blocks(blocks: torch.Tensor, block: int, n: int) -> torch.Tensor:
 
 def v41_placement(cfg: V41Config, n_devices: int) -> list[int]:
     """Each layer's device: contiguous ranges balanced on in-memory weight bytes (V4's rule,
-    V4.1's tensor table)."""
-    lb = [sum(spec_bytes(s, "bf16") for s in layer_specs(cfg, i)) for i in range(cfg.n_layers)]
+    V4.1's tensor table; Engram tables stay on the host, so they do not count)."""
+    lb = [layer_row(cfg, i)["bf16"] for i in range(cfg.n_layers)]
     first = sum(spec_bytes(s, "bf16") for s in global_specs(cfg) if s.name.startswith("embed"))
     last = sum(spec_bytes(s, "bf16") for s in global_specs(cfg)) - first
     owner = [0] * cfg.n_layers

@@ -2,8 +2,10 @@
 V4.1 configs): per-layer weights in checkpoint and in-memory form, the dequantisation
 buffer parts, and one sequence's state per layer.
 
-Engram tables count at their checkpoint bytes in every mode: they are gathered row by row
-(24 rows per token per layer), never dequantised whole (v41/weights.EngramTable)."""
+Engram tables are not device memory: they stay in checkpoint form, memory-mapped on the
+host, and only the rows gathered (24 per token per layer) move to the layer's device
+(v41/weights.EngramTable). `layer_row` counts them apart, as `host_mapped`, at their
+checkpoint bytes in every mode."""
 from __future__ import annotations
 
 from ..specs import BF16, F32, FP4
@@ -22,15 +24,18 @@ def spec_bytes(spec, mode: str) -> int:
 
 
 def layer_row(cfg, i: int) -> dict:
-    """plan.py's per-layer row: weight bytes both ways, the largest GEMM weight (numel),
-    and the dequant buffer parts (all quantised tensors / all but routed experts / one
-    routed expert)."""
+    """plan.py's per-layer row: device weight bytes both ways, the largest GEMM weight
+    (numel), the dequant buffer parts (all quantised tensors / all but routed experts / one
+    routed expert) and the Engram table bytes kept memory-mapped on the host."""
     specs = layer_specs(cfg, i)
+    tables = [s for s in specs if s.fmt == ENGRAM_TABLE]
+    specs = [s for s in specs if s.fmt != ENGRAM_TABLE]
     q = [s for s in specs if s.fmt in QUANTISED]
     expert0 = f"layers.{i}.ffn.experts.0."
     return {"quantised": sum(spec_bytes(s, "quantised") for s in specs),
             "bf16": sum(spec_bytes(s, "bf16") for s in specs),
-            "largest": max((s.numel for s in specs if s.fmt != ENGRAM_TABLE), default=0),
+            "host_mapped": sum(spec_bytes(s, "quantised") for s in tables),
+            "largest": max((s.numel for s in specs), default=0),
             "dequant": {"full": sum(s.numel * 2 for s in q),
                         "base": sum(s.numel * 2 for s in q if ".ffn.experts." not in s.name),
                         "expert": sum(s.numel * 2 for s in q if s.name.startswith(expert0))}}

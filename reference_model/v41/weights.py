@@ -3,8 +3,9 @@ random weights for any V4.1 config (already on the checkpoint grids, so a writte
 re-read checkpoint is bit-identical).
 
 Quantised weights are held dequantised in bf16 (exact, as in V4), except the Engram tables:
-they stay in checkpoint form (`EngramTable`: e4m3 codes + E8M0 per 32 channels) and are
-gathered row by row, because the release's are ~92 GiB each and a token needs 24 rows."""
+they stay in checkpoint form (`EngramTable`: e4m3 codes + E8M0 per 32 channels) on the host
+and are gathered row by row, because the release's add up to ~92 GiB and a token needs 24
+rows of each."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,9 +23,15 @@ ROW_BLOCK = 32
 @dataclass
 class EngramTable:
     """An Engram table in checkpoint form: codes F8_E4M3 [rows, head_dim], scale F8_E8M0
-    [rows, head_dim/32]; `lookup(ids)` dequantises only the rows asked for."""
+    [rows, head_dim/32]; `lookup(ids)` dequantises only the rows asked for.
+
+    The table stays on the host: read from a checkpoint, codes and scale are views of the
+    memory-mapped shard (safetensors mmap), so it takes no device memory and only the pages
+    of gathered rows are read; `lookup` moves just those rows to the ids' device. Its codes
+    are checked for e4m3 NaN as they are gathered (a load-time scan would read it whole)."""
     codes: torch.Tensor
     scale: torch.Tensor
+    name: str = "Engram table"
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -32,17 +39,24 @@ class EngramTable:
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """rows = e4m3(codes[id]) · 2^(scale[id] - 127) per 32 channels, in fp32 -> bf16
-        (exact: an e4m3 value times a power of two fits bf16). ids any shape -> [..., hd]."""
+        (exact: an e4m3 value times a power of two fits bf16), on ids' device. ids any
+        shape -> [..., hd]."""
         flat = ids.reshape(-1).to(self.codes.device)
-        c = Q.e4m3_to_float(self.codes.index_select(0, flat))
+        codes = self.codes.index_select(0, flat)
+        if Q.has_e4m3_nan(codes):
+            raise ValueError(f"{self.name}: a gathered row holds e4m3 NaN codes (0x7F/0xFF)")
+        c = Q.e4m3_to_float(codes)
         s = Q.e8m0_to_float(self.scale.index_select(0, flat)).repeat_interleave(ROW_BLOCK, -1)
-        return (c * s[:, : c.shape[-1]]).to(torch.bfloat16).view(*ids.shape, c.shape[-1])
+        rows = (c * s[:, : c.shape[-1]]).to(torch.bfloat16).view(*ids.shape, c.shape[-1])
+        return rows.to(ids.device)
 
     def dequant(self) -> torch.Tensor:
         return self.lookup(torch.arange(self.codes.shape[0]))
 
     def to(self, device) -> "EngramTable":
-        return EngramTable(self.codes.to(device), self.scale.to(device))
+        """Itself: the table stays on the host wherever its layer runs (only gathered rows
+        move), so moving a layer's weights to a device leaves it where it is."""
+        return self
 
 
 def encode_rows(w: torch.Tensor, block: int = ROW_BLOCK) -> EngramTable:
