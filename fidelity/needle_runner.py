@@ -45,19 +45,27 @@ class InProcessRunner:
     def __init__(self, name: str, target, arm, temperature: float = 0.0, top_p: float = 1.0,
                  max_tokens: int | None = None, profile: str = "reference",
                  mechanism: bool = True, placement=None, batch: int | None = None,
-                 batch_tokens: int | None = DEFAULT_BATCH_TOKENS):
+                 batch_tokens: int | None = DEFAULT_BATCH_TOKENS, driver=None):
+        """`driver` (fidelity.pipeline_model.Driver, rank 0 under --distributed): the arm
+        runs across the pipeline, one trial at a time (no layer-major batches)."""
         self.name, self.target, self.arm = name, target, as_arm(arm)
         plan_batches([], batch, batch_tokens)             # ValueError for bad bounds, now
         self.batch, self.batch_tokens = batch, batch_tokens   # per layer-major batch (run_batch)
         self.temperature, self.top_p, self.max_tokens = temperature, top_p, max_tokens
         self.mechanism = mechanism
         kw = {"compute_dtype": placement.compute_dtype} if placement else {}
-        devices = placement.model_devices if placement else None
         sched = self.arm.schedule            # feeds the prompt up to its last token (prefill)
+        self._scores: list[torch.Tensor] = []
+        if driver is not None:
+            recipe = (arm_numerics, self.arm.name, profile, kw)
+            self.batch = 1
+            self.model = driver.model(recipe, sched)
+            self.model_rec = driver.model(recipe, sched, record=lambda s: self._scores.append(s))
+            return
+        devices = placement.model_devices if placement else None
         cache: dict = {}                     # resident weights converted once, for both models
         self.model = build_model(target.weights, self.arm.numerics(profile, **kw), devices=devices,
                                  schedule=sched, weight_cache=cache)
-        self._scores: list[torch.Tensor] = []
         rec = self.model.nx.with_kernels("index-score-recorder", index_scores=self._record)
         self.model_rec = build_model(target.weights, rec, devices=devices, schedule=sched, weight_cache=cache)
 
@@ -162,6 +170,12 @@ class InProcessRunner:
         while (got := await q.get()) is not None:
             yield got
         await task                                   # re-raises the batch's exception
+
+
+def arm_numerics(name: str, profile: str, numerics_kwargs: dict):
+    """An arm's Numerics from its spelling (a recipe every pipeline rank can rebuild)."""
+    from fidelity.arms import parse_arm
+    return parse_arm(name).numerics(profile, **numerics_kwargs)
 
 
 def mechanism(cfg, taps: Taps, scores: list[torch.Tensor], value_tok: list[int], pos: int,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -44,15 +45,16 @@ class _Recipe:
     chunk_tokens: int = 2048
     record_index_scores: bool = False    # return each index_scores result (needle's mechanism)
 
-    def build(self, weights, devices, cache: dict, sink: list | None = None):
+    def build(self, weights, devices, cache: dict, record=None):
+        """The Model; with record_index_scores, `record(scores)` gets each index_scores result."""
         fn, *args = self.numerics
         nx = fn(*args)
         if self.record_index_scores:
-            def record(golden, q, keys, w):
+            def recorder(golden, q, keys, w):
                 s = golden.index_scores(q, keys, w)
-                sink.append(s.detach().cpu())
+                record(s.detach().cpu())
                 return s
-            nx = nx.with_kernels("index-score-recorder", index_scores=record)
+            nx = nx.with_kernels("index-score-recorder", index_scores=recorder)
         return build_model(weights, nx, chunk_tokens=self.chunk_tokens, devices=devices,
                            schedule=self.schedule, weight_cache=cache)
 
@@ -108,26 +110,39 @@ class Driver:
         self._cache: dict = {}
         self._keys = itertools.count()
         self._ids = itertools.count()
-        self._freed: list[int] = []
+        self._freed: list[int] = []                # handles dropped since the last call
+        self._freed_lock = threading.RLock()        # a finalizer may run inside _send
+        self.lock = threading.RLock()              # one call down the pipeline at a time
         self.calls = 0
         self.bytes_out = 0                      # stream bytes rank 0 sent / got back
         self.bytes_back = 0
 
     def model(self, numerics: tuple, schedule=ONESHOT, chunk_tokens: int = 2048,
-              record_index_scores: bool = False) -> "PipelineModel":
-        recipe = _Recipe(numerics, schedule, chunk_tokens, record_index_scores)
-        key = next(self._keys)
-        self._send({"op": "model", "key": key, "recipe": recipe})
-        return PipelineModel(self, key, recipe)
+              record=None) -> "PipelineModel":
+        """A model on every rank: `numerics` is (module-level function, *args) returning its
+        Numerics; `record(scores)`, if given, gets every index_scores result of its calls,
+        in layer order, whichever rank computed it (needle's mechanism)."""
+        recipe = _Recipe(numerics, schedule, chunk_tokens, record is not None)
+        with self.lock:
+            key = next(self._keys)
+            self._send({"op": "model", "key": key, "recipe": recipe})
+        return PipelineModel(self, key, recipe, record)
+
+    def free(self, state_id: int) -> None:
+        """A handle rank 0 no longer holds: its state goes on every rank with the next call."""
+        with self._freed_lock:
+            self._freed.append(state_id)
 
     def _send(self, cmd: dict) -> None:
-        cmd["free"], self._freed = self._freed, []
+        with self._freed_lock:
+            cmd["free"], self._freed = self._freed, []
         self.stage.from_first(cmd, f"its next call ({cmd['op']})", self.group)
 
     def stop(self) -> None:
         """Every worker leaves its loop; a worker already gone is no new error."""
         try:
-            self._send({"op": "stop"})
+            with self.lock:
+                self._send({"op": "stop"})
         except DistributedError:
             pass
 
@@ -136,17 +151,16 @@ class PipelineModel:
     """The subset of Model's API the per-prompt commands use, run across the pipeline:
     new_state, check_tokens, extend, embed and head (rank 0 holds the embedding and head)."""
 
-    def __init__(self, driver: Driver, key: int, recipe: _Recipe):
-        self.driver, self.key = driver, key
-        self.scores: list = []                       # index_scores recorded (record_index_scores)
-        self.local = recipe.build(driver.weights, driver.devices, driver._cache, self.scores)
+    def __init__(self, driver: Driver, key: int, recipe: _Recipe, record=None):
+        self.driver, self.key, self.record = driver, key, record
+        self.local = recipe.build(driver.weights, driver.devices, driver._cache, record)
         self.cfg, self.nx, self.chunk_tokens = self.local.cfg, self.local.nx, self.local.chunk_tokens
         self.schedule = self.local.schedule
 
     def new_state(self) -> PipelineState:
         d = self.driver
         st = PipelineState(next(d._ids), self.local.new_state())
-        weakref.finalize(st, d._freed.append, st.id)
+        weakref.finalize(st, d.free, st.id)
         return st
 
     def check_tokens(self, tokens, state: PipelineState) -> torch.Tensor:
@@ -161,6 +175,10 @@ class PipelineModel:
     def extend(self, tokens, state: PipelineState | None = None, logits: str = "last", taps=None,
                phase: str | None = None):
         """Model.extend across the ranks (module docstring); returns (logits, state)."""
+        with self.driver.lock:
+            return self._extend(tokens, state, logits, taps, phase)
+
+    def _extend(self, tokens, state, logits, taps, phase):
         state = state or self.new_state()
         tokens = self.local.check_tokens(tokens, state.local)
         if phase is None:
@@ -183,7 +201,8 @@ class PipelineModel:
         meta, back = st.recv_streams("the call's final streams", peer=st.world - 1)
         if meta["error"]:
             raise StageError(meta["error"])
-        self.scores.extend(meta.get("scores", []))
+        for s in meta["scores"]:
+            self.record(s)
         if taps is not None:
             for name, part in meta["taps"]:
                 taps.put(name, part)
@@ -208,9 +227,9 @@ class _Worker:
     broken: dict = field(default_factory=dict)       # model key -> why it could not be built
 
     def build(self, key, recipe: _Recipe) -> None:
-        self.scores[key] = []
+        self.scores[key] = sink = []
         try:
-            self.models[key] = recipe.build(self.weights, stage_devices(self.stage), self.cache, self.scores[key])
+            self.models[key] = recipe.build(self.weights, stage_devices(self.stage), self.cache, sink.append)
         except Exception as e:                        # said on rank 0 at the model's first call
             self.broken[key] = f"{type(e).__name__}: {e}"
 

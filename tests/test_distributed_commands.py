@@ -1,8 +1,10 @@
-"""`fidelity kld` with --distributed (fidelity.pipeline_model, torchrun + gloo on this CPU):
-the in-process golden arms run as a 2-rank pipeline and the report's tables equal the
-single-process run's bit for bit; an exception on rank 1 is one error on rank 0 naming
-that rank; bad combinations are named before any process group is formed."""
+"""`fidelity kld` and `fidelity needle` with --distributed (fidelity.pipeline_model,
+torchrun + gloo on this CPU): the in-process golden arms run as a 2-rank pipeline and the
+kld tables and the needle rows (answers and the indexer mechanism of layers on both
+ranks) equal the single-process run's bit for bit; an exception on rank 1 is one error on
+rank 0 naming that rank; bad combinations are named before any process group is formed."""
 import gzip
+import json
 import sys
 from pathlib import Path
 
@@ -64,3 +66,31 @@ def test_dense_weights_are_refused_under_distributed():
     with pytest.raises(DistributedError, match="loads every layer on every rank"):
         stage_weights_mode("dense")
     assert stage_weights_mode(None) == "streamed"
+
+
+NEEDLE = ["--lengths", "383", "--depths", "25,75", "--no-plots"]
+
+
+def _needle_rows(path: Path) -> list[dict]:
+    """Result rows without what depends on the run (latency) or on batching (batch size)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = [{k: v for k, v in r.items() if k not in ("latency_s", "batch_trials")} for r in rows
+            if r.get("type") != "header"]
+    return sorted(rows, key=lambda r: (r["arm"], r["trial_id"]))
+
+
+def test_needle_on_two_ranks_gives_the_single_process_rows(tmp_path):
+    r = _torchrun(2, "-m", "fidelity", "needle", "--distributed", *NEEDLE, "--out", str(tmp_path / "d"),
+                  "--run-id", "x")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("report:") == 1
+    assert main(["needle", "--threads", "1", *NEEDLE, "--out", str(tmp_path / "s"), "--run-id", "x"]) == 0
+    got, want = (_needle_rows(tmp_path / d / "needle" / "results.jsonl") for d in "ds")
+    assert len(want) == 4 and {r["arm"] for r in want} == {"golden", "engine"}
+    assert {m["layer"] for m in want[0]["mechanism"]} == {1, 3}           # layer 3 runs on rank 1
+    assert got == want
+
+
+def test_needle_distributed_needs_an_inprocess_arm(capsys, tmp_path):
+    assert main(["needle", "--distributed", "--endpoint", "a=http://127.0.0.1:9/v1", "--out", str(tmp_path)]) == 2
+    assert "--distributed runs the in-process arms across the ranks" in capsys.readouterr().err

@@ -15,6 +15,7 @@ HELP = "Needle-in-a-haystack recall sweep (in-process arms and/or --endpoint ser
 EXAMPLES = """\
     fidelity needle                                 # in-process: golden vs engine on the embedded model
     fidelity needle --endpoint golden=http://127.0.0.1:8000/v1 --endpoint engine=http://127.0.0.1:8001/v1 --lengths 2048,4096,8192 --reps 4
+    torchrun --nproc-per-node 8 -m fidelity needle --distributed --checkpoint /models/DeepSeek-V4-Pro --arm golden --lengths 65536
 """
 
 # residues 3,0,1,2,3 mod 4 and 127,0,1,2,127 mod 128; with 5 depths and golden + engine,
@@ -65,6 +66,9 @@ def add_arguments(p):
                         "(default: 65536)")
     from fidelity.devices import add_options
     add_options(p)
+    from fidelity.pipeline_model import add_options as distributed_options
+    distributed_options(p.add_argument_group("distributed (docs/distributed.md; in-process trials then run one "
+                                             "at a time, not in layer-major batches)"), "needle")
     g = p.add_argument_group("grid")
     g.add_argument("--lengths", help="comma-separated token counts (default: in-process "
                    f"{DEFAULT_INPROCESS_LENGTHS}, endpoints {DEFAULT_ENDPOINT_LENGTHS})")
@@ -112,7 +116,7 @@ def _named(spec: str, default_name: str) -> tuple[str, str]:
     return default_name, spec.strip()
 
 
-def _runners(args):
+def _runners(args, driver=None):
     from fidelity.arms import ArmError, engine_arm, parse_arm
     from infra.http import RetryPolicy, model_options
     from needle.http import HttpRunner, RequestOptions
@@ -138,8 +142,14 @@ def _runners(args):
             raise CommandError(str(e)) from None
         from fidelity.weights.target import load_target
         from fidelity.needle_runner import InProcessRunner
-        target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
-                             place.model_devices)
+        if driver is None:
+            target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
+                                 place.model_devices)
+        else:
+            from fidelity.pipeline_model import stage_target
+            target = stage_target(args.checkpoint, args.tokenizer, args.weights_mode, driver.stage)
+            driver.weights = target.weights
+            notes.append(f"distributed over {driver.stage.world} ranks: trials run one at a time")
         notes.append(f"in-process model: {target.description}")
         temp = 0.0 if args.temperature is None else args.temperature
         for s in arm_specs:
@@ -151,7 +161,7 @@ def _runners(args):
             runners.append(InProcessRunner(name, target, arm,
                                            temperature=temp, top_p=args.top_p,
                                            max_tokens=args.max_tokens, placement=place,
-                                           batch=args.batch, batch_tokens=batch_tokens))
+                                           batch=args.batch, batch_tokens=batch_tokens, driver=driver))
     kw = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
     endpoints = [_named(s, "") for s in args.endpoint]
     for (name, url), s in zip(endpoints, args.endpoint):
@@ -169,6 +179,31 @@ def _runners(args):
 
 
 def run(args) -> int:
+    if args.distributed is None:
+        return _run(args)
+    if args.report_only:
+        raise CommandError("--distributed runs in-process arms; --report-only runs none")
+    if args.arm is None and args.endpoint:
+        raise CommandError("--distributed runs the in-process arms across the ranks; give at least one --arm "
+                           "(endpoint arms are queried from rank 0 as usual)")
+    from fidelity.pipeline import shutdown
+    from fidelity.pipeline_model import Driver, join, stage_weights, work
+    stage = join(args)
+    try:
+        if not stage.first:
+            work(stage, stage_weights(args.checkpoint, args.weights_mode, stage))
+            return 0
+        driver = Driver(stage)
+        try:
+            return _run(args, driver)
+        finally:
+            driver.stop()
+    finally:
+        shutdown()
+
+
+def _run(args, driver=None) -> int:
+    """The command on one process, or on rank 0 with `driver`'s pipeline models."""
     from needle.haystack import HaystackError, HaystackSpec, PromptFormat
     from needle.report import write_report
     from needle.results import ResultsError, latest, read_rows
@@ -187,7 +222,7 @@ def run(args) -> int:
         meta.update({"trials": header.get("trials"), "arms": header.get("arms")})
     else:
         try:
-            runners, notes = _runners(args)
+            runners, notes = _runners(args, driver)
         except ValueError as e:
             raise CommandError(str(e)) from None
         lengths = _csv(args.lengths, int) or (DEFAULT_ENDPOINT_LENGTHS if args.endpoint and args.arm is None
