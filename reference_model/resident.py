@@ -7,7 +7,8 @@ bf16 form does not. A layer's tensors are dequantised the first time a pass touc
 and dropped when the next layer is asked for; the routed experts of an MoE layer are
 decoded only if some token is routed to them (the layer is a lazy mapping, and the MoE
 code reads only routed experts' weights). Values are exactly the streamed / in-memory
-paths' (same decoders), so logits are bit-identical."""
+paths' (same decoders), so logits are bit-identical. DeepSeek-V4.1 checkpoints:
+reference_model/v41/resident.py (the same class with V4.1's reader, grids and placement)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -35,7 +36,7 @@ class LazyLayer(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.cache:
             spec, raw = self.raw[name]
-            self.cache[name] = decode_raw(spec, raw, self.src.device_of(self.i))
+            self.cache[name] = self.src.decode(spec, raw, self.src.device_of(self.i))
             self.src.decoded[spec.fmt] = self.src.decoded.get(spec.fmt, 0) + 1
         return self.cache[name]
 
@@ -55,17 +56,17 @@ class QuantisedResidentWeights:
 
     def __init__(self, path, device="cpu", cfg: ModelConfig | None = None, devices=None,
                  io_chunk_bytes: int = 64 << 20, layers: range | None = None):
-        self.info = path if isinstance(path, CheckpointInfo) else scan_checkpoint(path, cfg)
+        self.info = path if isinstance(path, CheckpointInfo) else self.scan(path, cfg)
         self.cfg = self.info.cfg
         self.devices = [torch.device(d) for d in devices] if devices else [torch.device(device)]
-        self._owner = (model_placement(self.cfg, len(self.devices)) if len(self.devices) > 1
+        self._owner = (self.placement(len(self.devices)) if len(self.devices) > 1
                        else [0] * self.cfg.n_layers)
         reader = _ShardReader(self.info.root, io_chunk_bytes)
         try:
-            self.raw_globals = self._read(reader, global_specs(self.cfg), "", self.devices[0])
+            self.raw_globals = self._read(reader, self.specs(None), "", self.devices[0])
             # a pipeline stage (fidelity.pipeline) reads only its own layers
             self.layers = range(self.cfg.n_layers) if layers is None else layers
-            self.raw_layers = [self._read(reader, layer_specs(self.cfg, i), f"layers.{i}.", self.device_of(i))
+            self.raw_layers = [self._read(reader, self.specs(i), f"layers.{i}.", self.device_of(i))
                                if i in self.layers else None for i in range(self.cfg.n_layers)]
         finally:
             reader.close()
@@ -74,13 +75,42 @@ class QuantisedResidentWeights:
         self.decoded: dict[str, int] = {}
         self.loads = 0
 
+    # ---- what depends on the model version (v41/resident.py overrides these) ------------
+    @staticmethod
+    def scan(path, cfg):
+        return scan_checkpoint(path, cfg)
+
+    def placement(self, n_devices: int) -> list[int]:
+        """Each layer's device index, as the model places them."""
+        return model_placement(self.cfg, n_devices)
+
+    def specs(self, i: int | None) -> list:
+        """Layer i's tensor specs (None: the globals)."""
+        return global_specs(self.cfg) if i is None else layer_specs(self.cfg, i)
+
+    def read_raw(self, reader, s) -> dict:
+        """A tensor's stored entries by role, validated (bad data is a named error)."""
+        raw = {e.role: reader.get(self.info.tensors[e.name])
+               for e in disk_entries(s, self.info.layout, self.info.float_dtype)}
+        validate_raw(self.info, s, raw)
+        return raw
+
+    def host_mapped(self, s) -> bool:
+        """Kept memory-mapped on the host instead of copied to the layer's device."""
+        return False
+
+    def decode(self, s, raw: dict, device):
+        """A tensor in the in-memory form from its stored entries."""
+        return decode_raw(s, raw, device)
+
+    # ---- the weight source --------------------------------------------------------------------
     def _read(self, reader, specs, strip: str, device) -> dict:
         out = {}
         for s in specs:
-            raw = {e.role: reader.get(self.info.tensors[e.name])
-                   for e in disk_entries(s, self.info.layout, self.info.float_dtype)}
-            validate_raw(self.info, s, raw)
-            out[s.name[len(strip):]] = (s, {k: v.to(device, copy=True) for k, v in raw.items()})
+            raw = self.read_raw(reader, s)
+            if not self.host_mapped(s):
+                raw = {k: v.to(device, copy=True) for k, v in raw.items()}
+            out[s.name[len(strip):]] = (s, raw)
         return out
 
     def device_of(self, i: int) -> torch.device:
@@ -88,13 +118,15 @@ class QuantisedResidentWeights:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes held resident (the checkpoint's own formats)."""
+        """Bytes held resident on the devices (the checkpoint's own formats; host-mapped
+        tensors not counted)."""
         return sum(t.numel() * t.element_size() for part in [self.raw_globals, *self.raw_layers]
-                   if part is not None for _, raw in part.values() for t in raw.values())
+                   if part is not None for s, raw in part.values() if not self.host_mapped(s)
+                   for t in raw.values())
 
     def global_weights(self) -> dict[str, torch.Tensor]:
         if self._globals is None:
-            self._globals = {k: decode_raw(s, raw, self.devices[0]) for k, (s, raw) in self.raw_globals.items()}
+            self._globals = {k: self.decode(s, raw, self.devices[0]) for k, (s, raw) in self.raw_globals.items()}
         return self._globals
 
     def layer_weights(self, i: int) -> LazyLayer:

@@ -1,8 +1,9 @@
 """The golden DeepSeek-V4.1 forward (reference_model/v41/model.py) on the tiny V4.1 config
 with seeded random weights: decode = prefill and chunked = one-shot bit for bit, the
-layer-major API, streamed = dense = in-memory checkpoints, the lockstep driving it, and the
-wiring of what V4.1 shares between layers (compressed KV and top-k from their sources, the
-Engram history across decode steps, the lagged mHC pre-mix carried in the stream).
+layer-major API, streamed = dense = resident-quantised = in-memory checkpoints, the lockstep
+driving it, and the wiring of what V4.1 shares between layers (compressed KV and top-k from
+their sources, the Engram history across decode steps, the lagged mHC pre-mix carried in
+the stream).
 The kernels themselves are hand-tested in test_v41_kernels.py."""
 import copy
 
@@ -98,7 +99,7 @@ def test_reference_and_exact_differ_by_the_quantisation_floor(weights, toks, gol
     assert 1e-3 < rel < 0.5 and bool(torch.isfinite(golden[0]).all())
 
 
-# ---- checkpoints: streamed = dense = in memory ---------------------------------------------
+# ---- checkpoints: streamed = dense = resident-quantised = in memory ---------------------------------------------
 def test_streamed_and_dense_checkpoints_equal_in_memory(weights, toks, golden, tmp_path):
     from fidelity.weights.source import checkpoint_config, load_weights
     from reference_model.v41.checkpoint_write import save_checkpoint
@@ -106,14 +107,12 @@ def test_streamed_and_dense_checkpoints_equal_in_memory(weights, toks, golden, t
     streamed, _ = load_weights(str(tmp_path / "tiny-v41"), mode="streamed")
     dense, label = load_weights(str(tmp_path / "tiny-v41"), mode="dense")
     assert label.endswith("(dense)") and checkpoint_config(str(tmp_path / "tiny-v41")) == CFG
-    for w in (streamed, dense):
+    resident, _ = load_weights(str(tmp_path / "tiny-v41"), mode="resident-quantised")
+    for w in (streamed, dense, resident):
         m = build_model(w, Numerics("reference"))
         assert isinstance(m, ModelV41)
         assert torch.equal(m.prefill_logits(toks), golden[0])
     assert streamed.loads == CFG.n_layers
-    from fidelity.weights.source import WeightsError
-    with pytest.raises(WeightsError, match="resident-quantised is not implemented for V4.1"):
-        load_weights(str(tmp_path / "tiny-v41"), mode="resident-quantised")
 
 
 # ---- the lockstep drives it -----------------------------------------------------------------

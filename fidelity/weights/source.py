@@ -65,7 +65,7 @@ def load_weights(checkpoint: str | None, device: str = "cpu", mode: str = "strea
         if mode not in WEIGHT_MODES:
             raise WeightsError(f"weights mode must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
         if is_v41_checkpoint(path):
-            return _load_v41(path, device, mode)
+            return _load_v41(path, device, mode, devices, layers)
         if mode == "resident-quantised":
             return (QuantisedResidentWeights(path, device=device, devices=devices, layers=layers),
                     f"{path} (resident-quantised)")
@@ -77,13 +77,14 @@ def load_weights(checkpoint: str | None, device: str = "cpu", mode: str = "strea
     return random_weights(tiny(), 0), "embedded:tiny-random(seed=0)"
 
 
-def _load_v41(path: Path, device: str, mode: str):
-    """A DeepSeek-V4.1 checkpoint (reference_model/v41): streamed or dense."""
+def _load_v41(path: Path, device: str, mode: str, devices=None, layers: range | None = None):
+    """A DeepSeek-V4.1 checkpoint (reference_model/v41), in any of the three modes."""
     from reference_model.v41.checkpoint_read import StreamingWeights as V41Streaming
     from reference_model.v41.checkpoint_read import load_checkpoint as v41_load
+    from reference_model.v41.resident import V41QuantisedResidentWeights
     if mode == "resident-quantised":
-        raise WeightsError(f"{path}: DeepSeek-V4.1 checkpoints load streamed or dense; "
-                           "resident-quantised is not implemented for V4.1 yet")
+        return (V41QuantisedResidentWeights(path, device=device, devices=devices, layers=layers),
+                f"{path} (resident-quantised)")
     if mode == "dense":
         return v41_load(path, device=device), f"{path} (dense)"
     return V41Streaming(path, device=device), str(path)

@@ -6,7 +6,8 @@
     specs        the V4.1 tensor table in DeepSeek-native names (32x32 FP8, Engram tables)
     checkpoint_format / checkpoint_read / checkpoint_write
                  V4.1 safetensors entries, scan + validate + load, and a writer for tests
-    weights      seeded random weights for any V4.1 config
+    weights      seeded random weights for any V4.1 config; EngramTable (host-resident tables)
+    resident     V41QuantisedResidentWeights: checkpoint form resident, dequantised on use
     sizes        tensor bytes and per-sequence state for `fidelity plan-memory`
     kernels      the new steps as pure functions (Engram, compressors, indexer, candidates,
                  lagged mHC, KV fake-quant), called through the seam by the V4.1 model

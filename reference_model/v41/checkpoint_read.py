@@ -147,27 +147,6 @@ def _bad(info, name, why):
     raise CheckpointError(f"checkpoint {info.root}", [f"bad data: {name} in {info.tensors[name].file}: {why}"])
 
 
-def decode(info: CheckpointInfo, s: TensorSpec, raw: dict, device):
-    """One tensor's entries in the in-memory form: FP8_32 / FP4 dequantised to bf16 (exact),
-    Engram tables kept as codes + scales on the host, as the reader's memory-mapped views of
-    the shard (whatever `device`), bf16 / f32 as stored. NaN scale bytes and e4m3 NaN codes
-    are named errors (an Engram table's codes when its rows are gathered: EngramTable)."""
-    if "scale" in raw:
-        sc, w = raw["scale"], raw["weight"]
-        if bool((sc.view(torch.uint8) == 255).any()):
-            _bad(info, s.name[: -len(".weight")] + ".scale", "scale contains the E8M0 NaN byte 255")
-        if s.fmt == ENGRAM_TABLE:
-            return EngramTable(w, sc, f"{s.name} in {info.tensors[s.name].file}")
-        if s.fmt == FP8_32 and Q.has_e4m3_nan(w):
-            _bad(info, s.name, "weight contains e4m3 NaN codes (0x7F/0xFF)")
-        if s.fmt == FP8_32:
-            return Q.dequant_fp8_bf16(w, sc, info.cfg.weight_block_size, device)
-        return Q.dequant_fp4_bf16(w, sc, 32, device)
-    t = raw["plain"]
-    want = {BF16: torch.bfloat16, F32: torch.float32}[s.fmt]
-    return t.to(device, dtype=want, copy=True)
-
-
 _MAPPED_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu}
 
 
@@ -187,16 +166,50 @@ def map_entry(root: Path, h) -> torch.Tensor:
     return t.view(_MAPPED_DTYPES[h.dtype]).view(h.shape)
 
 
+def read_raw(info: CheckpointInfo, s: TensorSpec, reader: _ShardReader) -> dict:
+    """One tensor's stored entries by role (weight / scale / plain), validated; an Engram
+    table's memory-mapped (map_entry), the others through the shard reader."""
+    def get(h):
+        return map_entry(info.root, h) if s.fmt == ENGRAM_TABLE else reader.get(h)
+    raw = {e.role: get(info.tensors[e.name]) for e in disk_entries(s, info.cfg.weight_block_size)}
+    validate_raw(info, s, raw)
+    return raw
+
+
+def validate_raw(info: CheckpointInfo, s: TensorSpec, raw: dict) -> None:
+    """Data errors the headers cannot show, named: E8M0 NaN scale bytes, e4m3 NaN codes of
+    FP8 weights (an Engram table's codes when their rows are gathered: EngramTable)."""
+    if "scale" not in raw:
+        return
+    if bool((raw["scale"].view(torch.uint8) == 255).any()):
+        _bad(info, s.name[: -len(".weight")] + ".scale", "scale contains the E8M0 NaN byte 255")
+    if s.fmt == FP8_32 and Q.has_e4m3_nan(raw["weight"]):
+        _bad(info, s.name, "weight contains e4m3 NaN codes (0x7F/0xFF)")
+
+
+def decode_raw(info: CheckpointInfo, s: TensorSpec, raw: dict, device):
+    """One tensor's entries in the in-memory form: FP8_32 / FP4 dequantised to bf16 (exact),
+    Engram tables kept as codes + scales on the host, as given (whatever `device`: only
+    gathered rows move), bf16 / f32 as stored."""
+    if "scale" in raw:
+        sc, w = raw["scale"], raw["weight"]
+        if s.fmt == ENGRAM_TABLE:
+            return EngramTable(w, sc, f"{s.name} in {info.tensors[s.name].file}")
+        if s.fmt == FP8_32:
+            return Q.dequant_fp8_bf16(w, sc, info.cfg.weight_block_size, device)
+        return Q.dequant_fp4_bf16(w, sc, 32, device)
+    t = raw["plain"]
+    want = {BF16: torch.bfloat16, F32: torch.float32}[s.fmt]
+    return t.to(device, dtype=want, copy=True)
+
+
 def _load(info: CheckpointInfo, specs, device, strip: str = "", chunk_bytes: int = 64 << 20) -> dict:
-    """Specs' tensors in the in-memory form; Engram tables memory-mapped (map_entry)."""
+    """Specs' tensors in the in-memory form (Engram tables memory-mapped on the host)."""
     reader = _ShardReader(info.root, chunk_bytes)
     out = {}
     try:
         for s in specs:
-            get = ((lambda h: map_entry(info.root, h)) if s.fmt == ENGRAM_TABLE else reader.get)
-            raw = {e.role: get(info.tensors[e.name])
-                   for e in disk_entries(s, info.cfg.weight_block_size)}
-            out[s.name[len(strip):]] = decode(info, s, raw, device)
+            out[s.name[len(strip):]] = decode_raw(info, s, read_raw(info, s, reader), device)
     finally:
         reader.close()
     return out
@@ -253,5 +266,5 @@ def load_checkpoint(path, device="cpu", cfg: V41Config | None = None) -> V41Weig
     return w
 
 
-__all__ = ["StreamingWeights", "is_v41_checkpoint", "load_checkpoint", "quant_problems",
-           "scan_checkpoint"]
+__all__ = ["StreamingWeights", "decode_raw", "is_v41_checkpoint", "load_checkpoint", "map_entry",
+           "quant_problems", "read_raw", "scan_checkpoint", "validate_raw"]
