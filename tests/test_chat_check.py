@@ -64,6 +64,7 @@ def test_golden_server_renders_every_case_like_the_reference(tmp_path, servers):
     assert len(checked) >= 9 and (checked == "ok").all()
     m = json.loads((rep / "manifest.json").read_text())
     assert m["meta"]["method"] == "sglang-tokenize" and not m["failed"]
+    assert (m["meta"]["chat_version"], m["meta"]["chat_version_from"]) == ("v4", "architecture DeepseekV4ForCausalLM")
 
 
 @pytest.mark.parametrize("toggle", list(EXPECTED))
@@ -222,7 +223,7 @@ def test_v4_and_v41_servers_checked_as_each_other_differ(tmp_path, servers, v41_
     trip = df[df.case == "tool-round-trip-think=on"].iloc[0]
     assert rc == 1 and (df.status == "differs").sum() > 0
     assert "tools are in DeepSeek-V4's DSML tags, not DeepSeek-V4.1's" in trip.detail
-    rc, df, _ = _run(tmp_path, v41_servers, "v41-as-v4", "--model", "golden", "--no-behaviour")
+    rc, df, _ = _run(tmp_path, v41_servers, "v41-as-v4", "--chat-version", "v4", "--model", "golden", "--no-behaviour")
     trip = df[df.case == "tool-round-trip-think=on"].iloc[0]
     assert rc == 1 and "tools are in DeepSeek-V4.1's DSML tags, not DeepSeek-V4's" in trip.detail
 

@@ -25,10 +25,11 @@ def add_arguments(p):
                         "needs it)")
     p.add_argument("--generation", choices=("0731", "original"), default="0731",
                    help="DeepSeek-V4 checkpoint generation of the reference's effort tiers (research §3.2)")
-    p.add_argument("--chat-version", choices=("v4", "v41"), default="v4",
+    p.add_argument("--chat-version", choices=("auto", "v4", "v41"), default="auto",
                    help="model whose chat encoding is the reference: v4 (DeepSeek-V4) or v41 "
                         "(DeepSeek-V4.1: spaced DSML tags, <｜System｜>, numeric reasoning effort; "
-                        "tool calls read in V4.1's DSML) (default v4)")
+                        "tool calls read in V4.1's DSML); auto (default): v41 when the server "
+                        "names a V4.1 model (architecture, model path or id), else v4")
     p.add_argument("--engine-profile", choices=("sglang", "vllm"), default=None,
                    help="differences this engine is documented to make count as 'documented', not "
                         "failures, and those cases' responses are judged against the documented "
@@ -48,20 +49,22 @@ def run(args) -> int:
     from fidelity.chat_check.check import (TokenizerMismatch, behaviour, check_specials, expected_reading,
                                            profile_numerics, run_case)
     from fidelity.chat_check.probe import WEAK, ChatProbe, ProbeError
+    from fidelity.chat_check.version import served_chat_version
     from fidelity.kld.endpoint import Endpoint, EndpointError
     from fidelity.progress import Progress
-    from reference_model.chat_encoding import ChatEncodingError, encoding_for
     from reference_model.tokenizer import load_tokenizer
 
-    try:
-        generation = encoding_for(args.chat_version, args.generation)
-    except ChatEncodingError as e:
-        raise CommandError(f"--chat-version {args.chat_version}: {e}") from None
+    if args.chat_version != "auto":
+        _encoding(args.chat_version, args.generation)     # a bad combination fails before connecting
     progress = Progress(args.quiet)
     try:
         tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
         ep = Endpoint("engine", args.endpoint, "openai", args.model,
                       RetryPolicy(retries=args.retries, timeout=args.timeout)).connect()
+        version, why = (args.chat_version, "given") if args.chat_version != "auto" else served_chat_version(ep.info)
+        if args.chat_version == "auto":
+            print(f"chat version {version} ({why}; --chat-version overrides)")
+        generation = _encoding(version, args.generation)
         probe = ChatProbe(ep, tok or load_tokenizer())
         cases = all_cases()
         prof = profile_numerics(args.engine_profile)
@@ -77,7 +80,7 @@ def run(args) -> int:
     except (EndpointError, ProbeError, TokenizerMismatch, ValueError) as e:
         raise CommandError(str(e)) from None
     meta = {"endpoint": ep.describe(), "server": ep.info, "generation": args.generation,
-            "chat_version": args.chat_version,
+            "chat_version": version, "chat_version_from": why,
             "engine_profile": args.engine_profile, "method": probe.method,
             "weak": probe.method == WEAK, "raw_tokenizer": probe.raw_route or f"local {probe.local.name}",
             "command": " ".join(sys.argv)}
@@ -91,3 +94,11 @@ def run(args) -> int:
         print("note: the engine exposes no prompt token ids; counts only (a weaker check)")
     print(f"report: {path}")
     return 1 if failed else 0
+
+
+def _encoding(version: str, generation: str) -> str:
+    from reference_model.chat_encoding import ChatEncodingError, encoding_for
+    try:
+        return encoding_for(version, generation)
+    except ChatEncodingError as e:
+        raise CommandError(f"--chat-version {version}: {e}") from None
