@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/fidelity needle --out reports --run-id example --results reports/needle/example-results.jsonl
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=20 tests
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m slow tests
