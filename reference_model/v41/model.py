@@ -32,7 +32,7 @@ from . import stream
 from .config import V41Config
 from .engram import compressed_token_map, engram_layout
 from .sizes import layer_row, spec_bytes
-from .specs import global_specs, layer_specs
+from .specs import global_specs
 from .weights import EngramTable
 
 
