@@ -4,8 +4,8 @@ re-read checkpoint is bit-identical).
 
 Quantised weights are held dequantised in bf16 (exact, as in V4), except the Engram tables:
 they stay in checkpoint form (`EngramTable`: e4m3 codes + E8M0 per 32 channels) on the host
-and are gathered row by row, because the release's add up to ~92 GiB and a token needs 24
-rows of each."""
+and are gathered row by row, because the release's are ~94 GiB each (two layers) and a
+token needs 24 rows of each."""
 from __future__ import annotations
 
 from dataclasses import dataclass
