@@ -15,7 +15,7 @@ HELP = "Needle-in-a-haystack recall sweep (in-process arms and/or --endpoint ser
 EXAMPLES = """\
     fidelity needle                                 # in-process: golden vs engine on the embedded model
     fidelity needle --endpoint golden=http://127.0.0.1:8000/v1 --endpoint engine=http://127.0.0.1:8001/v1 --lengths 2048,4096,8192 --reps 4
-    torchrun --nproc-per-node 8 -m fidelity needle --distributed --checkpoint /models/DeepSeek-V4-Pro --arm golden --lengths 65536
+    fidelity needle --distributed --checkpoint /models/DeepSeek-V4-Pro --arm golden --lengths 65536   # each rank of `torchrun --nproc-per-node 8 -m fidelity needle --distributed ...` (docs/distributed.md)
 """
 
 # residues 3,0,1,2,3 mod 4 and 127,0,1,2,127 mod 128; with 5 depths and golden + engine,
