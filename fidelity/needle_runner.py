@@ -57,6 +57,7 @@ class InProcessRunner:
         sched = self.arm.schedule            # feeds the prompt up to its last token (prefill)
         self._scores: list[torch.Tensor] = []
         if driver is not None:
+            from fidelity.pipeline_model import arm_numerics
             recipe = (arm_numerics, self.arm.name, profile, kw)
             self.batch = 1
             self.model = driver.model(recipe, sched)
@@ -170,12 +171,6 @@ class InProcessRunner:
         while (got := await q.get()) is not None:
             yield got
         await task                                   # re-raises the batch's exception
-
-
-def arm_numerics(name: str, profile: str, numerics_kwargs: dict):
-    """An arm's Numerics from its spelling (a recipe every pipeline rank can rebuild)."""
-    from fidelity.arms import parse_arm
-    return parse_arm(name).numerics(profile, **numerics_kwargs)
 
 
 def mechanism(cfg, taps: Taps, scores: list[torch.Tensor], value_tok: list[int], pos: int,

@@ -1,6 +1,6 @@
 """The golden's Model API across pipeline ranks, for commands that call the model one
-prompt at a time (`fidelity kld`, `fidelity needle`): a driver/worker split over the
-stages of fidelity.pipeline.
+prompt or request at a time (`fidelity kld`, `needle`, `serve`): a driver/worker split
+over the stages of fidelity.pipeline.
 
 Rank 0 runs the command as one process does, with `PipelineModel`s in place of Models.
 Every `extend` is one call: rank 0 broadcasts a small command (model key, state handle,
@@ -10,7 +10,8 @@ sends them on; the last rank sends the final streams (all rows for 'all'/'hidden
 last row for 'last', none for 'none') and its ranks' taps back to rank 0, which runs the
 head. So rank 0 holds the embedding and the head; the streams cross every boundary once
 per call and come back once. States live with their stage under the handle's id; a
-handle rank 0 drops is freed on every rank with the next call.
+handle rank 0 drops is freed on every rank with the next call; copying, restoring or
+chunk-bounding a state (serve's prefix cache) is a call that every rank does to its part.
 
 Ranks > 0 run `work` until rank 0 says stop. An exception on a worker travels down the
 pipeline in place of the streams and is raised on rank 0 as one StageError naming the
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from reference_model import build_model
-from reference_model.schedule import ONESHOT
+from reference_model.schedule import ONESHOT, batch_tokens, co_batched, in_step
 
 from .pipeline import DistributedError
 
@@ -69,6 +70,12 @@ def calls_group():
     return dist.new_group(backend="gloo", timeout=CALL_WAIT)
 
 
+def arm_numerics(spec: str, profile: str = "reference", numerics_kwargs: dict | None = None):
+    """An arm's Numerics from its spelling (fidelity.arms): a recipe every rank can rebuild."""
+    from fidelity.arms import parse_arm
+    return parse_arm(spec).numerics(profile, **(numerics_kwargs or {}))
+
+
 def stage_devices(stage) -> list | None:
     """A rank's model devices: its GPU, or None (CPU as given)."""
     return [stage.device] if stage.device.type == "cuda" else None
@@ -85,9 +92,18 @@ def check_supported(cfg) -> None:
 
 @dataclass
 class PipelineState:
-    """A handle on one sequence's state: rank 0's layers' part here, the rest on its ranks."""
+    """A handle on one sequence's state: rank 0's layers' part here, the rest on its ranks.
+    A deep copy (the serve prefix cache's snapshot) copies it on every rank."""
     id: int
     local: object                       # rank 0's SequenceState (only its layers are filled)
+    model: "PipelineModel" = field(repr=False, compare=False, default=None)
+
+    def __deepcopy__(self, memo) -> "PipelineState":
+        return self.model.state_op("copy", self)
+
+    def all_ranks_bytes(self) -> int:
+        """Tensor bytes of this state on every rank (the prefix cache's budget)."""
+        return self.model.state_op("bytes", self)
 
     @property
     def pos(self) -> int:
@@ -159,8 +175,44 @@ class PipelineModel:
 
     def new_state(self) -> PipelineState:
         d = self.driver
-        st = PipelineState(next(d._ids), self.local.new_state())
-        weakref.finalize(st, d.free, st.id)
+        return self._handle(self.local.new_state())
+
+    def _handle(self, local) -> PipelineState:
+        st = PipelineState(next(self.driver._ids), local, self)
+        weakref.finalize(st, self.driver.free, st.id)
+        return st
+
+    def restore_state(self, stored: PipelineState) -> PipelineState:
+        """A new state from a stored one through this arm's `state_restore`, every rank."""
+        return self.state_op("restore", stored)
+
+    def chunk_boundary_state(self, state: PipelineState) -> PipelineState:
+        """This arm's `chunk_boundary` on the state's layers, every rank (in place)."""
+        return self.state_op("boundary", state)
+
+    def state_op(self, op: str, state: PipelineState):
+        """copy / restore (a new handle), boundary (the same), bytes (summed over ranks): every
+        rank does it to its layers' part; a worker's error is raised here."""
+        with self.driver.lock:
+            new = next(self.driver._ids) if op in ("copy", "restore") else None
+            self.driver._send({"op": "state", "what": op, "key": self.key, "state": state.id, "new": new})
+            try:
+                mine = _state_op(self.local, self.driver.stage.layers, op, state.local)
+                err = None
+            except Exception as e:
+                mine, err = None, e
+            replies = self.driver.stage.gather(None, f"the other ranks' {op} of a state")
+        if err is not None:
+            raise err
+        bad = [r for r in replies[1:] if isinstance(r, str)]
+        if bad:
+            raise StageError(bad[0])
+        if op == "bytes":
+            return mine + sum(replies[1:])
+        if op == "boundary":
+            return state
+        st = PipelineState(new, mine, self)
+        weakref.finalize(st, self.driver.free, st.id)
         return st
 
     def check_tokens(self, tokens, state: PipelineState) -> torch.Tensor:
@@ -186,7 +238,7 @@ class PipelineModel:
         d, st = self.driver, self.driver.stage
         rows = {"hidden": "all", "all": "all", "none": "none"}.get(logits, "last")
         d._send({"op": "extend", "key": self.key, "state": state.id, "tokens": tokens.cpu(), "phase": phase,
-                 "taps": taps.patterns if taps else None, "rows": rows})
+                 "taps": taps.patterns if taps else None, "rows": rows, "mates": _batch_mates()})
         d.calls += 1
         try:
             H = self.local.embed(tokens, taps)
@@ -261,11 +313,56 @@ class _Worker:
         taps = Taps(cmd["taps"]) if cmd["taps"] else None
         tokens = cmd["tokens"].to(H.device)
         del sink[:]
-        for i in self.stage.layers:
-            H = model.layer(i, H, tokens, state, taps, cmd["phase"])
+        with co_batched(cmd["mates"]):
+            for i in self.stage.layers:
+                H = model.layer(i, H, tokens, state, taps, cmd["phase"])
         state.pos += tokens.numel()
         parts = [(n, p) for n in (taps.names() if taps else []) for p in taps._parts[n]]
         return [H], parts, list(sink)
+
+
+    def state_op(self, cmd) -> None:
+        """Rank 0's state_op on this rank's part; the reply (bytes, or an error) is gathered."""
+        try:
+            model = self.models[cmd["key"]]
+            state = self.states.get(cmd["state"])
+            if state is None:                  # created on rank 0, never extended yet
+                state = self.states[cmd["state"]] = model.new_state()
+            out = _state_op(model, self.stage.layers, cmd["what"], state)
+            if cmd["new"] is not None:
+                self.states[cmd["new"]] = out
+            if cmd["what"] != "bytes":
+                out = None
+        except Exception as e:
+            out = f"{self.stage.describe()} failed ({cmd['what']} of a state): {type(e).__name__}: {e}"
+        self.stage.gather(out, f"the {cmd['what']} of a state")
+
+
+def _state_op(model, layers: range, op: str, state):
+    """One rank's part of PipelineModel.state_op, on its own layers only."""
+    import copy
+    if op == "copy":
+        return copy.deepcopy(state)
+    if op == "bytes":
+        from fidelity.serve.prefix_cache import state_bytes
+        return sum(state_bytes(state.layers[i]) for i in layers)
+    if op == "restore":
+        out = copy.copy(state)
+        out.layers = [model.nx.state_restore(st) if i in layers else copy.deepcopy(st)
+                      for i, st in enumerate(state.layers)]
+        return out
+    if op == "boundary":
+        state.layers = [model.nx.chunk_boundary(st) if i in layers else st for i, st in enumerate(state.layers)]
+        return state
+    raise ValueError(f"unknown state op {op!r}")
+
+
+def _batch_mates() -> int:
+    """Tokens the other sequences of this step bring (schedule.co_batched), as batch_tokens
+    reads them in a step of none of our own; sent with each call so a worker's
+    batch-dependent kernels see what rank 0's see."""
+    with in_step(0):
+        return batch_tokens()
 
 
 def work(stage, weights) -> None:
@@ -281,6 +378,8 @@ def work(stage, weights) -> None:
             w.build(cmd["key"], cmd["recipe"])
         elif cmd["op"] == "extend":
             w.extend(cmd)
+        elif cmd["op"] == "state":
+            w.state_op(cmd)
 
 
 # ---- the commands' side ---------------------------------------------------------------------

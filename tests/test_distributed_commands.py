@@ -1,10 +1,16 @@
-"""`fidelity kld` and `fidelity needle` with --distributed (fidelity.pipeline_model,
+"""`fidelity kld`, `needle` and `serve` with --distributed (fidelity.pipeline_model,
 torchrun + gloo on this CPU): the in-process golden arms run as a 2-rank pipeline and the
-kld tables and the needle rows (answers and the indexer mechanism of layers on both
-ranks) equal the single-process run's bit for bit; an exception on rank 1 is one error on
-rank 0 naming that rank; bad combinations are named before any process group is formed."""
+kld tables, the needle rows (answers and the indexer mechanism of layers on both ranks)
+and the served completions (logprobs, a prefix-cache hit, the cache's byte accounting)
+equal the single-process run's bit for bit; SIGTERM to torchrun stops every rank; an
+exception on rank 1 is one error on rank 0 naming that rank; bad combinations are named
+before any process group is formed."""
 import gzip
 import json
+import os
+import signal
+import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -13,7 +19,7 @@ import pytest
 from fidelity.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_distributed import HERE, _torchrun  # noqa: E402
+from test_distributed import HERE, ROOT, WAIT, _env, _port, _torchrun  # noqa: E402
 
 KLD = ["--inprocess", "golden=golden", "--inprocess", "engine=engine", "--lengths", "200", "--depths", "50",
        "--reps", "1", "--steps", "3", "--n-boot", "50"]
@@ -94,3 +100,89 @@ def test_needle_on_two_ranks_gives_the_single_process_rows(tmp_path):
 def test_needle_distributed_needs_an_inprocess_arm(capsys, tmp_path):
     assert main(["needle", "--distributed", "--endpoint", "a=http://127.0.0.1:9/v1", "--out", str(tmp_path)]) == 2
     assert "--distributed runs the in-process arms across the ranks" in capsys.readouterr().err
+
+
+# ---- fidelity serve --distributed ---------------------------------------------------------
+SERVE = ["--arm", "golden=golden", "--arm", "engine=engine", "--default-arm", "golden", "--page-size", "16"]
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc: torchrun's ranks)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _requests(url: str) -> list:
+    """Completions with logprobs on both arms, a prefix-cache hit (the second prompt starts
+    with the first's 40 tokens: 32 restored), an echo, a seeded sample; then the cache's stats."""
+    import httpx
+    prompt = list(range(5, 45))
+    longer = prompt + list(range(100, 120))
+    out = []
+    for body in ({"model": "golden", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 3},
+                 {"model": "golden", "prompt": longer, "max_tokens": 4, "temperature": 0, "logprobs": 3},
+                 {"model": "engine", "prompt": longer, "max_tokens": 3, "logprobs": 2, "echo": True,
+                  "temperature": 0},
+                 {"model": "engine", "prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0.7,
+                  "seed": 3, "logprobs": 1}):
+        r = httpx.post(url + "/v1/completions", json=body, timeout=WAIT)
+        assert r.status_code == 200, r.text
+        out.append({k: v for k, v in r.json().items() if k not in ("id", "created")})
+    out.append(httpx.get(url + "/get_server_info", timeout=WAIT).json()["prefix_cache"])
+    return out
+
+
+def test_serve_on_two_ranks_answers_as_one_process_and_stops_on_sigterm():
+    from needle_util import fidelity_cmd, free_port, stop, wait_healthy
+    pd, ps = free_port(), free_port()
+    dist = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-addr", "127.0.0.1", "--master-port", str(_port()), "-m", "fidelity",
+                             "serve", "--distributed", "2", *SERVE, "--port", str(pd)],
+                            cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    single = subprocess.Popen(fidelity_cmd("serve", *SERVE, "--threads", "1", "--port", str(ps)), cwd=ROOT,
+                              env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_healthy(f"http://127.0.0.1:{pd}", dist, WAIT)
+        wait_healthy(f"http://127.0.0.1:{ps}", single, WAIT)
+        ranks = _children(dist.pid)
+        got, want = _requests(f"http://127.0.0.1:{pd}"), _requests(f"http://127.0.0.1:{ps}")
+        assert want[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+        assert want[-1]["hits"] == 1 and want[-1]["stored"] > 0
+        assert got == want
+        assert len(ranks) == 2
+        dist.send_signal(signal.SIGTERM)
+        dist.wait(WAIT)                                   # a hang guard only
+        t0 = time.monotonic()
+        while not all(_gone(pid) for pid in ranks) and time.monotonic() - t0 < WAIT:   # a hang guard
+            time.sleep(0.1)
+        assert all(_gone(pid) for pid in ranks), "a rank outlived torchrun"
+    finally:
+        if dist.poll() is None:                           # a failed test: end what it started
+            for pid in _children(dist.pid):
+                os.kill(pid, signal.SIGKILL)
+            dist.kill()
+            dist.wait()
+        stop([single])
+        dist.stderr.close()
+
+
+def test_each_call_carries_the_batch_mates_rank_0_sees():
+    from fidelity.pipeline_model import _batch_mates
+    from reference_model.schedule import co_batched
+    assert _batch_mates() == 0
+    with co_batched(5):
+        assert _batch_mates() == 5

@@ -86,12 +86,6 @@ def add_arguments(p):
                    out_help="writes <out>/kld/scores (resumable) and <out>/kld/<run-id>/ (default: %(default)s)")
 
 
-def arm_numerics(spec: str, numerics_kwargs: dict):
-    """An --inprocess arm's Numerics (a recipe every pipeline rank can rebuild)."""
-    from fidelity.arms import parse_arm
-    return parse_arm(spec).numerics(**numerics_kwargs)
-
-
 def floor_numerics(k: int, compute_dtype):
     """The k-th automatic floor arm's Numerics (a recipe every pipeline rank can rebuild)."""
     from fidelity.ab.design import floor_arms
@@ -116,8 +110,9 @@ def build_entries(args, target, progress, place=None, driver=None):
     for name, spec in _pairs(args.inprocess, "--inprocess"):
         arm = parse_arm(spec)
         kw = {"compute_dtype": place.compute_dtype} if place else {}
-        model = driver.model((arm_numerics, spec, kw), arm.schedule) if driver else None
-        nx = None if driver else arm_numerics(spec, kw)
+        from fidelity.pipeline_model import arm_numerics
+        model = driver.model((arm_numerics, spec, "reference", kw), arm.schedule) if driver else None
+        nx = None if driver else arm_numerics(spec, "reference", kw)
         entries.append(ScoredArm(name, InProcessScorer(name, nx, target.weights, arm.name,
                                                        place.model_devices if place else None,
                                                        arm.schedule, model=model),

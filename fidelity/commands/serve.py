@@ -15,6 +15,7 @@ HELP = ("Serve the reference model under one or more arms over OpenAI-, vLLM- an
 EXAMPLES = """\
     fidelity serve --port 8000                      # the golden as an OpenAI/vLLM/SGLang-compatible server
     fidelity serve --arm golden=golden --arm engine=engine --default-arm golden
+    torchrun --nproc-per-node 8 -m fidelity serve --distributed --checkpoint /models/DeepSeek-V4-Pro --port 8000   # rank 0 serves HTTP
 """
 
 
@@ -68,6 +69,8 @@ def add_arguments(p):
                         "(once per field and route) (default warning)")
     from fidelity.devices import add_options
     add_options(p)
+    from fidelity.pipeline_model import add_options as distributed_options
+    distributed_options(p.add_argument_group("distributed (docs/distributed.md; rank 0 serves HTTP)"), "serve")
 
 
 def _log_to_stderr(level: str) -> None:
@@ -81,6 +84,26 @@ def _log_to_stderr(level: str) -> None:
 
 
 def run(args) -> int:
+    if args.distributed is None:
+        return _run(args)
+    from fidelity.pipeline import shutdown
+    from fidelity.pipeline_model import Driver, join, stage_weights, work
+    stage = join(args)
+    try:
+        if not stage.first:
+            work(stage, stage_weights(args.checkpoint, args.weights_mode, stage))
+            return 0
+        driver = Driver(stage)
+        try:
+            return _run(args, driver)
+        finally:
+            driver.stop()
+    finally:
+        shutdown()
+
+
+def _run(args, driver=None) -> int:
+    """Serve from one process, or from rank 0 with `driver`'s pipeline models."""
     from fidelity.arms import ArmError, arm_from_env, parse_arm
     from reference_model.schedule import ONESHOT
     from fidelity.serve import Engine, ServeOptions, create_app, parse_arm_options
@@ -112,14 +135,19 @@ def run(args) -> int:
                            "use --no-prefix-cache to serve without a prefix cache")
     import uvicorn
 
-    target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
+    if driver is None:
+        target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
                              place.model_devices)
+    else:
+        from fidelity.pipeline_model import stage_target
+        target = stage_target(args.checkpoint, args.tokenizer, args.weights_mode, driver.stage)
+        driver.weights = target.weights
     try:
         engine = Engine(target, arms, ServeOptions(args.model_name, args.max_queue, args.max_logprobs,
                                                    args.time_slice, generation, place, args.default_arm,
                                                    args.page_size,
                                                    None if args.no_prefix_cache else args.prefix_cache_bytes,
-                                                   args.chunked_prefill_size))
+                                                   args.chunked_prefill_size, driver))
     except ValueError as e:
         raise CommandError(str(e)) from None
     if args.host not in ("127.0.0.1", "localhost", "::1"):

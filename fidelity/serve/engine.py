@@ -64,6 +64,7 @@ class ServeOptions:
     page_size: int = DEFAULT_PAGE_SIZE   # prefix-cache page (tokens per snapshot step)
     prefix_cache_bytes: int | None = DEFAULT_BUDGET   # snapshot budget (None: no prefix cache)
     chunked_prefill: int = 2048          # prefill chunk: tokens per layer pass, chunk_boundary between
+    driver: object = None                # fidelity.pipeline_model.Driver: arms run across torchrun ranks
 
 
 class CachedDecoder(Decoder):
@@ -140,10 +141,15 @@ class Engine:
             sid = name or (self.model_name if len(arms) == 1 else arm.name)
             if sid in self.arms:
                 raise ValueError(f"two arms are served as model {sid!r}; name them with NAME=ARM")
-            nx = arm.numerics(compute_dtype=placement.compute_dtype) if placement else arm.numerics()
-            self.arms[sid] = ServedArm(sid, arm, build_model(target.weights, nx, weight_cache=cache,
-                                                             chunk_tokens=o.chunked_prefill,
-                                                             devices=placement.model_devices if placement else None))
+            if o.driver is not None:
+                from fidelity.pipeline_model import arm_numerics
+                kw = {"compute_dtype": placement.compute_dtype} if placement else {}
+                model = o.driver.model((arm_numerics, arm.name, "reference", kw), chunk_tokens=o.chunked_prefill)
+            else:
+                nx = arm.numerics(compute_dtype=placement.compute_dtype) if placement else arm.numerics()
+                model = build_model(target.weights, nx, weight_cache=cache, chunk_tokens=o.chunked_prefill,
+                                    devices=placement.model_devices if placement else None)
+            self.arms[sid] = ServedArm(sid, arm, model)
         self.first = next(iter(self.arms.values()))       # internal probes (/health_generate)
         if default_arm is not None and default_arm not in self.arms:
             raise ValueError(f"--default-arm {default_arm!r} is not served (served: "

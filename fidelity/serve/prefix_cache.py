@@ -29,7 +29,10 @@ DEFAULT_BUDGET = 1 << 30
 
 
 def state_bytes(obj) -> int:
-    """Bytes of every tensor reachable from a state (dataclasses, lists)."""
+    """Bytes of every tensor reachable from a state (dataclasses, lists); a pipeline
+    state (fidelity.pipeline_model) counts its parts on every rank."""
+    if hasattr(obj, "all_ranks_bytes"):
+        return obj.all_ranks_bytes()
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, (list, tuple)):
@@ -126,6 +129,8 @@ class PrefixCache:
 def restore(model, stored: SequenceState) -> SequenceState:
     """A cached prefix's state through the arm's own `state_restore` kernel, every layer
     (the golden's copies, so the stored snapshot is never touched)."""
+    if hasattr(model, "restore_state"):            # a pipeline model: every rank's layers
+        return model.restore_state(stored)
     return SequenceState([model.nx.state_restore(st) for st in stored.layers], stored.pos)
 
 
@@ -143,7 +148,10 @@ def paged_prefill(model, ids: torch.Tensor, state: SequenceState, cache: PrefixC
     parts, pos = [], start
     for b in cuts:
         if pos > start and pos % chunk == 0:
-            state.layers = [model.nx.chunk_boundary(st) for st in state.layers]
+            if hasattr(model, "chunk_boundary_state"):       # a pipeline model: every rank's layers
+                state = model.chunk_boundary_state(state)
+            else:
+                state.layers = [model.nx.chunk_boundary(st) for st in state.layers]
         logits, state = model.extend(ids[pos:b], state, "all" if all_logits else "last",
                                      phase="prefill")
         if all_logits:
