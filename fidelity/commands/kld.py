@@ -16,7 +16,7 @@ HELP = ("KLD of live endpoints (and in-process arms) against a baseline over HTT
 EXAMPLES = """\
     fidelity kld --inprocess golden=golden --endpoint engine=http://127.0.0.1:30000   # a live engine vs the golden
     fidelity kld --endpoint base=http://127.0.0.1:30000 --endpoint new=http://127.0.0.1:30001 --exact
-    torchrun --nproc-per-node 8 -m fidelity kld --distributed --checkpoint /models/DeepSeek-V4-Pro --inprocess golden=golden --endpoint engine=http://127.0.0.1:30000
+    fidelity kld --distributed --checkpoint /models/DeepSeek-V4-Pro --inprocess golden=golden --endpoint engine=http://127.0.0.1:30000   # each rank of `torchrun --nproc-per-node 8 -m fidelity kld --distributed ...` (docs/distributed.md)
 """
 
 

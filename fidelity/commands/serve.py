@@ -15,7 +15,7 @@ HELP = ("Serve the reference model under one or more arms over OpenAI-, vLLM- an
 EXAMPLES = """\
     fidelity serve --port 8000                      # the golden as an OpenAI/vLLM/SGLang-compatible server
     fidelity serve --arm golden=golden --arm engine=engine --default-arm golden
-    torchrun --nproc-per-node 8 -m fidelity serve --distributed --checkpoint /models/DeepSeek-V4-Pro --port 8000   # rank 0 serves HTTP
+    fidelity serve --distributed --checkpoint /models/DeepSeek-V4-Pro --port 8000   # each rank of `torchrun --nproc-per-node 8 -m fidelity serve --distributed ...`; rank 0 serves HTTP (docs/distributed.md)
 """
 
 
