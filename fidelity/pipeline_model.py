@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -130,7 +131,7 @@ class Driver:
         self._freed_lock = threading.RLock()        # a finalizer may run inside _send
         self.lock = threading.RLock()              # one call down the pipeline at a time
         self.calls = 0
-        self.bytes_out = 0                      # stream bytes rank 0 sent / got back
+        self.bytes_out = 0                         # stream bytes rank 0 sent / got back
         self.bytes_back = 0
 
     def model(self, numerics: tuple, schedule=ONESHOT, chunk_tokens: int = 2048,
@@ -155,12 +156,17 @@ class Driver:
         self.stage.from_first(cmd, f"its next call ({cmd['op']})", self.group)
 
     def stop(self) -> None:
-        """Every worker leaves its loop; a worker already gone is no new error."""
+        """Every worker leaves its loop; a worker already gone is no new error. Says on
+        stderr what rank 0's calls moved."""
         try:
             with self.lock:
                 self._send({"op": "stop"})
         except DistributedError:
             pass
+        if self.calls:
+            mib = lambda b: f"{b / 2**20:.1f} MiB"          # noqa: E731
+            print(f"pipeline: {self.calls} calls; rank 0 sent {mib(self.bytes_out)} of residual streams to "
+                  f"rank 1 and got {mib(self.bytes_back)} back", file=sys.stderr)
 
 
 class PipelineModel:
