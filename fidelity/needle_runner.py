@@ -30,6 +30,7 @@ import torch
 
 from fidelity.ab.margins import entry_margin
 from fidelity.arms import as_arm
+from fidelity.errors import CommandError
 from fidelity.needle_batch import DEFAULT_BATCH_TOKENS, plan_batches, run_layer_major
 from needle.haystack import LocalCounter, Prompt, needle_entries, value_token_positions
 from reference_model import Taps, build_model
@@ -124,6 +125,8 @@ class InProcessRunner:
             gen = generate(self.model, ids, self._budget(prompt), self.temperature, self.top_p,
                            seed=seed % (2**63), stop_ids={tok.eos_id}, prefill=prefill)
         except (ValueError, RuntimeError) as e:
+            if isinstance(e, CommandError):        # a pipeline rank lost (--distributed): the run ends
+                raise
             return {"error": f"{type(e).__name__}: {e}", "attempts": 1,
                     "latency_s": time.perf_counter() - t0, "prompt_tokens": len(ids)}
         return self._row(prompt, ids, offsets, gen, self._scores, taps, t0)

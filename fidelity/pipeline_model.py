@@ -91,7 +91,7 @@ def check_supported(cfg) -> None:
                                "layers' state, which would sit on another rank")
 
 
-@dataclass
+@dataclass(eq=False)
 class PipelineState:
     """A handle on one sequence's state: rank 0's layers' part here, the rest on its ranks.
     A deep copy (the serve prefix cache's snapshot) copies it on every rank."""
