@@ -5,6 +5,8 @@ with parameters, e.g. `index_keys_fp8,splitk_decode(splits=8)`; positional value
 allowed in declaration order (`splitk_decode(8)`). `golden` (or empty) is the empty arm,
 `engine` all optimizations, `engine:sglang` / `engine:vllm` the engine's default numerics
 from engine_profiles.json, and `engine-x-y` (ASCII minus) the engine arm without x and y.
+The `engine` spellings depend on the model version (`model`: 'v4' or 'v41', version_of):
+only toggles documented for that version are in them.
 Printing gives one canonical spelling: toggles in registry
 order, parameters in declaration order, parameters at their default left out."""
 from __future__ import annotations
@@ -142,7 +144,8 @@ class ToggleSet:
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def parse(cls, text: str | None) -> "ToggleSet":
+    def parse(cls, text: str | None, model: str = "v4") -> "ToggleSet":
+        """The arm `text` spells; `engine` spellings as for a `model` ('v4', 'v41') model."""
         text = (text or "").strip()
         if text in ("", GOLDEN):
             return cls()
@@ -154,7 +157,7 @@ class ToggleSet:
             i = i.strip()
             m = _ENGINE_RE.match(i)
             if m:
-                base = engine(m.group(1))
+                base = engine(m.group(1), model)
                 drops = [d for d in (m.group(2) or "").split("-") if d]
                 specs += list(base.without(*drops) if drops else base)
             else:
@@ -289,20 +292,33 @@ def optimizations() -> list[str]:
     return [t.name for t in R.all_toggles("optimization")]
 
 
-def engine(name: str | None = None) -> ToggleSet:
-    """All optimizations (the first of each exclusive group, in canonical order), or with
-    `name` the toggles engine_profiles.json marks as that engine's default behaviour."""
+def version_of(cfg) -> str:
+    """'v41' for a DeepSeek-V4.1 config, else 'v4' (the `model` of engine arms)."""
+    from reference_model.v41 import is_v41
+    return "v41" if is_v41(cfg) else "v4"
+
+
+def engine(name: str | None = None, model: str = "v4") -> ToggleSet:
+    """The optimizations documented for a `model` ('v4', 'v41') model, in canonical order:
+    the first of each exclusive group, and of toggles replacing the same kernel the first
+    unless the later one wraps it. With `name`, the toggles engine_profiles.json marks as
+    that engine's default behaviour (those documented for `model`)."""
+    if model not in R.VERSIONS:
+        raise ToggleError(f"unknown model version {model!r}; valid: {', '.join(R.VERSIONS)}")
     if name is not None:
-        return ToggleSet(profiles.default_items(name).items())
+        return ToggleSet((n, p) for n, p in profiles.default_items(name).items()
+                         if model in R.get(n).versions)
     taken: set[str] = set()
+    owned: set[str] = set()
     out = []
-    opts = R.all_toggles("optimization")
+    opts = [t for t in R.all_toggles("optimization") if model in t.versions]
     subsumed = R.subsumed_by(t.name for t in opts)
     for t in opts:
-        if (t.group and t.group in taken) or t.name in subsumed:
+        if (t.group and t.group in taken) or t.name in subsumed or (set(t.kernels) - set(t.wraps)) & owned:
             continue
         if t.group:
             taken.add(t.group)
+        owned |= set(t.kernels)
         out.append(t.name)
     return ToggleSet(out)
 

@@ -134,15 +134,17 @@ def _index_scores_fp32(golden, q, keys, w):
 
 
 @toggle("index_keys_fp8", kernels=("index_query", "index_key_store", "index_weights",
-                                   "index_scores"),
+                                   "index_scores", "index_fp4"),
         group="index_key_format", subsumes=("index_scores_fp32",), **_B,
         params=(Param("scale", str, "fp32", "per-token scale format: plain fp32 amax/448 "
                       "(SGLang) or rounded up to a power of two (vLLM)", choices=("fp32", "pow2")),),
         provenance=Provenance(("sglang", "vllm"),
                               ("sglang default (no --enable-deepseek-v4-fp4-indexer)",
-                               "vllm default (no use_fp4_indexer_cache)"),
+                               "vllm default (no use_fp4_indexer_cache)",
+                               "vllm deepseek_v41 use_fp4_cache=False"),
                               ("sglang store.cuh fused_store_indexer_cache", "sglang PR #26209",
-                               "vllm fused_compress_quant_cache.py"),
+                               "vllm fused_compress_quant_cache.py",
+                               "vllm deepseek_v41 indexer_k_store.py (docs/v41-architecture.md §9 D8)"),
                               "SGLang K-scale format after April 2026"),
         description="FP8 indexer (SGLang's default): after the Hadamard rotation the key is "
                     "rounded to bf16 and stored as 128 e4m3 codes plus one fp32 scale per "
@@ -154,15 +156,22 @@ def _index_scores_fp32(golden, q, keys, w):
                     "relu(q8·K8) times the folded weight, summed over heads, times the key "
                     "scale. The reference uses a finer-grained FP4 grid (1x32, ue8m0) and bf16 "
                     "scores. scale='pow2' gives vLLM's variant. Its logits are fp32, so it "
-                    "includes index_scores_fp32.")
+                    "includes index_scores_fp32. On DeepSeek-V4.1 (no Hadamard) it replaces "
+                    "the FP4 index keys and queries the same way: vLLM's deepseek_v41 with "
+                    "use_fp4_cache=False (docs/v41-architecture.md §9 D8).")
 def _index_keys_fp8(scale):
+    def fp8_rows(golden, x):
+        codes, s = E.fp8_token_quant(golden.rs(x), scale)
+        return E.pack_codes(codes, s, golden.cd)                          # [..., d+1]
+
     def index_query(golden, q):
-        codes, s = E.fp8_token_quant(golden.rs(golden.index_rotate(q, "q")), scale)
-        return E.pack_codes(codes, s, golden.cd)                          # [c,h,d+1]
+        return fp8_rows(golden, golden.index_rotate(q, "q"))
 
     def index_key_store(golden, k):
-        codes, s = E.fp8_token_quant(golden.rs(golden.index_rotate(k, "k")), scale)
-        return E.pack_codes(codes, s, golden.cd)                          # [n,d+1]
+        return fp8_rows(golden, golden.index_rotate(k, "k"))
+
+    def index_fp4(golden, x, kind):
+        return fp8_rows(golden, x)
 
     def index_weights(golden, w, c):
         return E.f32(w.to(golden.cd) * c)
@@ -173,7 +182,7 @@ def _index_keys_fp8(scale):
         return E.fp8_index_logits(qc, qs, kc, ks, w, golden.cd)
 
     return {"index_query": index_query, "index_key_store": index_key_store,
-            "index_weights": index_weights, "index_scores": index_scores}
+            "index_weights": index_weights, "index_scores": index_scores, "index_fp4": index_fp4}
 
 
 @toggle("index_keys_bf16", kernels=("index_query", "index_key_store"),

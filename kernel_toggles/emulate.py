@@ -122,6 +122,22 @@ def splitk_attention(q, kv, sink, idx, scale, splits: int, cd=torch.float64,
 
 
 # ---- MoE epilogues ------------------------------------------------------------------------
+def eager_attention(q, kv, sink, idx, scale, rs, cd=torch.float64):
+    """Attention as transformers' eager path computes it: bf16 logits (q·kᵀ rounded to bf16,
+    then times `scale` in bf16), the per-head sink appended as one more logit, an fp32
+    softmax, the normalised probabilities of the rows rounded to bf16 (the sink's dropped),
+    P·V with fp32 accumulation, bf16 out (`rs` rounds to bf16). q [c,H,D], kv [N,D] (K =
+    V), sink [H], idx [c,k] (-1 = empty) -> [c,H,D]."""
+    q, kv = q.to(cd), kv.to(cd)
+    c, k = idx.shape
+    rows = kv.index_select(0, idx.clamp(min=0).reshape(-1)).view(c, k, kv.shape[-1])
+    s = rs(rs(torch.einsum("chd,ckd->chk", q, rows)) * scale)
+    s = s.masked_fill((idx < 0).unsqueeze(1), float("-inf"))
+    sinks = sink.to(cd).view(1, -1, 1).expand(c, -1, 1)
+    p = f32(torch.softmax(torch.cat([s, sinks], -1), -1))[..., :k]
+    return rs(torch.einsum("chk,ckd->chd", rs(p), rows))
+
+
 def rsf_on_output(routed_sum, shared, rsf: float, mode: str, cd):
     """SGLang's routed-scaling epilogue on bf16 tensors. 'mul_then_add':
     routed = bf16(routed); routed *= rsf (bf16); out = bf16(routed + shared).

@@ -15,10 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from reference_model import KERNELS       # V4's seam and V4.1's steps
+from reference_model.v41.numerics import V4_KERNELS_SHARED, V41_KERNELS
 
 # serving: engine behaviour by design that depends on serving state (batch, cache hits);
 # like known-bug it stays out of the `engine` arm, which is the numerics at batch 1
 CATEGORIES = ("optimization", "known-bug", "request", "serving")
+# model versions ('v4' DeepSeek-V4, 'v41' DeepSeek-V4.1): each version's `engine` arm takes
+# the optimizations documented for it
+VERSIONS = ("v4", "v41")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 _PARAM_TYPES = (int, float, bool, str)
 
@@ -127,6 +131,7 @@ class Toggle:
     phase: str = "all"                  # 'all' or 'decode' (acts on decode steps only)
     wraps: tuple[str, ...] = ()         # kernels whose replacement calls golden.<kernel>
     subsumes: tuple[str, ...] = ()      # toggles whose behaviour this one already includes
+    versions: tuple[str, ...] = VERSIONS  # model versions it is documented for (engine arms)
     builtin: bool = False
     order: int = field(default=0, compare=False)
 
@@ -164,6 +169,14 @@ _REGISTRY: dict[str, Toggle] = {}
 _counter = [0]
 
 
+def versions_of(kernels) -> tuple[str, ...]:
+    """The model versions whose forward calls at least one of `kernels`: a V4.1 step acts on
+    V4.1 only, a V4 kernel V4.1 does not call on V4 only, a shared one on both."""
+    ks = set(kernels)
+    out = ("v4",) if ks - set(V41_KERNELS) else ()
+    return out + (("v41",) if ks & set(V41_KERNELS + V4_KERNELS_SHARED) else ())
+
+
 def _validate(name, kernels, category, params, phase, wraps=()):
     if not _NAME_RE.match(name):
         raise ToggleError(f"toggle name {name!r} must match {_NAME_RE.pattern}")
@@ -194,7 +207,7 @@ def toggle(name: str, *, kernel: str | None = None, kernels: tuple[str, ...] | N
            description: str = "", category: str | None = None,
            provenance: Provenance | None = None, params=(), group: str | None = None,
            phase: str = "all", wraps: tuple[str, ...] | bool = (), subsumes: tuple[str, ...] = (),
-           replace: bool = False, _builtin: bool = False):
+           versions: tuple[str, ...] | None = None, replace: bool = False, _builtin: bool = False):
     """Register a kernel replacement as a toggle usable in arms (ToggleSet) by `name`.
 
     Single kernel: decorate `fn(golden, *kernel_args, <param>=..., **kw)`; the toggle's
@@ -208,7 +221,9 @@ def toggle(name: str, *, kernel: str | None = None, kernels: tuple[str, ...] | N
     `golden.<kernel>` (True = all of them): only then may an earlier toggle in the same arm
     replace that kernel too (they compose); otherwise the arm is refused rather than one
     toggle silently shadowing the other. `subsumes` names toggles whose behaviour this one
-    already includes (the `engine` arm then leaves them out)."""
+    already includes (the `engine` arm then leaves them out). `versions` ('v4', 'v41'): the
+    model versions the behaviour is documented for, so the version's `engine` arm takes it
+    (default: the versions whose forward calls one of its kernels)."""
     if (kernel is None) == (kernels is None):
         raise ToggleError("give exactly one of kernel= or kernels=")
     ks = (kernel,) if kernel else tuple(kernels)
@@ -220,6 +235,9 @@ def toggle(name: str, *, kernel: str | None = None, kernels: tuple[str, ...] | N
     wr = ks if wraps is True else tuple(wraps or ())
     ps = _as_params(params)
     _validate(name, ks, category, ps, phase, wr)
+    vs = versions_of(ks) if versions is None else tuple(versions)
+    if not vs or set(vs) - set(VERSIONS):
+        raise ToggleError(f"toggle {name}: versions must be among {', '.join(VERSIONS)}, got {vs}")
 
     def deco(fn):
         if not _builtin:
@@ -245,7 +263,8 @@ def toggle(name: str, *, kernel: str | None = None, kernels: tuple[str, ...] | N
         _counter[0] += 1
         _REGISTRY[name] = Toggle(name=name, kernels=ks, category=category, description=doc,
                                  provenance=prov, params=ps, factory=factory, group=group,
-                                 phase=phase, wraps=wr, subsumes=tuple(subsumes), builtin=_builtin,
+                                 phase=phase, wraps=wr, subsumes=tuple(subsumes), versions=vs,
+                                 builtin=_builtin,
                                  order=prev.order if prev else _counter[0])
         return fn
     return deco

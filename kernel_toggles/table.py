@@ -6,12 +6,22 @@ from . import registry as R
 COLUMNS = ("name", "category", "kernel", "provenance", "parameters")
 
 
+_MODEL_NAMES = {"v4": "V4", "v41": "V4.1"}
+
+
+def _models(t) -> str:
+    """' [V4.1 only]' for a toggle documented for one model version (its engine arm)."""
+    if set(t.versions) == set(R.VERSIONS):
+        return ""
+    return " [" + ", ".join(_MODEL_NAMES[v] for v in t.versions) + " only]"
+
+
 def rows(toggles=None) -> list[dict]:
     ts = toggles if toggles is not None else R.all_toggles()
     out = []
     for t in ts:
         out.append({
-            "name": t.name + (" [decode]" if t.phase == "decode" else ""),
+            "name": t.name + (" [decode]" if t.phase == "decode" else "") + _models(t),
             "category": t.category,
             "kernel": ", ".join(t.kernels),
             "provenance": t.provenance.short(),

@@ -4,17 +4,21 @@ comes from. They replace V4.1 kernels (reference_model/v41/numerics.py), so on a
 they never act; existing V4 toggles on kernels both versions share (index_scores_fp32 is
 §9 D2, lm_head_bf16 D6, splitk_decode, wo_a_fp8, ...) act on V4.1 too.
 
-Registered after builtin.py's, in forward order; known-bug only, so the `engine` arm (all
-optimizations) is unchanged for V4 runs."""
+Registered after builtin.py's, in forward order. Every toggle here is documented for V4.1
+only (`versions`), so V4's `engine` arm is unchanged; the optimizations among them join
+V4.1's (kernel_toggles.arms.engine(model='v41'))."""
 from __future__ import annotations
 
 import torch
 
 from reference_model import quant as Q
+from reference_model.primitives import topk_lowest_index_ties
 
+from . import emulate as E
 from .registry import Param, Provenance, toggle
 
 _B = dict(_builtin=True, category="known-bug")
+_OPT = dict(_builtin=True, category="optimization", versions=("v41",))
 
 
 @toggle("engram_history_microbatch", kernel="engram_hash", **_B,
@@ -112,3 +116,94 @@ def _stale_index_keys(golden, layer, source, fresh, last_writer):
     if fresh or last_writer is None:
         return golden.index_key_source(layer, source, fresh, last_writer)
     return last_writer
+
+
+# ---- engines' readings of doc §9 (optimizations) ---------------------------------------------
+@toggle("rmsnorm_cast_first", kernel="rms_norm", **_OPT,
+        provenance=Provenance(("transformers",), ("DeepseekV3RMSNorm inherited by the V4.1 port",),
+                              ("transformers PR #48721 (docs/v41-architecture.md §9 D4)",)),
+        description="RMSNorm as transformers' DeepseekV3RMSNorm: the normalised input is cast "
+                    "to bf16 first and then multiplied by the weight in bf16 (weight * "
+                    "x_hat.to(input_dtype)), one more bf16 rounding than the reference's "
+                    "bf16(w_fp32 · x_hat_fp32). Every RMSNorm of the model (attention, FFN, q, "
+                    "kv, compressor, index-key and final norms).")
+def _rmsnorm_cast_first(golden, x, w, eps, round_out=True):
+    y = golden.rs(golden.rms_norm(x, None, eps, round_out=False)) * golden.c(w)
+    return golden.rs(y) if round_out else y
+
+
+@toggle("compressor_norm_fp32", kernels=("compressor_proj1", "compressor_norm"), **_OPT,
+        provenance=Provenance(("vllm",), ("deepseek_v41 fused compressor kernel",),
+                              ("vLLM deepseek_v41 fused_compress_quant_cache.py "
+                               "(kv_score asserted fp32; docs/v41-architecture.md §9 D3)",)),
+        description="Compressor as vLLM's fused V4.1 kernel: the ratio-1 wkv projection is "
+                    "kept in fp32 (no bf16 store) and cmp_norm normalises the fp32 pooled "
+                    "(ratio 2) or projected (ratio 1) value directly, where the reference and "
+                    "transformers round it to bf16 before the norm.")
+def _compressor_norm_fp32():
+    def compressor_proj1(golden, x, wkv):
+        return golden.r32(golden.c(x) @ golden.c(wkv).T)
+
+    def compressor_norm(golden, c, norm_w, eps):
+        return golden.rms_norm(golden.r32(c), norm_w, eps)
+
+    return {"compressor_proj1": compressor_proj1, "compressor_norm": compressor_norm}
+
+
+@toggle("compressed_kv_mxfp8", kernel="compressed_kv_store", group="compressed_kv_format", **_OPT,
+        provenance=Provenance(("vllm",), ("deepseek_v41 MXFP8 compressed-KV record (528 bytes)",),
+                              ("vLLM deepseek_v41 cache layouts (docs/v41-architecture.md §9 D7)",),
+                              "which record vLLM picks by default"),
+        description="Compressed KV entries stored as MXFP8 (vLLM's 528-byte record): e4m3 "
+                    "over all head dims in 1x32 blocks with power-of-two (ue8m0) scales, "
+                    "instead of the reference's FP4 e2m1 in 1x16 blocks with E4M3 scales.")
+def _compressed_kv_mxfp8(golden, latent_roped):
+    x = golden.rs(latent_roped)
+    return golden.rs(Q.fp8_qdq(x, 32)) if golden.quant else x
+
+
+@toggle("compressed_kv_bf16", kernel="compressed_kv_store", group="compressed_kv_format", **_OPT,
+        provenance=Provenance(("vllm",), ("deepseek_v41 bf16 compressed-KV rows",),
+                              ("vLLM deepseek_v41 cache layouts (docs/v41-architecture.md §9 D7)",)),
+        description="Compressed KV entries kept as plain bf16 rows (a vLLM option), with no FP4 "
+                    "round trip: more precision than the reference's FP4 e2m1 / E4M3-per-16 "
+                    "grid, which its QAT expects.")
+def _compressed_kv_bf16(golden, latent_roped):
+    return golden.rs(latent_roped)
+
+
+@toggle("attn_logits_bf16", kernel="sparse_attention", **_OPT,
+        provenance=Provenance(("transformers",), ("eager attention",),
+                              ("transformers PR #48721 (docs/v41-architecture.md §9 D5)",)),
+        description="Attention as transformers' eager path: q·kᵀ as a bf16 matmul (bf16 "
+                    "logits) scaled in bf16, the sink appended as a logit, fp32 softmax, the "
+                    "normalised probabilities cast to bf16 before P·V. The reference takes "
+                    "bf16 q/kv to fp32 logits and rounds the unnormalised probabilities.")
+def _attn_logits_bf16(golden, q, kv, sink, idx, scale, phase="prefill"):
+    return E.eager_attention(q, kv, sink, idx, scale, golden.rs, golden.cd)
+
+
+@toggle("candidate_underfill_keep", kernel="candidate_topk", **_B,
+        provenance=Provenance(("deepseek-inference",), ("inference/model.py @ dba1be0a",),
+                              ("docs/v41-architecture.md §9 D9",
+                               "transformers PR #48721 (drops -inf picks)"),
+                              "REF's picks outside the candidates follow torch.topk's "
+                              "unspecified tie order; here the lowest positions"),
+        description="DeepSeek's V4.1 reference when a query's candidate pool holds fewer "
+                    "entries than index_topk: top-k over the candidate-masked scores returns "
+                    "-inf picks, and REF keeps every pick with j < (t+1)//r, so the query also "
+                    "attends to visible entries outside its candidates (here the lowest "
+                    "such positions; REF's are torch.topk's unspecified tie order). "
+                    "transformers drops -inf picks, as the golden does. Unreachable with the "
+                    "released sizes (pool >= 16384 positions, top-k 512).")
+def _candidate_underfill_keep(golden, scores, candidates, visible, k):
+    picks = golden.candidate_topk(scores, candidates, visible, k)
+    c, n = scores.shape
+    kept = torch.zeros(c, n, dtype=torch.bool, device=scores.device)
+    ok = picks >= 0
+    kept[torch.arange(c, device=scores.device).unsqueeze(1).expand_as(picks)[ok], picks[ok]] = True
+    j = torch.arange(n, device=scores.device)
+    extra = (j.unsqueeze(0) < visible.unsqueeze(1)) & ~kept
+    need = (picks < 0).sum(-1, keepdim=True)
+    kept |= extra & (extra.cumsum(-1) <= need)
+    return topk_lowest_index_ties(torch.zeros_like(scores).masked_fill(~kept, float("-inf")), k)

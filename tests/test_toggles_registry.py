@@ -138,11 +138,13 @@ def test_numerics_records_replacements():
 
 # ---- designs ----------------------------------------------------------------------------
 def test_engine_all_optimizations():
+    """V4's engine arm: every optimization documented for V4 (V4.1's: test_v41_toggles_kernels)."""
     e = K.engine()
     assert all(s.toggle.category == "optimization" for s in e)
-    opt_groups = {t.group for t in K.all_toggles("optimization") if t.group}
-    subsumed = {n for t in K.all_toggles("optimization") for n in t.subsumes}
-    ungrouped = {t.name for t in K.all_toggles("optimization") if not t.group} - subsumed
+    opts = [t for t in K.all_toggles("optimization") if "v4" in t.versions]
+    opt_groups = {t.group for t in opts if t.group}
+    subsumed = {n for t in opts for n in t.subsumes}
+    ungrouped = {t.name for t in opts if not t.group} - subsumed
     assert ungrouped <= set(e.names)
     assert len(e) == len(ungrouped) + len(opt_groups)
     assert "index_keys_fp8" in e and "mhc_tf32" in e and "kv_fp8_from_fp32" in e

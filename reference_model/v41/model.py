@@ -436,10 +436,12 @@ class ModelV41(Model):
                     C = nx.index_candidates(s, pos[a:b], ratio, cfg.candidate_block_size,
                                             cfg.candidate_topk_blocks)
                     blocks.append(_to_blocks(C, cfg.candidate_block_size))
-                if cand is not None:
+                if cand is None:
+                    out[a:b, :kk] = nx.index_topk(s, kk)
+                else:
                     C = _from_blocks(cand[a:b].to(x.device), cfg.candidate_block_size, n_keys)
-                    s = s.masked_fill(~C, float("-inf"))
-                out[a:b, :kk] = nx.index_topk(s, kk)
+                    out[a:b, :kk] = nx.candidate_topk(s, C, visible[a:b], kk)
+                    s = s.masked_fill(~C, float("-inf"))      # the scores the tap shows
             if t:
                 t("attn.index.last_scores", s[-1:])
         if cand_src:

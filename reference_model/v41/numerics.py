@@ -21,7 +21,15 @@ V41_KERNELS = (
     "fp8_linear32", "weight_dequant", "expert_ffn32", "q_head_norm", "window_kv_store",
     "compressor_proj2", "compressor_pool2", "compressor_proj1", "compressor_norm",
     "compressed_kv_store", "index_key", "index_fp4", "index_key_source", "index_candidates",
-    "engram_hash", "engram_lookup", "engram_gate", "hc_mix", "hc_pre_lagged",
+    "candidate_topk", "engram_hash", "engram_lookup", "engram_gate", "hc_mix", "hc_pre_lagged",
+)
+# V4's kernels a V4.1 model calls too (the list above in the module docstring): a toggle on
+# one of these acts on both versions, a toggle on any other V4 kernel on V4 only.
+V4_KERNELS_SHARED = (
+    "rms_norm", "bf16_linear", "rope_inv_freq", "rope_apply", "window_first",
+    "compressed_positions", "compressed_visible", "index_weights", "index_scores", "index_topk",
+    "sparse_attention", "wo_a", "hc_post", "moe_gate", "moe_select", "route_weights", "swiglu",
+    "moe_combine", "lm_head", "chat_request", "chat_render", "chunk_boundary", "state_restore",
 )
 
 
@@ -101,6 +109,13 @@ class V41Kernels:
         (REF `select_candidate_blocks`)."""
         return kernels.candidate_blocks(scores, positions, ratio, block, topk_blocks)
 
+    def candidate_topk(self, scores, candidates, visible, k: int):
+        """Top-k of a layer after the candidate source, inside its candidate positions:
+        picks whose score is -inf (outside the candidates, or not visible) are dropped (-1),
+        doc §9 D9's HF reading. `visible` [c]: entries j < visible[t] are complete for query
+        t (what REF's reading keeps even outside the candidates)."""
+        return self.index_topk(scores.masked_fill(~candidates, float("-inf")), k)
+
     # ---- Engram -----------------------------------------------------------------------------
     def engram_hash(self, hist, positions, layout, pad_c: int):
         """Row ids [s, engram layers, columns] of the positions' n-grams over the compressed
@@ -127,4 +142,4 @@ class V41Kernels:
         return kernels.hc_collapse(self, H, pre_prev)
 
 
-__all__ = ["V41_KERNELS", "V41Kernels"]
+__all__ = ["V41_KERNELS", "V41Kernels", "V4_KERNELS_SHARED"]
