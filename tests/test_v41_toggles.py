@@ -147,3 +147,35 @@ def test_fidelity_ab_names_planted_v41_bugs(tmp_path):
     kld = res["kld"]
     stale = kld[kld.arm == "v41_stale_index_keys"]
     assert stale[stale.phase == "prefill"].kld.max() == 0 and stale[stale.phase == "decode"].kld.max() > 0
+
+
+def test_ab_arms_on_v41_use_v41s_engine_arm():
+    """The default design's engine, leave-one-out and single arms on a V4.1 model are V4.1's
+    optimizations; V4's design is unchanged."""
+    from fidelity.ab.design import ABSettings, arm_sets, base_toggles
+    s = ABSettings.of()
+    arms, toggles, _ = arm_sets(s, "v41")
+    v41 = K.engine(model="v41")
+    assert arms["engine"] == v41 and toggles == list(v41.names)
+    assert "engine-compressor_norm_fp32" in arms and "kv_fp8_from_fp32" not in arms
+    assert base_toggles(s, "v41") == frozenset(v41.names)
+    assert arm_sets(s)[0]["engine"] == K.engine()
+
+
+def test_fidelity_ab_on_v41_names_a_planted_bug_beside_v41s_engine_arm(tmp_path):
+    """`fidelity ab` on a tiny V4.1 checkpoint: the report's `engine` arm holds V4.1's
+    engine toggles, and a planted V4.1 bug is named (here by mechanism: indexer picks and
+    expert sets; its KLD stays within this untrained model's QAT floor)."""
+    from fidelity.ab.design import ABSettings
+    from fidelity.ab.run import run_ab
+    from fidelity.weights.source import load_weights
+    from reference_model.v41.checkpoint_write import save_checkpoint
+    save_checkpoint(random_weights(CFG, 0), tmp_path / "tiny-v41")
+    w, label = load_weights(str(tmp_path / "tiny-v41"))
+    s = ABSettings.of(arms=["engine", "v41_q_head_norm"], lengths=(48, 64), prompts_per_length=2,
+                      decode_steps=1, shapley_top=0, n_boot=200, checkpoint=label)
+    res = run_ab(w, s, None, progress=lambda m: None)
+    assert res["manifest"]["arms"]["engine"] == sorted(K.engine(model="v41").names)
+    v = res["verdict"]
+    named = {n["toggle"] for n in v["named"]} | {f["toggle"] for f in v["mechanism"]}
+    assert "v41_q_head_norm" in named, v["sentence"]

@@ -101,15 +101,16 @@ class ABSettings:
         return cls(**{name: _PARTS[name](**kw) for name, kw in parts.items()}, checkpoint=checkpoint)
 
 
-def arm_sets(settings: ABSettings) -> tuple[dict[str, object], list[str], dict[str, Schedule]]:
+def arm_sets(settings: ABSettings, model: str = "v4") -> tuple[dict[str, object], list[str], dict[str, Schedule]]:
     """Arm label -> ToggleSet, the toggles attribution ranges over, and each arm's schedule
     (`arm@S`, or --schedule for all). A schedule is a factor of the arms under it but never
     a suspect: it is context (the verdict's `under_schedule` effects), and what golden
-    itself does under it is the floor `floor:schedule@S`."""
+    itself does under it is the floor `floor:schedule@S`. `engine` spellings are the
+    `model` version's (kernel_toggles.arms.version_of: 'v4' or 'v41')."""
     d = settings.design
     default = Schedule.parse(d.schedule or "oneshot")
     at = "" if default == ONESHOT else f"@{default}"
-    base = K.ToggleSet.parse(d.base)
+    base = K.ToggleSet.parse(d.base, model)
     arms: dict[str, object] = {}
     schedules: dict[str, Schedule] = {}
     if d.arms is None:
@@ -123,7 +124,7 @@ def arm_sets(settings: ABSettings) -> tuple[dict[str, object], list[str], dict[s
     else:
         for text in d.arms:
             name, sched = split_schedule(text, d.schedule)
-            ts = K.ToggleSet.parse(name)
+            ts = K.ToggleSet.parse(name, model)
             label = name if name.startswith("engine") else str(ts)
             label += "" if sched == ONESHOT else f"@{sched}"
             arms[label], schedules[label] = ts, sched
@@ -133,11 +134,11 @@ def arm_sets(settings: ABSettings) -> tuple[dict[str, object], list[str], dict[s
     return arms, list(dict.fromkeys([*base.names, *singles])), schedules
 
 
-def base_toggles(settings: ABSettings) -> frozenset:
+def base_toggles(settings: ABSettings, model: str = "v4") -> frozenset:
     """The --base arm's toggles (its base + t arms give t an added_to_base effect)."""
     d = settings.design
     default = Schedule.parse(d.schedule or "oneshot")
-    return frozenset(K.ToggleSet.parse(d.base).names) | schedule_factors(default)
+    return frozenset(K.ToggleSet.parse(d.base, model).names) | schedule_factors(default)
 
 
 def schedule_factor(s: Schedule) -> str:

@@ -12,6 +12,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from kernel_toggles.arms import version_of
+
 from ..prompts import Prompt, all_token_ids, builtin_prompts, file_prompts
 from ..verdict.attribution import attribute, bootstrap_mean_ci, outcome_matrix, prompt_outcomes
 from ..verdict.judge import Design, judge
@@ -79,7 +81,7 @@ def _prompts(cfg, settings: ABSettings, tokenizer) -> tuple[list[Prompt], str]:
 
 def _stage_one(weights, settings, prompts, longest, progress, variants, stage=None) -> _Stages:
     """Golden, the floors, the design's toggle arms and the weight variants."""
-    label_sets, toggles, schedules = arm_sets(settings)
+    label_sets, toggles, schedules = arm_sets(settings, version_of(weights.cfg))
     pairs = vs_pairs(settings.design.vs, label_sets)
     cd = getattr(torch, settings.runner.accumulate)
     w_arms = weight_arms(variants, cd)
@@ -126,7 +128,7 @@ def _judged_tables(cfg, settings, prompts, longest, st: _Stages) -> tuple[dict, 
         pair_sig = with_longest(prompt_signals(pair_df, pair_kld, None, cfg.window_size), groups, longest)
         direct = direct_effects(pair_sig, st.sets, frozenset(st.label_sets[settings.design.vs].names),
                                 stats.n_boot, stats.seed)
-    judged = judge(sig, Design(GOLDEN, st.sets, st.toggles, st.floors, base_toggles(settings)),
+    judged = judge(sig, Design(GOLDEN, st.sets, st.toggles, st.floors, base_toggles(settings, version_of(cfg))),
                    stats.n_boot, stats.seed, len(prompts), direct)
     tables = {"drift": drift, "kld": kld, "attribution": _attribution(st.toggles, st.top, st.table, stats),
               "attribution_by_length": _per_length_attr(kld, st.sets, st.toggles, stats),
