@@ -401,6 +401,25 @@ def add_options(p, command: str) -> None:
                         "(default 600)")
 
 
+def run_ranks(args, on_rank0) -> int:
+    """Every rank of a per-prompt command under torchrun: rank 0 runs `on_rank0(driver)`
+    (the command itself, its in-process arms as pipeline models); the others run its calls
+    on their layers until it stops them."""
+    from .pipeline import shutdown
+    stage = join(args)
+    try:
+        if not stage.first:
+            work(stage, stage_weights(args.checkpoint, args.weights_mode, stage))
+            return 0
+        driver = Driver(stage)
+        try:
+            return on_rank0(driver)
+        finally:
+            driver.stop()
+    finally:
+        shutdown()
+
+
 def join(args):
     """This rank's Stage for a per-prompt command (`args.checkpoint`'s config)."""
     from fidelity.weights.source import checkpoint_config
@@ -424,6 +443,17 @@ def stage_weights(checkpoint, mode: str | None, stage):
     from fidelity.weights.source import load_weights
     devices = [str(stage.device)] if stage.device.type == "cuda" else None
     return load_weights(checkpoint, mode=stage_weights_mode(mode), devices=devices, layers=stage.layers)[0]
+
+
+def command_target(args, place, driver=None):
+    """A per-prompt command's Target: the whole model in this process (dense unless
+    --weights-mode), or on rank 0 of a pipeline its stage's weights, which `driver` runs."""
+    if driver is None:
+        from fidelity.weights.target import load_target
+        return load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense", place.model_devices)
+    target = stage_target(args.checkpoint, args.tokenizer, args.weights_mode, driver.stage)
+    driver.weights = target.weights
+    return target
 
 
 def stage_target(checkpoint, tokenizer, mode: str | None, stage):

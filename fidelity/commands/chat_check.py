@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from fidelity.commands.options import http_options, output_options
+from fidelity.commands.options import chat_encoding, http_options, output_options
 from fidelity.errors import CommandError
 
 HELP = ("Check that an engine renders chat requests (system, tools, thinking, reasoning effort, "
@@ -55,7 +55,7 @@ def run(args) -> int:
     from reference_model.tokenizer import load_tokenizer
 
     if args.chat_version != "auto":
-        _encoding(args.chat_version, args.generation)     # a bad combination fails before connecting
+        chat_encoding(args.chat_version, args.generation)     # a bad combination fails before connecting
     progress = Progress(args.quiet)
     try:
         tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
@@ -64,7 +64,7 @@ def run(args) -> int:
         version, why = (args.chat_version, "given") if args.chat_version != "auto" else served_chat_version(ep.info)
         if args.chat_version == "auto":
             print(f"chat version {version} ({why}; --chat-version overrides)")
-        generation = _encoding(version, args.generation)
+        generation = chat_encoding(version, args.generation)
         probe = ChatProbe(ep, tok or load_tokenizer())
         cases = all_cases()
         prof = profile_numerics(args.engine_profile)
@@ -95,10 +95,3 @@ def run(args) -> int:
     print(f"report: {path}")
     return 1 if failed else 0
 
-
-def _encoding(version: str, generation: str) -> str:
-    from reference_model.chat_encoding import ChatEncodingError, encoding_for
-    try:
-        return encoding_for(version, generation)
-    except ChatEncodingError as e:
-        raise CommandError(f"--chat-version {version}: {e}") from None

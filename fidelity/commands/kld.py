@@ -162,23 +162,11 @@ def auto_floors(base, target, place=None, driver=None):
 def run(args) -> int:
     if args.distributed is None:
         return _run(args)
-    from fidelity.pipeline import shutdown
-    from fidelity.pipeline_model import Driver, join, stage_weights, work
+    from fidelity.pipeline_model import run_ranks
     if not args.inprocess:
         raise CommandError("--distributed runs the in-process arms across the ranks; give at least one "
                            "--inprocess arm (endpoint arms are scored from rank 0 as usual)")
-    stage = join(args)
-    try:
-        if not stage.first:
-            work(stage, stage_weights(args.checkpoint, args.weights_mode, stage))
-            return 0
-        driver = Driver(stage)
-        try:
-            return _run(args, driver)
-        finally:
-            driver.stop()
-    finally:
-        shutdown()
+    return run_ranks(args, lambda driver: _run(args, driver))
 
 
 def _run(args, driver=None) -> int:
@@ -186,20 +174,14 @@ def _run(args, driver=None) -> int:
     from fidelity.kld.run import run_kld
     from fidelity.kld.endpoint import EndpointError
     from fidelity.prompts import PromptFileError, file_prompts, grid_prompts
-    from fidelity.weights.target import load_target
 
     from fidelity.progress import Progress
     progress = Progress(args.quiet)
     try:
         from fidelity.devices import DeviceError, from_args
         place = from_args(args)
-        if driver is None:
-            target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
-                                 place.model_devices)
-        else:
-            from fidelity.pipeline_model import stage_target
-            target = stage_target(args.checkpoint, args.tokenizer, args.weights_mode, driver.stage)
-            driver.weights = target.weights
+        from fidelity.pipeline_model import command_target
+        target = command_target(args, place, driver)
         entries = build_entries(args, target, progress, place, driver)
         tok = target.tokenizer
         if args.prompts:

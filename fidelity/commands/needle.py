@@ -140,15 +140,10 @@ def _runners(args, driver=None):
             place = from_args(args)
         except DeviceError as e:
             raise CommandError(str(e)) from None
-        from fidelity.weights.target import load_target
         from fidelity.needle_runner import InProcessRunner
-        if driver is None:
-            target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
-                                 place.model_devices)
-        else:
-            from fidelity.pipeline_model import stage_target
-            target = stage_target(args.checkpoint, args.tokenizer, args.weights_mode, driver.stage)
-            driver.weights = target.weights
+        from fidelity.pipeline_model import command_target
+        target = command_target(args, place, driver)
+        if driver is not None:
             notes.append(f"distributed over {driver.stage.world} ranks: trials run one at a time")
         notes.append(f"in-process model: {target.description}")
         temp = 0.0 if args.temperature is None else args.temperature
@@ -186,20 +181,8 @@ def run(args) -> int:
     if args.arm is None and args.endpoint:
         raise CommandError("--distributed runs the in-process arms across the ranks; give at least one --arm "
                            "(endpoint arms are queried from rank 0 as usual)")
-    from fidelity.pipeline import shutdown
-    from fidelity.pipeline_model import Driver, join, stage_weights, work
-    stage = join(args)
-    try:
-        if not stage.first:
-            work(stage, stage_weights(args.checkpoint, args.weights_mode, stage))
-            return 0
-        driver = Driver(stage)
-        try:
-            return _run(args, driver)
-        finally:
-            driver.stop()
-    finally:
-        shutdown()
+    from fidelity.pipeline_model import run_ranks
+    return run_ranks(args, lambda driver: _run(args, driver))
 
 
 def _run(args, driver=None) -> int:

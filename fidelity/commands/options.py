@@ -1,7 +1,8 @@
 """Options several subcommands share, declared once so their names, defaults and help
 cannot drift apart: where results go (--out, --run-id, --fresh, --quiet) and how requests
 to a server are retried (--timeout, --retries; infra.http.RetryPolicy's defaults unless a
-command's requests need longer attempts)."""
+command's requests need longer attempts); which chat encoding --chat-version and
+--generation name."""
 from __future__ import annotations
 
 import argparse
@@ -33,3 +34,14 @@ def http_options(g, timeout: float = RetryPolicy.timeout) -> None:
     g.add_argument("--retries", type=int, default=RetryPolicy.retries,
                    help="retries per request on connection errors, timeouts, 5xx, 429 and malformed "
                         "answers (default: %(default)s)")
+
+
+def chat_encoding(version: str, generation: str) -> str:
+    """The chat encoding (reference_model.chat_encoding's `generation`) for --chat-version
+    and --generation, or a CommandError naming the bad combination."""
+    from reference_model.chat_encoding import ChatEncodingError, encoding_for
+    from fidelity.errors import CommandError
+    try:
+        return encoding_for(version, generation)
+    except ChatEncodingError as e:
+        raise CommandError(f"--chat-version {version}: {e}") from None

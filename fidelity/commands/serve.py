@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from fidelity.commands.options import chat_encoding
 from fidelity.errors import CommandError
 
 # Lazy imports inside the functions: building the parser imports every command module,
@@ -47,10 +48,10 @@ def add_arguments(p):
     p.add_argument("--generation", choices=("0731", "original"), default="0731",
                    help="DeepSeek-V4 checkpoint generation whose reasoning-effort tiers the chat "
                         "encoding uses (research engine-integration.md §3.2; default 0731)")
-    p.add_argument("--chat-version", choices=("v4", "v41"), default="v4",
+    p.add_argument("--chat-version", choices=("auto", "v4", "v41"), default="auto",
                    help="chat encoding and tool-call format: v4 (DeepSeek-V4) or v41 (DeepSeek-V4.1: "
-                        "spaced DSML tags, <｜System｜>, numeric reasoning effort) (default v4; "
-                        "docs/serve.md)")
+                        "spaced DSML tags, <｜System｜>, numeric reasoning effort); auto (default): "
+                        "the checkpoint's version (docs/serve.md)")
     p.add_argument("--page-size", type=int, default=64, metavar="TOKENS",
                    help="prefix-cache page: the sequence state is kept at every multiple of it "
                         "and a cached prefix ends on one (vLLM's --block-size, SGLang's "
@@ -86,20 +87,8 @@ def _log_to_stderr(level: str) -> None:
 def run(args) -> int:
     if args.distributed is None:
         return _run(args)
-    from fidelity.pipeline import shutdown
-    from fidelity.pipeline_model import Driver, join, stage_weights, work
-    stage = join(args)
-    try:
-        if not stage.first:
-            work(stage, stage_weights(args.checkpoint, args.weights_mode, stage))
-            return 0
-        driver = Driver(stage)
-        try:
-            return _run(args, driver)
-        finally:
-            driver.stop()
-    finally:
-        shutdown()
+    from fidelity.pipeline_model import run_ranks
+    return run_ranks(args, lambda driver: _run(args, driver))
 
 
 def _run(args, driver=None) -> int:
@@ -108,12 +97,8 @@ def _run(args, driver=None) -> int:
     from reference_model.schedule import ONESHOT
     from fidelity.serve import Engine, ServeOptions, create_app, parse_arm_options
     from fidelity.devices import DeviceError, from_args
-    from fidelity.weights.target import load_target
-    from reference_model.chat_encoding import ChatEncodingError, encoding_for
-    try:
-        generation = encoding_for(args.chat_version, args.generation)
-    except ChatEncodingError as e:
-        raise CommandError(f"--chat-version {args.chat_version}: {e}") from None
+    if args.chat_version != "auto":
+        chat_encoding(args.chat_version, args.generation)     # a bad combination fails before loading
     try:
         place = from_args(args)
         if args.arm:
@@ -135,13 +120,11 @@ def _run(args, driver=None) -> int:
                            "use --no-prefix-cache to serve without a prefix cache")
     import uvicorn
 
-    if driver is None:
-        target = load_target(args.checkpoint, args.tokenizer, args.weights_mode or "dense",
-                             place.model_devices)
-    else:
-        from fidelity.pipeline_model import stage_target
-        target = stage_target(args.checkpoint, args.tokenizer, args.weights_mode, driver.stage)
-        driver.weights = target.weights
+    from fidelity.pipeline_model import command_target
+    target = command_target(args, place, driver)
+    from reference_model.v41 import is_v41
+    version = args.chat_version if args.chat_version != "auto" else "v41" if is_v41(target.cfg) else "v4"
+    generation = chat_encoding(version, args.generation)
     try:
         engine = Engine(target, arms, ServeOptions(args.model_name, args.max_queue, args.max_logprobs,
                                                    args.time_slice, generation, place, args.default_arm,

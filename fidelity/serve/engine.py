@@ -325,7 +325,7 @@ class Engine:
         """SGLang's /get_model_info, plus the shape facts a client needs to read captures."""
         c = self.cfg
         return {"model_path": self.target.description, "tokenizer_path": self.tok.name,
-                "is_generation": True, "architecture": "DeepseekV4ForCausalLM",
+                "is_generation": True, "architecture": architecture(c),
                 "served_model_names": list(self.arms), "vocab_size": c.vocab_size,
                 "num_hidden_layers": c.n_layers, "compress_ratios": list(c.compress_ratios),
                 "indexer_layers": self.csa_layers, "index_topk": c.index_topk,
@@ -365,3 +365,11 @@ def _tokenizer_config(tokenizer_path: str) -> dict:
 
 def _b64_int32(t: torch.Tensor) -> str:
     return base64.b64encode(t.to(torch.int32).numpy().astype("<i4").tobytes()).decode("ascii")
+
+
+def architecture(cfg) -> str:
+    """The HF architecture name of the served model's version (what a client such as
+    chat-check reads to pick the chat encoding)."""
+    from reference_model.v41 import is_v41
+    from reference_model.v41.markers import V41_ARCHITECTURES
+    return V41_ARCHITECTURES[0] if is_v41(cfg) else "DeepseekV4ForCausalLM"
