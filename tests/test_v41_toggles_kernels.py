@@ -91,3 +91,17 @@ def test_engine_arm_follows_the_model_version():
     assert (version_of(tiny()), version_of(tiny_v41())) == ("v4", "v41")
     with pytest.raises(K.ToggleError, match="unknown model version"):
         K.engine(model="v5")
+
+
+@pytest.mark.parametrize("scale, codes, s", [("fp32", [448, 224, -112, 0], 2 / 448),
+                                             ("pow2", [256, 128, -64, 0], 2.0 ** -7)])
+def test_index_keys_fp8_on_v41_index_keys_by_hand(scale, codes, s):
+    """D8: a V4.1 index key (2, 1, -0.5, 0) as one FP8 row: scale amax/448 = 2/448 (SGLang)
+    or its power of two above, 2^-7 (vLLM); codes x/s are e4m3 values; packed [codes | s].
+    The query is quantised per (token, head) the same way."""
+    nx = _nx(f"index_keys_fp8(scale={scale})")
+    k = torch.tensor([[2.0, 1.0, -0.5, 0.0]], dtype=torch.float64)
+    packed = nx.index_fp4(k, "k")
+    assert packed[0, :4].tolist() == codes and packed[0, 4].item() == pytest.approx(s, rel=1e-7)
+    q = torch.stack([k, 2 * k], 1)                                   # [1 token, 2 heads, 4]
+    assert nx.index_fp4(q, "q")[0, :, :4].tolist() == [codes, codes]
