@@ -399,15 +399,38 @@ def add_options(p, command: str) -> None:
     p.add_argument("--dist-timeout", type=float, default=600, metavar="S",
                    help="with --distributed: seconds to wait for another rank within a call before failing "
                         "(default 600)")
+    p.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="with --distributed: each rank's memory budget (e.g. 96GB) for the stage memory check "
+                        "before the run (the head counts on rank 0); default: each GPU's total memory, no check "
+                        "on CPU")
 
 
-def run_ranks(args, on_rank0) -> int:
+@dataclass(frozen=True)
+class Need:
+    """What a per-prompt command holds at once, for the stage memory check: `sequences`
+    states of `length` tokens (one prompt or trial per in-process arm, or serve's requests),
+    `logits` 'all' or 'last', and `cached_state` bytes of prefix-cache snapshots."""
+    length: int
+    sequences: int
+    logits: str = "all"
+    cached_state: int = 0
+
+
+def run_ranks(args, on_rank0, need=None) -> int:
     """Every rank of a per-prompt command under torchrun: rank 0 runs `on_rank0(driver)`
     (the command itself, its in-process arms as pipeline models); the others run its calls
-    on their layers until it stops them."""
+    on their layers until it stops them. `need(cfg)` -> Need: every rank checks every stage
+    against its budget first (the head on rank 0), so one that does not fit stops them all."""
     from .pipeline import shutdown
     stage = join(args)
     try:
+        if need is not None:
+            from fidelity.weights.source import checkpoint_config
+            cfg = checkpoint_config(args.checkpoint)
+            n = need(cfg)
+            stage.check_memory(cfg, min(n.length, cfg.max_seq_len), 1, n.sequences,
+                               stage_weights_mode(args.weights_mode), logits=n.logits, head_first=True,
+                               cached_state=n.cached_state)
         if not stage.first:
             work(stage, stage_weights(args.checkpoint, args.weights_mode, stage))
             return 0
@@ -424,9 +447,14 @@ def join(args):
     """This rank's Stage for a per-prompt command (`args.checkpoint`'s config)."""
     from fidelity.weights.source import checkpoint_config
     from .pipeline import init_stage
+    from fidelity.weights.sizes import parse_bytes
     cfg = checkpoint_config(args.checkpoint)
     check_supported(cfg)
-    return init_stage(cfg, args.dist_timeout, args.distributed or None)
+    try:
+        budget = parse_bytes(args.device_memory) if args.device_memory else None
+    except ValueError as e:
+        raise DistributedError(f"--device-memory: {e}") from None
+    return init_stage(cfg, args.dist_timeout, args.distributed or None, budget)
 
 
 def stage_weights_mode(mode: str | None) -> str:

@@ -186,3 +186,27 @@ def test_each_call_carries_the_batch_mates_rank_0_sees():
     assert _batch_mates() == 0
     with co_batched(5):
         assert _batch_mates() == 5
+
+
+def test_kld_a_stage_without_enough_memory_is_named_with_the_plan(tmp_path):
+    from test_distributed import _by_hand
+    argv = ["kld", "--distributed", "--device-memory", "20MB", *KLD, "--out", str(tmp_path)]
+    procs = _by_hand(2, argv, _port(), timeout=120)
+    outs = [p.communicate(timeout=WAIT) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2]
+    err = outs[0][1]
+    assert err.count("error:") == 1 and "does not fit: it needs" in err and "of 0.02 GiB (weights" in err, err
+    assert "for 1 prompt(s) x 5 arm(s) of 203 tokens; `fidelity plan-memory --nodes`" in err, err
+    assert not list(tmp_path.rglob("summary.md"))
+
+
+def test_the_per_prompt_commands_plan_the_head_on_rank_0():
+    from fidelity.weights.plan import plan_memory
+    from reference_model import tiny
+    last, first = (plan_memory(tiny(), "cpu,cpu", 200, 1, 2, "streamed", "1GB", head_first=h, advise=False)
+                   for h in (False, True))
+    assert [d.layers for d in first.devices] == [d.layers for d in last.devices]     # the same split
+    assert "head.weight" in first.devices[0].globals and "head.weight" not in first.devices[1].globals
+    assert first.devices[0].logits == last.devices[1].logits > 0 == first.devices[1].logits
+    cached = plan_memory(tiny(), "cpu,cpu", 200, 1, 2, "streamed", "1GB", cached_state=10**6, advise=False)
+    assert sum(d.state for d in cached.devices) - sum(d.state for d in last.devices) in range(10**6 - 2, 10**6 + 1)

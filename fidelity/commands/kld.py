@@ -166,7 +166,25 @@ def run(args) -> int:
     if not args.inprocess:
         raise CommandError("--distributed runs the in-process arms across the ranks; give at least one "
                            "--inprocess arm (endpoint arms are scored from rank 0 as usual)")
-    return run_ranks(args, lambda driver: _run(args, driver))
+    return run_ranks(args, lambda driver: _run(args, driver), lambda cfg: _need(args, cfg))
+
+
+def _need(args, cfg):
+    """What a distributed kld holds at once: one prompt (its decode ladder included) per
+    in-process arm and automatic floor, with every position's logits."""
+    from fidelity.ab.design import floor_arms
+    from fidelity.pipeline_model import Need
+    if args.prompts:
+        from fidelity.prompts import file_prompts
+        from fidelity.weights.target import load_target
+        tok = load_target(args.checkpoint, args.tokenizer, "streamed").tokenizer      # reads no layer
+        longest = max((p.length for p in file_prompts(args.prompts, tok, cfg.vocab_size)), default=1)
+    else:
+        longest = max(_csv(args.lengths, int), default=1)
+    baseline_inprocess = args.baseline is None or args.baseline in {n for n, _ in
+                                                                   (a.split("=", 1) for a in args.inprocess)}
+    floors = 0 if args.no_floors or not baseline_inprocess else len(floor_arms())
+    return Need(longest + args.steps, len(args.inprocess) + floors)
 
 
 def _run(args, driver=None) -> int:

@@ -182,7 +182,19 @@ def run(args) -> int:
         raise CommandError("--distributed runs the in-process arms across the ranks; give at least one --arm "
                            "(endpoint arms are queried from rank 0 as usual)")
     from fidelity.pipeline_model import run_ranks
-    return run_ranks(args, lambda driver: _run(args, driver))
+    return run_ranks(args, lambda driver: _run(args, driver), lambda cfg: _need(args))
+
+
+ANSWER_TOKENS = 64        # the memory check's answer budget when --max-tokens is not given
+
+
+def _need(args):
+    """What a distributed needle sweep holds at once: one trial (its longest prompt and
+    answer) per in-process arm, the last position's logits."""
+    from fidelity.pipeline_model import Need
+    answer = args.max_tokens or ANSWER_TOKENS + (256 if args.thinking else 0)
+    arms = len(args.arm) if args.arm is not None else 2
+    return Need(max(_csv(args.lengths, int) or DEFAULT_INPROCESS_LENGTHS) + answer, arms, "last")
 
 
 def _run(args, driver=None) -> int:

@@ -57,6 +57,10 @@ def add_arguments(p):
     p.add_argument("--nodes", type=int, default=1,
                    help="the --devices are one node's, repeated on this many nodes: a torchrun "
                         "pipeline, one rank per device (fidelity ab --distributed; default 1)")
+    p.add_argument("--head-on-rank-0", action="store_true",
+                   help="with --nodes: the head on the first rank, as `fidelity kld`, `needle` and `serve "
+                        "--distributed` run it (the layer split unchanged); default: on the last rank, as "
+                        "`fidelity ab --distributed` runs it")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
@@ -86,7 +90,7 @@ def run(args) -> int:
         mem = args.device_memory.split(",") if args.device_memory else None
         plan = plan_memory(cfg, args.devices, args.length, args.prompts, args.arms, args.weights,
                            mem, profile=args.profile, dequant=args.dequant, logits=args.logits,
-                           nodes=args.nodes)
+                           nodes=args.nodes, head_first=args.head_on_rank_0)
     except (PlanError, ConfigError) as e:
         raise CommandError(str(e)) from None
     print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))

@@ -88,7 +88,21 @@ def run(args) -> int:
     if args.distributed is None:
         return _run(args)
     from fidelity.pipeline_model import run_ranks
-    return run_ranks(args, lambda driver: _run(args, driver))
+    return run_ranks(args, lambda driver: _run(args, driver), lambda cfg: _need(args, cfg))
+
+
+def _need(args, cfg):
+    """What a distributed server holds at least: one call of a --chunked-prefill-size chunk
+    with its logits, the prefix cache's budget of snapshots, and the states of the other
+    --max-queue requests, each counted at one chunk (how far a request grows is not known
+    before it arrives)."""
+    from fidelity.pipeline_model import Need
+    from fidelity.weights.plan import sequence_state_bytes, state_dtypes
+    length = min(args.chunked_prefill_size, cfg.max_seq_len)
+    dt = state_dtypes("reference")
+    one = sum(sequence_state_bytes(cfg, i, length, dt) for i in range(cfg.n_layers))
+    cached = 0 if args.no_prefix_cache else args.prefix_cache_bytes
+    return Need(length, 1, "all", cached + (args.max_queue - 1) * one)
 
 
 def _run(args, driver=None) -> int:

@@ -308,6 +308,8 @@ class PassSpec:
     weights_mode: str = "resident-quantised"
     dequant: str = "full"
     logits_mode: str = "all"
+    head_first: bool = False      # the head (and its logits) on the first device, not the last
+    cached_state: int = 0         # state snapshots kept besides the pass (serve's prefix cache)
 
     @property
     def sequences(self) -> int:
@@ -327,7 +329,8 @@ def plan_memory(cfg: ModelConfig, devices, length: int, prompts: int = 1, arms: 
                 weights_mode: str = "resident-quantised", device_memory=None, *,
                 profile="reference", dequant: str = "full", logits: str = "all",
                 chunk_tokens: int = 2048,
-                attn_budget: int = 1 << 25, advise: bool = True, nodes: int = 1) -> MemoryPlan:
+                attn_budget: int = 1 << 25, advise: bool = True, nodes: int = 1,
+                head_first: bool = False, cached_state: int = 0) -> MemoryPlan:
     """Bytes per device for a pass of `prompts` x `arms` sequences of `length` tokens (see the
     module docstring for each term). `devices`: list or comma string of cpu / cuda:N;
     `device_memory`: bytes or a size string ('96GB') per device, a list of them, or None to
@@ -335,7 +338,10 @@ def plan_memory(cfg: ModelConfig, devices, length: int, prompts: int = 1, arms: 
     fit and `advise`, `advice` says what would: fewer prompts per pass, a shorter length,
     more devices, streamed weights, last-position logits. `nodes`: the devices are one
     node's, repeated on each of `nodes` nodes (a torchrun pipeline, fidelity.pipeline: one
-    rank per device, labelled DEV@nodeK)."""
+    rank per device, labelled DEV@nodeK). `head_first`: the head runs on the first device
+    (the per-prompt commands' pipeline, fidelity.pipeline_model: rank 0 runs it), the
+    layer split unchanged; `cached_state`: bytes of state snapshots held besides the pass
+    (serve's prefix cache), each device counting its layers' share of a sequence's state."""
     # the public entry keeps one parameter per `plan-memory` option (keyword-only past
     # device_memory); inside, they travel as PassSpec + PlanNumerics
     try:
@@ -352,7 +358,8 @@ def plan_memory(cfg: ModelConfig, devices, length: int, prompts: int = 1, arms: 
     budgets = device_budgets(list(devices), device_memory) * nodes
     if nodes > 1:
         devices = tuple(f"{d}@node{k}" for k in range(nodes) for d in devices)
-    spec = PassSpec(devices, tuple(budgets), length, prompts, arms, weights_mode, dequant, logits)
+    spec = PassSpec(devices, tuple(budgets), length, prompts, arms, weights_mode, dequant, logits,
+                    head_first, cached_state)
     nx = PlanNumerics(profile if isinstance(profile, StateDtypes) else state_dtypes(profile),
                       profile if isinstance(profile, str) else "custom", chunk_tokens, attn_budget)
     plan = _plan(cfg, spec, nx)
@@ -449,7 +456,8 @@ def _plan(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics) -> MemoryPlan:
 def _device_plan(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics, sz: _PassSizes,
                  k: int, layers: list[int]) -> DevicePlan:
     """Device k of the pass, holding `layers` (and embed if first, the head if last)."""
-    table, dt, last = sz.table, nx.dtypes, len(spec.devices) - 1
+    table, dt = sz.table, nx.dtypes
+    last = 0 if spec.head_first else len(spec.devices) - 1          # the device running the head
     gl = (sz.first_g if k == 0 else []) + (sz.last_g if k == last else [])
     p = DevicePlan(spec.devices[k], spec.budgets[k], layers, [s.name for s in gl])
     g_bytes = sum(spec_bytes(s, sz.wkey) for s in gl)
@@ -462,6 +470,8 @@ def _device_plan(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics, sz: _PassSi
         p.dequant = max((_dequant(table[i]["dequant"], cfg, spec.dequant, pass_tokens)
                          for i in layers), default=0)
     p.state = spec.sequences * sum(sz.state_layer[i] for i in layers)
+    if spec.cached_state:
+        p.state += spec.cached_state * sum(sz.state_layer[i] for i in layers) // max(1, sum(sz.state_layer))
     p.streams = (spec.sequences + 2) * sz.stream_seq if (layers or gl) else 0
     largest = max([table[i]["largest"] for i in layers]
                   + [s.numel for s in gl if s.name != "embed.weight"], default=0)
@@ -510,10 +520,11 @@ def _advice(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics, plan: MemoryPlan
         ok.append(fits(weights_mode="streamed"))
         out.append("streamed weights (--weights streamed): " + (
             "fits" if ok[-1] else "not enough on its own"))
-    if spec.logits_mode == "all" and plan.devices[-1].logits > 0:
+    head = max(plan.devices, key=lambda d: d.logits)              # the device running the head
+    if spec.logits_mode == "all" and head.logits > 0:
         ok.append(fits(logits_mode="last"))
         out.append(f"logits of the last position only (--logits last; prefill logit chunks "
-                   f"{_gib(plan.devices[-1].logits)} on {plan.devices[-1].device}): "
+                   f"{_gib(head.logits)} on {head.device}): "
                    + ("fits" if ok[-1] else "not enough on its own"))
     if not any(ok):
         out.append(_advise_together(spec, fits))
