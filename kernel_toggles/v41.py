@@ -13,6 +13,7 @@ import torch
 
 from reference_model import quant as Q
 from reference_model.primitives import topk_lowest_index_ties
+from reference_model.v41.kernels import DEAD
 
 from . import emulate as E
 from .registry import Param, Provenance, toggle
@@ -35,6 +36,33 @@ _OPT = dict(_builtin=True, category="optimization", versions=("v41",))
 def _engram_history_microbatch(golden, hist, positions, layout, pad_c):
     p0 = int(positions[0])
     return golden.engram_hash(hist[p0:], positions - p0, layout, pad_c)
+
+
+@toggle("engram_dead_window", kernels=("engram_hash", "compressed_visible"), wraps=True,
+        versions=("v41",), **_B,
+        params=(Param("window", int, 128, "the sliding window (128 in V4.1-Flash, 16 in the "
+                      "tiny config)", min=1),),
+        provenance=Provenance(("transformers",), ('cache_implementation="static"',),
+                              ("transformers PR #48721 (self-review)",),
+                              "our reading: the context is the tokens seen so far (prompt, "
+                              "then each decode step); past the window it is the golden"),
+        description="A padded static-cache mask whose liveness diagonal is mis-located: while "
+                    "the context is shorter than the sliding window, every token is hashed "
+                    "DEAD for Engram (all n-grams pad-blocked) and no compressed entry is "
+                    "visible, as if no group had been emitted. transformers PR #48721's "
+                    "self-review: 'every `cache_implementation=\"static\"` run whose context "
+                    "stays under 128 tokens'. Set window to the model's sliding window.")
+def _engram_dead_window(window):
+    def engram_hash(golden, hist, positions, layout, pad_c):
+        if hist.shape[0] < window:
+            hist = torch.full_like(hist, DEAD)
+        return golden.engram_hash(hist, positions, layout, pad_c)
+
+    def compressed_visible(golden, positions, ratio):
+        visible = golden.compressed_visible(positions, ratio)
+        return visible * 0 if int(positions.max()) + 1 < window else visible
+
+    return {"engram_hash": engram_hash, "compressed_visible": compressed_visible}
 
 
 @toggle("v41_v4_hc_order", kernel="hc_pre_lagged", **_B,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernel_toggles as K
-from reference_model import Numerics, tiny
+from reference_model import Numerics, Taps, tiny
 from reference_model.v41.config import tiny_v41, validate
 from reference_model.v41.model import ModelV41
 from reference_model.v41.weights import random_weights
@@ -105,3 +105,23 @@ def test_index_keys_fp8_on_v41_index_keys_by_hand(scale, codes, s):
     assert packed[0, :4].tolist() == codes and packed[0, 4].item() == pytest.approx(s, rel=1e-7)
     q = torch.stack([k, 2 * k], 1)                                   # [1 token, 2 heads, 4]
     assert nx.index_fp4(q, "q")[0, :, :4].tolist() == [codes, codes]
+
+
+@pytest.mark.parametrize("n", [12, 16])
+def test_engram_dead_window_acts_only_while_the_context_is_below_the_window(n):
+    """Tiny window 16: a 12-token prompt hashes every token DEAD (all-pad n-grams: one id
+    per column for every position) and sees no compressed entry (index top-k all -1);
+    a 16-token prompt is golden's bit for bit."""
+    w = random_weights(tiny_v41(), 0)
+    toks = torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for nx in (NX, _nx("engram_dead_window(window=16)")):
+        taps = Taps("*")
+        runs.append((ModelV41(w, nx).extend(toks, None, "all", taps)[0], taps))
+    (g, _), (a, taps) = runs
+    if n == 16:
+        assert torch.equal(a, g)
+        return
+    ids = taps["layers.1.engram.ids"]
+    assert not torch.equal(a, g) and (ids == ids[0]).all()
+    assert (taps["layers.2.attn.index.topk"] == -1).all() and (taps["layers.8.attn.index.topk"] == -1).all()
