@@ -3,7 +3,8 @@
 Launched by `torchrun` (gloo on CPU, NCCL on GPUs): every rank runs the same command, and
 the layer-major lockstep (fidelity.ab.lockstep) runs on each rank only the contiguous
 layers its stage owns (placement balanced on weight bytes, reference_model.placement, as
-one process places them over devices). Rank 0 embeds; each stage's residual streams go to
+one process places them over devices; on DeepSeek-V4.1 cut only where no later layer
+reads an earlier stage's state, `segments`). Rank 0 embeds; each stage's residual streams go to
 the next stage with send/recv (exact bytes, any dtype); the last stage runs the head and
 sends every rank the next greedy token and which arms are still alive. Per-prompt state
 never leaves its stage. The rows each stage measured are all-gathered at the end of a
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from fidelity.errors import CommandError
-from reference_model.placement import end_bytes, layer_bytes, place_layers
+from fidelity.stages import StageCutError, segments, stage_ranges  # noqa: F401 (the stages' API)
 
 DEFAULT_TIMEOUT_S = 600
 
@@ -69,7 +70,7 @@ class Stage:
         labels = [str(self.device) if self.device.type == "cpu" else f"cuda:{k}" for k in range(self.world)]
         mode = weights if isinstance(weights, str) else weights_mode(weights)
         plan = plan_memory(cfg, labels, length, prompts, arms, mode, list(self.budgets), logits=logits,
-                           advise=False, head_first=head_first, cached_state=cached_state)
+                           advise=False, head_first=head_first, cached_state=cached_state, pipeline=True)
         for k, d in enumerate(plan.devices):
             if d.total > d.budget:
                 g = lambda b: f"{b / GiB:.2f} GiB"        # noqa: E731
@@ -173,11 +174,40 @@ def launched() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def stage_ranges(cfg, world: int) -> list[range]:
-    """Each rank's layers: contiguous, balanced on weight bytes with the embedding on the
-    first rank and the head on the last (the same rule as one process over devices)."""
-    first, last = end_bytes(cfg)
-    return place_layers(layer_bytes(cfg), world, first, last)
+class StageStateError(AttributeError):
+    """A layer read the state of a layer on another stage (a toggle that reads across the
+    cuts, e.g. v41_stale_index_keys' shared key slot): an error, never an empty read."""
+
+
+class _Elsewhere:
+    """Stands in for a layer's state that lives on another stage; any read of it fails."""
+    __slots__ = ("where",)
+
+    def __init__(self, where: str):
+        object.__setattr__(self, "where", where)
+
+    def __getattr__(self, name):
+        raise StageStateError(f"{self.where}'s state is on another pipeline stage, and this arm reads it "
+                              f"({name}); run it in one process")
+
+    def __setattr__(self, name, value):
+        self.__getattr__(name)
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def stage_state(model, stage):
+    """A new sequence state of `model` for this stage (None: one process): on DeepSeek-V4.1
+    the layers of the other stages hold a stand-in that fails when read, so a read across
+    the cuts is an error naming the layer rather than a silently empty cache."""
+    state = model.new_state()
+    from reference_model.v41 import is_v41
+    if stage is not None and is_v41(model.cfg):
+        for j in range(model.cfg.n_layers):
+            if j not in stage.layers:
+                state.layers[j] = _Elsewhere(f"layer {j}")
+    return state
 
 
 def weights_mode(weights) -> str:
@@ -205,9 +235,10 @@ def init_stage(cfg, timeout_s: float = DEFAULT_TIMEOUT_S, expect_world: int | No
                                f"{world} (WORLD_SIZE={world}); give the same number to both")
     if world < 2:
         raise DistributedError(f"--distributed needs at least 2 ranks, torchrun started {world}")
-    if world > cfg.n_layers:
-        raise DistributedError(f"{world} ranks for {cfg.n_layers} layers: every stage needs at least "
-                               f"one layer; use at most {cfg.n_layers} ranks")
+    try:
+        ranges = tuple(stage_ranges(cfg, world))
+    except StageCutError as e:
+        raise DistributedError(str(e)) from None
     cuda = torch.cuda.is_available() and os.environ.get("FIDELITY_DIST_BACKEND", "") != "gloo"
     local = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device(f"cuda:{local}") if cuda else torch.device("cpu")
@@ -224,7 +255,6 @@ def init_stage(cfg, timeout_s: float = DEFAULT_TIMEOUT_S, expect_world: int | No
                                    "rank 0's node reachable and MASTER_ADDR/MASTER_PORT right?") from None
     if budget is None and cuda:
         budget = int(torch.cuda.get_device_properties(device).total_memory)
-    ranges = tuple(stage_ranges(cfg, world))
     stage = Stage(rank, world, ranges[rank], ranges, device)
     return Stage(rank, world, ranges[rank], ranges, device, tuple(stage.gather(budget, "memory budgets")))
 

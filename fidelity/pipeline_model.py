@@ -33,7 +33,7 @@ import torch.distributed as dist
 from reference_model import build_model
 from reference_model.schedule import ONESHOT, batch_tokens, co_batched, in_step
 
-from .pipeline import DistributedError
+from .pipeline import DistributedError, stage_state
 
 
 class StageError(RuntimeError):
@@ -80,15 +80,6 @@ def arm_numerics(spec: str, profile: str = "reference", numerics_kwargs: dict | 
 def stage_devices(stage) -> list | None:
     """A rank's model devices: its GPU, or None (CPU as given)."""
     return [stage.device] if stage.device.type == "cuda" else None
-
-
-def check_supported(cfg) -> None:
-    """DeepSeek-V4.1 layers read other layers' state (KV and index sources), which a stage
-    does not have: refused rather than wrong."""
-    from reference_model.v41 import is_v41
-    if is_v41(cfg):
-        raise DistributedError("--distributed runs DeepSeek-V4 checkpoints only: V4.1 layers read other "
-                               "layers' state, which would sit on another rank")
 
 
 @dataclass(eq=False)
@@ -180,8 +171,7 @@ class PipelineModel:
         self.schedule = self.local.schedule
 
     def new_state(self) -> PipelineState:
-        d = self.driver
-        return self._handle(self.local.new_state())
+        return self._handle(stage_state(self.local, self.driver.stage))
 
     def _handle(self, local) -> PipelineState:
         st = PipelineState(next(self.driver._ids), local, self)
@@ -315,7 +305,7 @@ class _Worker:
         model, sink = self.models[key], self.scores[key]
         state = self.states.get(cmd["state"])
         if state is None:
-            state = self.states[cmd["state"]] = model.new_state()
+            state = self.states[cmd["state"]] = stage_state(model, self.stage)
         taps = Taps(cmd["taps"]) if cmd["taps"] else None
         tokens = cmd["tokens"].to(H.device)
         del sink[:]
@@ -333,7 +323,7 @@ class _Worker:
             model = self.models[cmd["key"]]
             state = self.states.get(cmd["state"])
             if state is None:                  # created on rank 0, never extended yet
-                state = self.states[cmd["state"]] = model.new_state()
+                state = self.states[cmd["state"]] = stage_state(model, self.stage)
             out = _state_op(model, self.stage.layers, cmd["what"], state)
             if cmd["new"] is not None:
                 self.states[cmd["new"]] = out
@@ -449,7 +439,6 @@ def join(args):
     from .pipeline import init_stage
     from fidelity.weights.sizes import parse_bytes
     cfg = checkpoint_config(args.checkpoint)
-    check_supported(cfg)
     try:
         budget = parse_bytes(args.device_memory) if args.device_memory else None
     except ValueError as e:

@@ -38,17 +38,21 @@ def model_placement(cfg: ModelConfig, n_devices: int) -> list[int]:
 
 
 def place_layers(layer_bytes: list[int], n_devices: int, first_extra: int = 0,
-                 last_extra: int = 0) -> list[range]:
+                 last_extra: int = 0, nonempty: bool = False) -> list[range]:
     """Contiguous split of the layers over n_devices: the smallest possible largest
     per-device sum (layer bytes + the globals each end device holds), and among the splits
     that reach it the most even one (least sum of squared loads). Exact DP; devices past the
-    layer count get empty ranges."""
+    layer count get empty ranges. `nonempty` (n_devices <= the layer count): every device
+    gets at least one (a pipeline rank with no layer would only forward the streams)."""
     n, D = len(layer_bytes), n_devices
     pre = [0]
     for b in layer_bytes:
         pre.append(pre[-1] + b)
+    least = int(nonempty)                   # layers each device holds at least
 
     def load(k, a, b):
+        if b - a < least:
+            return float("inf")
         extra = (first_extra if k == 0 else 0) + (last_extra if k == D - 1 else 0)
         return pre[b] - pre[a] + extra
 

@@ -218,7 +218,8 @@ class LockstepRunner:
         if self.stage is not None and prompts:
             self.stage.check_memory(self.cfg, max(p.length for p in prompts) + self.decode_steps,
                                     len(prompts), len(self.arms), self.weights)
-        runs = [_PromptRun(p, {a.name: self.models[a.name].new_state() for a in self.arms},
+        from fidelity.pipeline import stage_state
+        runs = [_PromptRun(p, {a.name: stage_state(self.models[a.name], self.stage) for a in self.arms},
                            [a.name for a in self.arms]) for p in prompts]
         phases = [("prefill", -1)] + [("decode", s) for s in range(self.decode_steps)]
         try:

@@ -49,6 +49,7 @@ import torch
 
 from fidelity.ab.head import METRIC_ROWS, POSITION_STAT_BYTES
 from fidelity.devices import DeviceError, parse_devices
+from fidelity.stages import segments, stage_ranges, too_many_ranks
 from reference_model.checkpoint_format import disk_entries
 from reference_model.config import ModelConfig
 from reference_model.numerics import Numerics
@@ -310,6 +311,7 @@ class PassSpec:
     logits_mode: str = "all"
     head_first: bool = False      # the head (and its logits) on the first device, not the last
     cached_state: int = 0         # state snapshots kept besides the pass (serve's prefix cache)
+    pipeline: bool = False        # one rank per device: the stages fidelity.stages cuts
 
     @property
     def sequences(self) -> int:
@@ -330,7 +332,7 @@ def plan_memory(cfg: ModelConfig, devices, length: int, prompts: int = 1, arms: 
                 profile="reference", dequant: str = "full", logits: str = "all",
                 chunk_tokens: int = 2048,
                 attn_budget: int = 1 << 25, advise: bool = True, nodes: int = 1,
-                head_first: bool = False, cached_state: int = 0) -> MemoryPlan:
+                head_first: bool = False, cached_state: int = 0, pipeline: bool | None = None) -> MemoryPlan:
     """Bytes per device for a pass of `prompts` x `arms` sequences of `length` tokens (see the
     module docstring for each term). `devices`: list or comma string of cpu / cuda:N;
     `device_memory`: bytes or a size string ('96GB') per device, a list of them, or None to
@@ -341,7 +343,10 @@ def plan_memory(cfg: ModelConfig, devices, length: int, prompts: int = 1, arms: 
     rank per device, labelled DEV@nodeK). `head_first`: the head runs on the first device
     (the per-prompt commands' pipeline, fidelity.pipeline_model: rank 0 runs it), the
     layer split unchanged; `cached_state`: bytes of state snapshots held besides the pass
-    (serve's prefix cache), each device counting its layers' share of a sequence's state."""
+    (serve's prefix cache), each device counting its layers' share of a sequence's state;
+    `pipeline` (default: nodes > 1): the devices are torchrun ranks, holding the layers
+    fidelity.stages.stage_ranges gives them (V4.1: cut only where no layer reads another
+    stage's state)."""
     # the public entry keeps one parameter per `plan-memory` option (keyword-only past
     # device_memory); inside, they travel as PassSpec + PlanNumerics
     try:
@@ -359,13 +364,20 @@ def plan_memory(cfg: ModelConfig, devices, length: int, prompts: int = 1, arms: 
     if nodes > 1:
         devices = tuple(f"{d}@node{k}" for k in range(nodes) for d in devices)
     spec = PassSpec(devices, tuple(budgets), length, prompts, arms, weights_mode, dequant, logits,
-                    head_first, cached_state)
+                    head_first, cached_state, nodes > 1 if pipeline is None else pipeline)
+    if spec.pipeline and len(devices) > _most_stages(cfg):
+        raise PlanError(too_many_ranks(cfg, len(devices), _most_stages(cfg)))
     nx = PlanNumerics(profile if isinstance(profile, StateDtypes) else state_dtypes(profile),
                       profile if isinstance(profile, str) else "custom", chunk_tokens, attn_budget)
     plan = _plan(cfg, spec, nx)
     if advise and not plan.fits:
         plan.advice = _advice(cfg, spec, nx, plan)
     return plan
+
+
+def _most_stages(cfg) -> int:
+    """The most pipeline ranks the layers can be cut into (fidelity.stages.segments)."""
+    return len(segments(cfg))
 
 
 def _check_modes(weights_mode: str, dequant: str, logits: str) -> None:
@@ -432,9 +444,12 @@ def _pass_sizes(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics) -> _PassSize
 def _plan(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics) -> MemoryPlan:
     sz = _pass_sizes(cfg, spec, nx)
     gspecs = _global_specs(cfg)
-    ranges = place_layers([r[sz.wkey] for r in sz.table], len(spec.devices),
-                          sum(spec_bytes(s, sz.wkey) for s in sz.first_g),
-                          sum(spec_bytes(s, sz.wkey) for s in sz.last_g))
+    if spec.pipeline:
+        ranges = stage_ranges(cfg, len(spec.devices))
+    else:
+        ranges = place_layers([r[sz.wkey] for r in sz.table], len(spec.devices),
+                              sum(spec_bytes(s, sz.wkey) for s in sz.first_g),
+                              sum(spec_bytes(s, sz.wkey) for s in sz.last_g))
     plans = [_device_plan(cfg, spec, nx, sz, k, list(rng)) for k, rng in enumerate(ranges)]
     table, seqs = sz.table, spec.sequences
     totals = {
@@ -560,7 +575,7 @@ def _advise_devices(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics, fits, ou
     def devs(m: int) -> tuple[str, ...]:
         return ("cpu",) * m if kind == "cpu" else tuple(f"cuda:{j}" for j in range(m))
 
-    cap = max(have, cfg.n_layers)
+    cap = max(have, _most_stages(cfg) if spec.pipeline else cfg.n_layers)
     more = _largest_ok(-cap, -(have + 1),
                        lambda v: fits(devices=devs(-v), budgets=(budget,) * -v)) \
         if cap > have else None                  # negated: the smallest count that fits
