@@ -197,6 +197,20 @@ class _Elsewhere:
         return self
 
 
+CARRIED = ("key_writer",)     # V4.1: the KV source that emitted index keys last (doc §9 D1)
+
+
+def carried(state) -> dict:
+    """The sequence-level fields a layer writes and a later one reads (V4.1's key_writer),
+    which travel with the residual streams so every stage sees the value one process has."""
+    return {k: getattr(state, k) for k in CARRIED if hasattr(state, k)}
+
+
+def carry_in(state, fields: dict) -> None:
+    for k, v in fields.items():
+        setattr(state, k, v)
+
+
 def stage_state(model, stage):
     """A new sequence state of `model` for this stage (None: one process): on DeepSeek-V4.1
     the layers of the other stages hold a stand-in that fails when read, so a read across

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from reference_model import build_model
 from reference_model.schedule import ONESHOT, batch_tokens, co_batched, in_step
 
-from .pipeline import DistributedError, stage_state
+from .pipeline import DistributedError, carried, carry_in, stage_state
 
 
 class StageError(RuntimeError):
@@ -244,11 +244,12 @@ class PipelineModel:
             st.send_streams({"error": None, "failed": True}, [], "a failed call")
             st.recv_streams("the end of a failed call", peer=st.world - 1)
             raise e
-        st.send_streams({"error": None}, [H], "the call's streams")
+        st.send_streams({"error": None, "carried": carried(state.local)}, [H], "the call's streams")
         d.bytes_out += H.numel() * H.element_size()
         meta, back = st.recv_streams("the call's final streams", peer=st.world - 1)
         if meta["error"]:
             raise StageError(meta["error"])
+        carry_in(state.local, meta["carried"])
         for s in meta["scores"]:
             self.record(s)
         if taps is not None:
@@ -289,7 +290,7 @@ class _Worker:
             pass
         else:
             try:
-                out, taps_out, scores = self._run(cmd, got[0])
+                out, taps_out, scores = self._run(cmd, got[0], meta)
                 if st.last and cmd["rows"] != "all":
                     out = [] if cmd["rows"] == "none" else [out[0][-1:]]
             except Exception as e:                    # goes down the pipeline to rank 0
@@ -297,7 +298,8 @@ class _Worker:
         meta = {**meta, "taps": meta.get("taps", []) + taps_out, "scores": meta.get("scores", []) + scores}
         st.send_streams(meta, out, "the call's streams", peer=(st.rank + 1) % st.world)
 
-    def _run(self, cmd, H):
+    def _run(self, cmd, H, meta):
+        """This rank's layers of one call; `meta["carried"]` comes in and goes on updated."""
         key = cmd["key"]
         if key in self.broken:
             raise RuntimeError(f"its model could not be built: {self.broken[key]}")
@@ -309,10 +311,12 @@ class _Worker:
         taps = Taps(cmd["taps"]) if cmd["taps"] else None
         tokens = cmd["tokens"].to(H.device)
         del sink[:]
+        carry_in(state, meta["carried"])
         with co_batched(cmd["mates"]):
             for i in self.stage.layers:
                 H = model.layer(i, H, tokens, state, taps, cmd["phase"])
         state.pos += tokens.numel()
+        meta["carried"] = carried(state)
         parts = [(n, p) for n in (taps.names() if taps else []) for p in taps._parts[n]]
         return [H], parts, list(sink)
 

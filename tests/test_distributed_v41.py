@@ -2,7 +2,8 @@
 state (KV, index and candidate sources), so stages are cut only where no later layer
 reads an earlier stage's state, balanced on weight bytes among those cuts; plan-memory
 --nodes plans the same cuts; a world size the cuts cannot meet names the largest one; a
-read across the cuts (a toggle) is an error, never an empty cache; and a 2-rank tiny V4.1
+read across the cuts (a toggle) is an error, never an empty cache, and the sequence's
+last index-key writer travels with the streams; and a 2-rank tiny V4.1
 gives the single-process `fidelity ab` and `fidelity kld` tables bit for bit."""
 import copy
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fidelity.cli import main
-from fidelity.pipeline import StageStateError, stage_state
+from fidelity.pipeline import StageStateError, carried, carry_in, stage_state
 from fidelity.stages import segments, stage_ranges
 from fidelity.weights.plan import PlanError, plan_memory
 from reference_model import flash
@@ -58,6 +59,8 @@ def test_a_read_across_the_cuts_is_an_error_naming_the_layer():
     assert state.layers[3].index_keys is None and copy.deepcopy(state).layers[6] is state.layers[6]
     with pytest.raises(StageStateError, match="layer 6's state is on another pipeline stage"):
         state.layers[6].index_keys
+    carry_in(state, {"key_writer": 6})                 # what travels with the streams
+    assert carried(state) == {"key_writer": 6}
 
 
 def test_a_world_the_cuts_cannot_meet_is_named(checkpoint, monkeypatch, capsys, tmp_path):

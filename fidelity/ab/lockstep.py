@@ -247,6 +247,7 @@ class LockstepRunner:
                 continue
             meta, hs = st.recv_streams(f"{r.prompt.id} {phase} streams")
             r.alive, r.bad = list(meta["alive"]), set(meta["bad"])
+            self._carry_in(r, meta["carried"])
             self.streams.put(r.prompt.id, dict(zip(r.alive, hs)))
 
     def _streams_out(self, runs, phase, step):
@@ -256,18 +257,31 @@ class LockstepRunner:
         if st is not None and not st.last:
             for r in runs:
                 H = self.streams.get(r.prompt.id)
-                st.send_streams({"alive": r.alive, "bad": sorted(r.bad)}, [H[a] for a in r.alive],
-                                f"{r.prompt.id} {phase} streams")
+                st.send_streams({"alive": r.alive, "bad": sorted(r.bad), "carried": self._carried(r)},
+                                [H[a] for a in r.alive], f"{r.prompt.id} {phase} streams")
         else:
             for r in runs:
                 head = self._head(r, phase)
                 self._logit_rows(r.prompt, head, r.alive, phase, step, r.res)
                 r.next = int(head.last.argmax())
         if st is not None:
-            sync = st.from_last({r.prompt.id: (r.next, r.alive, sorted(r.bad)) for r in runs},
+            sync = st.from_last({r.prompt.id: (r.next, r.alive, sorted(r.bad), self._carried(r)) for r in runs},
                                 f"the next tokens after {phase}")
             for r in runs:
                 r.next, r.alive, r.bad = sync[r.prompt.id][0], list(sync[r.prompt.id][1]), set(sync[r.prompt.id][2])
+                self._carry_in(r, sync[r.prompt.id][3])
+
+    @staticmethod
+    def _carried(r) -> dict:
+        """Each arm's sequence-level fields after this stage (fidelity.pipeline.carried)."""
+        from fidelity.pipeline import carried
+        return {a: carried(r.states[a]) for a in r.alive}
+
+    @staticmethod
+    def _carry_in(r, fields: dict) -> None:
+        from fidelity.pipeline import carry_in
+        for a, f in fields.items():
+            carry_in(r.states[a], f)
 
     def _collect(self, runs) -> LockstepResult:
         """Every stage's rows of every prompt: per prompt, phase by phase, in stage order
