@@ -128,10 +128,14 @@ class PrefixCache:
 
 def restore(model, stored: SequenceState) -> SequenceState:
     """A cached prefix's state through the arm's own `state_restore` kernel, every layer
-    (the golden's copies, so the stored snapshot is never touched)."""
+    (the golden's copies, so the stored snapshot is never touched). The sequence's other
+    fields (V4.1: the Engram history, the last index-key writer) are kept as stored: the
+    model replaces them, never writes into them."""
     if hasattr(model, "restore_state"):            # a pipeline model: every rank's layers
         return model.restore_state(stored)
-    return SequenceState([model.nx.state_restore(st) for st in stored.layers], stored.pos)
+    out = copy.copy(stored)
+    out.layers = [model.nx.state_restore(st) for st in stored.layers]
+    return out
 
 
 def paged_prefill(model, ids: torch.Tensor, state: SequenceState, cache: PrefixCache | None,
