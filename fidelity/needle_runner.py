@@ -6,7 +6,7 @@ fidelity. It also runs trials in batches (`arun_batch`; the sweep hands it every
 trial of one length): layer-major through fidelity.needle_batch, so each layer's weights
 are fetched once per pass for the batch, with rows identical to run()'s.
 
-Mechanism, per CSA layer, at the question's last position (the last prompt token): which
+Mechanism, per indexer layer (V4's CSA; V4.1's index sources, ratio 2 or 1, disjoint entries {t//r}), at the question's last position (the last prompt token): which
 compressed entries hold the needle value, whether the indexer picked one of them, its
 rank among the visible entries and its margin to the top-k boundary (fidelity.ab.margins). Entry j pools tokens 4j..4j+3 and, in half of its
 channels, the previous group 4j-4..4j-1 (overlapping ratio-4 compressor), so the entries
@@ -176,20 +176,26 @@ class InProcessRunner:
         await task                                   # re-raises the batch's exception
 
 
+def _held(tokens, pos: int, ratio: int) -> list[int]:
+    """Entries holding `tokens` at this layer's ratio: V4's ratio 4 overlaps, V4.1's do not."""
+    return needle_entries(tokens, pos, ratio, overlap=ratio == 4)
+
+
 def mechanism(cfg, taps: Taps, scores: list[torch.Tensor], value_tok: list[int], pos: int,
               per_value: list[list[int]] | None = None) -> list[dict]:
-    """Per CSA layer: entries holding a value, picked or not, best rank, and how many of
-    the values (token positions per value: `per_value`) had an entry picked (module doc)."""
-    layers = [i for i, r in enumerate(cfg.compress_ratios)
-              if r == 4 and f"layers.{i}.attn.index.topk" in taps]
+    """Per indexer layer (V4's CSA, V4.1's index sources, each at its own ratio): entries
+    holding a value, picked or not, best rank, and how many of the values (token positions
+    per value: `per_value`) had an entry picked (module doc)."""
+    layers = [i for i in cfg.indexer_layers() if f"layers.{i}.attn.index.topk" in taps]
     if len(layers) != len(scores):
-        raise RuntimeError(f"recorded {len(scores)} index_scores calls for {len(layers)} CSA layers")
-    visible = (pos + 1) // 4
-    held = needle_entries(value_tok, pos)
-    held_per = [needle_entries(v, pos) for v in (per_value or [value_tok])]
+        raise RuntimeError(f"recorded {len(scores)} index_scores calls for {len(layers)} indexer layers")
     in_window = any(t > pos - cfg.window_size for t in value_tok)
     out = []
     for i, s in zip(layers, scores):
+        ratio = cfg.compress_ratios[i]
+        visible = (pos + 1) // ratio
+        held = _held(value_tok, pos, ratio)
+        held_per = [_held(v, pos, ratio) for v in (per_value or [value_tok])]
         s = s[-1, :visible].double()
         picks = {int(j) for j in taps[f"layers.{i}.attn.index.topk"][-1] if j >= 0}
         ranks = {j: 1 + int((s > s[j]).sum()) + int((s[:j] == s[j]).sum()) for j in held}

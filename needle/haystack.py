@@ -279,11 +279,13 @@ def value_token_positions(offsets, value_spans) -> list[int]:
     return [j for j, (a, b) in enumerate(offsets) if any(a < e and b > s for s, e in value_spans)]
 
 
-def needle_entries(needle_tokens, pos: int, ratio: int = 4) -> list[int]:
-    """Compressed entries (ratio 4, overlapping) holding a needle token and visible to the
-    query at `pos`: entry j pools tokens 4j..4j+3 and, in half its channels, 4j-4..4j-1."""
+def needle_entries(needle_tokens, pos: int, ratio: int = 4, overlap: bool = True) -> list[int]:
+    """Compressed entries holding a needle token and visible to the query at `pos`: entry j
+    pools tokens rj..rj+r-1 and, when overlapping (V4's ratio 4), in half its channels the
+    previous group too; V4.1's ratio-2 and ratio-1 entries are disjoint."""
     own = {t // ratio for t in needle_tokens}
-    return sorted(j for j in own | {j + 1 for j in own} if j < (pos + 1) // ratio)
+    held = own | {j + 1 for j in own} if overlap else own
+    return sorted(j for j in held if j < (pos + 1) // ratio)
 
 
 def largest_fit(f, target: int, hint: dict) -> int:

@@ -70,6 +70,10 @@ class ModelConfig:
     def is_hash_layer(self, i: int) -> bool:
         return i < self.n_hash_layers
 
+    def indexer_layers(self) -> list[int]:
+        """Layers that run an indexer (its top-k is what captures and needle report): CSA."""
+        return [i for i, r in enumerate(self.compress_ratios) if r == 4]
+
     def schedule(self) -> list[dict]:
         return [
             {"layer": i, "kind": self.layer_kind(i), "ratio": self.compress_ratios[i],

@@ -1,11 +1,17 @@
 """The per-prompt tools on a DeepSeek-V4.1 model in one process (issue 25): the serving
 prefix cache restores V4.1's whole sequence state (Engram history, last index-key writer)
-so a hit gives the cold logits bit for bit."""
+so a hit gives the cold logits bit for bit; needle's mechanism rows are V4.1's index
+sources at their own ratios (disjoint entries), batched layer-major = one at a time."""
 import pytest
 import torch
 
+from fidelity.arms import parse_arm
+from fidelity.needle_runner import InProcessRunner
 from fidelity.serve.prefix_cache import PrefixCache, page_keys, paged_prefill, restore
+from fidelity.weights.target import load_target
+from needle.sweep import SweepConfig, run_sweep
 from reference_model import build_model
+from reference_model.v41.checkpoint_write import save_checkpoint
 from reference_model.v41.config import tiny_v41
 from reference_model.v41.weights import random_weights
 
@@ -14,8 +20,18 @@ PAGE = 16
 
 
 @pytest.fixture(scope="module")
-def model():
-    return build_model(random_weights(CFG, 0))
+def weights():
+    return random_weights(CFG, 0)
+
+
+@pytest.fixture(scope="module")
+def model(weights):
+    return build_model(weights)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(weights, tmp_path_factory):
+    return save_checkpoint(weights, tmp_path_factory.mktemp("ckpt") / "tiny_v41")
 
 
 def _ids(n, seed):
@@ -35,3 +51,23 @@ def test_prefix_cache_hit_equals_cold_on_v41(model):
     assert torch.equal(hit, cold[n:])
     again, _ = paged_prefill(model, b, restore(model, stored), None, keys, False)
     assert torch.equal(again, cold[-1:])                 # the stored snapshot was not touched
+
+
+def test_needle_mechanism_rows_are_v41_index_sources(checkpoint, tmp_path):
+    target = load_target(checkpoint)
+    cfg = SweepConfig(lengths=[200], depths=[0, 50])
+    one = run_sweep(cfg, [InProcessRunner("golden", target, parse_arm("golden"), batch=1)],
+                    tmp_path / "one.jsonl", quiet=True)
+    batched = run_sweep(cfg, [InProcessRunner("golden", target, parse_arm("golden"))],
+                        tmp_path / "batched.jsonl", quiet=True)
+    for a, b in zip(one, batched):
+        assert a["error"] is None and a["mechanism"] == b["mechanism"] and a["response"] == b["response"]
+    row = one[-1]
+    layers = [m["layer"] for m in row["mechanism"]]
+    assert layers == CFG.indexer_layers() and {CFG.compress_ratios[i] for i in layers} == {1, 2}
+    pos = row["n_tokens"] - 1
+    for m in row["mechanism"]:
+        r = CFG.compress_ratios[m["layer"]]
+        assert m["n_visible"] == (pos + 1) // r
+        assert m["entries"] == sorted({t // r for t in row["value_token_positions"]})
+        assert (m["best_rank"] <= m["topk"]) == m["in_topk"] or CFG.uses_candidates(m["layer"])

@@ -103,6 +103,11 @@ class V41Config:
             return None
         return max((s for s in self.index_source_layers if s <= i), default=None)
 
+    def indexer_layers(self) -> list[int]:
+        """Layers that run an indexer (its top-k is what captures and needle report): the
+        index sources; the layers after them reuse their picks."""
+        return [i for i in range(self.n_layers) if self.index_source(i) == i]
+
     def uses_candidates(self, i: int) -> bool:
         """Index sources after the candidate source restrict their top-k to its blocks."""
         return 0 <= self.candidate_source_layer < i and i in self.index_source_layers

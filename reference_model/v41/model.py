@@ -198,7 +198,7 @@ class ModelV41(Model):
         if dev is not None:
             S, tokens = S.to(dev), tokens.to(dev)
         H, P = stream.unpack(S, self.cfg.dim)
-        outH, outP = [], []
+        outH, outP, starts = [], [], []
         for seg in self._segments(H.shape[0], state, phase):
             if seg.restore:
                 state.layers[i] = self.nx.state_restore(state.layers[i])
@@ -209,9 +209,10 @@ class ModelV41(Model):
                 with in_step(self.schedule.batch * (b - a)):
                     h, p = self._block(i, w, H[a:b], P[a:b], tokens[a:b], state, state.pos + a,
                                        taps, seg.phase)
+                starts.append(state.pos + a)
                 outH.append(h.to(self.nx.sd))
                 outP.append(p)
-        self._drop_call_scratch(i, state)
+        self._drop_call_scratch(i, state, starts)
         H = torch.cat(outH, 0)
         if taps:
             taps.put(f"layers.{i}.out", H)
@@ -222,13 +223,18 @@ class ModelV41(Model):
             return self.schedule.segments(n)
         return [Segment(0, n, phase)]
 
-    def _drop_call_scratch(self, i: int, state: V41SequenceState) -> None:
-        """Per-call top-k / candidate blocks are kept only until their last reader ran."""
+    def _drop_call_scratch(self, i: int, state: V41SequenceState, starts: list[int]) -> None:
+        """Per-call top-k / candidate blocks are kept only until their last reader ran; only
+        this call's chunks (`starts`) are dropped, so layer-major callers that interleave
+        calls of one sequence (needle's head then last token, layer by layer) keep the rest."""
         for s, last in self._last_topk_reader.items():
             if last == i:
-                state.layers[s].topk = {}
+                for a in starts:
+                    state.layers[s].topk.pop(a, None)
         if self._last_block_reader == i:
-            state.layers[self.cfg.candidate_source_layer].blocks = {}
+            blocks = state.layers[self.cfg.candidate_source_layer].blocks
+            for a in starts:
+                blocks.pop(a, None)
 
     def head(self, S, taps: Taps | None = None) -> torch.Tensor:
         """norm(collapse(H, P_last)) then the fp32 head: no hc_head in V4.1 (doc §5.6)."""
