@@ -176,11 +176,6 @@ class InProcessRunner:
         await task                                   # re-raises the batch's exception
 
 
-def _held(tokens, pos: int, ratio: int) -> list[int]:
-    """Entries holding `tokens` at this layer's ratio: V4's ratio 4 overlaps, V4.1's do not."""
-    return needle_entries(tokens, pos, ratio, overlap=ratio == 4)
-
-
 def mechanism(cfg, taps: Taps, scores: list[torch.Tensor], value_tok: list[int], pos: int,
               per_value: list[list[int]] | None = None) -> list[dict]:
     """Per indexer layer (V4's CSA, V4.1's index sources, each at its own ratio): entries
@@ -194,8 +189,8 @@ def mechanism(cfg, taps: Taps, scores: list[torch.Tensor], value_tok: list[int],
     for i, s in zip(layers, scores):
         ratio = cfg.compress_ratios[i]
         visible = (pos + 1) // ratio
-        held = _held(value_tok, pos, ratio)
-        held_per = [_held(v, pos, ratio) for v in (per_value or [value_tok])]
+        held = needle_entries(value_tok, pos, ratio)
+        held_per = [needle_entries(v, pos, ratio) for v in (per_value or [value_tok])]
         s = s[-1, :visible].double()
         picks = {int(j) for j in taps[f"layers.{i}.attn.index.topk"][-1] if j >= 0}
         ranks = {j: 1 + int((s > s[j]).sum()) + int((s[:j] == s[j]).sum()) for j in held}

@@ -279,12 +279,12 @@ def value_token_positions(offsets, value_spans) -> list[int]:
     return [j for j, (a, b) in enumerate(offsets) if any(a < e and b > s for s, e in value_spans)]
 
 
-def needle_entries(needle_tokens, pos: int, ratio: int = 4, overlap: bool = True) -> list[int]:
+def needle_entries(needle_tokens, pos: int, ratio: int = 4) -> list[int]:
     """Compressed entries holding a needle token and visible to the query at `pos`: entry j
-    pools tokens rj..rj+r-1 and, when overlapping (V4's ratio 4), in half its channels the
+    pools tokens rj..rj+r-1 and, at V4's ratio 4 (overlapping), in half its channels the
     previous group too; V4.1's ratio-2 and ratio-1 entries are disjoint."""
     own = {t // ratio for t in needle_tokens}
-    held = own | {j + 1 for j in own} if overlap else own
+    held = own | {j + 1 for j in own} if ratio == 4 else own
     return sorted(j for j in held if j < (pos + 1) // ratio)
 
 

@@ -1,11 +1,15 @@
 """The per-prompt tools on a DeepSeek-V4.1 model in one process (issue 25): the serving
 prefix cache restores V4.1's whole sequence state (Engram history, last index-key writer)
 so a hit gives the cold logits bit for bit; needle's mechanism rows are V4.1's index
-sources at their own ratios (disjoint entries), batched layer-major = one at a time."""
+sources at their own ratios (disjoint entries), batched layer-major = one at a time; kld's
+captures are read on the index sources."""
+import pandas as pd
 import pytest
 import torch
 
 from fidelity.arms import parse_arm
+from fidelity.cli import main
+from fidelity.kld.inprocess import capture_shape
 from fidelity.needle_runner import InProcessRunner
 from fidelity.serve.prefix_cache import PrefixCache, page_keys, paged_prefill, restore
 from fidelity.weights.target import load_target
@@ -71,3 +75,19 @@ def test_needle_mechanism_rows_are_v41_index_sources(checkpoint, tmp_path):
         assert m["n_visible"] == (pos + 1) // r
         assert m["entries"] == sorted({t // r for t in row["value_token_positions"]})
         assert (m["best_rank"] <= m["topk"]) == m["in_topk"] or CFG.uses_candidates(m["layer"])
+
+
+@pytest.fixture(scope="module")
+def kld_run(checkpoint, tmp_path_factory):
+    """One small in-process kld on the tiny V4.1 checkpoint, with captures."""
+    out = tmp_path_factory.mktemp("kld")
+    assert main(["kld", "--threads", "1", "--checkpoint", str(checkpoint), "--inprocess", "golden=golden",
+                 "--inprocess", "eng=engine", "--no-floors", "--lengths", "200", "--depths", "50",
+                 "--reps", "1", "--n-boot", "20", "--out", str(out), "--run-id", "x"]) == 0
+    return next(out.rglob("x"))
+
+
+def test_kld_captures_on_v41_index_sources(kld_run):
+    caps = pd.read_csv(kld_run / "captures.csv")
+    assert sorted(caps[caps.signal == "topk_loss"].layer.unique()) == CFG.indexer_layers()
+    assert capture_shape(CFG)["indexer_layers"] == CFG.indexer_layers() == [2, 4, 6, 8]

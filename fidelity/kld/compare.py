@@ -37,10 +37,10 @@ def position_rows(base: PromptScores, arm: PromptScores) -> tuple[list[dict], in
 
 
 def capture_rows(base: PromptScores, arm: PromptScores, csa_layers: list[int], n_layers: int,
-                 needle_tokens=()) -> list[dict]:
+                 needle_tokens=(), ratios: list[int] | None = None) -> list[dict]:
     """Per layer, over the prompt's positions: indexer recall of the baseline's picks,
     expert-set agreement; the needle entry picked by the baseline at the last position
-    but not by the arm."""
+    but not by the arm, at the layer's compress ratio (`ratios` per layer; None: V4's 4)."""
     if base.indexer is None or arm.indexer is None:
         return []
     n = len(base.ids)
@@ -53,7 +53,8 @@ def capture_rows(base: PromptScores, arm: PromptScores, csa_layers: list[int], n
             if want:
                 rec.append(len(want & set(ai[ai >= 0].tolist())) / len(want))
         rows.append({"layer": layer, "signal": "topk_loss", "value": 1 - float(np.mean(rec)) if rec else 0.0})
-        held = needle_entries(needle_tokens, n - 1) if len(needle_tokens) else []
+        ratio = ratios[layer] if ratios else 4
+        held = needle_entries(needle_tokens, n - 1, ratio) if len(needle_tokens) else []
         if held:
             bp, ap = set(b[-1].tolist()), set(a[-1].tolist())
             lost = any(j in bp for j in held) and not any(j in ap for j in held)

@@ -136,7 +136,8 @@ def capture_shape(info) -> dict | None:
     """The shape facts a client needs to read captures, from /get_model_info (None when
     the answer does not give them all)."""
     if isinstance(info, dict) and all(k in info for k in CAPTURE_SHAPE_KEYS):
-        return {k: info[k] for k in CAPTURE_SHAPE_KEYS}
+        ratios = {"compress_ratios": info["compress_ratios"]} if "compress_ratios" in info else {}
+        return {**{k: info[k] for k in CAPTURE_SHAPE_KEYS}, **ratios}
     return None
 
 

@@ -26,7 +26,7 @@ CAPTURE_TAPS = ["layers.*.attn.index.topk", "layers.*.ffn.router.experts"]
 def capture_shape(cfg) -> dict:
     """What the captures of a model with this config look like (as an endpoint's
     /get_model_info says): known without loading the model."""
-    return {"indexer_layers": [i for i, r in enumerate(cfg.compress_ratios) if r == 4],
+    return {"indexer_layers": cfg.indexer_layers(), "compress_ratios": list(cfg.compress_ratios),
             "index_topk": cfg.index_topk, "num_hidden_layers": cfg.n_layers,
             "num_experts_per_tok": cfg.n_activated_experts}
 

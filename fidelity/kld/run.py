@@ -128,7 +128,7 @@ def compare_all(entries: list[ScoredArm], prompts, s: KldSettings, store: ScoreS
             if shape:
                 caps += [{"arm": e.name, "prompt": p.id, **r} for r in
                          capture_rows(base, a, shape["indexer_layers"], shape["num_hidden_layers"],
-                                      p.needle_tokens)]
+                                      p.needle_tokens, shape.get("compress_ratios"))]
         if s.captures:
             cov += H.coverage_rows(e.name, e.role, bases, arms, H.offers_captures(e.scorer, arms))
     if s.captures and not shape:               # nothing could be read: say so per arm

@@ -158,7 +158,7 @@ class Engine:
         self.scheduler = Scheduler(o.max_jobs, o.time_slice)
         self.prefix_cache = self._prefix_cache(o)
         self.created = int(time.time())
-        self.csa_layers = [i for i, r in enumerate(self.cfg.compress_ratios) if r == 4]
+        self.csa_layers = self.cfg.indexer_layers()
 
     def _prefix_cache(self, o: ServeOptions) -> PrefixCache | None:
         """The prefix cache, or None (--no-prefix-cache). The budget must hold one page's
