@@ -34,25 +34,26 @@ def split_schedule(text: str, default: str | None = None) -> tuple[str, Schedule
     return arm, Schedule.parse(sched if at else (default or "oneshot"))
 
 
-def parse_arm(text: str | None) -> NumericsArm:
+def parse_arm(text: str | None, model: str = "v4") -> NumericsArm:
     """'golden' (or empty), 'engine', 'engine:sglang', 'kv_bf16,splitk_decode(splits=8)',
-    'engine@chunked(64)', ..."""
+    'engine@chunked(64)', ...; `engine` spellings as for a `model` ('v4', 'v41') checkpoint
+    (kernel_toggles.arms.version_of of the config it runs)."""
     try:
         spec, schedule = split_schedule((text or "").strip())
-        ts = ToggleSet.parse(spec.strip())
+        ts = ToggleSet.parse(spec.strip(), model)
     except (ValueError, ScheduleError) as e:
         raise ArmError(str(e)) from None
     name = str(ts) + ("" if schedule == ONESHOT else f"@{schedule}")
     return NumericsArm(name, ts.numerics, tuple(str(t) for t in ts), schedule)
 
 
-def as_arm(x) -> NumericsArm:
-    """A NumericsArm from a string, a NumericsArm, a ToggleSet-like object (has .numerics)
-    or a callable profile -> Numerics."""
+def as_arm(x, model: str = "v4") -> NumericsArm:
+    """A NumericsArm from a string (parsed for a `model` checkpoint), a NumericsArm, a
+    ToggleSet-like object (has .numerics) or a callable profile -> Numerics."""
     if isinstance(x, NumericsArm):
         return x
     if x is None or isinstance(x, str):
-        return parse_arm(x)
+        return parse_arm(x, model)
     if hasattr(x, "numerics"):
         return NumericsArm(str(x), x.numerics)
     if callable(x):
@@ -60,10 +61,10 @@ def as_arm(x) -> NumericsArm:
     raise ArmError(f"cannot make an arm from {x!r}")
 
 
-def arm_from_env(environ=None) -> NumericsArm:
+def arm_from_env(environ=None, model: str = "v4") -> NumericsArm:
     env = os.environ if environ is None else environ
     try:
-        return parse_arm(env.get(ENV_VAR, ""))
+        return parse_arm(env.get(ENV_VAR, ""), model)
     except ArmError as e:
         raise ArmError(f"${ENV_VAR}: {e}") from None
 

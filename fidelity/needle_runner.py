@@ -49,7 +49,9 @@ class InProcessRunner:
                  batch_tokens: int | None = DEFAULT_BATCH_TOKENS, driver=None):
         """`driver` (fidelity.pipeline_model.Driver, rank 0 under --distributed): the arm
         runs across the pipeline, one trial at a time (no layer-major batches)."""
-        self.name, self.target, self.arm = name, target, as_arm(arm)
+        from kernel_toggles.arms import version_of
+        version = version_of(target.cfg)
+        self.name, self.target, self.arm = name, target, as_arm(arm, version)
         plan_batches([], batch, batch_tokens)             # ValueError for bad bounds, now
         self.batch, self.batch_tokens = batch, batch_tokens   # per layer-major batch (run_batch)
         self.temperature, self.top_p, self.max_tokens = temperature, top_p, max_tokens
@@ -59,7 +61,7 @@ class InProcessRunner:
         self._scores: list[torch.Tensor] = []
         if driver is not None:
             from fidelity.pipeline_model import arm_numerics
-            recipe = (arm_numerics, self.arm.name, profile, kw)
+            recipe = (arm_numerics, self.arm.name, profile, kw, version)
             self.batch = 1
             self.model = driver.model(recipe, sched)
             self.model_rec = driver.model(recipe, sched, record=lambda s: self._scores.append(s))

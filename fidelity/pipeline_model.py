@@ -71,10 +71,12 @@ def calls_group():
     return dist.new_group(backend="gloo", timeout=CALL_WAIT)
 
 
-def arm_numerics(spec: str, profile: str = "reference", numerics_kwargs: dict | None = None):
-    """An arm's Numerics from its spelling (fidelity.arms): a recipe every rank can rebuild."""
+def arm_numerics(spec: str, profile: str = "reference", numerics_kwargs: dict | None = None,
+                 model: str = "v4"):
+    """An arm's Numerics from its spelling (fidelity.arms; `engine` as for a `model`
+    checkpoint): a recipe every rank can rebuild."""
     from fidelity.arms import parse_arm
-    return parse_arm(spec).numerics(profile, **(numerics_kwargs or {}))
+    return parse_arm(spec, model).numerics(profile, **(numerics_kwargs or {}))
 
 
 def stage_devices(stage) -> list | None:

@@ -2,7 +2,10 @@
 prefix cache restores V4.1's whole sequence state (Engram history, last index-key writer)
 so a hit gives the cold logits bit for bit; needle's mechanism rows are V4.1's index
 sources at their own ratios (disjoint entries), batched layer-major = one at a time; kld's
-captures are read on the index sources."""
+captures are read on the index sources; `engine` arms are V4.1's in kld and serve."""
+import json
+
+import httpx
 import pandas as pd
 import pytest
 import torch
@@ -13,11 +16,14 @@ from fidelity.kld.inprocess import capture_shape
 from fidelity.needle_runner import InProcessRunner
 from fidelity.serve.prefix_cache import PrefixCache, page_keys, paged_prefill, restore
 from fidelity.weights.target import load_target
+from kernel_toggles import ToggleSet
 from needle.sweep import SweepConfig, run_sweep
 from reference_model import build_model
 from reference_model.v41.checkpoint_write import save_checkpoint
 from reference_model.v41.config import tiny_v41
 from reference_model.v41.weights import random_weights
+
+from needle_util import ok, served
 
 CFG = tiny_v41()
 PAGE = 16
@@ -91,3 +97,29 @@ def test_kld_captures_on_v41_index_sources(kld_run):
     caps = pd.read_csv(kld_run / "captures.csv")
     assert sorted(caps[caps.signal == "topk_loss"].layer.unique()) == CFG.indexer_layers()
     assert capture_shape(CFG)["indexer_layers"] == CFG.indexer_layers() == [2, 4, 6, 8]
+
+
+def test_kld_engine_arm_is_v41s(kld_run):
+    arms = {a["name"]: a["arm"] for a in json.loads((kld_run / "manifest.json").read_text())["manifest"]["arms"]}
+    assert arms["eng"] == str(ToggleSet.parse("engine", "v41")) != str(ToggleSet.parse("engine"))
+
+
+def test_serve_v41_engine_arm_indexer_layers_and_prefix_hit(checkpoint):
+    """One server on the tiny V4.1 checkpoint: `engine` is V4.1's, /get_model_info names the
+    index sources, and a prefix-cache hit answers as the cold request."""
+    ids = _ids(60, 3).tolist()
+    with served("golden", extra=("--checkpoint", str(checkpoint), "--arm", "golden=golden",
+                                 "--arm", "eng=engine", "--page-size", str(PAGE))) as (url,):
+        info = ok(httpx.get(url + "/get_server_info", timeout=30))
+        assert info["arms"]["eng"]["toggles"] == [str(t) for t in ToggleSet.parse("engine", "v41")]
+        assert ok(httpx.get(url + "/get_model_info", timeout=30))["indexer_layers"] == CFG.indexer_layers()
+        runs = []
+        for prompt in (ids, ids[:50] + ids[:10], None, ids[:50] + ids[:10]):
+            if prompt is None:
+                assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200
+                continue
+            r = ok(httpx.post(url + "/v1/completions", json={
+                "model": "golden", "prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 2,
+                "ignore_eos": True}, timeout=300))
+            runs.append((r["choices"][0]["logprobs"], r["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        assert runs[1][1] == 48 and runs[2][1] == 0 and runs[1][0] == runs[2][0]

@@ -133,8 +133,9 @@ def _reference(spec: str | None, target):
     from fidelity.arms import parse_arm
     from fidelity.cli import name_value_pairs
     from fidelity.kld.inprocess import InProcessScorer
+    from kernel_toggles.arms import version_of
     (name, text), = name_value_pairs([spec], "--inprocess", "ARM")
-    arm = parse_arm(text)
+    arm = parse_arm(text, version_of(target.cfg))
     return InProcessScorer(name, arm.numerics(), target.weights, arm.name, schedule=arm.schedule)
 
 

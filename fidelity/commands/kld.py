@@ -107,12 +107,14 @@ def build_entries(args, target, progress, place=None, driver=None):
     every, per_arm = model_options(args.model, [n for n, _ in endpoints])
     policy = RetryPolicy(retries=args.retries, timeout=args.timeout)
     entries = []
+    from kernel_toggles.arms import version_of
+    version = version_of(target.cfg)
     for name, spec in _pairs(args.inprocess, "--inprocess"):
-        arm = parse_arm(spec)
+        arm = parse_arm(spec, version)
         kw = {"compute_dtype": place.compute_dtype} if place else {}
         from fidelity.pipeline_model import arm_numerics
-        model = driver.model((arm_numerics, spec, "reference", kw), arm.schedule) if driver else None
-        nx = None if driver else arm_numerics(spec, "reference", kw)
+        model = driver.model((arm_numerics, spec, "reference", kw, version), arm.schedule) if driver else None
+        nx = None if driver else arm_numerics(spec, "reference", kw, version)
         entries.append(ScoredArm(name, InProcessScorer(name, nx, target.weights, arm.name,
                                                        place.model_devices if place else None,
                                                        arm.schedule, model=model),

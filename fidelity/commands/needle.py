@@ -147,10 +147,11 @@ def _runners(args, driver=None):
             notes.append(f"distributed over {driver.stage.world} ranks: trials run one at a time")
         notes.append(f"in-process model: {target.description}")
         temp = 0.0 if args.temperature is None else args.temperature
+        from kernel_toggles.arms import version_of
         for s in arm_specs:
             name, text = _named(s, s)
             try:
-                arm = parse_arm(text)
+                arm = parse_arm(text, version_of(target.cfg))
             except ArmError as e:
                 raise CommandError(f"--arm {s!r}: {e}") from None
             runners.append(InProcessRunner(name, target, arm,

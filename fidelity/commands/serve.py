@@ -113,12 +113,15 @@ def _run(args, driver=None) -> int:
     from fidelity.devices import DeviceError, from_args
     if args.chat_version != "auto":
         chat_encoding(args.chat_version, args.generation)     # a bad combination fails before loading
+    from fidelity.weights.source import checkpoint_config
+    from kernel_toggles.arms import version_of
     try:
         place = from_args(args)
+        version = version_of(checkpoint_config(args.checkpoint))
         if args.arm:
-            arms = [(name, parse_arm(spec)) for name, spec in parse_arm_options(args.arm)]
+            arms = [(name, parse_arm(spec, version)) for name, spec in parse_arm_options(args.arm)]
         else:
-            arms = [(None, arm_from_env())]
+            arms = [(None, arm_from_env(model=version))]
     except (ArmError, DeviceError, ValueError) as e:
         raise CommandError(str(e)) from None
     scheduled = [arm.name for _, arm in arms if arm.schedule != ONESHOT]

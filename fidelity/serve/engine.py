@@ -144,7 +144,9 @@ class Engine:
             if o.driver is not None:
                 from fidelity.pipeline_model import arm_numerics
                 kw = {"compute_dtype": placement.compute_dtype} if placement else {}
-                model = o.driver.model((arm_numerics, arm.name, "reference", kw), chunk_tokens=o.chunked_prefill)
+                from kernel_toggles.arms import version_of
+                model = o.driver.model((arm_numerics, arm.name, "reference", kw, version_of(target.cfg)),
+                                       chunk_tokens=o.chunked_prefill)
             else:
                 nx = arm.numerics(compute_dtype=placement.compute_dtype) if placement else arm.numerics()
                 model = build_model(target.weights, nx, weight_cache=cache, chunk_tokens=o.chunked_prefill,
