@@ -58,3 +58,15 @@ def to_dense(tensors: dict, dtype=torch.float32):
         v = tensors[n]
         return {n: v.to(dtype) if v.dtype == torch.bfloat16 else t}
     return fn
+
+
+def set_byte(root, name: str, index: tuple, value: int):
+    """Overwrite one byte-sized element of tensor `name` in its shard of the checkpoint at
+    `root` (e.g. a NaN code, bad input for a reader); returns the shard's path."""
+    shard = root / json.loads((root / INDEX_NAME).read_text())["weight_map"][name]
+    d = load_file(shard)
+    raw = d[name].view(torch.uint8).clone()
+    raw[index] = value
+    d[name] = raw.view(d[name].dtype)
+    save_file(d, str(shard))
+    return shard

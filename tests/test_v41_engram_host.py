@@ -4,14 +4,13 @@ only gathered rows move, and the logits equal those of dense tables bit for bit;
 `fidelity plan-memory` counts them as host (mapped) memory, not device memory."""
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
+from checkpoint_util import set_byte
 from reference_model import Numerics, flash
 from reference_model.v41.checkpoint_format import expected_entries
 from reference_model.v41.checkpoint_read import StreamingWeights, load_checkpoint, scan_checkpoint
@@ -75,12 +74,7 @@ def test_moving_weights_leaves_the_tables_on_the_host(ckpt):
 
 def test_nan_codes_are_named_when_their_row_is_gathered(ckpt, tmp_path):
     root = Path(shutil.copytree(ckpt, tmp_path / "tiny-v41"))
-    shard = root / json.loads((root / "model.safetensors.index.json").read_text())["weight_map"][TABLE]
-    d = load_file(shard)
-    codes = d[TABLE].view(torch.uint8).clone()
-    codes[7, 3] = 0x7F
-    d[TABLE] = codes.view(torch.float8_e4m3fn)
-    save_file(d, str(shard))
+    shard = set_byte(root, TABLE, (7, 3), 0x7F)                  # an e4m3 NaN code
     table = load_checkpoint(root).tensors[TABLE]          # not read whole at load
     table.lookup(torch.tensor([0, 6, 8]))
     with pytest.raises(ValueError, match=f"{TABLE} in {shard.name}: a gathered row holds e4m3 NaN"):

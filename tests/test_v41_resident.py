@@ -4,14 +4,13 @@ dense and streamed loads (also placed over two devices); the Engram tables are n
 anywhere (host memory maps), only routed experts are decoded, bad data is named."""
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
+from checkpoint_util import set_byte
 from fidelity.weights.source import load_weights
 from reference_model import Numerics
 from reference_model.checkpoint_format import CheckpointError
@@ -73,11 +72,6 @@ def test_load_weights_names_the_mode(ckpt):
 def test_bad_data_is_named_at_load(ckpt, tmp_path):
     root = Path(shutil.copytree(ckpt, tmp_path / "tiny-v41"))
     n = "layers.2.attn.wq_a.scale"
-    shard = root / json.loads((root / "model.safetensors.index.json").read_text())["weight_map"][n]
-    d = load_file(shard)
-    s = d[n].view(torch.uint8).clone()
-    s[0, 0] = 255
-    d[n] = s.view(torch.float8_e8m0fnu)
-    save_file(d, str(shard))
+    shard = set_byte(root, n, (0, 0), 255)                       # an E8M0 NaN byte
     with pytest.raises(CheckpointError, match=f"bad data: {n} in {shard.name}: .*E8M0 NaN byte 255"):
         V41QuantisedResidentWeights(root)
