@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHES = ["bench_prefill", "bench_lockstep", "bench_streaming", "bench_seam", "bench_http",
            "bench_dequant", "bench_streamed_ab", "bench_plan_memory", "bench_kld_client",
            "bench_serve_load", "bench_prefix_cache", "bench_schedule_overhead", "bench_lm_eval",
-           "bench_chunked_head", "bench_needle_batch",
+           "bench_chunked_head", "bench_needle_batch", "bench_reference_speed",
            "gpu_check"]
 
 
