@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -111,7 +113,8 @@ def make_row(trial: Trial, prompt: H.Prompt, runner, res: dict, cfg: SweepConfig
     return row
 
 
-async def _execute(cfg, jobs, prompts, runners, log: ResultsLog, quiet: bool):
+async def _execute(cfg, jobs, prompts, runners, log: ResultsLog, quiet: bool,
+                   interrupted: threading.Event | None = None):
     """Each runner works through its own jobs: a runner with `arun_batch` gets every pending
     trial of one length at once (in-process: run layer-major, fidelity.needle_batch),
     others `concurrency` trials at a time through `arun`. Rows are appended as each trial
@@ -130,8 +133,10 @@ async def _execute(cfg, jobs, prompts, runners, log: ResultsLog, quiet: bool):
              f"{', batch of ' + str(row['batch_trials']) if row.get('batch_trials', 1) > 1 else ''})",
              quiet)
 
+    stop = interrupted or threading.Event()
+
     async def worker(r, q):
-        while True:
+        while not stop.is_set():
             try:
                 t = q.get_nowait()
             except asyncio.QueueEmpty:
@@ -145,6 +150,8 @@ async def _execute(cfg, jobs, prompts, runners, log: ResultsLog, quiet: bool):
         for group in by_length.values():
             async for k, res in r.arun_batch([(prompts[t.trial_id], t.seed) for t in group]):
                 record(group[k], r, res)
+                if stop.is_set():
+                    return
 
     tasks = []
     for r in runners:
@@ -162,6 +169,41 @@ async def _execute(cfg, jobs, prompts, runners, log: ResultsLog, quiet: bool):
     finally:
         for r in runners:
             await r.aclose()
+
+
+def _run_interruptible(make_coro) -> None:
+    """asyncio.run(make_coro(stop)) where Ctrl-C always ends the sweep with KeyboardInterrupt.
+    asyncio's own SIGINT handling cancels the task and relies on the cancellation reaching
+    the top; one loaded CI run saw it lost and the sweep (and the runs after it) go on to
+    the end. Here SIGINT also sets `stop`, which the workers check between trials, and the
+    interrupt is raised after the loop whatever became of the cancellation. Finished rows
+    are already in the log (append-only), so a rerun resumes."""
+    stop = threading.Event()
+
+    async def guarded():
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+
+        def on_sigint():
+            stop.set()
+            task.cancel()
+        try:
+            loop.add_signal_handler(signal.SIGINT, on_sigint)
+        except (ValueError, RuntimeError, NotImplementedError):    # not the main thread
+            pass
+        try:
+            await make_coro(stop)
+        finally:
+            try:
+                loop.remove_signal_handler(signal.SIGINT)
+            except (ValueError, RuntimeError, NotImplementedError):
+                pass
+    try:
+        asyncio.run(guarded())
+    except asyncio.CancelledError:
+        if not stop.is_set():
+            raise
+    if stop.is_set():
+        raise KeyboardInterrupt
 
 
 def run_sweep(cfg: SweepConfig, runners: list, results_path, fresh: bool = False,
@@ -193,7 +235,7 @@ def run_sweep(cfg: SweepConfig, runners: list, results_path, fresh: bool = False
     finally:
         getattr(counter, "close", lambda: None)()
     if jobs:
-        asyncio.run(_execute(cfg, jobs, prompts, runners, log, quiet))
+        _run_interruptible(lambda stop: _execute(cfg, jobs, prompts, runners, log, quiet, stop))
     order = {n: i for i, n in enumerate(names)}
     pos = {t.trial_id: i for i, t in enumerate(plan)}
     return sorted(latest(log.rows), key=lambda r: (order.get(r["arm"], len(order)),
