@@ -139,9 +139,7 @@ def _run(args, driver=None) -> int:
 
     from fidelity.pipeline_model import command_target
     target = command_target(args, place, driver)
-    from reference_model.v41 import is_v41
-    version = args.chat_version if args.chat_version != "auto" else "v41" if is_v41(target.cfg) else "v4"
-    generation = chat_encoding(version, args.generation)
+    generation = chat_encoding(version if args.chat_version == "auto" else args.chat_version, args.generation)
     try:
         engine = Engine(target, arms, ServeOptions(args.model_name, args.max_queue, args.max_logprobs,
                                                    args.time_slice, generation, place, args.default_arm,
