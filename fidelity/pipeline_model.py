@@ -385,22 +385,6 @@ def work(stage, weights) -> None:
 
 
 # ---- the commands' side ---------------------------------------------------------------------
-def add_options(p, command: str) -> None:
-    """--distributed and --dist-timeout, as `fidelity ab` has them."""
-    p.add_argument("--distributed", nargs="?", const=0, type=int, default=None, metavar="RANKS",
-                   help=f"run the in-process golden as a pipeline over torchrun ranks (torchrun ... -m fidelity "
-                        f"{command} --distributed): each rank runs its contiguous layers, rank 0 runs the command, "
-                        "the embedding and the head; RANKS, if given, must equal torchrun's world size "
-                        "(docs/distributed.md)")
-    p.add_argument("--dist-timeout", type=float, default=600, metavar="S",
-                   help="with --distributed: seconds to wait for another rank within a call before failing "
-                        "(default 600)")
-    p.add_argument("--device-memory", default=None, metavar="SIZE",
-                   help="with --distributed: each rank's memory budget (e.g. 96GB) for the stage memory check "
-                        "before the run (the head counts on rank 0); default: each GPU's total memory, no check "
-                        "on CPU")
-
-
 @dataclass(frozen=True)
 class Need:
     """What a per-prompt command holds at once, for the stage memory check: `sequences`

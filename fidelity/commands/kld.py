@@ -50,7 +50,7 @@ def add_arguments(p):
     g.add_argument("--tokenizer", default=None, help="tokenizer.json the prompts are built with")
     from fidelity.devices import add_options
     add_options(p)
-    from fidelity.pipeline_model import add_options as distributed_options
+    from fidelity.commands.options import distributed_options
     distributed_options(p.add_argument_group("distributed (docs/distributed.md)"), "kld")
     g = p.add_argument_group("prompts")
     g.add_argument("--prompts", default=None, metavar="FILE.jsonl",

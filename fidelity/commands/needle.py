@@ -66,7 +66,7 @@ def add_arguments(p):
                         "(default: 65536)")
     from fidelity.devices import add_options
     add_options(p)
-    from fidelity.pipeline_model import add_options as distributed_options
+    from fidelity.commands.options import distributed_options
     distributed_options(p.add_argument_group("distributed (docs/distributed.md; in-process trials then run one "
                                              "at a time, not in layer-major batches)"), "needle")
     g = p.add_argument_group("grid")

@@ -70,7 +70,7 @@ def add_arguments(p):
                         "(once per field and route) (default warning)")
     from fidelity.devices import add_options
     add_options(p)
-    from fidelity.pipeline_model import add_options as distributed_options
+    from fidelity.commands.options import distributed_options
     distributed_options(p.add_argument_group("distributed (docs/distributed.md; rank 0 serves HTTP)"), "serve")
 
 
