@@ -10,6 +10,10 @@ each label's tables with {{RECALL_TABLE:label}}, {{MECHANISM_TABLE:label}},
 {{MECHANISM_BY_LENGTH:label}}, {{DISCRIMINATION:label}} (multikey: distractor needles the
 indexer kept) and {{COMPARE:label1,label2,...}} (recall by length side by side), and
 --smoke-label picks the smoke cell's sweep (its haystack spec goes into smoke.json).
+--context takes labelled multi-arm sweeps (golden first, e.g. `fidelity needle --arm golden
+--arm index_keys_fp8 ...`): {{CONTEXT_RECALL:label}} is recall by length per arm against
+golden (exact McNemar), {{CONTEXT_MECHANISM:label}} what each arm does to the indexer's
+picks and the needle entry's margin; eval/context_summary.json holds their numbers.
 """
 from __future__ import annotations
 
@@ -208,6 +212,66 @@ def _fill_labelled(md: str, groups, specs, train_lengths, tokenizer) -> tuple[st
     return md, summaries
 
 
+def context_recall_md(rows) -> list[str]:
+    """Recall by length for every arm of a multi-arm sweep, the first arm (golden) the
+    baseline: each arm's pooled recall with its Wilson interval and the exact McNemar test
+    against the baseline on the same haystacks."""
+    from needle.tables import by_arm, by_length, pairs
+    arms = by_arm(rows)
+    base = arms[0]["arm"]
+    bl = {(r["arm"], r["length"]): r for r in by_length(rows)}
+    lengths = sorted({L for _, L in bl})
+    pooled = {r["arm_b"]: r for r in pairs(rows) if r["scope"] == "all"}
+    md = ["| arm | " + " | ".join(str(L) for L in lengths) + " | all [95% Wilson] | vs "
+          f"{base}: only {base} right / only the arm right, exact McNemar p |",
+          "|---|" + "---:|" * len(lengths) + "---|---|"]
+    for s in arms:
+        a = s["arm"]
+        per = " | ".join("-" if bl.get((a, L), {}).get("recall") is None else f"{bl[(a, L)]['recall']:.2f}"
+                         for L in lengths)
+        p = pooled.get(a)
+        vs = "" if p is None else f"{p['a_only']} / {p['b_only']}, p = {p['p_value']:.2g}"
+        md.append(f"| {a} | {per} | {s['recall']:.3f} [{s['ci_low']:.2f}, {s['ci_high']:.2f}] "
+                  f"n={s['n_scored']} | {vs} |")
+    return md
+
+
+def context_mechanism_md(rows) -> list[str]:
+    """Per arm and CSA layer, against the first arm on the same trials: how much of the
+    indexer's picks it changes, whether it ever changes the needle's entry being picked,
+    and how far the needle entry sits from the top-k boundary against the arm's shift of
+    it (needle.tables.mechanism_pairs)."""
+    from needle.tables import mechanism, mechanism_pairs
+    base = {m["layer"]: m for m in mechanism(rows) if m["arm"] == rows[0]["arm"]}
+    md = ["| arm | CSA layer | picks Jaccard (mean) | identical pick sets | needle entry kept: "
+          "only golden / only the arm, exact p | golden's margin to the boundary (median) | "
+          "the arm's shift of it (median) | fragile: margin within 2× the shift |",
+          "|---|---|---|---|---|---|---|---|"]
+    f = (lambda v, fmt: "-" if v is None else format(v, fmt))
+    for m in mechanism_pairs(rows):
+        if m["layer"] == "all":
+            continue
+        margin = base.get(m["layer"], {}).get("margin_median")
+        md.append(f"| {m['arm_b']} | {m['layer']} | {m['picks_jaccard_mean']:.3f} | "
+                  f"{m['identical_picks']}/{m['n']} | {m['a_only']} / {m['b_only']}, p = "
+                  f"{m['p_value']:.2g} | {f(margin, '.2f')} | {f(m['margin_shift_median'], '.3f')} | "
+                  f"{f(m['fragile_rate'], '.3f')} |")
+    return md
+
+
+def _fill_context(md: str, paths: dict[str, list[Path]]) -> tuple[str, dict]:
+    """{{CONTEXT_RECALL:label}} and {{CONTEXT_MECHANISM:label}} from --context sweeps."""
+    from needle.tables import by_length, mechanism_pairs, pairs
+    out = {}
+    for lab, ps in paths.items():
+        rows = _rows(ps)
+        md = md.replace(f"{{{{CONTEXT_RECALL:{lab}}}}}", "\n".join(context_recall_md(rows)))
+        md = md.replace(f"{{{{CONTEXT_MECHANISM:{lab}}}}}", "\n".join(context_mechanism_md(rows)))
+        out[lab] = {"by_length": by_length(rows), "pairs": [p for p in pairs(rows) if p["scope"] != "cell"],
+                    "mechanism_pairs": mechanism_pairs(rows)}
+    return md, out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model")
@@ -218,6 +282,9 @@ def main(argv=None):
     p.add_argument("--smoke-depths", default="0,25,50,75,100")
     p.add_argument("--notes", default=None, help="Markdown file with the hand-written sections")
     p.add_argument("--smoke-label", default="", help="labelled sweeps: the smoke cell's label")
+    p.add_argument("--context", default=None,
+                   help="labelled multi-arm sweeps (label=a.jsonl+b.jsonl,...), golden first: "
+                        "recall vs context per arm and its mechanism, placed by the notes")
     a = p.parse_args(argv)
     root = Path(a.model)
     (root / "eval").mkdir(exist_ok=True)
@@ -244,6 +311,9 @@ def main(argv=None):
         md = md.replace("{{RECALL_TABLE}}", "\n".join(markdown_tables(t, train_lengths)))
         md = md.replace("{{MECHANISM_TABLE}}", "\n".join(mechanism_md(t)))
         md = md.replace("{{MECHANISM_BY_LENGTH}}", "\n".join(mechanism_by_length(rows)))
+    if a.context:
+        md, context = _fill_context(md, _labelled(a.context))
+        (root / "eval" / "context_summary.json").write_text(json.dumps(context, indent=1) + "\n")
     (root / "eval" / "smoke.json").write_text(json.dumps(smoke, indent=1) + "\n")
     md = md.replace("{{TRAIN_SECONDS}}", f"{run['train_seconds']:.0f}")
     md = md.replace("{{SMOKE}}", json.dumps(smoke))
