@@ -40,6 +40,9 @@ class PromptScores:
     indexer: np.ndarray | None = None               # (rows, CSA layers, index_topk)
     experts: np.ndarray | None = None               # (rows, layers, experts per token)
     captures_missing: str | None = None             # why captures expected from the arm are absent
+    # in-process only: the indexer's scores at the last prompt position, per CSA layer over its
+    # compressed entries (-inf: not visible or padding) -- selection margins (kld/margins.py)
+    index_scores: np.ndarray | None = None          # (CSA layers, entries)
 
 
 @dataclass

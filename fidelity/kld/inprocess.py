@@ -1,7 +1,9 @@
 """An arm computed here rather than served: the reference model under a toggle arm, with
 the whole vocabulary known at every position (so KL against it is exact), a greedy decode
-ladder, and the same captures a served arm returns. Used as the baseline when the served
-model is one we can run (the embedded model or --checkpoint).
+ladder, and the same captures a served arm returns, plus what no engine returns: the
+indexer's scores at the last prompt position per CSA layer (`index_scores`, for the
+selection margins of fidelity.kld.margins). Used as the baseline when the served model is
+one we can run (the embedded model or --checkpoint).
 
 The per-position distributions are `HeadRows`: the head runs over a chunk of positions
 when a row of it is first read, so a long prompt never holds [tokens, vocab] log-probs
@@ -20,7 +22,31 @@ from reference_model.taps import Taps
 from .bounds import Known
 from .dialects import PromptScores, Request
 
-CAPTURE_TAPS = ["layers.*.attn.index.topk", "layers.*.ffn.router.experts"]
+LAST_SCORES = "attn.index.last_scores"
+CAPTURE_TAPS = ["layers.*.attn.index.topk", "layers.*.ffn.router.experts", f"layers.*.{LAST_SCORES}"]
+
+
+class CaptureTaps(Taps):
+    """Taps that keep only the newest part of each `attn.index.last_scores` tap: the
+    selection margins need the question's score row alone, and keeping every chunk's row
+    over all entries would grow with chunks × entries instead of entries."""
+
+    def put(self, name: str, value: torch.Tensor) -> None:
+        if name.endswith(LAST_SCORES):
+            self._parts.pop(name, None)
+        super().put(name, value)
+
+
+def last_score_rows(taps: Taps, csa: list[int]) -> np.ndarray:
+    """(CSA layers, entries) float64: each layer's indexer scores at the last position the
+    taps saw, -inf where an entry is not visible, padded with -inf to the widest layer (a
+    layer with no compressed entry yet has no tap: all -inf)."""
+    rows = [taps.last(f"layers.{i}.{LAST_SCORES}")[-1].double().numpy()
+            if f"layers.{i}.{LAST_SCORES}" in taps else np.zeros(0) for i in csa]
+    out = np.full((len(csa), max((len(r) for r in rows), default=0)), -np.inf)
+    for c, r in enumerate(rows):
+        out[c, :len(r)] = r
+    return out
 
 
 def capture_shape(cfg) -> dict:
@@ -91,8 +117,10 @@ class InProcessScorer:
         return [Known(ids, row) for row in lp]
 
     def score(self, ids: list[int], req: Request) -> PromptScores:
-        taps = Taps(CAPTURE_TAPS) if req.captures else None
+        taps = CaptureTaps(CAPTURE_TAPS) if req.captures else None
         H, st = self.model.extend(torch.tensor(ids), None, "hidden", taps)
+        # read before the ladder's decode steps replace them with their own rows
+        last_scores = last_score_rows(taps, self.csa) if taps is not None else None
         known = HeadRows(self.model, H, self.model.chunk_tokens)
         n = len(ids)
         actual = [float(k.logp[t]) for k, t in zip(known, ids[1:])] + [None]
@@ -107,4 +135,5 @@ class InProcessScorer:
             s.indexer = torch.stack([taps[f"layers.{i}.attn.index.topk"] for i in self.csa], 1).numpy()
             s.experts = torch.stack([taps[f"layers.{i}.ffn.router.experts"]
                                      for i in range(self.n_layers)], 1).numpy()
+            s.index_scores = last_scores
         return s

@@ -2,7 +2,8 @@
 sentence, llama.cpp-style KLD statistics per arm and context-position bucket (KL lower
 bound with the baseline mass it did not cover, same top-1, Δp of the actual next token,
 quantiles, bootstrap CIs over prompts), the decode ladder, captures, floors, attribution,
-plots and the run's manifest (each arm's own view of itself included)."""
+selection margins of the needle entry (fidelity.kld.margins), plots and the run's
+manifest (each arm's own view of itself included)."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,6 +18,7 @@ from infra.report_page import Page, Section, Table
 from infra.report_writer import ReportWriter
 
 from .health import incomplete
+from .margins import margin_summary
 from .settings import KldSettings
 
 BUCKET0 = 128                   # position buckets [0,128), [128,512), [512,2048), ...
@@ -107,6 +109,10 @@ def write(out_dir, run_id: str, tables: dict, judged: dict, manifest: dict, arms
             w.table(name, tables[name])
         if len(tables.get("coverage", ())):
             w.table("capture_coverage", tables["coverage"])
+        ms = margin_summary(tables.get("margins"))
+        if len(ms):
+            w.table("margins", tables["margins"])
+            w.table("margin_summary", ms)
         w.table("kld_by_position", kt)
         w.table("ladder_summary", lt)
         w.table("signal_summary", judged["summary"])
@@ -122,7 +128,7 @@ def write(out_dir, run_id: str, tables: dict, judged: dict, manifest: dict, arms
             w.figure(signal_board(judged["summary"], judged["attribution"], arms), "signals",
                      "Signals vs their floors", "Each arm's mean of each signal over the highest "
                      "floor's upper 95% bound (log scale): red above every floor, grey no data.")
-        w.page(build_page(manifest, judged, kt, lt, tables.get("coverage")))
+        w.page(build_page(manifest, judged, kt, lt, tables.get("coverage"), ms))
         plt.close("all")
         return w.commit()
     except BaseException:
@@ -171,7 +177,8 @@ def _next_steps(m: dict, sus: pd.DataFrame) -> list[str]:
     return out
 
 
-def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov) -> Page:
+def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov,
+               margins: pd.DataFrame | None = None) -> Page:
     s = m["settings"]
     others = [a["name"] for a in m["arms"] if a["name"] != m["baseline"]]
     compared = (f"Baseline `{m['baseline']}` vs {', '.join(f'`{a}`' for a in others)} on "
@@ -195,6 +202,15 @@ def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov) -
         Section("Floors per signal", "Upper 95% bound of the highest floor, per signal and place.",
                 [Table(judged["floors"])]),
     ]
+    if margins is not None and len(margins):
+        sections.append(Section(
+            "Selection margins", f"At the last prompt position, per CSA layer: the baseline "
+            f"`{m['baseline']}`'s margin of the needle's compressed entry to the top-k boundary "
+            "(its own indexer scores; prompts with a needle), the arm's implied score "
+            "perturbation ε from its picks alone (a dropped pick outscoring an added one by d "
+            "needs a max-norm score change ≥ d/2: a lower bound, 0 when the picks agree) and "
+            "the share of prompts whose |margin| < 2ε (fragile). Not a verdict signal; per "
+            "prompt in `margins.csv`.", [Table(margins)]))
     retries = _retry_lines(m)
     sections.append(Section("Requests retried", "\n".join(retries) if retries else "None."))
     if cov is not None and len(cov):

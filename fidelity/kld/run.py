@@ -25,6 +25,7 @@ from fidelity.verdict.signals import http_signals
 from . import health as H
 from . import report
 from .compare import capture_rows, position_rows
+from .margins import margin_rows
 from .dialects import PromptScores, Request
 from .settings import KldSettings
 from .store import ScoreStore, request_key
@@ -73,7 +74,9 @@ def score_arm(entry: ScoredArm, prompts, s: KldSettings, store: ScoreStore, base
         got = store.get(entry.name, p.id, _key(s, entry, p.tokens.tolist()))
         return (got is None or got.captures_missing is not None
                 or (s.captures and got.indexer is None and entry.scorer.kind == "endpoint"
-                    and getattr(entry.scorer, "shape", None) is not None))
+                    and getattr(entry.scorer, "shape", None) is not None)
+                # stored before in-process scores kept the indexer's last score row
+                or (s.captures and got.index_scores is None and entry.scorer.kind == "inprocess"))
     todo = [p for p in prompts if pending(p)]
     with progress.task(f"scoring {entry.name}", len(todo)) as advance:
         for p in todo:
@@ -108,9 +111,11 @@ def load(entry: ScoredArm, p, s: KldSettings, store: ScoreStore) -> PromptScores
 def compare_all(entries: list[ScoredArm], prompts, s: KldSettings, store: ScoreStore,
                 shape: dict | None) -> dict[str, pd.DataFrame]:
     """Per-position rows, ladder divergence and capture rows of every arm vs the baseline,
-    and each arm's capture coverage (prompts each capture signal could be computed on)."""
+    selection margins (the baseline's needle margin, the arm's implied perturbation: only
+    when the baseline kept its indexer scores, i.e. runs in-process), and each arm's
+    capture coverage (prompts each capture signal could be computed on)."""
     base_e = next(e for e in entries if e.role == "baseline")
-    pos, ladder, caps, cov = [], [], [], []
+    pos, ladder, caps, margins, cov = [], [], [], [], []
     bases = [load(base_e, p, s, store) for p in prompts]
     if s.captures:
         cov += H.coverage_rows(base_e.name, "baseline", bases, bases, H.offers_captures(base_e.scorer, bases))
@@ -129,6 +134,9 @@ def compare_all(entries: list[ScoredArm], prompts, s: KldSettings, store: ScoreS
                 caps += [{"arm": e.name, "prompt": p.id, **r} for r in
                          capture_rows(base, a, shape["indexer_layers"], shape["num_hidden_layers"],
                                       p.needle_tokens, shape.get("compress_ratios"))]
+                margins += [{"arm": e.name, "prompt": p.id, "group": p.group, **r} for r in
+                            margin_rows(base, a, shape["indexer_layers"], shape["index_topk"],
+                                        p.needle_tokens, shape.get("compress_ratios"))]
         if s.captures:
             cov += H.coverage_rows(e.name, e.role, bases, arms, H.offers_captures(e.scorer, arms))
     if s.captures and not shape:               # nothing could be read: say so per arm
@@ -136,7 +144,7 @@ def compare_all(entries: list[ScoredArm], prompts, s: KldSettings, store: ScoreS
             if r["prompts"]:
                 r["prompts"], r["missing_because"] = 0, "the capture shape is unknown (/get_model_info)"
     return {"positions": pd.DataFrame(pos), "ladder": pd.DataFrame(ladder), "captures": pd.DataFrame(caps),
-            "coverage": pd.DataFrame(cov)}
+            "margins": pd.DataFrame(margins), "coverage": pd.DataFrame(cov)}
 
 
 def judge_arms(entries: list[ScoredArm], sig: pd.DataFrame, s: KldSettings) -> dict:
