@@ -51,10 +51,34 @@ def test_context_mechanism_table():
 
 
 def test_context_tables_from_a_results_file(tmp_path):
-    """The tables read a sweep's results file as committed (header line, then rows)."""
+    """The tables read a sweep's results file as committed (header line, then rows), with
+    the arms in the header's order even when the other arm's trials finished first."""
     from training.model_card import _fill_context
     p = tmp_path / "ctx.jsonl"
-    p.write_text("\n".join(json.dumps(r) for r in [{"type": "header", "schema_version": 1}] + _rows()) + "\n")
+    header = {"type": "header", "schema_version": 1, "arms": [{"name": "golden"}, {"name": "x"}]}
+    rows = _rows()
+    p.write_text("\n".join(json.dumps(r) for r in [header] + rows[4:] + rows[:4]) + "\n")
     md, summary = _fill_context("A\n{{CONTEXT_RECALL:near}}\nB\n{{CONTEXT_MECHANISM:near}}\n", {"near": [p]})
     assert "{{" not in md and "| x | 0.50 | 1.00 |" in md and "| x | 1 | 0.900 |" in md
     assert summary["near"]["mechanism_pairs"][0]["a_only"] == 1
+
+
+def test_paired_table_counts_shared_trials_only():
+    """Two checkpoints' sweeps: trials only one gets right, both right, exact p; a trial
+    only one sweep ran is not a pair."""
+    from training.model_card import paired_md
+    g = [r for r in _rows() if r["arm"] == "golden"]
+    x = [dict(r, arm="golden") for r in _rows() if r["arm"] == "x"][:3]     # trial 3 not run
+    md = paired_md({"new": g, "old": x}, [("new", "old")])
+    # shared trials 0-2: new right on all three, old wrong on 0 -> 1 / 0, both 2, p = 1
+    assert md[2] == "| new vs old | 3 | 1 | 0 | 2 | 1 |"
+
+
+def test_context_trend_table():
+    from training.model_card import context_trend_md
+    md = context_trend_md(_rows())
+    # 1024: golden margins 2.0, 0.5 -> median 1.25, smallest 0.5; x's shifts 0.2, 0.6 ->
+    # median 0.4, largest 0.6; trial 1 is fragile (0.6 > 0.5 / 2), trial 0 not (0.2 < 1.0)
+    assert md[2] == "| 1 | 1024 | 2 | 1.25 (0.50) | 0.400 (x) | 0.600 (x) | 1 |"
+    # 4096: margins 4.0, 1.0; shifts 0.2, 0.4 -> none over half its margin
+    assert md[3] == "| 1 | 4096 | 2 | 2.50 (1.00) | 0.300 (x) | 0.400 (x) | 0 |"

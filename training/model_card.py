@@ -8,12 +8,14 @@ indexer mechanism rate by CSA layer, and eval/smoke.json (the cell the smoke tes
 Sweeps may be labelled (`near4=a.jsonl+b.jsonl,single=c.jsonl`): the notes then place
 each label's tables with {{RECALL_TABLE:label}}, {{MECHANISM_TABLE:label}},
 {{MECHANISM_BY_LENGTH:label}}, {{DISCRIMINATION:label}} (multikey: distractor needles the
-indexer kept) and {{COMPARE:label1,label2,...}} (recall by length side by side), and
+indexer kept), {{COMPARE:label1,label2,...}} (recall by length side by side) and
+{{PAIRED:a/b,c/d,...}} (exact McNemar of sweep a against b on their shared trials), and
 --smoke-label picks the smoke cell's sweep (its haystack spec goes into smoke.json).
 --context takes labelled multi-arm sweeps (golden first, e.g. `fidelity needle --arm golden
 --arm index_keys_fp8 ...`): {{CONTEXT_RECALL:label}} is recall by length per arm against
 golden (exact McNemar), {{CONTEXT_MECHANISM:label}} what each arm does to the indexer's
-picks and the needle entry's margin; eval/context_summary.json holds their numbers.
+picks and the needle entry's margin, {{CONTEXT_TREND:label}} those margins and shifts by
+length; eval/context_summary.json holds their numbers.
 """
 from __future__ import annotations
 
@@ -52,19 +54,22 @@ def loss_curve(log: list[dict], path: Path, smooth: int = 25):
     ax[0].set_yscale("log")
     ax[0].set_xlabel("step")
     ax[0].set_title(f"losses (EMA over {smooth} steps)")
-    ax[0].legend()
     ax[1].plot(steps, ema([r["seq_acc"] for r in log]), label="all answer tokens right (teacher-forced)")
     for layer in sorted({k for r in log for k in r.get("hits", {})}, key=int):
         ax[1].plot(steps, ema([r["hits"].get(layer, float("nan")) for r in log]),
                    label=f"layer {layer}: needle entry in indexer top-k")
-    ax[1].set_ylim(0, 1.02)
+    ax[1].set_ylim(0, 1.12)
     ax[1].set_xlabel("step")
     ax[1].set_title("training batches")
-    ax[1].legend(loc="lower right", fontsize=8)
+    ax[1].legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8)
+    ax[0].legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8)
     for a in ax:
         for r0, r1 in zip(log, log[1:]):
             if r0["phase"] != r1["phase"] or r0.get("stage") != r1.get("stage"):
                 a.axvline(r1["step"], color="grey", lw=0.8, ls="--")
+    for r0, r1 in zip([{}] + log, log):                  # name each stage where it starts
+        if r1.get("stage") and r1["stage"] != r0.get("stage"):
+            ax[1].text(r1["step"], 1.06, f" stage {r1['stage']}", fontsize=8, va="center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -193,6 +198,23 @@ def compare_md(groups: dict[str, list[dict]], labels: list[str]) -> list[str]:
     return md
 
 
+def paired_md(groups: dict[str, list[dict]], pairs: list[tuple[str, str]]) -> list[str]:
+    """Two labelled sweeps on the same trial ids (same haystacks): the trials only one of
+    them gets right, both right, and the exact McNemar p (two-sided binomial on the
+    discordant pairs)."""
+    from needle.stats import mcnemar
+    md = ["| pair | trials | only the first right | only the second right | both right | "
+          "exact McNemar p |", "|---|---:|---:|---:|---:|---|"]
+    for a, b in pairs:
+        rb = {r["trial_id"]: r for r in groups[b]}
+        both = [(r["outcome"] == "correct", rb[r["trial_id"]]["outcome"] == "correct")
+                for r in groups[a] if r["trial_id"] in rb]
+        m = mcnemar([x for x, _ in both], [y for _, y in both])
+        md.append(f"| {a} vs {b} | {m.n} | {m.a_only} | {m.b_only} | "
+                  f"{sum(x and y for x, y in both)} | {m.p_value:.2g} |")
+    return md
+
+
 def _fill_labelled(md: str, groups, specs, train_lengths, tokenizer) -> tuple[str, dict]:
     import re
     summaries = {}
@@ -207,6 +229,9 @@ def _fill_labelled(md: str, groups, specs, train_lengths, tokenizer) -> tuple[st
         if f"{{{{DISCRIMINATION:{lab}}}}}" in md:
             md = md.replace(f"{{{{DISCRIMINATION:{lab}}}}}",
                             "\n".join(discrimination_md(rows, specs[lab], tokenizer)))
+    for m in re.findall(r"\{\{PAIRED:([^}]*)\}\}", md):
+        md = md.replace(f"{{{{PAIRED:{m}}}}}", "\n".join(
+            paired_md(groups, [tuple(x.split("/")) for x in m.split(",")])))
     for m in re.findall(r"\{\{COMPARE:([^}]*)\}\}", md):
         md = md.replace(f"{{{{COMPARE:{m}}}}}", "\n".join(compare_md(groups, m.split(","))))
     return md, summaries
@@ -259,13 +284,62 @@ def context_mechanism_md(rows) -> list[str]:
     return md
 
 
+def context_trend_md(rows) -> list[str]:
+    """Per CSA layer and length: golden's margins of the needle entry (median, smallest)
+    against the arms' shifts of them on the same trials (the largest per-arm median, the
+    largest single shift, each with its arm), and the trials where some arm's shift
+    reaches half the margin -- how the distance to the boundary and the optimizations'
+    push on it move with context."""
+    import statistics
+    from collections import defaultdict
+    base = rows[0]["arm"]
+    gold = {(r["trial_id"], m["layer"]): m["margin"] for r in rows if r["arm"] == base
+            for m in r.get("mechanism") or [] if m.get("margin") is not None and not m.get("in_window")}
+    margins, shifts = defaultdict(list), defaultdict(lambda: defaultdict(list))
+    fragile = defaultdict(set)
+    for r in rows:
+        for m in r.get("mechanism") or []:
+            g = gold.get((r["trial_id"], m["layer"]))
+            if g is None or m.get("margin") is None:
+                continue
+            key = (m["layer"], r["length"])
+            if r["arm"] == base:
+                margins[key].append(g)
+                continue
+            shift = abs(m["margin"] - g)
+            shifts[key][r["arm"]].append(shift)
+            if abs(g) < 2 * shift:
+                fragile[key].add(r["trial_id"])
+    md = ["| CSA layer | length | trials | golden's margin: median (smallest) | largest median "
+          "shift (arm) | largest single shift (arm) | fragile trials: some arm's shift "
+          "over half golden's margin |", "|---|---:|---:|---|---|---|---:|"]
+    for key in sorted(margins):
+        by_arm = shifts[key]
+        med = max(((statistics.median(v), a) for a, v in by_arm.items()), default=None)
+        top = max(((max(v), a) for a, v in by_arm.items()), default=None)
+        f = (lambda x: "-" if x is None else f"{x[0]:.3f} ({x[1]})")
+        md.append(f"| {key[0]} | {key[1]} | {len(margins[key])} | {statistics.median(margins[key]):.2f} "
+                  f"({min(margins[key]):.2f}) | {f(med)} | {f(top)} | {len(fragile[key])} |")
+    return md
+
+
+def _in_arm_order(paths) -> list[dict]:
+    """A multi-arm sweep's rows with the arms in the order the command named them (the
+    header's), not the order trials finished in: golden first, the engine last."""
+    from needle.results import read_rows
+    header, _ = read_rows(paths[0])
+    order = {a["name"]: i for i, a in enumerate((header or {}).get("arms", []))}
+    return sorted(_rows(paths), key=lambda r: order.get(r["arm"], len(order)))
+
+
 def _fill_context(md: str, paths: dict[str, list[Path]]) -> tuple[str, dict]:
     """{{CONTEXT_RECALL:label}} and {{CONTEXT_MECHANISM:label}} from --context sweeps."""
     from needle.tables import by_length, mechanism_pairs, pairs
     out = {}
     for lab, ps in paths.items():
-        rows = _rows(ps)
+        rows = _in_arm_order(ps)
         md = md.replace(f"{{{{CONTEXT_RECALL:{lab}}}}}", "\n".join(context_recall_md(rows)))
+        md = md.replace(f"{{{{CONTEXT_TREND:{lab}}}}}", "\n".join(context_trend_md(rows)))
         md = md.replace(f"{{{{CONTEXT_MECHANISM:{lab}}}}}", "\n".join(context_mechanism_md(rows)))
         out[lab] = {"by_length": by_length(rows), "pairs": [p for p in pairs(rows) if p["scope"] != "cell"],
                     "mechanism_pairs": mechanism_pairs(rows)}
