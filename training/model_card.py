@@ -333,7 +333,8 @@ def _in_arm_order(paths) -> list[dict]:
 
 
 def _fill_context(md: str, paths: dict[str, list[Path]]) -> tuple[str, dict]:
-    """{{CONTEXT_RECALL:label}} and {{CONTEXT_MECHANISM:label}} from --context sweeps."""
+    """{{CONTEXT_RECALL:label}}, {{CONTEXT_MECHANISM:label}} and {{CONTEXT_TREND:label}} from
+    --context sweeps, and their numbers for eval/context_summary.json."""
     from needle.tables import by_length, mechanism_pairs, pairs
     out = {}
     for lab, ps in paths.items():
