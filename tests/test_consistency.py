@@ -102,6 +102,7 @@ def test_faults_are_retried_never_counted(url, tmp_path):
     assert retries == {"POST /generate": 4}, retries          # 500, drop, malformed, 503
 
 
+@pytest.mark.slow          # ~80 s each on 2 cores: make test-slow (CI runs it)
 def test_sigkill_mid_run_then_rerun_resumes_to_the_same_tables(url, tmp_path):
     """`fidelity consistency` killed with SIGKILL after some probes finished: the rerun
     keeps them (the store only grows), finishes, and its tables equal an uninterrupted run's."""
@@ -186,6 +187,7 @@ def test_chunk_family_needs_a_reference_and_a_chunk_size(url, tmp_path):
                         tmp_path, "x", progress=lambda m: None)
 
 
+@pytest.mark.slow          # ~80 s each on 2 cores: make test-slow (CI runs it)
 def test_long_generation_drift_found_where_it_starts(tmp_path):
     """decode_positions_wrap(at=P+150) (decode positions modulo P+150, P the chat prompt's
     length): a 300-token generation leaves the golden, scored teacher-forced here, exactly
