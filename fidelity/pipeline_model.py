@@ -236,7 +236,8 @@ class PipelineModel:
         d, st = self.driver, self.driver.stage
         rows = {"hidden": "all", "all": "all", "none": "none"}.get(logits, "last")
         d._send({"op": "extend", "key": self.key, "state": state.id, "tokens": tokens.cpu(), "phase": phase,
-                 "taps": taps.patterns if taps else None, "rows": rows, "mates": _batch_mates()})
+                 "taps": taps.patterns if taps else None, "latest": taps.latest if taps else [],
+                 "rows": rows, "mates": _batch_mates()})
         d.calls += 1
         try:
             H = self.local.embed(tokens, taps)
@@ -310,7 +311,7 @@ class _Worker:
         state = self.states.get(cmd["state"])
         if state is None:
             state = self.states[cmd["state"]] = stage_state(model, self.stage)
-        taps = Taps(cmd["taps"]) if cmd["taps"] else None
+        taps = Taps(cmd["taps"], latest=cmd["latest"]) if cmd["taps"] else None
         tokens = cmd["tokens"].to(H.device)
         del sink[:]
         carry_in(state, meta["carried"])
@@ -319,7 +320,7 @@ class _Worker:
                 H = model.layer(i, H, tokens, state, taps, cmd["phase"])
         state.pos += tokens.numel()
         meta["carried"] = carried(state)
-        parts = [(n, p) for n in (taps.names() if taps else []) for p in taps._parts[n]]
+        parts = [(n, p) for n in (taps.names() if taps else []) for p in taps.parts(n)]
         return [H], parts, list(sink)
 
 

@@ -91,14 +91,15 @@ def test_margin_rows_and_summary_by_hand():
 
 
 def test_capture_taps_keep_one_score_row_per_layer():
-    from fidelity.kld.inprocess import CaptureTaps, last_score_rows
-    taps = CaptureTaps(["layers.*.attn.index.last_scores", "layers.*.attn.index.topk"])
+    from fidelity.kld.inprocess import CAPTURE_TAPS, LATEST_TAPS, last_score_rows
+    from reference_model.taps import Taps
+    taps = Taps(CAPTURE_TAPS, latest=LATEST_TAPS)
     taps.put("layers.1.attn.index.last_scores", torch.tensor([[1.0, 2.0]]))       # chunk 1
     taps.put("layers.1.attn.index.last_scores", torch.tensor([[3.0, 4.0, 5.0]]))  # chunk 2
     taps.put("layers.1.attn.index.topk", torch.tensor([[0]]))
     taps.put("layers.1.attn.index.topk", torch.tensor([[1]]))
-    assert len(taps._parts["layers.1.attn.index.last_scores"]) == 1              # O(entries)
-    assert len(taps._parts["layers.1.attn.index.topk"]) == 2                     # others untouched
+    assert len(taps.parts("layers.1.attn.index.last_scores")) == 1               # O(entries)
+    assert len(taps.parts("layers.1.attn.index.topk")) == 2                      # others untouched
     # layer 3 never had an entry (no tap): a row of -inf, padded to the widest layer
     got = last_score_rows(taps, [1, 3])
     assert got.shape == (2, 3) and got[0].tolist() == [3.0, 4.0, 5.0] and np.isneginf(got[1]).all()

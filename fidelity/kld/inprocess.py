@@ -24,17 +24,8 @@ from .dialects import PromptScores, Request
 
 LAST_SCORES = "attn.index.last_scores"
 CAPTURE_TAPS = ["layers.*.attn.index.topk", "layers.*.ffn.router.experts", f"layers.*.{LAST_SCORES}"]
-
-
-class CaptureTaps(Taps):
-    """Taps that keep only the newest part of each `attn.index.last_scores` tap: the
-    selection margins need the question's score row alone, and keeping every chunk's row
-    over all entries would grow with chunks × entries instead of entries."""
-
-    def put(self, name: str, value: torch.Tensor) -> None:
-        if name.endswith(LAST_SCORES):
-            self._parts.pop(name, None)
-        super().put(name, value)
+# the selection margins need the question's score row alone: only the newest chunk's is kept
+LATEST_TAPS = [f"layers.*.{LAST_SCORES}"]
 
 
 def last_score_rows(taps: Taps, csa: list[int]) -> np.ndarray:
@@ -117,7 +108,7 @@ class InProcessScorer:
         return [Known(ids, row) for row in lp]
 
     def score(self, ids: list[int], req: Request) -> PromptScores:
-        taps = CaptureTaps(CAPTURE_TAPS) if req.captures else None
+        taps = Taps(CAPTURE_TAPS, latest=LATEST_TAPS) if req.captures else None
         H, st = self.model.extend(torch.tensor(ids), None, "hidden", taps)
         # read before the ladder's decode steps replace them with their own rows
         last_scores = last_score_rows(taps, self.csa) if taps is not None else None
