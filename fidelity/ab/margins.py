@@ -55,13 +55,21 @@ def score_shift(golden: torch.Tensor, arm: torch.Tensor) -> dict:
     return {"dscore_p50": float(d.median()), "dscore_max": float(d.max())}
 
 
+def is_fragile(margin: float | None, shift: float) -> bool | None:
+    """|margin| < 2 × shift: the needle entry is within reach of a perturbation of that size
+    (its score down by it, the boundary entry's up by it). None without a margin (no needle
+    entry visible, or every visible entry selected) or without a shift."""
+    if margin is None or math.isnan(margin) or math.isnan(shift):
+        return None
+    return bool(abs(margin) < 2 * shift)
+
+
 def margin_fields(golden: torch.Tensor, arm: torch.Tensor, held: list[int], k: int) -> dict:
     """One needle row's margin columns: golden's and the arm's margins, the arm's score
     shift, and whether golden's margin is within twice the arm's largest shift."""
     g, a = entry_margin(golden, held, k), entry_margin(arm, held, k)
     shift = score_shift(golden, arm)
-    fragile = (abs(g["margin"]) < 2 * shift["dscore_max"]
-               if not (math.isnan(g["margin"]) or math.isnan(shift["dscore_max"])) else None)
+    fragile = is_fragile(g["margin"], shift["dscore_max"])
     return {"golden_score": g["score"], "golden_rank": g["rank"], "golden_margin": g["margin"],
             "score": a["score"], "rank": a["rank"], "margin": a["margin"],
             "n_visible": g["n_visible"], "topk": k, **shift, "fragile": fragile}

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fidelity.ab.margins import entry_margin
+from fidelity.ab.margins import entry_margin, is_fragile
 from needle.haystack import needle_entries
 
 from .dialects import PromptScores
@@ -42,15 +42,6 @@ def implied_perturbation(scores, base_picks, arm_picks) -> float:
     if not dropped or not added:
         return 0.0
     return max(0.0, (max(s[j] for j in dropped) - min(s[i] for i in added)) / 2)
-
-
-def is_fragile(margin: float, eps: float) -> bool | None:
-    """|margin| < 2ε: the needle entry is within reach of a perturbation of the arm's shown
-    size (the needle's score down by ε, the boundary entry's up by ε). None without a
-    margin (no needle entry visible, or every visible entry selected)."""
-    if margin is None or math.isnan(margin) or math.isnan(eps):
-        return None
-    return bool(abs(margin) < 2 * eps)
 
 
 def margin_rows(base: PromptScores, arm: PromptScores, csa_layers: list[int], topk: int,
