@@ -62,12 +62,13 @@ def convert(model_dir: Path, out: Path, fp8: str = "q8_0", log: Path | None = No
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "fidelity.llamacpp.convert", str(src), pre, fp8,
            str(model_dir), "--outfile", str(tmp), "--outtype", "f32" if fp8 == "f32" else "auto"]
-    with open(log or out.with_suffix(".convert.log"), "w") as f:
+    log = log or out.with_suffix(".convert.log")
+    with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         tmp.unlink(missing_ok=True)
         raise ConvertError(f"llama.cpp's converter failed on {model_dir} (exit {rc}); "
-                           f"log: {log or out.with_suffix('.convert.log')}")
+                           f"log: {log}")
     tmp.replace(out)
     return out
 
