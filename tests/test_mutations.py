@@ -3,6 +3,7 @@ model: the verdict names each one-line bug with the right first divergent layer,
 golden and, for engine + bug arms, against the engine arm; null arms name nothing.
 
 A fast subset runs by default; `-m slow` runs all of it (`make test-slow`, also in CI)."""
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -107,7 +108,10 @@ def test_fast_mutations_named_at_their_layer(bugs, model):
     mech = {f["toggle"]: f for f in res["verdict"]["mechanism"]}
     for name in MECHANISM:
         s = mech[name]["signals"][0]
-        assert s["signal"] == "topk_loss" and s["places"][0] == "layer 1", (name, s)
+        layers = [int(m.group(1)) for p in s["places"] if (m := re.fullmatch(r"layer (\d+)", p))]
+        # first seen at layer 1; which CSA layer is strongest is not the claim (it varies
+        # with the machine's float reductions: layer 3 on CI's CPU, layer 1 here)
+        assert s["signal"] == "topk_loss" and min(layers) == 1, (name, s)
         assert s["floor_arm"] in (FLOOR_ORDER, FLOOR_TIES)
     assert not mech["index_keys_fp8"]["outcome_named"]
 
