@@ -192,7 +192,7 @@ class HttpRunner:
         finally:
             self._load[i] -= 1
         check_status(r)
-        return completion_body(r)
+        return completion_body(r, self.api == "chat")
 
     async def arun(self, prompt: Prompt, seed: int) -> dict:
         body = self.body(prompt, seed)
@@ -230,8 +230,11 @@ class HttpRunner:
         return make_http_counter(self)
 
 
-def completion_body(r: httpx.Response) -> dict:
-    """The JSON of a 2xx completion answer; an unusable body is retryable."""
+def completion_body(r: httpx.Response, chat: bool = True) -> dict:
+    """The JSON of a 2xx completion answer; an unusable body is retryable. A reply that
+    carries no generated text (no `message` / `text`, or a null content with no reasoning
+    or tool call) is unusable unless its usage says nothing was generated: scoring it would
+    turn a server fault into an `empty` recall miss."""
     try:
         data = r.json()
         choice = data["choices"][0]
@@ -239,7 +242,28 @@ def completion_body(r: httpx.Response) -> dict:
         raise RequestFailed(f"malformed response body: {r.text[:120]!r}", True, r.status_code) from None
     if not isinstance(choice, dict):
         raise RequestFailed("malformed response: choice is not an object", True, r.status_code)
+    missing = _no_generated_text(data, choice, chat)
+    if missing:
+        raise RequestFailed(f"malformed response: {missing}: {r.text[:120]!r}", True, r.status_code)
     return data
+
+
+def _no_generated_text(data: dict, choice: dict, chat: bool) -> str | None:
+    """What the reply lacks, or None when it carries text (or says it generated none)."""
+    usage = data.get("usage")
+    generated = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    said = (f" (usage says {generated} tokens were generated)" if generated
+            else " (and no usage says nothing was generated)")
+    if not chat:
+        text = choice.get("text")
+        return None if isinstance(text, str) or generated == 0 else "no text in the choice" + said
+    msg = choice.get("message")
+    if not isinstance(msg, dict):
+        return "no message in the choice" + said
+    if (isinstance(msg.get("content"), str) or msg.get("tool_calls")
+            or any(isinstance(msg.get(k), str) for k in ("reasoning_content", "reasoning"))):
+        return None
+    return None if generated == 0 else "no content in the message" + said
 
 
 def _token_count(r: httpx.Response) -> int:
@@ -309,7 +333,7 @@ def _probe_usage(runner: HttpRunner, prompt: Prompt) -> int:
     body["max_tokens"] = 1
 
     def prompt_tokens(r: httpx.Response) -> int:
-        data = completion_body(r)
+        data = completion_body(r, runner.api == "chat")
         try:
             return int(data["usage"]["prompt_tokens"])
         except (KeyError, TypeError, ValueError):

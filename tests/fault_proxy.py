@@ -6,9 +6,11 @@ produces, on top of real answers.
 A fault list per path (e.g. "/tokenize", "/generate", "/v1/chat/completions") is
 consumed one item per request to that path: "ok" (forward), an HTTP status ("500",
 "502", ...: that status with an error body, upstream not asked), "drop" (connection
-closed without an answer), "malformed" (200 with a truncated JSON body), or a callable
-taking the upstream's JSON answer and returning the 200 body to send instead (an
-answer of the wrong shape). Every request is recorded: (method, path, JSON body)."""
+closed without an answer), "malformed" (200 with a truncated JSON body), "no_content"
+(the upstream's 200 answer with every choice's `message` and `text` removed, its usage
+kept: a reply that says tokens were generated but carries none), or a callable taking
+the upstream's JSON answer and returning the 200 body to send instead (an answer of the
+wrong shape). Every request is recorded: (method, path, JSON body)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +18,15 @@ import json
 import httpx
 
 from needle.stub import StubServer, ThreadedServer
+
+
+def no_content(d: dict) -> dict:
+    """A completion answer whose choices lost their message / text (usage kept)."""
+    return {**d, "choices": [{k: v for k, v in c.items() if k not in ("message", "text")}
+                             for c in d["choices"]]}
+
+
+FAULTS = {"no_content": no_content}
 
 
 class FaultProxy(ThreadedServer):
@@ -57,6 +68,7 @@ class FaultProxy(ThreadedServer):
             err = json.dumps({"error": {"message": f"injected {fault}"}}).encode()
             return StubServer._response(int(fault), err)
         status, content, ctype = await self._forward(method, path, headers, raw)
+        fault = FAULTS.get(fault, fault)
         if callable(fault) and status == 200:
             content = json.dumps(fault(json.loads(content))).encode()
         return StubServer._response(status, content, ctype)

@@ -201,3 +201,83 @@ def test_cli_reports_persistent_startup_5xx_in_one_line(tok, tmp_path, capsys, m
     assert rc == 2 and "Traceback" not in err
     assert (f"error: endpoint 'stub' (http://127.0.0.1:{s.port}): GET /v1/models failed after "
             "2 attempts: HTTP 500") in err
+
+
+# ---- a 200 reply that says tokens were generated but carries none -------------------------
+# Through the fault proxy in front of a real `fidelity serve`: the reply is malformed, so
+# it is retried like any unusable answer and, when it stays so, a server error -- never
+# an `empty` recall miss.
+
+@pytest.fixture(scope="module")
+def served_url():
+    from needle_util import served
+    with served("golden") as (u,):
+        yield u
+
+
+def _needle_cli(out, url, *extra):
+    from fidelity.cli import main
+    return main(["needle", "--endpoint", f"golden={url}/v1", "--lengths", "300", "--depths", "0,100",
+                 "--temperature", "0", "--max-tokens", "12", "--concurrency", "1", "--retries", "2",
+                 "--out", str(out), "--no-plots", "--quiet", *extra])
+
+
+def _rows(out):
+    from needle.results import latest, read_rows
+    return sorted(latest(read_rows(out / "needle" / "results.jsonl")[1]), key=lambda r: r["trial_id"])
+
+
+def test_reply_without_content_is_retried_then_a_server_error(served_url, tmp_path, capsys):
+    from fault_proxy import FaultProxy
+    assert _needle_cli(tmp_path / "clean", served_url) == 0
+    clean = _rows(tmp_path / "clean")
+    assert "server_error" not in {r["outcome"] for r in clean}
+    capsys.readouterr()
+    # once: retried, and the sweep is the clean one
+    with FaultProxy(served_url, {"/v1/chat/completions": ["no_content"]}) as px:
+        assert _needle_cli(tmp_path / "once", px.url) == 0
+        assert px.count("/v1/chat/completions") == 3
+    once = _rows(tmp_path / "once")
+    assert [(r["outcome"], r["response"]) for r in once] == [(r["outcome"], r["response"]) for r in clean]
+    assert sorted(r["attempts"] for r in once) == [1, 2]
+    assert "no message in the choice (usage says" in " ".join(e for r in once for e in r["errors"] or [])
+    # every attempt of one trial: a server error, not a scored miss
+    capsys.readouterr()
+    with FaultProxy(served_url, {"/v1/chat/completions": ["no_content"] * 3}) as px:
+        assert _needle_cli(tmp_path / "always", px.url) == 0
+    out = capsys.readouterr().out
+    rows = _rows(tmp_path / "always")
+    assert [r["outcome"] for r in rows] == ["server_error", clean[1]["outcome"]]    # trials in order
+    assert rows[0]["attempts"] == 3 and "no message in the choice" in rows[0]["error"]
+    assert "over 1 scored trials" in out and "server errors 1" in out
+
+
+@pytest.mark.parametrize("choice,usage,ok", [
+    ({"message": {"content": None}}, {"completion_tokens": 8}, False),
+    ({"message": {"role": "assistant"}}, None, False),
+    ({"finish_reason": "stop"}, {"completion_tokens": 0}, False),      # no message at all
+    ({"message": {"content": ""}}, {"completion_tokens": 1}, True),   # an empty answer is an answer
+    ({"message": {"content": None}}, {"completion_tokens": 0}, True),
+    ({"message": {"content": None, "reasoning_content": "hm"}}, {"completion_tokens": 8}, True),
+    ({"message": {"content": None, "tool_calls": [{"id": "x"}]}}, {"completion_tokens": 8}, True),
+])
+def test_which_chat_replies_carry_no_text(choice, usage, ok):
+    import httpx
+    from infra.http import RequestFailed
+    from needle.http import completion_body
+    r = httpx.Response(200, json={"choices": [choice], **({"usage": usage} if usage else {})})
+    if ok:
+        assert completion_body(r)["choices"][0] == choice
+    else:
+        with pytest.raises(RequestFailed, match="malformed response: no (message|content)") as ei:
+            completion_body(r)
+        assert ei.value.retryable
+
+
+def test_completions_reply_without_text_is_malformed():
+    import httpx
+    from infra.http import RequestFailed
+    from needle.http import completion_body
+    with pytest.raises(RequestFailed, match=r"no text in the choice \(usage says 3 tokens"):
+        completion_body(httpx.Response(200, json={"choices": [{}], "usage": {"completion_tokens": 3}}), chat=False)
+    assert completion_body(httpx.Response(200, json={"choices": [{"text": ""}]}), chat=False)
