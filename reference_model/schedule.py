@@ -70,6 +70,18 @@ class Schedule:
     def __str__(self) -> str:
         return self.kind if self.kind == "oneshot" else f"{self.kind}({self.n})"
 
+    def cannot_apply(self, lengths) -> tuple[list[int], str]:
+        """(the prompt lengths this schedule cannot feed as it says, why): a prefix or
+        decode start not shorter than the prompt; chunks no shorter than every prompt (no
+        boundary anywhere: the arm would be one-shot under another name). ([], "") if none."""
+        lengths = sorted(set(int(n) for n in lengths))
+        if self.kind in ("prefix_hit", "decode_from"):
+            bad = [n for n in lengths if self.n >= n]
+            return bad, f"the prefix ({self.n} tokens) must be shorter than the prompt" if bad else ""
+        if self.kind == "chunked" and lengths and max(lengths) <= self.n:
+            return lengths, f"a chunk of {self.n} tokens holds the whole prompt: no chunk boundary"
+        return [], ""
+
     def segments(self, length: int) -> list[Segment]:
         """The prompt's pieces in order. A prefix or decode start must leave at least one
         token after it."""

@@ -68,6 +68,14 @@ def test_prefix_must_be_shorter_than_the_prompt():
         Schedule.parse("prefix_hit(300)").segments(300)
 
 
+def test_which_lengths_a_schedule_cannot_apply_to():
+    assert Schedule.parse("prefix_hit(300)").cannot_apply([250, 300, 511])[0] == [250, 300]
+    assert Schedule.parse("decode_from(100)").cannot_apply([250, 511]) == ([], "")
+    assert Schedule.parse("chunked(512)").cannot_apply([511, 250])[0] == [250, 511]   # never a boundary
+    assert Schedule.parse("chunked(300)").cannot_apply([250, 511]) == ([], "")        # one at 511
+    assert Schedule.parse("batch(8)").cannot_apply([4]) == Schedule().cannot_apply([4]) == ([], "")
+
+
 @pytest.mark.parametrize("bug,schedule", [("restore_drops_compressor_pending", "prefix_hit(130)"),
                                           ("restore_window_one_off", "prefix_hit(130)"),
                                           ("restore_saved_one_token_later", "prefix_hit(130)"),

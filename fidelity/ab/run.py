@@ -19,8 +19,8 @@ from ..verdict.attribution import attribute, bootstrap_mean_ci, outcome_matrix, 
 from ..verdict.judge import Design, judge
 from ..verdict.signals import direct_effects, prompt_signals, with_longest
 from .design import (FLOOR, FLOOR_ORDER, GOLDEN, WEIGHTS_PREFIX, ABSettings, RunnerSettings,
-                     Statistics, arm_sets, base_toggles, factorial_arms, floor_arms, golden_arm,
-                     schedule_arms, toggle_arms, top_toggles, vs_pairs, weight_arms)
+                     Statistics, arm_sets, base_toggles, check_schedules, factorial_arms, floor_arms,
+                     golden_arm, schedule_arms, toggle_arms, top_toggles, vs_pairs, weight_arms)
 from .drift import first_divergence, with_floor_multiple
 from .lockstep import LockstepResult, LockstepRunner
 from .report import write_report
@@ -82,6 +82,7 @@ def _prompts(cfg, settings: ABSettings, tokenizer) -> tuple[list[Prompt], str]:
 def _stage_one(weights, settings, prompts, longest, progress, variants, stage=None) -> _Stages:
     """Golden, the floors, the design's toggle arms and the weight variants."""
     label_sets, toggles, schedules = arm_sets(settings, version_of(weights.cfg))
+    check_schedules(schedules, [p.length for p in prompts])
     pairs = vs_pairs(settings.design.vs, label_sets)
     cd = getattr(torch, settings.runner.accumulate)
     w_arms = weight_arms(variants, cd)

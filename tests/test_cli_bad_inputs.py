@@ -1,0 +1,36 @@
+"""Bad input a new user gives the commands (issue 37): each is one named error, exit 2,
+before anything runs -- never a traceback, never a run that silently drops what was asked
+for. An ab arm whose schedule cannot apply at the requested lengths; a checkpoint that is
+a file or an empty folder; a tokenizer that is garbage, not a tokenizer, or missing."""
+import pytest
+
+from fidelity.cli import main
+
+
+def _err(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+# ---- ab: an arm that cannot run at these lengths -------------------------------------------
+@pytest.mark.parametrize("arm,lengths,named", [
+    ("engine@prefix_hit(5000)", "250", "prefix_hit(5000)"),
+    ("engine@decode_from(300)", "250,511", "decode_from(300)"),      # too long for one of them
+    ("engine,wo_a_fp8@chunked(600)", "250,511", "chunked(600)"),     # no chunk boundary at all
+])
+def test_ab_arm_whose_schedule_cannot_apply_is_an_error_before_running(arm, lengths, named, capsys,
+                                                                      tmp_path):
+    rc = main(["ab", "--arms", arm, "--lengths", lengths, "--out", str(tmp_path)])
+    err = _err(capsys)
+    assert rc == 2, err
+    assert "stage 1" not in err and not list(tmp_path.iterdir())        # nothing ran
+    line = next(ln for ln in err.splitlines() if ln.startswith("error: "))
+    assert arm.split("@")[0] in line and named in line and "250" in line
+
+
+def test_ab_schedule_option_that_cannot_apply_is_an_error(capsys, tmp_path):
+    rc = main(["ab", "--arms", "engine", "--schedule", "prefix_hit(400)", "--lengths", "250",
+               "--out", str(tmp_path)])
+    err = _err(capsys)
+    assert rc == 2 and "prefix_hit(400)" in err and "250" in err
