@@ -166,7 +166,8 @@ def load_tokenizer(path: str | Path | None = None) -> ChatTokenizer:
     try:
         tok = Tokenizer.from_file(str(p))
     except Exception as e:  # tokenizers raises its own Exception type
-        raise TokenizerError(f"cannot read tokenizer {p}: {e}") from None
+        raise TokenizerError(f"{p} is not a tokenizer.json (the `tokenizers` library could not read "
+                             f"it: {str(e).strip()[:200]})") from None
     return ChatTokenizer(tok, name=str(p))
 
 

@@ -34,3 +34,46 @@ def test_ab_schedule_option_that_cannot_apply_is_an_error(capsys, tmp_path):
                "--out", str(tmp_path)])
     err = _err(capsys)
     assert rc == 2 and "prefix_hit(400)" in err and "250" in err
+
+
+# ---- a checkpoint or tokenizer that is not one ---------------------------------------------
+def test_ab_checkpoint_that_is_a_file_is_a_named_error(capsys, tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\0" * 64)
+    assert main(["ab", "--checkpoint", str(f), "--out", str(tmp_path / "o")]) == 2
+    err = _err(capsys)
+    assert f"error: checkpoint {f} is a file" in err and "checkpoint folder" in err
+
+
+def test_ab_checkpoint_that_is_an_empty_folder_is_a_named_error(capsys, tmp_path):
+    d = tmp_path / "empty"
+    d.mkdir()
+    assert main(["ab", "--checkpoint", str(d), "--out", str(tmp_path / "o")]) == 2
+    err = _err(capsys)
+    assert f"error: checkpoint {d} is not a usable checkpoint" in err and "no config.json" in err
+
+
+def _no_specials_tokenizer(path):
+    from tokenizers import Tokenizer, models
+    path.write_text(Tokenizer(models.BPE()).to_str())
+    return path
+
+
+@pytest.mark.parametrize("kind,expect", [
+    ("garbage", "not a tokenizer.json"),
+    ("config", "not a tokenizer.json"),                 # JSON, but another file
+    ("no-specials", "special token(s) missing"),        # a tokenizer, not DeepSeek-V4's
+    ("missing", "tokenizer file not found"),
+])
+def test_serve_tokenizer_that_is_not_one_is_a_named_error(kind, expect, capsys, tmp_path):
+    from fidelity.weights.source import EMBEDDED
+    from needle_util import free_port
+    path = {"garbage": tmp_path / "g.json", "config": EMBEDDED / "config.json",
+            "no-specials": tmp_path / "t.json", "missing": tmp_path / "nope.json"}[kind]
+    if kind == "garbage":
+        path.write_bytes(b"\x00\xffnot json{{")
+    if kind == "no-specials":
+        _no_specials_tokenizer(path)
+    assert main(["serve", "--tokenizer", str(path), "--port", str(free_port())]) == 2
+    err = _err(capsys)
+    assert err.startswith("error: ") and str(path) in err and expect in err

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from fidelity.errors import CommandError
 from reference_model import random_weights, tiny
-from reference_model.checkpoint import StreamingWeights, load_checkpoint
+from reference_model.checkpoint import CheckpointError, StreamingWeights, load_checkpoint
 from reference_model.resident import QuantisedResidentWeights
 from reference_model.tokenizer import load_tokenizer
 from reference_model.v41.checkpoint_read import is_v41_checkpoint
@@ -64,17 +64,34 @@ def load_weights(checkpoint: str | None, device: str = "cpu", mode: str = "strea
             raise WeightsError(f"checkpoint not found: {path}")
         if mode not in WEIGHT_MODES:
             raise WeightsError(f"weights mode must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
-        if is_v41_checkpoint(path):
-            return _load_v41(path, device, mode, devices, layers)
-        if mode == "resident-quantised":
-            return (QuantisedResidentWeights(path, device=device, devices=devices, layers=layers),
-                    f"{path} (resident-quantised)")
-        if mode == "dense":
-            return load_checkpoint(path, device=device), f"{path} (dense)"
-        return StreamingWeights(path, device=device), str(path)
+        if path.is_file() and path.suffix != ".safetensors":
+            raise WeightsError(f"checkpoint {path} is a file; give the checkpoint folder (config.json "
+                               "and *.safetensors shards)")
+        try:
+            return _open(path, device, mode, devices, layers)
+        except CheckpointError as e:                # e.g. an empty folder: no config.json
+            raise WeightsError(f"checkpoint {path} is not a usable checkpoint: {_problems(e)}") from None
     if (EMBEDDED / "config.json").is_file():
         return load_checkpoint(EMBEDDED, device=device), "embedded:tiny-needle"
     return random_weights(tiny(), 0), "embedded:tiny-random(seed=0)"
+
+
+def _problems(e: CheckpointError) -> str:
+    """A CheckpointError's problems on one line (the caller names the checkpoint)."""
+    n = len(e.problems)
+    return f"{n} problem{'s' * (n != 1)}: " + "; ".join(e.problems) if n > 1 else "; ".join(e.problems)
+
+
+def _open(path: Path, device: str, mode: str, devices, layers):
+    """(WeightSource, label) of an existing checkpoint path in `mode`."""
+    if is_v41_checkpoint(path):
+        return _load_v41(path, device, mode, devices, layers)
+    if mode == "resident-quantised":
+        return (QuantisedResidentWeights(path, device=device, devices=devices, layers=layers),
+                f"{path} (resident-quantised)")
+    if mode == "dense":
+        return load_checkpoint(path, device=device), f"{path} (dense)"
+    return StreamingWeights(path, device=device), str(path)
 
 
 def _load_v41(path: Path, device: str, mode: str, devices=None, layers: range | None = None):

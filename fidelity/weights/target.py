@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from reference_model.tokenizer import load_tokenizer
+from reference_model.tokenizer import TokenizerError, load_tokenizer
 
 from .source import EMBEDDED, WeightsError, load_weights, resolve_checkpoint
 
@@ -31,8 +31,9 @@ class Target:
 
 def load_target(checkpoint: str | Path | None = None, tokenizer: str | Path | None = None,
                 weights_mode: str = "dense", devices=None) -> Target:
-    """Raises WeightsError for a missing checkpoint, a bad weights mode or a tokenizer
-    with more tokens than the model's vocabulary."""
+    """Raises WeightsError for a missing checkpoint, a bad weights mode, a tokenizer file
+    that is missing or not a DeepSeek-V4 tokenizer.json, or a tokenizer with more tokens
+    than the model's vocabulary."""
     if checkpoint is None:
         weights, label = load_weights(None)
         name = label.split(":", 1)[-1].split("(")[0]
@@ -48,7 +49,10 @@ def load_target(checkpoint: str | Path | None = None, tokenizer: str | Path | No
         name, desc = root.name, f"checkpoint {label}"
     if tokenizer is None and (root / "tokenizer.json").is_file():
         tokenizer = root / "tokenizer.json"
-    tok = load_tokenizer(tokenizer)
+    try:
+        tok = load_tokenizer(tokenizer)
+    except TokenizerError as e:                    # missing, unreadable, not DeepSeek-V4's
+        raise WeightsError(str(e)) from None
     if tok.vocab_size > weights.cfg.vocab_size:
         raise WeightsError(f"tokenizer {tok.name} has {tok.vocab_size} tokens but the model's "
                            f"vocab_size is {weights.cfg.vocab_size}; pass --tokenizer")
