@@ -77,3 +77,20 @@ def test_serve_tokenizer_that_is_not_one_is_a_named_error(kind, expect, capsys, 
     assert main(["serve", "--tokenizer", str(path), "--port", str(free_port())]) == 2
     err = _err(capsys)
     assert err.startswith("error: ") and str(path) in err and expect in err
+
+
+# ---- serve on a port already in use ----------------------------------------------------------
+def test_serve_on_a_busy_port_says_so_before_announcing(tmp_path):
+    import socket
+    import subprocess
+
+    from needle_util import ROOT, fidelity_cmd
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        p = subprocess.run(fidelity_cmd("serve", "--port", str(port)), cwd=ROOT, capture_output=True,
+                           text=True, timeout=600)
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr and "fidelity serve:" not in p.stderr     # never announced
+    assert f"error: cannot listen on 127.0.0.1:{port}" in p.stderr and "--port" in p.stderr

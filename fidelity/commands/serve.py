@@ -2,6 +2,7 @@
 OpenAI's, vLLM's and SGLang's HTTP APIs."""
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 
@@ -109,7 +110,7 @@ def _run(args, driver=None) -> int:
     """Serve from one process, or from rank 0 with `driver`'s pipeline models."""
     from fidelity.arms import ArmError, arm_from_env, parse_arm
     from reference_model.schedule import ONESHOT
-    from fidelity.serve import Engine, ServeOptions, create_app, parse_arm_options
+    from fidelity.serve import parse_arm_options
     from fidelity.devices import DeviceError, from_args
     if args.chat_version != "auto":
         chat_encoding(args.chat_version, args.generation)     # a bad combination fails before loading
@@ -135,9 +136,40 @@ def _run(args, driver=None) -> int:
     if not args.no_prefix_cache and args.prefix_cache_bytes < 1:
         raise CommandError(f"--prefix-cache-bytes must be at least 1 (got {args.prefix_cache_bytes}); "
                            "use --no-prefix-cache to serve without a prefix cache")
+    sock = _listen(args.host, args.port)          # a busy port fails before the model loads
+    try:
+        return _serve(args, place, arms, version, driver, sock)
+    finally:
+        sock.close()
+
+
+def _listen(host: str, port: int):
+    """A bound socket for the server, or a CommandError naming the address: checked before
+    anything is loaded or announced (uvicorn would report it only after both, exit 3)."""
+    import socket
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise CommandError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        busy = " (another process is using the port; choose another with --port)" \
+            if e.errno == errno.EADDRINUSE else ""
+        raise CommandError(f"cannot listen on {host}:{port}: {e.strerror or e}{busy}") from None
+    return sock
+
+
+def _serve(args, place, arms, version, driver, sock) -> int:
+    """Load the arms' model, announce, and serve on the bound socket until stopped."""
     import uvicorn
 
     from fidelity.pipeline_model import command_target
+    from fidelity.serve import Engine, ServeOptions, create_app
     target = command_target(args, place, driver)
     generation = chat_encoding(version if args.chat_version == "auto" else args.chat_version, args.generation)
     try:
@@ -152,9 +184,11 @@ def _run(args, driver=None) -> int:
         print(f"warning: binding {args.host}: the server has no authentication", file=sys.stderr)
     served = ", ".join(f"{s.id} = arm {s.arm.name}" for s in engine.arms.values())
     default = engine.default_arm or "none (requests must name a model)"
+    port = sock.getsockname()[1]                  # --port 0: the port the system chose
     print(f"fidelity serve: {target.description}; models: {served}; default model: {default}; "
-          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+          f"http://{args.host}:{port}", file=sys.stderr, flush=True)
     _log_to_stderr(args.log_level)
-    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host=args.host, port=port,
+                                           log_level=args.log_level, access_log=False))
+    server.run(sockets=[sock])
+    return 0 if server.started else 3
