@@ -6,7 +6,8 @@ connection errors, timeouts, dropped connections, 5xx, 429, and answers the call
 parser rejects as retryable (e.g. an unparsable 200 body) -- but not on other 4xx, which
 are the request's fault and would fail again. `retry` / `aretry` run any attempt under the
 policy; `send` is one request with its status checked and its answer parsed. A URL is
-recorded only through `redact_url` (no user:password). Also here: which served model an
+recorded only through `redact_url` (no user:password); `check_url` refuses a non-http(s) one
+before any request. Also here: which served model an
 arm queries (`pick_model`, `model_options`), shared by `fidelity needle` and `fidelity kld`.
 Imports nothing of ours."""
 from __future__ import annotations
@@ -56,6 +57,28 @@ def redact_url(url: str) -> str:
     if p.port:
         host += f":{p.port}"
     return urlunsplit((p.scheme, host, p.path, p.query, ""))
+
+
+class URLError(ValueError):
+    """An endpoint that is not an http(s) URL with a host: refused before any request,
+    since no retry could make it answer."""
+
+
+def check_url(url: str) -> str:
+    """`url` if it is an http:// or https:// URL with a host (and a numeric port, if any);
+    else URLError. Every command that takes an endpoint checks it here, when its option is
+    parsed. The message never repeats a password."""
+    try:
+        p = urlsplit(url)
+        ok = p.scheme in ("http", "https") and bool(p.hostname)
+        p.port                                       # ValueError for a port that is not a number
+    except ValueError:
+        ok = False
+    if not ok:
+        shown = url if "@" not in url else "***@" + url.rsplit("@", 1)[1]
+        raise URLError(f"{shown!r} is not an http:// or https:// URL with a host "
+                       "(e.g. http://127.0.0.1:30000)")
+    return url
 
 
 def split_base(url: str) -> tuple[str, str]:

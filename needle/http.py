@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from infra.http import (RequestFailed, RetryPolicy, StartupError, aretry, check_status, pick_model,
-                        redact_url, send, split_base, transport_failure)
+from infra.http import (RequestFailed, RetryPolicy, StartupError, aretry, check_status, check_url,
+                        pick_model, redact_url, send, split_base, transport_failure)
 
 from .haystack import Prompt
 
@@ -55,7 +55,7 @@ class HttpRunner:
                  concurrency: int = 4, api_key_env: str | None = "OPENAI_API_KEY"):
         if api not in ("chat", "completions"):
             raise ValueError(f"api must be chat or completions, got {api!r}")
-        self.name, self.url, self.api, self.model = name, url, api, model
+        self.name, self.url, self.api, self.model = name, check_url(url), api, model
         self.root, self.v1 = split_base(url)
         self.options = options or RequestOptions()
         self.policy = policy or RetryPolicy()

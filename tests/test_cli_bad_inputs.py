@@ -94,3 +94,31 @@ def test_serve_on_a_busy_port_says_so_before_announcing(tmp_path):
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr and "fidelity serve:" not in p.stderr     # never announced
     assert f"error: cannot listen on 127.0.0.1:{port}" in p.stderr and "--port" in p.stderr
+
+
+# ---- endpoints that are not http(s) URLs -----------------------------------------------------
+BAD_URLS = ["ftp://127.0.0.1:9", "127.0.0.1:9", "localhost:9/v1", "http://", "http://127.0.0.1:notaport"]
+
+
+@pytest.mark.parametrize("url", BAD_URLS)
+@pytest.mark.parametrize("command", ["kld", "consistency", "chat-check", "needle"])
+def test_endpoint_that_is_not_an_http_url_is_refused_at_once(command, url, capsys, tmp_path):
+    """One shared check (infra.http.check_url) where the option is parsed: exit 2 naming the
+    option and the URL, no request made (so no retries)."""
+    endpoint = url if command == "chat-check" else f"a={url}"
+    extra = {"kld": ["--inprocess", "golden=golden"]}.get(command, [])
+    with pytest.raises(SystemExit) as ei:
+        main([command, "--endpoint", endpoint, *extra, "--retries", "1", "--out", str(tmp_path)])
+    err = _err(capsys)
+    assert ei.value.code == 2
+    assert "argument --endpoint" in err and repr(url) in err and "http:// or https:// URL" in err
+    assert "retry" not in err
+
+
+def test_check_url_accepts_http_and_https_and_hides_passwords():
+    from infra.http import URLError, check_url
+    for ok in ("http://127.0.0.1:30000", "https://api.example.com/v1", "http://[::1]:8000/v1"):
+        assert check_url(ok) == ok
+    with pytest.raises(URLError) as ei:
+        check_url("ftp://user:s3cret@host/v1")
+    assert "s3cret" not in str(ei.value)

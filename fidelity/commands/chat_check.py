@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from fidelity.commands.options import chat_encoding, http_options, output_options
+from fidelity.commands.options import chat_encoding, endpoint_url, http_options, output_options
 from fidelity.errors import CommandError
 
 HELP = ("Check that an engine renders chat requests (system, tools, thinking, reasoning effort, "
@@ -19,7 +19,7 @@ EXAMPLES = """\
 
 
 def add_arguments(p):
-    p.add_argument("--endpoint", required=True, metavar="URL", help="the server (root or /v1 URL)")
+    p.add_argument("--endpoint", required=True, metavar="URL", type=endpoint_url, help="the server (root or /v1 URL)")
     p.add_argument("--model", default=None,
                    help="served model to check (default: the only one served; a server serving several "
                         "needs it)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from fidelity.commands.options import http_options, output_options
+from fidelity.commands.options import endpoint_pair, http_options, output_options
 from fidelity.errors import CommandError
 
 HELP = ("Probe live endpoints under serving conditions (prefix-cache hits at each boundary "
@@ -25,7 +25,7 @@ def add_arguments(p):
     from fidelity.consistency.longgen import LongGenPlan
     from fidelity.consistency.prefix import PrefixPlan
     g = p.add_argument_group("arms")
-    g.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
+    g.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL", type=endpoint_pair,
                    help="a running server (root or /v1 URL; repeatable)")
     g.add_argument("--dialect", action="append", default=[], metavar="NAME=DIALECT",
                    help="force an endpoint's dialect: sglang, vllm or openai (default: detected)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
-from fidelity.commands.options import http_options, output_options
+from fidelity.commands.options import endpoint_pair, http_options, output_options
 from fidelity.errors import CommandError
 from fidelity.kld.settings import HttpSettings, KldSettings, PromptGrid
 
@@ -26,7 +26,7 @@ def _csv(text, typ):
 
 def add_arguments(p):
     g = p.add_argument_group("arms")
-    g.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
+    g.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL", type=endpoint_pair,
                    help="a running server (root or /v1 URL; repeatable)")
     g.add_argument("--inprocess", action="append", default=[], metavar="NAME=ARM",
                    help="an arm computed here on the embedded model or --checkpoint, with the "

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from fidelity.commands.options import http_options, output_options
+from fidelity.commands.options import endpoint_pair, http_options, output_options
 from fidelity.errors import CommandError
 
 HELP = "Needle-in-a-haystack recall sweep (in-process arms and/or --endpoint servers) + report."
@@ -51,7 +51,7 @@ def add_arguments(p):
     g.add_argument("--arm", action="append", default=None, metavar="[NAME=]ARM",
                    help="in-process arm (repeatable), e.g. golden, engine, "
                         "'fp8=index_keys_fp8'; default: golden and engine")
-    g.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
+    g.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL", type=endpoint_pair,
                    help="OpenAI-compatible server as an arm (repeatable), e.g. "
                         "sglang=http://127.0.0.1:30000/v1")
     g.add_argument("--checkpoint", help="DeepSeek-native checkpoint for in-process arms")
@@ -159,10 +159,10 @@ def _runners(args, driver=None):
                                            max_tokens=args.max_tokens, placement=place,
                                            batch=args.batch, batch_tokens=batch_tokens, driver=driver))
     kw = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
-    endpoints = [_named(s, "") for s in args.endpoint]
-    for (name, url), s in zip(endpoints, args.endpoint):
-        if not name or not url.startswith(("http://", "https://")):
-            raise CommandError(f"--endpoint must be NAME=URL with an http(s) URL, got {s!r}")
+    endpoints = [_named(s, "") for s in args.endpoint]    # URLs checked when parsed (endpoint_pair)
+    for (name, _), s in zip(endpoints, args.endpoint):
+        if not name:
+            raise CommandError(f"--endpoint must be NAME=URL with a plain NAME, got {s!r}")
     every, per_arm = model_options(args.model, [n for n, _ in endpoints])   # ValueError: exit 2
     for name, url in endpoints:
         options = RequestOptions(temperature=1.0 if args.temperature is None else args.temperature,

@@ -1,8 +1,8 @@
 """Options several subcommands share, declared once so their names, defaults and help
 cannot drift apart: where results go (--out, --run-id, --fresh, --quiet) and how requests
 to a server are retried (--timeout, --retries; infra.http.RetryPolicy's defaults unless a
-command's requests need longer attempts); which chat encoding --chat-version and
---generation name."""
+command's requests need longer attempts); which endpoint URLs are accepted (endpoint_url,
+endpoint_pair); which chat encoding --chat-version and --generation name."""
 from __future__ import annotations
 
 import argparse
@@ -34,6 +34,26 @@ def http_options(g, timeout: float = RetryPolicy.timeout) -> None:
     g.add_argument("--retries", type=int, default=RetryPolicy.retries,
                    help="retries per request on connection errors, timeouts, 5xx, 429 and malformed "
                         "answers (default: %(default)s)")
+
+
+def endpoint_url(text: str) -> str:
+    """argparse type of an endpoint URL option: infra.http.check_url, so a URL no retry
+    could reach (ftp://, no scheme, no host) is refused when parsed, exit 2."""
+    from infra.http import URLError, check_url
+    try:
+        return check_url(text.strip())
+    except URLError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def endpoint_pair(text: str) -> str:
+    """argparse type of a NAME=URL endpoint option (kept as given; the URL checked as in
+    endpoint_url)."""
+    name, sep, url = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=URL")
+    endpoint_url(url)
+    return text
 
 
 def chat_encoding(version: str, generation: str) -> str:
