@@ -1,17 +1,19 @@
-"""`fidelity check`: re-threshold a saved A/B report without re-running (a CI gate)."""
+"""`fidelity check`: re-threshold a saved `ab` or `kld` report without re-running (a CI
+gate); fidelity.check_summary reads either into the same per-arm table."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from fidelity.errors import CommandError
 
-HELP = ("Check a saved `fidelity ab` report; exit 1 if any arm fails. Default: the outcome "
+HELP = ("Check a saved `fidelity ab` or `fidelity kld` report; exit 1 if any arm fails. Default: the outcome "
         "(KLD) relative to the report's noise floors; the mechanism (indexer picks, experts) "
         "with --mechanism; absolute thresholds on request.")
 EXAMPLES = """\
     fidelity check reports/latest                   # outcome against the report's own floors
     fidelity check reports/latest --mechanism       # also indexer picks and expert sets
     fidelity check reports/latest --arm engine --max-kld 1e-3 --min-topk-recall 0.9
+    fidelity check reports/kld/kld-20261201-102334  # a `fidelity kld` report, the same gates
 """
 
 # relative checks: summary column -> ("max": <= k x worst floor, "min": >= worst floor - margin)
@@ -30,7 +32,8 @@ CHECKS = {
 
 
 def add_arguments(p):
-    p.add_argument("results", help="report directory of `fidelity ab` (or its summary.csv)")
+    p.add_argument("results", help="report directory of `fidelity ab` (or its summary.csv) or of "
+                                   "`fidelity kld`")
     p.add_argument("--arm", action="append", help="arm(s) to check (default: all but the floors)")
     p.add_argument("--max-kld", type=float, help="max mean final-logit KLD")
     p.add_argument("--max-kld-p99", type=float, help="max p99 final-logit KLD")
@@ -49,14 +52,13 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    import pandas as pd
-
-    root = Path(args.results)
-    summary_csv = root if root.suffix == ".csv" else root / "summary.csv"
-    if not summary_csv.exists():
-        raise CommandError(f"no summary.csv in {root} (is it a `fidelity ab` report?)")
-    summary = pd.read_csv(summary_csv)
-    arms = args.arm or [a for a in summary.arm if not str(a).startswith("floor:")]
+    from fidelity.check_summary import ReportError, read_report
+    try:
+        report = read_report(args.results)
+    except ReportError as e:
+        raise CommandError(str(e)) from None
+    summary, summary_csv = report.summary, report.source
+    arms = args.arm or [a for a in summary.arm if a not in report.floors]
     unknown = sorted(set(arms) - set(summary.arm))
     if unknown:
         raise CommandError(f"arm(s) {unknown} not in the report; present: {', '.join(summary.arm)}")
@@ -65,16 +67,15 @@ def run(args) -> int:
     failures = []
     if args.kld_x_floor is not None or not absolute:
         k = 3.0 if args.kld_x_floor is None else args.kld_x_floor
-        rel = _relative_failures(summary, arms, RELATIVE, k, args.recall_margin)
+        rel = _relative_failures(summary, arms, RELATIVE, k, args.recall_margin, report.floors)
         if args.mechanism and rel is not None:
             from fidelity.verdict.signals import mechanism_floors
-            in_report = [a for a in summary.arm.astype(str) if a.startswith("floor:")]
             mech = _relative_failures(summary, arms, MECHANISM, k, args.recall_margin,
-                                      mechanism_floors(in_report))
+                                      mechanism_floors(report.floors))
             rel += mech or []
         if rel is None:
-            raise CommandError(f"{summary_csv} has no floor rows (floor:...) to be relative to; "
-                               "give absolute thresholds")
+            raise CommandError(f"{summary_csv} has no floor arms to be relative to; give absolute "
+                               "thresholds" + (" (or run kld with its floors / --floor)" if report.kind == "kld" else ""))
         failures += rel
     for arm in arms:
         row = summary[summary.arm == arm].iloc[0]
@@ -85,10 +86,8 @@ def run(args) -> int:
             if bad:
                 failures.append(f"{arm}: {col} = {v:.4g} {'>' if kind == 'max' else '<'} {limit:g}")
     if args.min_topk_recall is not None:
-        drift = pd.read_csv(summary_csv.parent / "drift.csv.gz")
-        d = drift[(drift.tap == "attn.index.topk") & (drift.bucket == "all") & (drift.phase == "prefill")]
         for arm in arms:
-            worst = d[d.arm == arm].groupby("layer")["recall"].mean()
+            worst = report.recall(arm)
             if len(worst) and float(worst.min()) < args.min_topk_recall:
                 failures.append(f"{arm}: indexer top-k recall {float(worst.min()):.4g} at layer "
                                 f"{int(worst.idxmin())} < {args.min_topk_recall:g}")
@@ -99,12 +98,11 @@ def run(args) -> int:
 
 
 def _relative_failures(summary, arms, columns: dict, k: float, margin: float,
-                       floor_arms=None) -> list[str] | None:
-    """Each of `columns` against the worst floor arm in the report (or of `floor_arms`):
-    KLDs at most k times the largest floor value, agreement rates at least the smallest
-    floor value minus margin."""
-    is_floor = summary.arm.astype(str).str.startswith("floor:")
-    floors = summary[is_floor if floor_arms is None else summary.arm.isin(floor_arms)]
+                       floor_arms: list[str]) -> list[str] | None:
+    """Each of `columns` against the worst of `floor_arms` in the report: KLDs at most k
+    times the largest floor value, agreement rates at least the smallest floor value minus
+    margin."""
+    floors = summary[summary.arm.isin(floor_arms)]
     if floors.empty:
         return None
     out = []
