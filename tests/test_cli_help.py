@@ -68,3 +68,15 @@ def test_every_subcommand_help_ends_with_examples_that_parse():
             assert argv[:2] == ["fidelity", name], line
             parser.parse_args(argv[1:])                      # raises SystemExit if it does not parse
         assert sp.format_help().rstrip().endswith(sp.epilog.rstrip().splitlines()[-1].rstrip())
+
+
+def test_every_option_of_every_subcommand_has_help():
+    """An option listed in --help with no word on what it does is a question every new user
+    has to answer by reading the code."""
+    import argparse
+
+    from fidelity.cli import build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bare = [f"{name} {a.option_strings[-1]}" for name, sp in sub.choices.items() for a in sp._actions
+            if a.option_strings and not (a.help or "").strip()]
+    assert not bare, f"options without help: {', '.join(bare)}"

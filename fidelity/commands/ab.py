@@ -35,7 +35,10 @@ def add_arguments(p):
                         "optionally @SCHEDULE ('engine@prefix_hit(128)') (repeatable; default: each "
                         "optimization, engine, engine minus each)")
     p.add_argument("--base", default="engine", help="arm whose leave-one-out is computed (default engine)")
-    p.add_argument("--mode", choices=("propagated", "isolated"), default="propagated")
+    p.add_argument("--mode", choices=("propagated", "isolated"), default="propagated",
+                   help="propagated: each arm feeds itself (the drift it accumulates); isolated: each "
+                        "arm's layer i gets golden's input to layer i (that layer's own error) "
+                        "(default: %(default)s)")
     p.add_argument("--lengths", type=_ints, default=None,
                    help="prompt lengths, e.g. 250,511 (default 250,511)")
     p.add_argument("--long", action="store_true",
@@ -52,11 +55,17 @@ def add_arguments(p):
     p.add_argument("--prompts", metavar="FILE.jsonl",
                    help="your own prompts instead of the built-in haystacks: one JSON per line "
                         "with text, messages (chat) or token_ids (same file as fidelity kld)")
-    p.add_argument("--decode-steps", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decode-steps", type=int, default=4,
+                   help="teacher-forced decode steps after each prefill, on golden's greedy tokens, so "
+                        "decode-only kernels are measured too (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the built-in prompts (haystacks, needles) and of the bootstrap "
+                        "(default: %(default)s)")
     p.add_argument("--shapley-top", type=int, default=3,
                    help="exact Shapley over this many most effective toggles (factorial stage; 0 = off)")
-    p.add_argument("--n-boot", type=int, default=1000)
+    p.add_argument("--n-boot", type=int, default=1000,
+                   help="bootstrap resamples over prompts for every confidence interval "
+                        "(default: %(default)s)")
     p.add_argument("--floor-k", type=float, default=2.0, help="first divergence: drift > k × floor")
     p.add_argument("--vs", metavar="ARM",
                    help="also report each arm's first divergence against this arm (one of the "

@@ -75,17 +75,23 @@ def add_arguments(p):
     g.add_argument("--depths", default="0,25,50,75,100", help="comma-separated depth percents")
     g.add_argument("--reps", type=int, default=1, help="trials per cell (different needles)")
     _haystack_arguments(g)
-    g.add_argument("--value-type", default="number", choices=("number", "word", "uuid"))
-    g.add_argument("--filler", default="essay", choices=("essay", "noise"))
+    g.add_argument("--value-type", default="number", choices=("number", "word", "uuid"),
+                   help="the needles' values: 7-digit numbers, adjective-noun words (e.g. quiet-harbor) or UUIDs "
+                        "(default: %(default)s)")
+    g.add_argument("--filler", default="essay", choices=("essay", "noise"),
+                   help="haystack text: essay (the shipped corpus) or noise (RULER's repeated "
+                        "noise sentences) (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="sweep seed (needles, filler start)")
     g = p.add_argument_group("requests")
     g.add_argument("--api", default="chat", choices=("chat", "completions"),
                    help="chat (DeepSeek-V4 chat encoding) or raw completions with an answer prefix")
     g.add_argument("--thinking", action="store_true", help="thinking mode (<think>)")
-    g.add_argument("--reasoning-effort", default=None)
+    g.add_argument("--reasoning-effort", default=None,
+                   help="reasoning_effort sent with chat requests (and rendered in-process), e.g. "
+                        "high or max (default: none sent)")
     g.add_argument("--temperature", type=float, default=None,
                    help="default: 0 (greedy) in-process, 1.0 for endpoints (DeepSeek's recommendation)")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top_p (default: %(default)s)")
     g.add_argument("--max-tokens", type=int, default=None,
                    help="default: answer length + slack in-process; 128 (8192 thinking) for endpoints")
     g.add_argument("--no-seed", action="store_true", help="do not send per-trial seeds to endpoints")
@@ -106,7 +112,7 @@ def add_arguments(p):
                                 "link) (default: %(default)s)")
     g.add_argument("--results", default=None, help="results JSONL (default <out>/needle/results.jsonl)")
     g.add_argument("--report-only", action="store_true", help="only rebuild the report from results")
-    g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--no-plots", action="store_true", help="write the report without its figures")
 
 
 def _named(spec: str, default_name: str) -> tuple[str, str]:
