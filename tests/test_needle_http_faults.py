@@ -279,5 +279,6 @@ def test_completions_reply_without_text_is_malformed():
     from infra.http import RequestFailed
     from needle.http import completion_body
     with pytest.raises(RequestFailed, match=r"no text in the choice \(usage says 3 tokens"):
-        completion_body(httpx.Response(200, json={"choices": [{}], "usage": {"completion_tokens": 3}}), chat=False)
+        completion_body(httpx.Response(200, json={"choices": [{}], "usage": {"completion_tokens": 3}}),
+                        chat=False)
     assert completion_body(httpx.Response(200, json={"choices": [{"text": ""}]}), chat=False)

@@ -74,8 +74,9 @@ def run(args) -> int:
                                       mechanism_floors(report.floors))
             rel += mech or []
         if rel is None:
+            hint = " (or run kld with its floors / --floor)" if report.kind == "kld" else ""
             raise CommandError(f"{summary_csv} has no floor arms to be relative to; give absolute "
-                               "thresholds" + (" (or run kld with its floors / --floor)" if report.kind == "kld" else ""))
+                               f"thresholds{hint}")
         failures += rel
     for arm in arms:
         row = summary[summary.arm == arm].iloc[0]

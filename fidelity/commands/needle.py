@@ -76,8 +76,8 @@ def add_arguments(p):
     g.add_argument("--reps", type=int, default=1, help="trials per cell (different needles)")
     _haystack_arguments(g)
     g.add_argument("--value-type", default="number", choices=("number", "word", "uuid"),
-                   help="the needles' values: 7-digit numbers, adjective-noun words (e.g. quiet-harbor) or UUIDs "
-                        "(default: %(default)s)")
+                   help="the needles' values: 7-digit numbers, adjective-noun words (e.g. "
+                        "quiet-harbor) or UUIDs (default: %(default)s)")
     g.add_argument("--filler", default="essay", choices=("essay", "noise"),
                    help="haystack text: essay (the shipped corpus) or noise (RULER's repeated "
                         "noise sentences) (default: %(default)s)")
