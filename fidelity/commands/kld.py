@@ -122,6 +122,7 @@ def build_entries(args, target, progress, place=None, driver=None):
     for name, url in endpoints:
         ep = Endpoint(name, url, dialects.pop(name, None), per_arm.get(name, every), policy,
                       target.tokenizer, on_retry=progress.log).connect()
+        ep.check_vocab(target.cfg.vocab_size)
         progress(f"{name}: {ep.describe()['url']} model {ep.model}, dialect {ep.dialect}")
         entries.append(ScoredArm(name, ep, "floor" if name in args.floor else "arm", frozenset({name})))
     if dialects:

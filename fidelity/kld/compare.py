@@ -1,5 +1,6 @@
 """Baseline vs arm for one prompt: per-position KL bounds, top-1 agreement and Δp over the
-prompt (prefill) and along the greedy decode ladder up to the first step where the two
+prompt ('prefill' phase; `path` says whether the arm computed a position in a prefill or,
+like llama.cpp's teacher-forced reading, one token at a time) and along the greedy decode ladder up to the first step where the two
 greedy continuations part (later steps are conditioned on different text); indexer top-k
 overlap and expert agreement per layer from captures; whether the needle's compressed
 entry is still picked at the last prompt position."""
@@ -20,12 +21,12 @@ def position_rows(base: PromptScores, arm: PromptScores) -> tuple[list[dict], in
     rows = []
     for j in range(n):
         actual = base.ids[j + 1] if j + 1 < n else None
-        rows.append({"phase": "prefill", "step": 0, "position": j,
+        rows.append({"phase": "prefill", "step": 0, "position": j, "path": _path(arm, j),
                      **compare(base.known[j], arm.known[j], actual)})
     first = None
     steps = min(len(base.ladder), len(arm.ladder))
     for t in range(1, steps):                         # ladder[0] is prompt position n-1
-        rows.append({"phase": "decode", "step": t, "position": n - 1 + t,
+        rows.append({"phase": "decode", "step": t, "position": n - 1 + t, "path": "decode",
                      **compare(base.ladder[t], arm.ladder[t], None)})
         if base.ladder_tokens[t] != arm.ladder_tokens[t]:
             break
@@ -34,6 +35,13 @@ def position_rows(base: PromptScores, arm: PromptScores) -> tuple[list[dict], in
             first = t
             break
     return rows, first
+
+
+def _path(arm: PromptScores, j: int) -> str:
+    """How the arm computed prompt position j: 'decode' when its server evaluated that one
+    token alone on a cached prefix (llama.cpp's teacher-forced reading), else 'prefill'."""
+    ev = arm.evaluated
+    return "decode" if ev is not None and j < len(ev) and ev[j] == 1 else "prefill"
 
 
 def capture_rows(base: PromptScores, arm: PromptScores, csa_layers: list[int], n_layers: int,

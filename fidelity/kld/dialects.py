@@ -5,6 +5,7 @@ parsed into per-position known distributions (research engine-integration.md §1
            top_logprobs_num k, token_ids_logprob (exact mode), greedy max_new_tokens N
   vllm     POST /v1/completions: token-id prompt, prompt_logprobs k (-1 = the vocabulary:
            exact mode), logprobs k, return_tokens_as_token_ids, greedy max_tokens N
+  llamacpp POST /completion: teacher-forced prefixes, n_probs k (llamacpp_dialect.py)
   openai   POST /v1/completions: echo + logprobs k (top-k keyed by token text; mapped back
            to ids through the tokenizer, ambiguous texts dropped)
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from .bounds import Known
 
-DIALECTS = ("sglang", "vllm", "openai")
+DIALECTS = ("sglang", "vllm", "llamacpp", "openai")
 
 
 class ScoringError(ValueError):
@@ -43,6 +44,9 @@ class PromptScores:
     # in-process only: the indexer's scores at the last prompt position, per CSA layer over its
     # compressed entries (-inf: not visible or padding) -- selection margins (kld/margins.py)
     index_scores: np.ndarray | None = None          # (CSA layers, entries)
+    # llama.cpp only: prompt tokens the server evaluated to answer each position (1: the
+    # decode path on a cached prefix; more: a prefill) -- what the teacher-forced reading read
+    evaluated: np.ndarray | None = None             # (prompt positions,)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A running server as a scoring arm: its URL (root or /v1), model, dialect (detected:
-SGLang when /get_model_info answers, vLLM when /version does, else OpenAI's echo; or
-given), the shapes its captures need, and one scoring call per prompt. Every request goes
+SGLang when /get_model_info answers, vLLM when /version does, llama.cpp when /props does,
+else OpenAI's echo; or given), the shapes its captures need, and one scoring call per prompt. Every request goes
 through the shared transport (infra/http.py: connection errors, timeouts, 5xx, 429 with
 Retry-After, and 200s whose body cannot be used are retried), each retry counted per route
 and shown; a final
@@ -20,6 +20,7 @@ import numpy as np
 from infra.http import (ModelChoiceError, RequestFailed, RetryPolicy, backoff_delay, pick_model, redact_url,
                         send, split_base)
 
+from . import llamacpp_dialect as L
 from .bounds import Known
 from .dialects import (CAPTURE_SHAPE_KEYS, DIALECTS, PARSERS, PromptScores, Request, ScoringError,
                        capture_shape, has_captures, sglang_captures)
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 HINTS = {"sglang": "SGLang: POST /generate with return_logprob (any recent SGLang)",
          "vllm": "vLLM: /v1/completions with prompt_logprobs (start vLLM with --max-logprobs "
                  ">= k, or -1)",
+         "llamacpp": "llama.cpp: llama-server's native /completion with n_probs (read "
+                     "teacher-forced, prefix by prefix)",
          "openai": "OpenAI-compatible: /v1/completions with echo + logprobs"}
 
 
@@ -72,6 +75,7 @@ class Endpoint:
         self.settled = False                     # a scoring request has succeeded
         self._piece_ids: dict | None = None
         self.shape: dict | None = None           # capture shape, once known
+        self.meta: dict | None = None            # model id -> the server's stated facts, if any
         self.info: dict = {}
         self.ids_per_request = IDS_PER_REQUEST
         self.retries: Counter = Counter()        # "METHOD /route" -> retries made
@@ -130,8 +134,9 @@ class Endpoint:
         and (SGLang) capture shapes; the server's own view is kept."""
         def model_ids(d):
             try:
+                self.meta = {m["id"]: m.get("meta") for m in d["data"]}
                 return [m["id"] for m in d["data"]]
-            except (KeyError, TypeError):
+            except (KeyError, TypeError, AttributeError):
                 raise ScoringError(f"no model list in {str(d)[:200]}") from None
         ids = self.call("GET", "/v1/models", parse=model_ids)
         try:
@@ -140,12 +145,24 @@ class Endpoint:
             raise EndpointError(str(e)) from None
         info = self.call("GET", "/get_model_info", ok404=True)
         version = self.call("GET", "/version", ok404=True)
+        props = None if info is not None or version is not None else self.call("GET", "/props", ok404=True)
         if self.dialect is None:
-            self.dialect = "sglang" if info is not None else "vllm" if version is not None else "openai"
+            self.dialect = ("sglang" if info is not None else "vllm" if version is not None
+                            else "llamacpp" if L.is_llama_server(props) else "openai")
         self.shape = capture_shape(info)         # None: no captures, or learnt when they come
         self.info = {"models": ids, "model_info": info, "version": version,
                      "server_info": self.call("GET", "/get_server_info", ok404=True)}
+        if props is not None:
+            self.info["props"] = L.props_summary(props)
         return self
+
+    def check_vocab(self, n_vocab: int) -> None:
+        """A server that states its model's vocabulary size (llama-server's /v1/models meta)
+        must state ours: scoring ids of one vocabulary on a model of another compares nothing."""
+        got = ((self.meta or {}).get(self.model) or {}).get("n_vocab")
+        if got is not None and int(got) != n_vocab:
+            raise EndpointError(f"{self.name}: the served model {self.model!r} has a {got}-token "
+                                f"vocabulary, ours has {n_vocab}: a GGUF of another model?")
 
     def fetch_shape(self) -> dict:
         """The capture shape from /get_model_info, for a server whose answers carry captures:
@@ -165,12 +182,16 @@ class Endpoint:
             if not isinstance(t, list):
                 raise ScoringError(f"no `tokens` list in the answer: {str(d)[:120]}")
             return [int(x) for x in t]
-        return self.call("POST", "/tokenize", {"prompt": text, "model": self.model}, ok404=True,
-                         parse=tokens)
+        body = ({"content": text, "add_special": False, "parse_special": True} if self.dialect == "llamacpp"
+                else {"prompt": text, "model": self.model})
+        return self.call("POST", "/tokenize", body, ok404=True, parse=tokens)
 
     def describe(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "url": redact_url(self.url),
-                "dialect": self.dialect, "model": self.model}
+        d = {"name": self.name, "kind": self.kind, "url": redact_url(self.url),
+             "dialect": self.dialect, "model": self.model}
+        if self.dialect == "llamacpp":
+            d["reading"] = L.READING
+        return d
 
     # ---- scoring ------------------------------------------------------------------------
     def piece_ids(self) -> dict | None:
@@ -187,6 +208,8 @@ class Endpoint:
         """One request; SGLang's exact mode in several, `ids_per_request` requested ids each
         (`token_ids_logprob` is scored at every position, so a long prompt times a large id
         set would be one huge response), merged position by position."""
+        if dialect == "llamacpp":
+            return self._score_llamacpp(ids, req, retry)
         chunks = [req.score_ids[a:a + self.ids_per_request]
                   for a in range(0, len(req.score_ids), self.ids_per_request)] or [()]
         out = None
@@ -195,6 +218,23 @@ class Endpoint:
                             retry)
             out = got if out is None else merge_scores(out, got)
         return out
+
+    def _score_llamacpp(self, ids: list[int], req: Request, retry: bool) -> PromptScores:
+        """Teacher-forced (llamacpp_dialect.py): the prefixes in batches, in order on one
+        slot, then the full prompt's greedy ladder."""
+        req = replace(req, model=self.model)
+        prefixes = [list(ids[:j + 1]) for j in range(len(ids) - 1)]
+        known, evaluated = [], []
+        for a in range(0, len(prefixes), L.PREFIXES_PER_REQUEST):
+            batch = prefixes[a:a + L.PREFIXES_PER_REQUEST]
+            k, ev = self.call("POST", "/completion", L.body(batch, req, 1), retry_malformed=retry,
+                              parse=lambda d, b=batch: L.parse_prefixes(d, b))
+            known += k
+            evaluated += ev
+        tokens, ladder, ev = self.call("POST", "/completion", L.body([list(ids)], req, req.steps),
+                                       retry_malformed=retry,
+                                       parse=lambda d: L.parse_ladder(d, list(ids), req.steps))
+        return L.assemble(list(ids), known, tokens, ladder, evaluated + [ev])
 
     def _one(self, dialect: str, ids: list[int], req: Request, retry: bool = True) -> PromptScores:
         """One scoring request; a malformed answer is retried unless `retry` is False (a
@@ -246,7 +286,7 @@ class Endpoint:
                 if self.settled:                      # the dialect has worked: it is not the cause
                     raise
                 raise EndpointError(f"{e}\n  dialect: {HINTS[self.dialect]} (override with "
-                                    f"--dialect {self.name}=sglang|vllm|openai)") from None
+                                    f"--dialect {self.name}=sglang|vllm|llamacpp|openai)") from None
             self.settled = True
             return out
         tried = []

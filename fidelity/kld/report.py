@@ -177,6 +177,13 @@ def _next_steps(m: dict, sus: pd.DataFrame) -> list[str]:
     return out
 
 
+def _readings(m: dict) -> str:
+    """How arms whose prompt positions were not read from one prefill were read (llama.cpp:
+    teacher-forced prefixes through its decode path), so no one reads them as prefill."""
+    lines = [f" Arm `{a['name']}`: {a['reading']}." for a in m["arms"] if a.get("reading")]
+    return "".join(lines)
+
+
 def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov,
                margins: pd.DataFrame | None = None) -> Page:
     s = m["settings"]
@@ -190,8 +197,9 @@ def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov,
     named = pd.DataFrame(judged["verdict"].get("named", []))
     allk = kt[kt.bucket == "all"].reset_index(drop=True)
     sections = [
-        Section("KLD vs baseline (all positions)", "llama.cpp's statistics over prefill positions; the "
-                "mean's interval is a bootstrap over prompts.", [Table(allk, fold=False)], ["decode_ladder"]),
+        Section("KLD vs baseline (all positions)", "llama.cpp's statistics over the prompt's positions; "
+                "the mean's interval is a bootstrap over prompts." + _readings(m),
+                [Table(allk, fold=False)], ["decode_ladder"]),
         Section("By context position", "", [Table(kt[kt.bucket != "all"].reset_index(drop=True),
                                                   summary="per arm and position bucket")]),
         Section("Decode ladder", "", [Table(lt)]),

