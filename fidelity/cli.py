@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 
@@ -86,8 +87,20 @@ def _set_threads(n: int | None) -> None:
     torch.set_num_threads(n or default_threads())
 
 
+def _one_console_voice() -> None:
+    """The commands show what the `fidelity.*` modules log (retries, through the on_retry
+    callbacks they pass, e.g. Progress.log); without a handler of its own, the package's
+    logger would fall through to Python's last-resort handler and print each warning a
+    second time. A NullHandler there stops that; records still propagate to any handler
+    an embedding program (or pytest) installs."""
+    log = logging.getLogger("fidelity")
+    if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
+        log.addHandler(logging.NullHandler())
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MPLBACKEND", "Agg")   # reports are written to files, never shown
+    _one_console_voice()
     args = build_parser().parse_args(argv)
     _set_threads(args.threads)
     try:

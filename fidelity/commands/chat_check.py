@@ -60,7 +60,8 @@ def run(args) -> int:
     try:
         tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
         ep = Endpoint("engine", args.endpoint, "openai", args.model,
-                      RetryPolicy(retries=args.retries, timeout=args.timeout)).connect()
+                      RetryPolicy(retries=args.retries, timeout=args.timeout),
+                      on_retry=progress.log).connect()
         version, why = (args.chat_version, "given") if args.chat_version != "auto" else served_chat_version(ep.info)
         if args.chat_version == "auto":
             print(f"chat version {version} ({why}; --chat-version overrides)")

@@ -242,6 +242,7 @@ def _run(args, driver=None) -> int:
             rows = run_sweep(cfg, runners, results, fresh=args.fresh, quiet=args.quiet)
         except (HaystackError, ResultsError, ValueError) as e:
             raise CommandError(str(e)) from None
+        meta["retries"] = _retries(runners, rows)
         meta.update({"notes": notes, "lengths": lengths, "depths": cfg.depths, "reps": cfg.reps,
                      "trials": {"spec": cfg.spec.to_dict(), "format": cfg.fmt.to_dict(),
                                 "seed": cfg.seed},
@@ -255,5 +256,20 @@ def _run(args, driver=None) -> int:
         if p["scope"] == "all":
             print(f"{p['arm_a']} - {p['arm_b']}: {p['delta']:+.3f} over {p['n_pairs']} pairs, "
                   f"McNemar p={p['p_value']:.3g} ({p['test']})")
+    if meta.get("retries"):                  # even with --quiet: never pass unnoticed
+        print("retries: " + "; ".join(f"{a} {r['startup'] + r['trials']} (start-up {r['startup']}, "
+                                      f"trials {r['trials']})" for a, r in meta["retries"].items()))
     print(f"report: {path}")
     return 0
+
+
+def _retries(runners, rows) -> dict:
+    """Per arm with any: this run's start-up retries (model list, /tokenize, calibration
+    probes) and the retries behind its trial rows (attempts beyond the first)."""
+    out = {}
+    for r in runners:
+        startup = getattr(r, "startup_retries", 0)
+        trials = sum((x.get("attempts") or 1) - 1 for x in rows if x["arm"] == r.name)
+        if startup or trials:
+            out[r.name] = {"startup": startup, "trials": trials}
+    return out
