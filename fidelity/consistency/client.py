@@ -6,11 +6,13 @@ logprob_start_len) -- the prompt tokens the engine says it took from its cache, 
 filler requests, its cache-flush route, and the serving sizes it reports."""
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 
 import httpx
 
-from infra.http import RequestFailed, check_status, send
+from infra.http import RequestFailed, check_status, retry, send, transport_failure
 
 from fidelity.kld.bounds import Known
 from fidelity.kld.dialects import ScoringError, known_from_pairs
@@ -18,6 +20,8 @@ from fidelity.kld.endpoint import Endpoint, EndpointError
 
 # flush routes, in the order tried: SGLang, vLLM
 FLUSH_ROUTES = ("/flush_cache", "/reset_prefix_cache")
+FILLER_ROUTE = "POST /v1/completions (filler)"      # how filler retries are counted
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,6 +94,7 @@ class LiveArm:
         self.ep = endpoint
         self.flush_route: str | None = None
         self.sent = 0        # generate / score requests sent (flushes and threaded fillers not counted)
+        self._lock = threading.Lock()
 
     @property
     def name(self) -> str:
@@ -119,23 +124,45 @@ class LiveArm:
     def filler(self, ids: list[int], max_tokens: int, started) -> None:
         """A streamed completion that only takes up room in the engine's batch: sets
         `started` (a threading.Event) when its first token arrives -- it is then being
-        decoded -- and reads the stream to its end (closing early would cancel it)."""
+        decoded -- and reads the stream to its end (closing early would cancel it). A
+        filler that fails (a reset, 5xx, 429, a stream without data) is sent again under
+        the shared retry policy and counted as FILLER_ROUTE's retries, like any request."""
         ep = self.ep
         body = {"prompt": list(ids), "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 **({"model": ep.model} if ep.model else {}),
                 **({"ignore_eos": True} if ep.dialect in ("sglang", "vllm") else {})}
+
+        def once():
+            data = False
+            try:
+                with ep.client.stream("POST", ep.v1 + "/completions", json=body) as r:
+                    if r.status_code >= 400:
+                        r.read()                 # the error body, for the message
+                        check_status(r)
+                    for line in r.iter_lines():
+                        if line.startswith("data:"):
+                            data = True
+                            started.set()
+            except httpx.HTTPError as e:
+                raise transport_failure(e) from None
+            if not data:
+                raise RequestFailed(f"HTTP {r.status_code} stream without any data line", True, r.status_code)
         try:
-            with ep.client.stream("POST", ep.v1 + "/completions", json=body) as r:
-                if r.status_code >= 400:
-                    r.read()                 # the error body, for the message
-                    check_status(r)
-                for line in r.iter_lines():
-                    if line.startswith("data:") and not started.is_set():
-                        started.set()
-        except (httpx.HTTPError, RequestFailed) as e:
-            raise EndpointError(f"{self.name}: a filler request failed: {e}") from None
+            retry(once, ep.policy, on_retry=self._filler_retry)
+        except RequestFailed as e:
+            tries = f" after {e.attempts} attempts" if e.retryable and e.attempts > 1 else ""
+            raise EndpointError(f"{self.name}: a filler request failed{tries}: {e}") from None
         finally:
             started.set()                    # never leave the probe waiting
+
+    def _filler_retry(self, attempt: int, why, delay: float) -> None:
+        """Count and show a filler's retry as the endpoint's own are (fillers run in threads)."""
+        with self._lock:
+            self.ep.retries[FILLER_ROUTE] += 1
+        msg = f"{self.name}: {FILLER_ROUTE}: {why}; retry {attempt}/{self.ep.policy.retries} in {delay:.1f}s"
+        log.warning(msg)
+        if self.ep.on_retry is not None:
+            self.ep.on_retry(msg)
 
     def score(self, ids: list[int], req):
         """kld's scoring of a prompt (prompt logprobs and a greedy ladder), counted."""
