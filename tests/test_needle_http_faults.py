@@ -282,3 +282,23 @@ def test_completions_reply_without_text_is_malformed():
         completion_body(httpx.Response(200, json={"choices": [{}], "usage": {"completion_tokens": 3}}),
                         chat=False)
     assert completion_body(httpx.Response(200, json={"choices": [{"text": ""}]}), chat=False)
+
+
+def test_sweep_through_faults_is_the_clean_sweep(served_url, tmp_path):
+    """Faults on a third of the requests (5xx, dropped connections, truncated bodies,
+    replies without content), on /tokenize and on the trials: the same rows as a clean run,
+    trial for trial, with the faulted trials' retries recorded."""
+    from fault_proxy import FaultProxy
+    grid = ["--lengths", "300,420", "--depths", "0,50,100", "--retries", "4"]
+    assert _needle_cli(tmp_path / "clean", served_url, *grid) == 0
+    faults = {"/tokenize": ["500", "ok", "ok", "drop", "ok", "ok", "malformed"],
+              "/v1/chat/completions": ["ok", "502", "ok", "no_content", "drop", "ok", "malformed",
+                                       "ok", "500", "no_content"]}
+    with FaultProxy(served_url, faults) as px:
+        assert _needle_cli(tmp_path / "faulty", px.url, *grid) == 0
+        assert not px.faults["/v1/chat/completions"] and not px.faults["/tokenize"]   # all used
+    keys = ("trial_id", "outcome", "response", "prompt_tokens_reported", "exact_length")
+    clean, faulty = _rows(tmp_path / "clean"), _rows(tmp_path / "faulty")
+    assert len(clean) == 6 and [tuple(r[k] for k in keys) for r in faulty] == \
+        [tuple(r[k] for k in keys) for r in clean]
+    assert sum(r["attempts"] - 1 for r in faulty) == 6           # the trials' faults, each retried once
