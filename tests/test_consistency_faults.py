@@ -73,3 +73,59 @@ def test_filler_faults_are_retried_not_the_end_of_the_run(url, tmp_path):
         assert px.count("/v1/completions") == 4                      # 2 fillers + 2 retries
     assert not res["flagged"]
     assert res["manifest"]["arms"][0]["retries"] == {"POST /v1/completions (filler)": 2}
+
+
+def test_cost_is_said_before_the_run_and_is_what_it_sends(url, tmp_path):
+    lines = []
+    settings = ConsistencySettings(("prefix", "batch"), PLAN,
+                                   BatchPlan(length=200, probes=1, concurrency=(2,), repeats=1, steps=3))
+    with FaultProxy(url) as px:
+        def progress(m):
+            lines.append((m, px.count("/generate")))
+        res = run_consistency([_arm("window", px.url)], TARGET, settings, tmp_path, "c", progress=progress)
+    plan = [(m, n) for m, n in lines if m.startswith("plan:")]
+    assert plan and plan[0][1] == 0, lines                         # said before any probe request
+    text = " ".join(m for m, _ in plan)
+    req = res["manifest"]["requests"]
+    assert f"prefix {req['prefix/window']} requests" in text and f"batch {req['batch/window']} requests" in text
+
+
+def test_lengths_below_the_template_are_refused_before_any_request(url, tmp_path):
+    with FaultProxy(url) as px:
+        with pytest.raises(FamilyError) as e:
+            run_consistency([_arm("golden", px.url)], TARGET,
+                            ConsistencySettings(("prefix", "batch"), PrefixPlan(length=320),
+                                                BatchPlan(length=150)), tmp_path, "x", progress=lambda m: None)
+        assert px.count("/generate") == 0 and px.count("/v1/completions") == 0
+    msg = str(e.value)
+    assert "batch family" in msg and "--length batch=" in msg and "150" in msg, msg
+    assert "prefix" not in msg
+
+
+def test_chunk_default_length_follows_a_small_reported_chunk(url, tmp_path):
+    """A server prefilling in 96-token chunks: 1.5 chunks (145 tokens) is below the
+    template's minimum, so the chunk family's default length is that minimum (still past
+    the boundary by its window), said in the plan -- not an error minutes in."""
+    from fidelity.consistency.chunk import ChunkFamily, ChunkPlan
+    from fidelity.consistency.store import ProbeStore
+    with FaultProxy(url, {"/get_server_info": [lambda d: {**d, "chunked_prefill_size": 96}]}) as px:
+        arm = _arm("golden", px.url).connect()
+    fam = ChunkFamily(arm, ProbeStore(tmp_path / "p.jsonl"), TARGET.tokenizer, TARGET.cfg, ChunkPlan(),
+                      reference=object())
+    fam.check()
+    n = fam.length()
+    assert n > 145 and n > 96 + 16 and fam.cost().requests == 4
+    for short in (100, 150):        # below the probe template's minimum
+        with pytest.raises(FamilyError, match=r"chunk family.*--length chunk="):
+            ChunkFamily(arm, ProbeStore(tmp_path / "q.jsonl"), TARGET.tokenizer, TARGET.cfg,
+                        ChunkPlan(length=short), reference=object()).check()
+
+
+@pytest.mark.parametrize("opt", [["--page-size", "0"], ["--page-size", "-64"], ["--chunk-size", "0"],
+                                 ["--probes", "0"], ["--length", "-5"], ["--max-tokens", "0"],
+                                 ["--evict-tokens", "-1"], ["--gen-tokens", "0"], ["--length", "nope=5"]])
+def test_sizes_under_one_are_an_error(opt, capsys, tmp_path):
+    rc = main(["consistency", "--endpoint", "x=http://127.0.0.1:9", *opt, "--out", str(tmp_path), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and opt[0] in err, err
+    assert "Traceback" not in err

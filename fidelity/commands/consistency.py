@@ -45,9 +45,10 @@ def add_arguments(p):
                         f"teacher-forced) (default: {DEFAULT_FAMILIES}, and chunk,longgen with --inprocess)")
     g.add_argument("--probes", type=int, default=None,
                    help=f"probe prompts per family (default: prefix {PrefixPlan.probes}, batch {BatchPlan.probes})")
-    g.add_argument("--length", type=int, default=None,
-                   help=f"probe prompt length in tokens (default: prefix {PrefixPlan.length}, "
-                        f"batch {BatchPlan.length})")
+    g.add_argument("--length", action="append", default=[], metavar="[FAMILY=]N",
+                   help=f"probe prompt length in tokens, for every family or one (repeatable: "
+                        f"--length chunk=400) (default: prefix {PrefixPlan.length}, batch "
+                        f"{BatchPlan.length}, chunk 1.5 prefill chunks)")
     g.add_argument("--max-tokens", type=int, default=None,
                    help=f"greedy tokens compared per reply (default: prefix {PrefixPlan.max_tokens}, "
                         f"batch {BatchPlan.steps})")
@@ -106,9 +107,11 @@ def _settings(args):
     from fidelity.consistency.prefix import PrefixPlan
     from fidelity.consistency.run import ConsistencySettings
     given = lambda **kw: {k: v for k, v in kw.items() if v is not None}       # noqa: E731
+    _at_least(args)
+    length = _lengths(args.length)
     prefix = replace(PrefixPlan(), k=args.top_k, seed=args.seed, page_size=args.page_size,
                      chunk_size=args.chunk_size, evict_tokens=args.evict_tokens,
-                     **given(probes=args.probes, length=args.length, max_tokens=args.max_tokens))
+                     **given(probes=args.probes, length=length["prefix"], max_tokens=args.max_tokens))
     try:
         conc = tuple(int(x) for x in args.concurrency.split(",") if x.strip())
     except ValueError:
@@ -116,14 +119,49 @@ def _settings(args):
     if not conc or min(conc) < 1 or args.repeats < 1:
         raise ValueError("--concurrency needs integers >= 1 and --repeats at least 1")
     batch = replace(BatchPlan(), k=args.top_k, seed=args.seed, concurrency=conc, repeats=args.repeats,
-                    **given(probes=args.probes, length=args.length, steps=args.max_tokens))
+                    **given(probes=args.probes, length=length["batch"], steps=args.max_tokens))
     chunk = replace(ChunkPlan(), k=args.top_k, seed=args.seed, chunk_size=args.chunk_size,
-                    **given(probes=args.probes, length=args.length))
+                    **given(probes=args.probes, length=length["chunk"]))
     longgen = replace(LongGenPlan(), k=args.top_k, seed=args.seed, max_tokens=args.gen_tokens,
                       ignore_eos=args.ignore_eos, **given(probes=args.probes))
     text = args.families or (DEFAULT_FAMILIES + (",chunk,longgen" if args.inprocess else ""))
     families = tuple(f.strip() for f in text.split(",") if f.strip())
     return ConsistencySettings(families, prefix, batch, chunk, longgen)
+
+
+LENGTH_FAMILIES = ("prefix", "batch", "chunk")        # the families whose probe prompts have a length
+
+
+def _lengths(values: list[str]) -> dict:
+    """--length values ('N' for every family, 'FAMILY=N' for one, later ones winning) as
+    {family: N or None}."""
+    out = dict.fromkeys(LENGTH_FAMILIES)
+    for v in values:
+        fam, sep, n = v.rpartition("=")
+        fams = [fam.strip()] if sep else list(LENGTH_FAMILIES)
+        if sep and fams[0] not in LENGTH_FAMILIES:
+            raise ValueError(f"--length {v!r}: {fams[0]!r} is not a family with a prompt length "
+                             f"({', '.join(LENGTH_FAMILIES)}; longgen's prompts are chat tasks)")
+        try:
+            n = int(n)
+        except ValueError:
+            raise ValueError(f"--length {v!r}: expected N or FAMILY=N, N a number of tokens") from None
+        if n < 1:
+            raise ValueError(f"--length {v!r}: a prompt needs at least 1 token")
+        out.update(dict.fromkeys(fams, n))
+    return out
+
+
+def _at_least(args) -> None:
+    """Sizes and counts that must be positive (0 or less is a mistake, never "off")."""
+    for opt, least in (("page_size", 1), ("chunk_size", 1), ("probes", 1), ("max_tokens", 1),
+                       ("evict_tokens", 1), ("gen_tokens", 1), ("top_k", 0), ("repeats", 1),
+                       ("retries", 0)):
+        v = getattr(args, opt)
+        if v is not None and v < least:
+            raise ValueError(f"--{opt.replace('_', '-')} {v}: must be at least {least}")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
 
 
 def _reference(spec: str | None, target):

@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fidelity.kld.dialects import PromptScores, Request
-from fidelity.prompts import haystack_ids, prompt_seed
+from fidelity.prompts import prompt_seed
 
 from .client import LiveArm
 from .compare import compare_scores
-from .family import Family
+from .family import Cost, Family
 from .serial import known_list, known_rows
 from .store import ProbeStore
 
@@ -51,6 +51,9 @@ def _scores(row: dict, ids: list[int]) -> PromptScores:
 
 
 class BatchFamily(Family):
+    name = FAMILY
+    SALT = 2
+
     def __init__(self, arm: LiveArm, store: ProbeStore, tokenizer, cfg, plan: BatchPlan, reference=None):
         super().__init__(arm, store, tokenizer, cfg, plan, reference)
         self.request = Request(k=plan.k, steps=plan.steps, model=None)
@@ -59,6 +62,14 @@ class BatchFamily(Family):
     def key_prefix(arm: str, p: BatchPlan) -> str:
         """What a stored probe's key starts with: the family, the arm and the plan."""
         return f"{FAMILY}|{arm}|L{p.length}|s{p.seed}|n{p.steps}|k{p.k}|"
+
+    def cost(self) -> Cost:
+        p, n, steps = self.plan, self.plan.length, self.plan.steps
+        probes = p.probes * (2 + p.repeats * len(p.concurrency))            # alone, again, in company
+        fillers = p.probes * p.repeats * sum(p.concurrency)
+        filler_tokens = p.probes * p.repeats * sum(FILLER_LENGTHS[i % len(FILLER_LENGTHS)]
+                                                   for k in p.concurrency for i in range(k))
+        return Cost(probes + fillers, probes * n + filler_tokens, probes * steps + fillers * (steps + FILLER_EXTRA))
 
     def _score(self, ids: list[int]) -> PromptScores:
         return self.arm.score(ids, self.request)
@@ -87,8 +98,7 @@ class BatchFamily(Family):
     def run(self, progress=lambda m: None) -> None:
         plan = self.plan
         for probe in range(plan.probes):
-            ids, _ = haystack_ids(self.tok, plan.length, (probe + 0.5) / plan.probes * 100,
-                                  prompt_seed(plan.seed, plan.length, probe, 2))
+            ids = self.probe_ids(probe)
             ref = self._reference(probe, ids)
             self._measure(probe, "alone-again", ref, lambda: self._score(ids))
             for k in plan.concurrency:

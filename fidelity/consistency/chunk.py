@@ -18,17 +18,17 @@ from dataclasses import dataclass
 
 from fidelity.kld.bounds import compare
 from fidelity.kld.dialects import Request
-from fidelity.prompts import haystack_ids, prompt_seed
 
 from .client import LiveArm
-from .family import Family, FamilyError
+from .family import Cost, Family, FamilyError
 
 FAMILY = "chunk"
 
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    length: int | None = None      # prompt tokens (default: 1.5 chunks + 1)
+    length: int | None = None      # prompt tokens (default: 1.5 chunks + 1, or the shortest probe
+                                   # prompt buildable from there when that is too short)
     probes: int = 4
     window: int = 16               # positions compared on each side of a boundary
     k: int = 5
@@ -44,25 +44,57 @@ def chunk_size(arm: LiveArm, plan: ChunkPlan) -> int:
     return int(c)
 
 
+def chunk_prompts(tok, plan: ChunkPlan, c: int) -> list[list[int]]:
+    """The prompts ChunkFamily.run sends at chunk size c (for `fidelity engines`, which
+    scores their reference before the engine launches)."""
+    fam = ChunkFamily(None, None, tok, None, plan)
+    n = fam.length_at(c)
+    return [fam.probe_ids(probe, n) for probe in range(plan.probes)]
+
+
 class ChunkFamily(Family):
+    name = FAMILY
+    SALT = 4
+    NEEDS_REFERENCE = "compares with a reference scored in one piece"
+
     @staticmethod
     def key_prefix(arm: str, p: ChunkPlan) -> str:
         return f"{FAMILY}|{arm}|L{p.length}|s{p.seed}|w{p.window}|k{p.k}|"
 
-    def run(self, progress=lambda m: None) -> None:
-        self._need_reference("chunked-prefill", "compares with a reference scored in one piece")
-        plan = self.plan
-        c = chunk_size(self.arm, plan)
-        n = plan.length or c + c // 2 + 1
-        w = min(plan.window, c // 2)
+    def length_at(self, c: int) -> int:
+        """--length, else 1.5 chunks + 1 -- or, when the probe template cannot be built that
+        short (a small chunk: 145 tokens at 96), the shortest length from there it can."""
+        if self.plan.length:
+            return self.plan.length
+        n = c + c // 2 + 1
+        return n if self._unbuildable(n) is None else (self.shortest(n + 1) or n)
+
+    def length(self) -> int:
+        if not hasattr(self, "_n"):
+            self._n = self.length_at(chunk_size(self.arm, self.plan))
+        return self._n
+
+    def check(self) -> None:
+        super().check()
+        c, n = chunk_size(self.arm, self.plan), self.length()
+        w = min(self.plan.window, c // 2)
         if n <= c + w:
-            raise FamilyError(f"a {n}-token prompt does not cross the {c}-token chunk by {w} positions; "
-                             f"use --length > {c + w}")
+            raise FamilyError(f"the chunk family's {n}-token probe prompts do not cross the {c}-token "
+                              f"prefill chunk by {w} positions: give --length chunk=N with N > {c + w}")
+
+    def cost(self) -> Cost:
+        n, p = self.length(), self.plan.probes
+        return Cost(p, p * n, p, p * n)
+
+    def run(self, progress=lambda m: None) -> None:
+        self.check()
+        plan = self.plan
+        c, n = chunk_size(self.arm, plan), self.length()
+        w = min(plan.window, c // 2)
         for probe in range(plan.probes):
             if self.store.has(self._key(probe, "profile")):
                 continue
-            ids, _ = haystack_ids(self.tok, n, (probe + 0.5) / plan.probes * 100,
-                                  prompt_seed(plan.seed, n, probe, 4))
+            ids = self.probe_ids(probe, n)
             req = Request(k=plan.k, steps=1)
             ref, got = self.reference.score(ids, req), self.arm.score(ids, req)
             cmp = [compare(p, q, None) for p, q in zip(ref.known[:-1], got.known[:-1])]

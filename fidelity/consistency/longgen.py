@@ -22,7 +22,7 @@ import torch
 from fidelity.kld.bounds import Known, compare
 
 from .client import Reply
-from .family import Family
+from .family import Cost, Family
 
 FAMILY = "longgen"
 ROWS = 256                        # reference logits rows handled at a time (never [n, vocab] whole)
@@ -116,17 +116,29 @@ def drift_start(kl: list[float], floor: int, window: int, jump: float) -> int | 
 
 
 class LongGenFamily(Family):
+    name = FAMILY
+    NEEDS_REFERENCE = "scores the engine's output with a reference computed here"
+
     @staticmethod
     def key_prefix(arm: str, p: LongGenPlan) -> str:
         return (f"{FAMILY}|{arm}|t{int(p.thinking)}|T{p.temperature}|s{p.seed}|n{p.max_tokens}|"
                 f"f{p.floor_tokens}|k{p.k}|e{int(p.ignore_eos)}|")
 
+    def _prompt(self, probe: int) -> list[int]:
+        return self.tok.encode(self.tok.render_chat([{"role": "user", "content": TASKS[probe % len(TASKS)]}],
+                                                    thinking=self.plan.thinking).text)
+
+    def cost(self) -> Cost:
+        runs, gen = len(self.plan.modes()), self.plan.max_tokens
+        prompts = sum(len(self._prompt(p)) for p in range(self.plan.probes))
+        return Cost(self.plan.probes * runs, runs * prompts, self.plan.probes * runs * gen,
+                    runs * (prompts + self.plan.probes * gen))
+
     def run(self, progress=lambda m: None) -> None:
-        self._need_reference("long-generation", "scores the engine's output with a reference computed here")
+        self._need_reference()
         plan = self.plan
         for probe in range(plan.probes):
-            ids = self.tok.encode(self.tok.render_chat([{"role": "user", "content": TASKS[probe % len(TASKS)]}],
-                                                       thinking=plan.thinking).text)
+            ids = self._prompt(probe)
             for mode, temperature in plan.modes():
                 if self.store.has(self._key(probe, f"{mode}:behaviour")):
                     continue

@@ -21,11 +21,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from fidelity.prompts import haystack_ids, prompt_seed
-
 from .client import LiveArm, Reply
 from .compare import compare_replies
-from .family import Family
+from .family import Cost, Family
 from .serial import known_list, known_rows
 from .store import ProbeStore
 
@@ -71,12 +69,6 @@ def boundaries(cfg, sizes: dict, plan: PrefixPlan) -> list[tuple[str, int]]:
     return out
 
 
-def _prompt(tokenizer, plan: PrefixPlan, probe: int) -> list[int]:
-    ids, _ = haystack_ids(tokenizer, plan.length, (probe + 0.5) / plan.probes * 100,
-                          prompt_seed(plan.seed, plan.length, probe, 1))
-    return ids
-
-
 def _parting_at(ids: list[int], p: int, vocab: int) -> list[int]:
     """The prompt with token p replaced: it shares exactly its first p tokens with `ids`
     (another haystack would share the chat template's tokens too)."""
@@ -92,6 +84,9 @@ def _reply(row: dict) -> Reply:
 
 
 class PrefixFamily(Family):
+    name = FAMILY
+    SALT = 1
+
     def __init__(self, arm: LiveArm, store: ProbeStore, tokenizer, cfg, plan: PrefixPlan, reference=None):
         super().__init__(arm, store, tokenizer, cfg, plan, reference)
         self.flush_route: str | None = None
@@ -169,12 +164,26 @@ class PrefixFamily(Family):
                              {"role": "user", "content": FOLLOW_UP}], thinking=False)
         return self.tok.encode(three[len(one) + 1:])
 
+    def cost(self) -> Cost:
+        """Per probe: cold, cold-again, the full hit (2), each hit (2), the multi-turn (3:
+        the second turn twice, about the prompt plus the answer and the follow-up), the
+        eviction (the prompt twice and the other prompts between)."""
+        p, n, gen = self.plan, self.plan.length, self.plan.max_tokens
+        hits = len(boundaries(self.cfg, self.arm.sizes(), p))
+        turn2 = n + gen + 16
+        requests, tokens = 4 + 2 * hits + 3, 4 * n + 2 * hits * n + n + 2 * turn2
+        evict = self._evict_tokens()
+        if evict:
+            others = -(-evict // n)
+            requests, tokens = requests + 2 + others, tokens + (2 + others) * n
+        return Cost(p.probes * requests, p.probes * tokens, p.probes * requests * gen)
+
     def run(self, progress=lambda m: None) -> None:
         plan = self.plan
         points = boundaries(self.cfg, self.arm.sizes(), plan)
         self._fresh()             # learn how cold starts are made, even when every probe is stored
         for probe in range(plan.probes):
-            ids = _prompt(self.tok, plan, probe)
+            ids = self.probe_ids(probe)
             ref = self._reference(probe, ids)
             self._measure(probe, "cold-again", "floor", None, ref, lambda: self._cold(ids))
             self._measure(probe, "full-hit", "full", len(ids), ref, lambda: self._twice(ids))

@@ -13,6 +13,7 @@ import pandas as pd
 from .batch import BatchFamily, BatchPlan
 from .chunk import ChunkFamily, ChunkPlan
 from .client import LiveArm
+from .family import FamilyError
 from .judge import behaviour_lines, behaviour_table, condition_table, verdict_lines
 from .longgen import LongGenFamily, LongGenPlan
 from .prefix import PrefixFamily, PrefixPlan
@@ -50,14 +51,17 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
         raise ValueError(f"unknown probe family {', '.join(unknown)} (known: {', '.join(FAMILIES)})")
     t0 = time.time()
     store = ProbeStore(store_path(out_dir))
-    described = []
     for arm in arms:
         arm.connect()
+    runs = [[FAMILIES[name](arm, store, target.tokenizer, target.cfg, settings.plan(name), reference)
+             for name in settings.families] for arm in arms]
+    _preflight(runs, progress)
+    described = []
+    for arm, fams in zip(arms, runs):
         described.append({**arm.ep.describe(), **arm.sizes()})
-        for name in settings.families:
-            fam = FAMILIES[name](arm, store, target.tokenizer, target.cfg, settings.plan(name), reference)
+        for fam in fams:
             fam.run(progress)
-            if name == "prefix":
+            if fam.name == "prefix":
                 described[-1]["cold_by"] = fam.flush_route or "two random leading tokens (no flush route)"
         described[-1]["retries"] = dict(arm.ep.retries)
     names = {a.name for a in arms}
@@ -76,6 +80,26 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
         result["path"] = str(write_report(Path(out_dir) / "consistency",
                                           run_id or time.strftime("consistency-%Y%m%d-%H%M%S"), result))
     return result
+
+
+def _preflight(runs: list[list], progress) -> None:
+    """Before any probe request: every family checked on every arm (one FamilyError naming
+    each that cannot run as asked, and the option to change), then what each arm will be
+    sent, said."""
+    errors = []
+    for fams in runs:
+        for fam in fams:
+            try:
+                fam.check()
+            except FamilyError as e:
+                errors.append(f"{fam.arm.name}: {e}" if len(runs) > 1 else str(e))
+    if errors:
+        raise FamilyError("; ".join(dict.fromkeys(errors)))
+    for fams in filter(None, runs):
+        costs = [(fam.name, fam.cost()) for fam in fams]
+        total = sum(c.requests for _, c in costs)
+        progress(f"plan: {fams[0].arm.name}: " + "; ".join(c.words(n) for n, c in costs)
+                 + f"; {total} requests in all (fewer when probes are stored)")
 
 
 def _dialect_caveats(described: list[dict]) -> list[str]:

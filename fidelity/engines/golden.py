@@ -17,7 +17,6 @@ from fidelity.kld.inprocess import InProcessScorer, capture_shape
 from fidelity.kld.run import ScoredArm, check_identity, score_entry
 from fidelity.kld.run import _key as score_key          # the key score_arm stores under
 from fidelity.kld.store import ScoreStore, request_key
-from fidelity.prompts import haystack_ids, prompt_seed
 from fidelity.weights.target import load_target
 from reference_model.schedule import ONESHOT
 
@@ -81,12 +80,12 @@ def chunk_sizes(spec: Spec, cs) -> dict[str, int]:
 
 
 def chunk_prompts(tok, plan, c: int) -> list[list[int]]:
-    """The prompts ChunkFamily.run sends at chunk size c (fidelity/consistency/chunk.py), built
-    here so their reference is scored before the engine runs. Should that family's prompts
-    ever change, StoredReference misses them and says so: never a wrong comparison."""
-    n = plan.length or c + c // 2 + 1
-    return [haystack_ids(tok, n, (probe + 0.5) / plan.probes * 100, prompt_seed(plan.seed, n, probe, 4))[0]
-            for probe in range(plan.probes)]
+    """The prompts ChunkFamily.run sends at chunk size c (fidelity/consistency/chunk.py builds
+    them), built here so their reference is scored before the engine runs. Should that
+    family's prompts ever change, StoredReference misses them and says so: never a wrong
+    comparison."""
+    from fidelity.consistency.chunk import chunk_prompts as built
+    return built(tok, plan, c)
 
 
 def _ref_key(ids: list[int], req: Request) -> str:
