@@ -63,6 +63,46 @@ def _prefix(url, out, run_id="r", progress=lambda m: None):
                            run_id, progress=progress)
 
 
+@pytest.fixture(scope="module")
+def clean(url, tmp_path_factory):
+    """The restore bug's prefix run without faults: flagged exactly where the cache hit."""
+    res = _prefix(url, tmp_path_factory.mktemp("clean"))
+    t = res["conditions"]
+    assert (t.flagged == (t.cached_median > 0)).all() and t.flagged.sum() == 7
+    return res
+
+
+def _reference_row(out):
+    rows = [json.loads(x) for x in store_path(out).read_text().splitlines()]
+    return next(r for r in rows if r["condition"] == "cold")
+
+
+def test_a_cold_reference_warmed_by_a_late_500_is_flushed_and_rerun(url, clean, tmp_path):
+    """The first /generate (the cold reference) is processed, then answered 500: its retry
+    is a cache hit through the restore bug. The run sees the cached tokens, flushes, asks
+    again, and its tables equal the clean run's; the verdict and manifest say so."""
+    with LateFaultProxy(url, {"/generate": ["after:500"]}) as px:
+        res = _prefix(px.url, tmp_path)
+    ref = _reference_row(tmp_path)
+    assert ref["reference"]["cached"] == 0 and ref["reruns"] == 1, ref.get("warm_cached")
+    assert res["conditions"][COLS].equals(clean["conditions"][COLS])
+    assert any("1 cold reply came back with prompt tokens from the cache" in v and "re-run" in v
+               for v in res["verdict"]), res["verdict"]
+    assert res["manifest"]["arms"][0]["cache_reruns"] == 1
+
+
+def test_a_hit_turned_full_by_a_late_500_is_rerun(url, clean, tmp_path):
+    """hit@31's measured request (the sixth /generate: cold, cold-again, full hit x2, its
+    warm-up) is processed, then answered 500: its retry restores the whole prompt (192
+    tokens), more than the 31 it shares. The run re-runs the condition; tables as clean."""
+    with LateFaultProxy(url, {"/generate": ["ok"] * 5 + ["after:500"]}) as px:
+        res = _prefix(px.url, tmp_path)
+    t = res["conditions"].set_index("condition")
+    assert t.loc["hit@31", "cached_median"] == 0 and not t.loc["hit@31", "flagged"]
+    assert res["conditions"][COLS].equals(clean["conditions"][COLS])
+    assert res["manifest"]["arms"][0]["cache_reruns"] == 1
+
+
 def test_filler_faults_are_retried_not_the_end_of_the_run(url, tmp_path):
     """Batch fillers are streamed /v1/completions requests: a 502 and a reset on them are
     retried under the shared policy and counted, the run finishes, nothing is flagged."""
@@ -75,7 +115,7 @@ def test_filler_faults_are_retried_not_the_end_of_the_run(url, tmp_path):
     assert res["manifest"]["arms"][0]["retries"] == {"POST /v1/completions (filler)": 2}
 
 
-def test_cost_is_said_before_the_run_and_is_what_it_sends(url, tmp_path):
+def test_cost_is_said_before_the_run_and_is_what_it_sends(url, clean, tmp_path):
     lines = []
     settings = ConsistencySettings(("prefix", "batch"), PLAN,
                                    BatchPlan(length=200, probes=1, concurrency=(2,), repeats=1, steps=3))

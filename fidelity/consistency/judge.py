@@ -61,7 +61,7 @@ def condition_table(rows: pd.DataFrame) -> pd.DataFrame:
             out.append({"arm": arm, "family": fam, "condition": cond, **_stats(c), **flag})
     cols = ["arm", "family", "condition", "class", "shared", "probes", "bitwise", "diverged",
             "first_step", "distinct", "kl_first_median", "kl_first_max", "kl_max", "cached_median",
-            "flagged", "why"]
+            "reruns", "flagged", "why"]
     return pd.DataFrame(out, columns=cols)
 
 
@@ -76,7 +76,41 @@ def _stats(c: pd.DataFrame) -> dict:
             "distinct": int(distinct.max()),
             "kl_first_median": float(c.kl_first.median()), "kl_first_max": float(c.kl_first.max()),
             "kl_max": float(c.kl_max.max()),
-            "cached_median": float(cached.median()) if len(cached) else None}
+            "cached_median": float(cached.median()) if len(cached) else None,
+            "reruns": _reruns(c)}
+
+
+def _reruns(rows: pd.DataFrame) -> int:
+    """Times conditions were asked again because a reply came from the cache beyond them
+    (prefix.py `_within`; 0 in other families and in probes stored before the check)."""
+    return int(pd.to_numeric(rows["reruns"], errors="coerce").fillna(0).sum()) if "reruns" in rows else 0
+
+
+def cache_reruns(rows: pd.DataFrame, arm: str) -> int:
+    return _reruns(rows[rows.arm == arm]) if len(rows) else 0
+
+
+def rerun_lines(rows: pd.DataFrame) -> list[str]:
+    """Per arm: the replies that came back with more prompt tokens from the cache than their
+    condition allows (cold: none; hit@P: P), discarded and asked again after a flush -- and
+    those still over after every re-run, whose comparisons are not what they say."""
+    if rows.empty or "reruns" not in rows:
+        return []
+    lines = []
+    for arm, g in rows[pd.to_numeric(rows.reruns, errors="coerce").fillna(0) > 0].groupby("arm", sort=False):
+        hit = g.condition.str.startswith("hit@")
+        counts = sorted({int(x) for w in g.warm_cached for x in (w or [])})
+        parts = [f"{n} {what} repl{'y' if n == 1 else 'ies'} {how}" for n, what, how in (
+            (_reruns(g[~hit]), "cold", "came back with prompt tokens from the cache"),
+            (_reruns(g[hit]), "hit", "took more prompt tokens from the cache than the prefix they share"))
+            if n]
+        still = g[g.still_warm.fillna(False).astype(bool)] if "still_warm" in g else g.iloc[:0]
+        end = (f"; still so after every re-run: {', '.join(still.condition)} (not what they say: "
+               "does the flush route empty the cache?)" if len(still) else "")
+        lines.append(f"`{arm}` (prefix): {' and '.join(parts)} ({', '.join(map(str, counts))} cached: a "
+                     "retried request the server had already processed, or a flush that did not empty "
+                     f"the cache); each was discarded, the cache flushed and the condition re-run{end}.")
+    return lines
 
 
 def _floor_row() -> dict:

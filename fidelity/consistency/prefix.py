@@ -15,7 +15,14 @@ Per probe prompt (an exact-length needle haystack: the model has an answer to lo
 Each hit records the engine's own cached-token count, the proof that a hit happened. On a
 server without a flush route every cold start is two random leading tokens no request had
 (the report says which was used); the floor then compares two such starts, so it is not
-exact and hits are judged against it."""
+exact and hits are judged against it.
+
+The counts are also checked: a cold reply may take no prompt tokens from the cache and a
+hit@P at most P. A request the server processed but answered with an error (a 500 while
+writing the answer, a gateway's timeout) is retried by the transport, and the retry hits
+the cache the first attempt filled: a "cold" reference that is warm, a hit@P that is a full
+hit. Such a reply is discarded, the cache flushed and the condition asked again (up to
+RERUNS times); the rows and the report say how often."""
 from __future__ import annotations
 
 import random
@@ -29,6 +36,7 @@ from .store import ProbeStore
 
 FAMILY = "prefix"
 FOLLOW_UP = "Say that again, please."
+RERUNS = 2               # times a condition is asked again when its reply came from the cache beyond it
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,8 @@ class PrefixFamily(Family):
         self.flush_route: str | None = None
         self.busting: bool | None = None             # decided at the first cold request
         self._rng = random.SystemRandom()
+        self.warm: list[int] = []                    # cached counts of replies discarded as warm, this condition
+        self.still_warm = False                      # this condition's last reply too
 
     @staticmethod
     def key_prefix(arm: str, p: PrefixPlan) -> str:
@@ -114,18 +124,33 @@ class PrefixFamily(Family):
     def _ask(self, ids: list[int]) -> Reply:
         return self.arm.generate(ids, self.plan.max_tokens, self.plan.k)
 
+    def _within(self, once, most: int) -> Reply:
+        """once()'s reply, asked again (each once() starts with a flush) while the engine
+        says it took more than `most` prompt tokens from its cache -- a retried request
+        whose first attempt the server had processed -- at most RERUNS times; the counts
+        discarded go to self.warm, and self.still_warm says the last one was over too."""
+        for _ in range(RERUNS + 1):
+            got = once()
+            if got.cached is None or got.cached <= most:
+                return got
+            self.warm.append(int(got.cached))
+        self.still_warm = True
+        return got
+
     def _cold(self, ids: list[int]) -> Reply:
-        return self._ask(self._fresh() + ids)
+        return self._within(lambda: self._ask(self._fresh() + ids), 0)
 
     def _twice(self, ids: list[int]) -> Reply:
         lead = self._fresh()
         self._ask(lead + ids)
         return self._ask(lead + ids)
 
-    def _after_warm(self, ids: list[int], warm: list[int]) -> Reply:
-        lead = self._fresh()
-        self._ask(lead + warm)
-        return self._ask(lead + ids)
+    def _after_warm(self, ids: list[int], warm: list[int], shared: int) -> Reply:
+        def once():
+            lead = self._fresh()
+            self._ask(lead + warm)
+            return self._ask(lead + ids)
+        return self._within(once, shared)
 
     def _multi_turn(self, ids: list[int]) -> tuple[Reply, Reply]:
         """A chat's second turn re-sent with the first turn and its answer, after the first
@@ -189,7 +214,7 @@ class PrefixFamily(Family):
             self._measure(probe, "full-hit", "full", len(ids), ref, lambda: self._twice(ids))
             for cls, p in points:
                 self._measure(probe, f"hit@{p}", cls, p, ref,
-                              lambda p=p: self._after_warm(ids, _parting_at(ids, p, self.cfg.vocab_size)))
+                              lambda p=p: self._after_warm(ids, _parting_at(ids, p, self.cfg.vocab_size), p))
             self._measure(probe, "multi-turn", "multi-turn", len(ids), None, lambda: self._multi_turn(ids))
             evict = self._evict_tokens()
             if evict:
@@ -200,9 +225,11 @@ class PrefixFamily(Family):
         key = self._key(probe, "cold")
         if not self.store.has(key):
             n0 = self.arm.sent
+            self.warm, self.still_warm = [], False
             r = self._cold(ids)
             self.store.add({"key": key, "family": FAMILY, "arm": self.arm.name, "probe": probe,
-                            "condition": "cold", "requests": self.arm.sent - n0, "reference": _reply_row(r)})
+                            "condition": "cold", "requests": self.arm.sent - n0, **self._rerun_fields(),
+                            "reference": _reply_row(r)})
         row = next(r for r in self.store.rows if r["key"] == key)
         return _reply(row["reference"])
 
@@ -212,11 +239,17 @@ class PrefixFamily(Family):
         if self.store.has(key):
             return
         n0 = self.arm.sent
+        self.warm, self.still_warm = [], False
         got = ask()
         if ref is None:
             ref, got = got
         self.store.add({"key": key, "family": FAMILY, "arm": self.arm.name, "probe": probe,
                         "condition": condition, "class": cls, "shared": shared, "requests": self.arm.sent - n0,
-                        "cached": got.cached, "tokens": got.tokens,
+                        "cached": got.cached, "tokens": got.tokens, **self._rerun_fields(),
                         "cold_by": self.flush_route or "two random leading tokens (no flush route)",
                         **compare_replies(ref, got)})
+
+    def _rerun_fields(self) -> dict:
+        """reruns: times the condition was asked again because a reply came from the cache
+        beyond it; warm_cached: those replies' cached counts; still_warm: the kept one too."""
+        return {"reruns": len(self.warm), "warm_cached": self.warm, "still_warm": self.still_warm}

@@ -197,12 +197,16 @@ def build_page(result: dict) -> Page:
                          "cold start by": a.get("cold_by"), "page size": a.get("page_size"),
                          "prefill chunk": a.get("chunked_prefill_size"),
                          "requests": sum(v for k, v in m["requests"].items() if k.endswith("/" + a["name"])),
-                         "retries": sum(a.get("retries", {}).values())} for a in m["arms"]])
+                         "retries": sum(a.get("retries", {}).values()),
+                         "cache re-runs": a.get("cache_reruns", 0)} for a in m["arms"]])
     sections = _sections(table, result.get("behaviour", pd.DataFrame())) + [
         Section("How it was run", "Cold starts use the engine's flush route (SGLang "
                 "`/flush_cache`, vLLM `/reset_prefix_cache`); without one, two random leading tokens "
                 "no earlier request had. Retries are transport faults retried under the shared "
-                "policy, never counted as differences.", [Table(how, fold=False)]),
+                "policy, never counted as differences. Cache re-runs: replies that took more prompt "
+                "tokens from the cache than their condition allows (a cold one any; a hit@P more "
+                "than P: a retry of a request the server had processed), discarded, the cache "
+                "flushed and the condition asked again.", [Table(how, fold=False)]),
         Section("Every probe", "One row per comparison (probes.csv).",
                 [Table(result["probes"].drop(columns=["key", "tokens", "kl", "rank", "kl_window"],
                                               errors="ignore"), fold=True)]),
