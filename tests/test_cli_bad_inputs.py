@@ -122,3 +122,11 @@ def test_check_url_accepts_http_and_https_and_hides_passwords():
     with pytest.raises(URLError) as ei:
         check_url("ftp://user:s3cret@host/v1")
     assert "s3cret" not in str(ei.value)
+
+
+def test_inspect_a_file_that_is_no_checkpoint_names_it(capsys, tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("hello")
+    assert main(["inspect", str(f)]) == 2
+    err = _err(capsys)
+    assert f"error: {f} is a file" in err and "error: .:" not in err

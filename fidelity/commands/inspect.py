@@ -203,6 +203,10 @@ def run(args) -> int:
             raise CommandError(str(e)) from None
         print(json.dumps(s, indent=2) if args.json else render_config_only(s))
         return 1 if s["problems"] else 0
+    path = Path(args.checkpoint)
+    if path.is_file() and path.suffix != ".safetensors":   # scan_checkpoint would read its folder
+        raise CommandError(f"{path} is a file; give a checkpoint folder (config.json and "
+                           "*.safetensors shards), a .safetensors file or a config-only folder")
     scan = v41_read.scan_checkpoint if v41_read.is_v41_checkpoint(args.checkpoint) else scan_checkpoint
     try:
         info = scan(args.checkpoint, strict=False)
