@@ -99,7 +99,7 @@ class Family:
         why = self._unbuildable(n)
         if why is not None:
             least = self.shortest(n + 1)
-            fix = (f"give --length {self.name}=N with N at least {least} (the shortest that builds here)"
-                   if least else f"give a longer --length {self.name}=N")
+            fix = (f"--length {self.name}={least} is the shortest that builds here (the minimum varies "
+                   "with the needle each length draws)" if least else f"give a longer --length {self.name}=N")
             raise FamilyError(f"the {self.name} family cannot build its {n}-token probe prompts: {why}; "
                               f"{fix}, or leave {self.name} out of --families")
