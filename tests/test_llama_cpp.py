@@ -167,3 +167,23 @@ def test_llama_perplexity_reads_our_golden_file_and_we_read_its_file(f32, tmp_pa
     assert ours["positions"] == 2 * (n_ctx - 1 - n_ctx // 2)
     assert theirs == pytest.approx(ours["kld_mean"], rel=0.05, abs=2e-5), (theirs, ours)
     json.dumps(ours)                                     # a summary a report can carry
+
+
+def test_chat_check_reads_llamacpp_template_and_finds_its_tools_block(server, f32, tmp_path):
+    """llama.cpp renders through /apply-template (read back by its /tokenize). Against the
+    `original` generation's effort tiers (the ones its template implements) two differences
+    are left: b11434 drops the blank line before `## Tools`, and by default (reasoning
+    preserve) it keeps an earlier assistant turn's reasoning, which DeepSeek's encoder drops."""
+    import pandas as pd
+    r = subprocess.run([*_fidelity(), "chat-check", "--endpoint", server, "--generation", "original",
+                        "--tokenizer", str(f32[0] / "tokenizer.json"), "--out", str(tmp_path),
+                        "--run-id", "c", "--quiet"], capture_output=True, text=True)
+    assert r.returncode == 1, r.stderr[-2000:]                  # differences found: exit 1
+    page = (tmp_path / "chat-check" / "c" / "summary.md").read_text()
+    assert "prompt ids via `llamacpp-template`" in page and "raw text tokenized by `/tokenize`" in page
+    cases = pd.read_csv(tmp_path / "chat-check" / "c" / "cases.csv")
+    differs = cases[cases.status == "differs"]
+    tools = differs.detail.str.contains("## Tools")
+    kept = differs.case.str.startswith("multi-turn") & differs.detail.str.contains("<think>Paris")
+    assert tools.sum() >= 10 and kept.sum() >= 1 and (tools | kept).all(), differs[["case", "detail"]]
+    assert (differs[tools].tools == True).all()                 # noqa: E712

@@ -1,13 +1,15 @@
 """How a chat-check talks to an engine: its prompt token ids for a chat request (best
 available way, chosen once: SGLang `/v1/tokenize` with messages, vLLM `/tokenize` with
-messages, `prompt_token_ids` of a one-token chat completion, or only `usage.prompt_tokens`
+messages, llama.cpp's `/apply-template` then its `/tokenize`, `prompt_token_ids` of a
+one-token chat completion, or only `usage.prompt_tokens`
 as the weakest fallback), its raw-text tokenizer and detokenizer, and a short completion
 for the behaviour checks. Research engine-integration.md §3.4."""
 from __future__ import annotations
 
 from fidelity.kld.endpoint import Endpoint, EndpointError
 
-METHODS = ("sglang-tokenize", "vllm-tokenize", "response-ids", "usage-count")
+# llama.cpp before vLLM: its /tokenize ignores `messages` and answers 200 with no tokens
+METHODS = ("sglang-tokenize", "llamacpp-template", "vllm-tokenize", "response-ids", "usage-count")
 WEAK = "usage-count"
 
 
@@ -51,6 +53,8 @@ class ChatProbe:
             self.raw_route = self.raw_route or "/v1/tokenize"
             return list(r["tokens"]), len(r["tokens"])
         if method == "vllm-tokenize":
+            if self.ep.llama_server:
+                raise _Missing()
             kw = dict(b.pop("chat_template_kwargs", {}) or {})
             if "reasoning_effort" in b:                  # vLLM: no top-level reasoning_effort
                 kw["reasoning_effort"] = b.pop("reasoning_effort")
@@ -59,6 +63,14 @@ class ChatProbe:
                 raise _Missing()
             self.raw_route = self.raw_route or "/tokenize"
             return list(r["tokens"]), len(r["tokens"])
+        if method == "llamacpp-template":
+            if not self.ep.llama_server:
+                raise _Missing()
+            r = self._post("/apply-template", b)
+            if r is None or not isinstance(r.get("prompt"), str):
+                raise _Missing()
+            ids = self.ep.tokenize(r["prompt"])
+            return ids, len(ids)
         r = self._post("/v1/chat/completions", {**b, "max_tokens": 1, "temperature": 0,
                                                 "return_token_ids": True, "return_prompt_token_ids": True},
                        ok404=False)
@@ -76,6 +88,9 @@ class ChatProbe:
     def raw_ids(self, text: str) -> list[int] | None:
         """The engine's own tokenization of raw text (None without a tokenize route: then
         the local tokenizer stands in)."""
+        if self.ep.llama_server:                         # its own body: content + parse_special
+            self.raw_route = "/tokenize"
+            return self.ep.tokenize(text)
         if self.raw_route is None:
             for route in ("/tokenize", "/v1/tokenize"):
                 r = self._post(route, {"prompt": text})
@@ -89,8 +104,9 @@ class ChatProbe:
 
     def decode(self, ids: list[int]) -> str:
         r = self._post("/detokenize", {"tokens": list(ids)})
-        if r is not None and "prompt" in r:
-            return r["prompt"]
+        for key in ("prompt", "content"):                # SGLang/vLLM, llama.cpp
+            if r is not None and isinstance(r.get(key), str):
+                return r[key]
         if self.local is not None:
             return self.local.decode(ids, skip_special_tokens=False)
         return f"<{len(ids)} ids>"

@@ -76,6 +76,7 @@ class Endpoint:
         self._piece_ids: dict | None = None
         self.shape: dict | None = None           # capture shape, once known
         self.meta: dict | None = None            # model id -> the server's stated facts, if any
+        self.llama_server = False                # /props answered as llama-server does (any dialect)
         self.info: dict = {}
         self.ids_per_request = IDS_PER_REQUEST
         self.retries: Counter = Counter()        # "METHOD /route" -> retries made
@@ -146,9 +147,10 @@ class Endpoint:
         info = self.call("GET", "/get_model_info", ok404=True)
         version = self.call("GET", "/version", ok404=True)
         props = None if info is not None or version is not None else self.call("GET", "/props", ok404=True)
+        self.llama_server = L.is_llama_server(props)
         if self.dialect is None:
             self.dialect = ("sglang" if info is not None else "vllm" if version is not None
-                            else "llamacpp" if L.is_llama_server(props) else "openai")
+                            else "llamacpp" if self.llama_server else "openai")
         self.shape = capture_shape(info)         # None: no captures, or learnt when they come
         self.info = {"models": ids, "model_info": info, "version": version,
                      "server_info": self.call("GET", "/get_server_info", ok404=True)}
@@ -182,7 +184,7 @@ class Endpoint:
             if not isinstance(t, list):
                 raise ScoringError(f"no `tokens` list in the answer: {str(d)[:120]}")
             return [int(x) for x in t]
-        body = ({"content": text, "add_special": False, "parse_special": True} if self.dialect == "llamacpp"
+        body = ({"content": text, "add_special": False, "parse_special": True} if self.llama_server
                 else {"prompt": text, "model": self.model})
         return self.call("POST", "/tokenize", body, ok404=True, parse=tokens)
 
