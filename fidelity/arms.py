@@ -34,6 +34,23 @@ def split_schedule(text: str, default: str | None = None) -> tuple[str, Schedule
     return arm, Schedule.parse(sched if at else (default or "oneshot"))
 
 
+def check_schedules(schedules: dict[str, Schedule], lengths, held_back: int = 0) -> None:
+    """ValueError naming every arm whose schedule cannot apply at these prompt lengths
+    (Schedule.cannot_apply): such an arm would fail on each prompt and vanish from the
+    tables (ab), or be counted as failing (needle), so it is refused before anything runs.
+    `held_back`: tokens of each prompt fed after the scheduled prefill (needle prefills all
+    but the last)."""
+    problems = []
+    for label, s in schedules.items():
+        bad, why = s.cannot_apply([n - held_back for n in lengths])
+        if bad:
+            shown = ", ".join(str(n + held_back) for n in bad)
+            fed = f" ({held_back} held back for the answer)" if held_back else ""
+            problems.append(f"arm {label!r}: {s} cannot apply to prompts of {shown} tokens{fed} ({why})")
+    if problems:
+        raise ValueError("; ".join(problems) + "; change the schedule or the prompt lengths (--lengths)")
+
+
 def parse_arm(text: str | None, model: str = "v4") -> NumericsArm:
     """'golden' (or empty), 'engine', 'engine:sglang', 'kv_bf16,splitk_decode(splits=8)',
     'engine@chunked(64)', ...; `engine` spellings as for a `model` ('v4', 'v41') checkpoint

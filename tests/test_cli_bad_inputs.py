@@ -130,3 +130,21 @@ def test_inspect_a_file_that_is_no_checkpoint_names_it(capsys, tmp_path):
     assert main(["inspect", str(f)]) == 2
     err = _err(capsys)
     assert f"error: {f} is a file" in err and "error: .:" not in err
+
+
+def test_needle_inprocess_arm_whose_schedule_cannot_apply_is_an_error(capsys, tmp_path):
+    """Needle prefills all but a prompt's last token under the schedule: prefix_hit(382) on
+    383-token prompts cannot apply (it was a server_error on every trial, exit 0)."""
+    rc = main(["needle", "--arm", "golden", "--arm", "engine@prefix_hit(382)", "--lengths", "383",
+               "--depths", "0", "--no-plots", "--out", str(tmp_path)])
+    err = _err(capsys)
+    assert rc == 2 and "arm 'engine@prefix_hit(382)'" in err and "383 tokens" in err
+    assert not (tmp_path / "needle" / "results.jsonl").exists()
+
+
+def test_kld_inprocess_arm_whose_schedule_cannot_apply_is_an_error_before_scoring(capsys, tmp_path):
+    rc = main(["kld", "--inprocess", "golden=golden", "--inprocess", "e=engine@prefix_hit(250)",
+               "--lengths", "250", "--depths", "50", "--steps", "1", "--no-floors", "--out", str(tmp_path)])
+    err = _err(capsys)
+    assert rc == 2 and "arm 'e'" in err and "250 tokens" in err and "prefix_hit(250)" in err
+    assert not (tmp_path / "kld").exists()                  # nothing scored

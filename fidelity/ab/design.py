@@ -134,20 +134,6 @@ def arm_sets(settings: ABSettings, model: str = "v4") -> tuple[dict[str, object]
     return arms, list(dict.fromkeys([*base.names, *singles])), schedules
 
 
-def check_schedules(schedules: dict[str, Schedule], lengths) -> None:
-    """ValueError naming every arm whose schedule cannot apply at these prompt lengths
-    (Schedule.cannot_apply): such an arm would fail on each prompt and vanish from every
-    table, so it is refused before anything runs."""
-    problems = []
-    for label, s in schedules.items():
-        bad, why = s.cannot_apply(lengths)
-        if bad:
-            problems.append(f"arm {label!r}: {s} cannot apply to prompts of "
-                            f"{', '.join(map(str, bad))} tokens ({why})")
-    if problems:
-        raise ValueError("; ".join(problems) + "; change the schedule or the prompt lengths (--lengths)")
-
-
 def base_toggles(settings: ABSettings, model: str = "v4") -> frozenset:
     """The --base arm's toggles (its base + t arms give t an added_to_base effect)."""
     d = settings.design

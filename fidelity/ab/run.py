@@ -14,12 +14,13 @@ import torch
 
 from kernel_toggles.arms import version_of
 
+from ..arms import check_schedules
 from ..prompts import Prompt, all_token_ids, builtin_prompts, file_prompts
 from ..verdict.attribution import attribute, bootstrap_mean_ci, outcome_matrix, prompt_outcomes
 from ..verdict.judge import Design, judge
 from ..verdict.signals import direct_effects, prompt_signals, with_longest
 from .design import (FLOOR, FLOOR_ORDER, GOLDEN, WEIGHTS_PREFIX, ABSettings, RunnerSettings,
-                     Statistics, arm_sets, base_toggles, check_schedules, factorial_arms, floor_arms,
+                     Statistics, arm_sets, base_toggles, factorial_arms, floor_arms,
                      golden_arm, schedule_arms, toggle_arms, top_toggles, vs_pairs, weight_arms)
 from .drift import first_divergence, with_floor_multiple
 from .lockstep import LockstepResult, LockstepRunner

@@ -210,6 +210,10 @@ def _run(args, driver=None) -> int:
         else:
             prompts = grid_prompts(tok, _csv(args.lengths, int), _csv(args.depths, float), args.reps,
                                    args.seed)
+        from fidelity.arms import check_schedules, split_schedule
+        from fidelity.cli import name_value_pairs
+        check_schedules({n: split_schedule(s)[1] for n, s in name_value_pairs(args.inprocess, "--inprocess")},
+                        [p.length for p in prompts])          # before any arm is scored
         from fidelity.kld.run import TOKENIZER_PROBE, check_tokenizers
         check_tokenizers(entries, tok, TOKENIZER_PROBE)
         if args.fresh:

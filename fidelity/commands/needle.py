@@ -229,6 +229,11 @@ def _run(args, driver=None) -> int:
             raise CommandError(str(e)) from None
         lengths = _csv(args.lengths, int) or (DEFAULT_ENDPOINT_LENGTHS if args.endpoint and args.arm is None
                                               else DEFAULT_INPROCESS_LENGTHS)
+        from fidelity.arms import check_schedules
+        try:                                  # in-process arms prefill all but the last token
+            check_schedules({r.name: r.arm.schedule for r in runners if hasattr(r, "arm")}, lengths, 1)
+        except ValueError as e:
+            raise CommandError(str(e)) from None
         try:
             cfg = SweepConfig(lengths=lengths, depths=_csv(args.depths, float), reps=args.reps,
                               spec=HaystackSpec(args.kind, args.value_type, args.filler,
