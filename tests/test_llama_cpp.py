@@ -187,3 +187,27 @@ def test_chat_check_reads_llamacpp_template_and_finds_its_tools_block(server, f3
     kept = differs.case.str.startswith("multi-turn") & differs.detail.str.contains("<think>Paris")
     assert tools.sum() >= 10 and kept.sum() >= 1 and (tools | kept).all(), differs[["case", "detail"]]
     assert (differs[tools].tools == True).all()                 # noqa: E712
+
+
+def test_replay_places_the_departure_and_names_what_reproduces_it(f32, tmp_path):
+    """Tensor replay on the F32 GGUF: llama.cpp leaves the golden at its first tensor
+    compared (layer 0's q, thousands of times the reduction-order floor) and matches the
+    `exact` profile there to float32 rounding -- llama.cpp does not simulate the reference's
+    FP8 activation quantisation (its QAT numerics); nothing else differs at that point."""
+    import torch
+    from fidelity.llamacpp import replay as R
+    from fidelity.pipeline_model import arm_numerics
+    from fidelity.prompts import haystack_ids
+    from fidelity.weights.source import load_weights
+    from reference_model.numerics import Numerics
+    ck, model = f32
+    w, _ = load_weights(str(ck))
+    ids, _ = haystack_ids(_tokenizer(ck), 200, 50, 3)
+    arms = {R.GOLDEN: arm_numerics("golden", "reference", {}, "v4"),
+            R.FLOOR: Numerics("reference", torch.float32), "exact": Numerics("exact")}
+    table, first = R.replay(model, w, list(ids), arms, tmp_path, "prefill")
+    assert (first["layer"], first["tensor"], first["reproduced_by"]) == (0, "attn.q", ["exact"]), first
+    assert first["x_floor"] > 100
+    q0 = table[(table.layer == 0) & (table.tensor == "attn.q")].iloc[0]
+    assert q0["vs exact"] < 1e-5 and q0["vs golden"] > 0.01
+    assert "first departs from the golden at layer 0 attn.q" in R.sentence(first, "prefill")

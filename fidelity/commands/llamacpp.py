@@ -1,0 +1,119 @@
+"""`fidelity llamacpp`: llama.cpp (the pinned build, `make llama-cpp`) against the golden.
+
+  prepare   the checkpoint's GGUF (widened first when llama.cpp cannot load it as is)
+  replay    llama.cpp's intermediate tensors vs the golden's taps, layer by layer: the first
+            departure and the in-process arm that reproduces it
+  kld-base  write the golden's logits as a `llama-perplexity --kl-divergence-base` file, or
+            (--compare FILE) score a logits file llama.cpp wrote against the golden"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fidelity.errors import CommandError
+
+HELP = "llama.cpp against the golden: GGUF, tensor replay, llama-perplexity's KLD file"
+EXAMPLES = """\
+    fidelity llamacpp prepare --fp8 f32                 # the embedded model as GGUF (after make llama-cpp)
+    fidelity llamacpp replay --fp8 f32 --tokens 240     # where llama.cpp departs, per tensor
+    fidelity llamacpp kld-base --out golden.kld --ctx 128 --chunks 4   # for llama-perplexity --kl-divergence
+    fidelity llamacpp kld-base --compare engine.kld     # a file llama-perplexity wrote
+"""
+FP8 = ("f32", "q8_0")
+
+
+def add_arguments(p):
+    p.add_argument("action", choices=("prepare", "replay", "kld-base"))
+    p.add_argument("--checkpoint", default=None, help="DeepSeek-native checkpoint (default: the embedded model)")
+    p.add_argument("--fp8", choices=FP8, default="q8_0",
+                   help="GGUF type of the FP8 weights: q8_0 (what llama.cpp's converter writes) or f32 "
+                        "(the dequantised values, exactly)")
+    p.add_argument("--gguf", default=None, help="replay: this GGUF instead of converting the checkpoint")
+    p.add_argument("--tokens", type=int, default=240, help="replay: prompt length in tokens")
+    p.add_argument("--path", choices=("prefill", "decode"), default="prefill",
+                   help="replay: one batch, or one token per step (llama-server's cached-prefix path)")
+    p.add_argument("--ctx", type=int, default=128, help="kld-base: tokens per chunk (llama-perplexity -c)")
+    p.add_argument("--chunks", type=int, default=4, help="kld-base: chunks written")
+    p.add_argument("--text", default=None, help="kld-base: text file (default: generated haystack text)")
+    p.add_argument("--compare", default=None, metavar="FILE",
+                   help="kld-base: score this llama.cpp logits file against the golden instead of writing one")
+    p.add_argument("--out", default="reports", help="output file (kld-base) or folder (replay)")
+
+
+def run(args) -> int:
+    from fidelity.llamacpp import paths
+    from fidelity.llamacpp.prepare import gguf
+    from fidelity.weights.source import EMBEDDED, resolve_checkpoint
+    try:
+        src = Path(resolve_checkpoint(args.checkpoint)) if args.checkpoint else EMBEDDED
+        if not (src / "config.json").is_file():
+            raise CommandError(f"{src} is not a checkpoint folder (no config.json)", 2)
+        ck, model = (src, Path(args.gguf)) if args.gguf else gguf(src, args.fp8)
+    except paths.NotBuilt as e:
+        raise CommandError(str(e), 2) from None
+    print(f"checkpoint {ck}\nGGUF {model}")
+    if args.action == "replay":
+        return _replay(args, ck, model)
+    if args.action == "kld-base":
+        return _kld_base(args, ck)
+    return 0
+
+
+def _golden(ck: Path):
+    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.pipeline_model import arm_numerics
+    from fidelity.weights.source import load_tokenizer_for, load_weights
+    w, _ = load_weights(str(ck))
+    return w, load_tokenizer_for(str(ck)), InProcessScorer("golden", arm_numerics("golden", "reference", {}, "v4"), w)
+
+
+def _text_ids(args, tok, n: int) -> list[int]:
+    from fidelity.prompts import haystack_ids
+    if args.text:
+        ids = tok.encode(Path(args.text).read_text())
+    else:
+        ids, _ = haystack_ids(tok, n, 50, 0)
+    if len(ids) < n:
+        raise CommandError(f"the text has {len(ids)} tokens, {n} needed", 2)
+    return list(ids[:n])
+
+
+def _replay(args, ck: Path, model: Path) -> int:
+    import torch
+    from fidelity.llamacpp import replay as R
+    from fidelity.pipeline_model import arm_numerics
+    from reference_model.numerics import Numerics
+    w, tok, _ = _golden(ck)
+    ids = _text_ids(args, tok, args.tokens)
+    out = Path(args.out) / "llamacpp-replay"
+    out.mkdir(parents=True, exist_ok=True)
+    arms = {R.GOLDEN: arm_numerics("golden", "reference", {}, "v4"),
+            R.FLOOR: Numerics("reference", torch.float32), "exact": Numerics("exact")}
+    table, first = R.replay(model, w, ids, arms, out, args.path)
+    table.to_csv(out / f"replay-{args.path}.csv", index=False)
+    (out / f"first-departure-{args.path}.json").write_text(json.dumps(first, indent=1))
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    print(R.sentence(first, args.path))
+    return 0
+
+
+def _kld_base(args, ck: Path) -> int:
+    from fidelity.llamacpp import golden_logits as G
+    from fidelity.llamacpp import logits_file as F
+    w, tok, golden = _golden(ck)
+    if args.compare:
+        try:
+            lf = F.read(args.compare)
+        except (OSError, F.LogitsFileError) as e:
+            raise CommandError(str(e), 2) from None
+        if lf.n_vocab != w.cfg.vocab_size:
+            raise CommandError(f"{args.compare} has a {lf.n_vocab}-token vocabulary, the checkpoint "
+                               f"{w.cfg.vocab_size}: written from another model", 2)
+        res = G.compare(lf, golden, tok.bos_id)
+        print(json.dumps(res, indent=1))
+        return 0
+    tokens = G.chunk_tokens(_text_ids(args, tok, args.ctx * args.chunks), args.ctx, args.chunks)
+    path = G.write_golden(args.out, golden, tokens, w.cfg.vocab_size, tok.bos_id)
+    print(f"wrote {path}: {args.chunks} chunks of {args.ctx} tokens, golden log-probs at positions "
+          f"{args.ctx // 2}..{args.ctx - 2} of each")
+    return 0
