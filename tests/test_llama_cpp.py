@@ -211,3 +211,15 @@ def test_replay_places_the_departure_and_names_what_reproduces_it(f32, tmp_path)
     q0 = table[(table.layer == 0) & (table.tensor == "attn.q")].iloc[0]
     assert q0["vs exact"] < 1e-5 and q0["vs golden"] > 0.01
     assert "first departs from the golden at layer 0 attn.q" in R.sentence(first, "prefill")
+
+
+def test_needle_against_llama_server(server, f32, tmp_path):
+    """A needle sweep through llama-server's chat route (its own V4 template): every trial
+    scored, none a server error, the report written."""
+    r = subprocess.run([*_fidelity(), "needle", "--endpoint", f"llama={server}", "--checkpoint", str(f32[0]),
+                        "--lengths", "512", "--depths", "10,90", "--reps", "1", "--out", str(tmp_path),
+                        "--run-id", "n", "--quiet", "--no-plots"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    arms = json.loads((tmp_path / "needle" / "n" / "summary.json").read_text())["tables"]["arms"]
+    (llama,) = [a for a in arms if a["arm"] == "llama"]
+    assert llama["n_scored"] == 2 and llama["server_error"] == 0 and llama["exact_length_rate"] == 1.0

@@ -60,8 +60,10 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> N
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
-            tail = Path(log).read_text(errors="replace")[-1500:]
-            raise ServerFailed(f"llama-server exited with {proc.returncode} before it was ready:\n{tail}")
+            text = Path(log).read_text(errors="replace")
+            why = [ln for ln in text.splitlines() if "GGML_ASSERT" in ln or " E " in ln or "error" in ln.lower()]
+            raise ServerFailed(f"llama-server exited with {proc.returncode} before it was ready: "
+                               + ("\n".join(why[:3]) if why else text[-1500:]) + f" (log: {log})")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return

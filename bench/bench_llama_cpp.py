@@ -1,0 +1,208 @@
+"""llama.cpp b11434 (the first engine the toolkit did not write) against the golden, measured
+here: every GGUF variant served by llama-server and scored by the toolkit's own commands.
+
+Variants: F32 GGUF (FP8 weights dequantised exactly), F32 with a q8_0 KV cache, Q8_0 (what
+llama.cpp's converter writes), Q4_K_M (llama-quantize from F32, experts kept MXFP4). Per variant:
+  kld      `fidelity kld`, golden + floors in-process vs llama-server (teacher-forced, decode path)
+  prefill  llama-perplexity's own logits file scored against the golden (its prefill path)
+  needle   `fidelity needle` recall vs context, golden in-process vs llama-server
+  replay   `fidelity llamacpp replay`'s first departure (prefill)
+and once (F32, -np 4): `fidelity chat-check` and `fidelity consistency`.
+Writes bench/results/llama_cpp.json and docs/real-engines.md's measured tables (`--render`:
+the tables again from the stored JSON).
+Needs `make llama-cpp`. Takes ~20-30 minutes on 2 cores."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fidelity.llamacpp import paths  # noqa: E402
+from fidelity.llamacpp.prepare import gguf  # noqa: E402
+from fidelity.llamacpp.server import ServerFailed, serving  # noqa: E402
+
+MODEL = ROOT / "models" / "tiny-needle-v2"
+OUT = Path("/tmp/bench-llama")
+RESULTS = ROOT / "bench" / "results" / "llama_cpp.json"
+KLD_LENGTHS, KLD_REPS = "256,511,1023", 2
+NEEDLE_LENGTHS, NEEDLE_REPS = "512,1024,2048,4096", 3
+
+
+def fidelity(*args) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "fidelity.cli", *args, "--threads", "1"],
+                       capture_output=True, text=True, cwd=ROOT)
+    if r.returncode not in (0, 1):
+        raise RuntimeError(f"fidelity {' '.join(args[:2])} failed ({r.returncode}): {r.stderr[-2000:]}")
+    return r
+
+
+def q4_k_m(f32: Path) -> Path:
+    """Q4_K_M from the F32 GGUF, routed experts kept MXFP4 (exact: llama-quantize refuses to
+    requantize them, and a user would keep the checkpoint's own FP4); tensors whose rows are
+    not a multiple of 256 fall back to q5_0, as llama-quantize decides."""
+    out = f32.with_name(f32.name.replace("-f32-", "-q4_k_m-"))
+    if not out.is_file():
+        subprocess.run([str(paths.program("llama-quantize")), "--tensor-type", "exps=mxfp4", str(f32),
+                        str(out), "Q4_K_M"], check=True, capture_output=True)
+    return out
+
+
+def kld(name: str, url: str, ck: Path) -> dict:
+    """One run folder per variant; the golden's and floors' scores are stored once and reused."""
+    run_id = f"kld-{name}"
+    fidelity("kld", "--inprocess", "golden=golden", "--endpoint", f"llama-{name}={url}", "--checkpoint", str(ck),
+             "--lengths", KLD_LENGTHS, "--reps", str(KLD_REPS), "--steps", "4", "--top-k", "512",
+             "--no-captures", "--out", str(OUT), "--run-id", run_id, "--quiet")
+    d = OUT / "kld" / run_id
+    t = pd.read_csv(d / "kld_by_position.csv")
+    allk = t[t.bucket == "all"].set_index("arm")
+    floors = [a for a in allk.index if a.startswith("floor:")]
+    v = json.loads((d / "manifest.json").read_text())["verdict"]["sentence"]
+    r = allk.loc[f"llama-{name}"]
+    return {"kld_mean": r.kld_mean, "kld_lo": r.kld_lo, "kld_hi": r.kld_hi, "kld_p99": r.kld_p99,
+            "kld_max": r.kld_max, "same_top1": r.same_top1, "positions": int(r.positions),
+            "floor_kld_hi": float(allk.loc[floors].kld_hi.max()), "verdict": v}
+
+
+def prefill(name: str, model: Path, ck: Path) -> dict:
+    text = OUT / "text.txt"
+    text.write_text(("The river runs past the old mill, and the miller counts 1234 sacks of grain "
+                     "while the clock in the square strikes nine. ") * 120)
+    base = OUT / f"{name}.kld"
+    subprocess.run([str(paths.program("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", "512",
+                    "-b", "512", "--chunks", "4", "-t", "1", "--kl-divergence-base", str(base)],
+                   check=True, capture_output=True)
+    r = fidelity("llamacpp", "kld-base", "--checkpoint", str(ck), "--compare", str(base))
+    res = json.loads(r.stdout[r.stdout.index("{"):])
+    return {k: res[k] for k in ("kld_mean", "kld_p99", "kld_max", "same_top1", "dp_rms", "positions")}
+
+
+def needle(name: str, url: str, ck: Path) -> dict:
+    """One sweep: each variant's arm is added to the stored results (the golden's trials run once)."""
+    fidelity("needle", "--arm", "golden=golden", "--endpoint", f"llama-{name}={url}", "--checkpoint", str(ck),
+             "--lengths", NEEDLE_LENGTHS, "--depths", "10,50,90", "--reps", str(NEEDLE_REPS),
+             "--out", str(OUT), "--run-id", "needle", "--quiet", "--no-plots")
+    s = json.loads((OUT / "needle" / "needle" / "summary.json").read_text())["tables"]
+    cells = pd.DataFrame(s["cells"])
+    by_len = cells.groupby(["arm", "length"]).apply(lambda g: g.correct.sum() / max(g.n_scored.sum(), 1))
+    return {"recall": {a["arm"]: [a["recall"], a["ci_low"], a["ci_high"]] for a in s["arms"]},
+            "by_length": {f"{a}@{n}": float(v) for (a, n), v in by_len.items()}}
+
+
+def replay(model: Path, ck: Path) -> str:
+    r = fidelity("llamacpp", "replay", "--checkpoint", str(ck), "--gguf", str(model), "--tokens", "240",
+                 "--out", str(OUT))
+    return r.stdout.strip().splitlines()[-1]
+
+
+def once(url: str, ck: Path) -> dict:
+    cc = fidelity("chat-check", "--endpoint", url, "--generation", "original", "--tokenizer",
+                  str(ck / "tokenizer.json"), "--out", str(OUT), "--run-id", "chat", "--quiet")
+    cases = pd.read_csv(OUT / "chat-check" / "chat" / "cases.csv")
+    cons = fidelity("consistency", "--endpoint", f"llama={url}", "--inprocess", "golden=golden",
+                    "--checkpoint", str(ck), "--chunk-size", "512", "--out", str(OUT), "--run-id", "cons",
+                    "--fresh", "--quiet")
+    return {"chat_check": cases.status.value_counts().to_dict(), "chat_check_line": cc.stdout.strip().splitlines()[-2],
+            "consistency": [ln for ln in cons.stdout.splitlines() if ln.strip()][-12:]}
+
+
+def main() -> int:
+    paths.require()
+    OUT.mkdir(parents=True, exist_ok=True)          # stored scores and trials are reused (resume)
+    ck, f32 = gguf(MODEL, "f32")
+    _, q8 = gguf(MODEL, "q8_0")
+    variants = [("F32", f32, ()), ("F32 + KV q8_0", f32, ("-ctk", "q8_0", "-ctv", "q8_0")),
+                ("Q8_0", q8, ()), ("Q4_K_M", q4_k_m(f32), ())]
+    res = {"build": paths.PINNED, "model": f"{MODEL.name} widened to head_dim 512", "variants": {}}
+    for name, model, extra in variants:
+        t0 = time.time()
+        key = name.replace(" ", "").replace("+", "-")
+        try:
+            with serving(model, OUT / f"{key}.log", ctx=8192, extra=extra) as url:
+                row = {"kld": kld(key, url, ck), "needle": needle(key, url, ck)}
+        except ServerFailed as e:                    # a finding, not a crash of the bench
+            first = next((ln for ln in str(e).splitlines() if "GGML_ASSERT" in ln or "error" in ln.lower()), str(e)[:200])
+            res["variants"][name] = {"failed": first.split("/src/")[-1].strip()}
+            print(name, "failed:", res["variants"][name]["failed"], flush=True)
+            continue
+        if not extra:
+            row["prefill"] = prefill(key, model, ck)
+            row["replay"] = replay(model, ck)
+        row["seconds"] = round(time.time() - t0)
+        res["variants"][name] = row
+        print(name, json.dumps(row)[:400], flush=True)
+    with serving(f32, OUT / "once.log", ctx=8192, slots=4) as url:
+        res["once"] = once(url, ck)
+    RESULTS.write_text(json.dumps(res, indent=1, default=float))
+    write_doc(res)
+    print(f"wrote {RESULTS} and {DOC}")
+    return 0
+
+
+def _table(head: list[str], rows: list[list]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                     + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def render(res: dict) -> str:
+    """The measured section of docs/real-engines.md, from the results JSON."""
+    failed = {n: r["failed"] for n, r in res["variants"].items() if "failed" in r}
+    v = {n: r for n, r in res["variants"].items() if "failed" not in r}
+    out = [f"`bench/bench_llama_cpp.py` on this machine (2 cores), {res['build']}, model {res['model']}; "
+           f"raw numbers in `bench/results/llama_cpp.json`.", "",
+           "**Next-token KLD, decode path** (`fidelity kld`, teacher-forced through llama-server; "
+           f"lengths {KLD_LENGTHS}, {KLD_REPS} reps x 3 depths; KL exact: top-512 of a 512 vocabulary; "
+           "floor = the highest in-process floor's upper 95% bound):", "",
+           _table(["GGUF", "positions", "mean KLD [95% CI]", "floor", "p99", "max", "same top-1"],
+                  [[n, r["kld"]["positions"], f"{r['kld']['kld_mean']:.3g} [{r['kld']['kld_lo']:.3g}, {r['kld']['kld_hi']:.3g}]",
+                    f"{r['kld']['floor_kld_hi']:.3g}", f"{r['kld']['kld_p99']:.3g}", f"{r['kld']['kld_max']:.3g}",
+                    f"{r['kld']['same_top1']:.4f}"] for n, r in v.items()]), "",
+           "Verdicts: " + " ".join(f"*{n}*: {r['kld']['verdict']}" for n, r in v.items()), "",
+           "**Next-token KLD, prefill path** (llama-perplexity's own logits file, 4 chunks of 512, "
+           "scored against the golden by `fidelity llamacpp kld-base --compare`):", "",
+           _table(["GGUF", "positions", "mean KLD", "p99", "max", "same top-1", "RMS dp"],
+                  [[n, r["prefill"]["positions"], f"{r['prefill']['kld_mean']:.3g}", f"{r['prefill']['kld_p99']:.3g}",
+                    f"{r['prefill']['kld_max']:.3g}", f"{r['prefill']['same_top1']:.4f}", f"{r['prefill']['dp_rms']:.3g}"]
+                   for n, r in v.items() if "prefill" in r]), "",
+           f"**Needle recall vs context** (`fidelity needle`, chat API, single needle, depths 10/50/90, "
+           f"{NEEDLE_REPS} reps; recall per length, then overall with its 95% interval):", ""]
+    last = list(v.values())[-1]["needle"]
+    lengths = [int(x) for x in NEEDLE_LENGTHS.split(",")]
+    arms = sorted(last["recall"], key=lambda a: (a != "golden", a))
+    out += [_table(["arm"] + [str(n) for n in lengths] + ["overall"],
+                   [[a] + [f"{last['by_length'].get(f'{a}@{n}', float('nan')):.2f}" for n in lengths]
+                    + ["{:.2f} [{:.2f}, {:.2f}]".format(*last["recall"][a])] for a in arms]), "",
+            "**Tensor replay** (`fidelity llamacpp replay`, 240 tokens, prefill):", ""]
+    out += [f"- {n}: {r['replay']}" for n, r in v.items() if "replay" in r]
+    if failed:
+        out += ["", "**Variants llama-server could not load:**", ""]
+        out += [f"- {n}: aborts while reserving its graph, `{why}`" for n, why in failed.items()]
+    once = res.get("once", {})
+    if once:
+        out += ["", f"**chat-check** (`--generation original`): {once['chat_check']}.", "",
+                "**consistency** (F32, `-np 4`, `--chunk-size 512`), its closing lines:", "", "```"]
+        out += once["consistency"] + ["```"]
+    return "\n".join(out)
+
+
+DOC = ROOT / "docs" / "real-engines.md"
+
+
+def write_doc(res: dict) -> None:
+    text = DOC.read_text()
+    a, b = text.index("<!-- measured:start -->"), text.index("<!-- measured:end -->")
+    DOC.write_text(text[:a] + "<!-- measured:start -->\n" + render(res) + "\n" + text[b:])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--render"]:                 # the doc again from the stored results
+        write_doc(json.loads(RESULTS.read_text()))
+        sys.exit(0)
+    sys.exit(main())
