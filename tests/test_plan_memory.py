@@ -148,7 +148,7 @@ def test_place_layers_is_optimal_and_contiguous():
 def test_a_plan_that_fits_exits_0(capsys):
     assert _cli(["--preset", "flash", "--devices", ",".join(f"cuda:{i}" for i in range(8)),
                  "--device-memory", "96GB", "--length", "8192", "--prompts", "6",
-                 "--arms", "2"]) == 0
+                 "--n-arms", "2"]) == 0
     out = capsys.readouterr().out
     assert "FITS: tightest device cuda:7" in out and "| cuda:0 | 0-" in out
 
@@ -160,7 +160,7 @@ def test_a_plan_that_does_not_fit_reports_numbers(capsys):
     d = plan.devices[0]
     assert d.total - d.budget == -d.free > 0
     assert _cli(["--preset", "flash", "--devices", "cuda:0", "--device-memory", "141GB",
-                 "--length", "8192", "--prompts", "6", "--arms", "2"]) == 1
+                 "--length", "8192", "--prompts", "6", "--n-arms", "2"]) == 1
     out = capsys.readouterr().out
     assert f"DOES NOT FIT: cuda:0 needs {d.total / 2**30:.2f} GiB of 131.32 GiB (over by " \
            f"{-d.free / 2**30:.2f} GiB)" in out
@@ -316,3 +316,9 @@ def test_nodes_plan_one_pipeline_over_every_nodes_devices():
     assert sum(d.weights for d in two.devices) == sum(d.weights for d in one.devices)
     with pytest.raises(PM.PlanError, match="nodes must be a positive integer"):
         PM.plan_memory(cfg, devs, 8192, nodes=0, device_memory="96GB")
+
+
+def test_arms_is_refused_as_a_count(capsys):
+    """--arms names arms elsewhere (ab, kld, needle); here the count is --n-arms."""
+    assert _cli(["--preset", "flash", "--length", "8192", "--arms", "2"]) == 2
+    assert "use --n-arms 2" in capsys.readouterr().err

@@ -4,6 +4,8 @@ from the config alone (fidelity/weights/plan.py has the formulas). Exit 0 if it 
 not (with what would fit), 2 on bad input."""
 from __future__ import annotations
 
+import argparse
+
 import json
 from pathlib import Path
 
@@ -41,7 +43,9 @@ def add_arguments(p):
     p.add_argument("--length", type=int, required=True,
                    help="tokens per sequence (prompt + decode steps)")
     p.add_argument("--prompts", type=int, default=1, help="prompts per pass (default 1)")
-    p.add_argument("--arms", type=int, default=1, help="arms run in lockstep (default 1)")
+    p.add_argument("--n-arms", type=int, default=1, help="how many arms run in lockstep (default 1)")
+    # ab, kld and needle take --arms as arm names; a count under the same name misled users
+    p.add_argument("--arms", default=None, help=argparse.SUPPRESS)
     p.add_argument("--weights", choices=WEIGHT_MODES, default="resident-quantised",
                    help="resident-quantised: checkpoint format on the device, layers dequantised "
                         "on use; resident-bf16: dequantised weights resident; streamed: one layer "
@@ -85,10 +89,13 @@ def load_config(args):
 def run(args) -> int:
     from fidelity.weights.plan import PlanError, plan_memory, render
     from reference_model.config import ConfigError
+    if args.arms is not None:
+        raise CommandError(f"plan-memory counts arms: use --n-arms {args.arms} (--arms names arms "
+                           "in ab, kld and needle)", 2)
     try:
         cfg = load_config(args)
         mem = args.device_memory.split(",") if args.device_memory else None
-        plan = plan_memory(cfg, args.devices, args.length, args.prompts, args.arms, args.weights,
+        plan = plan_memory(cfg, args.devices, args.length, args.prompts, args.n_arms, args.weights,
                            mem, profile=args.profile, dequant=args.dequant, logits=args.logits,
                            nodes=args.nodes, head_first=args.head_on_rank_0)
     except (PlanError, ConfigError) as e:
