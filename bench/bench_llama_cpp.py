@@ -121,11 +121,11 @@ def main() -> int:
     variants = [("F32", f32, ()), ("F32 + KV q8_0", f32, ("-ctk", "q8_0", "-ctv", "q8_0")),
                 ("Q8_0", q8, ()), ("Q4_K_M", q4_k_m(f32), ())]
     res = {"build": paths.PINNED, "model": f"{MODEL.name} widened to head_dim 512", "variants": {}}
-    for name, model, extra in variants:
+    for port, (name, model, extra) in enumerate(variants, 18700):   # fixed ports: a rerun resumes
         t0 = time.time()
         key = name.replace(" ", "").replace("+", "-")
         try:
-            with serving(model, OUT / f"{key}.log", ctx=8192, extra=extra) as url:
+            with serving(model, OUT / f"{key}.log", ctx=8192, extra=extra, port=port) as url:
                 row = {"kld": kld(key, url, ck), "needle": needle(key, url, ck)}
         except ServerFailed as e:                    # a finding, not a crash of the bench
             first = next((ln for ln in str(e).splitlines() if "GGML_ASSERT" in ln or "error" in ln.lower()), str(e)[:200])
@@ -138,7 +138,7 @@ def main() -> int:
         row["seconds"] = round(time.time() - t0)
         res["variants"][name] = row
         print(name, json.dumps(row)[:400], flush=True)
-    with serving(f32, OUT / "once.log", ctx=8192, slots=4) as url:
+    with serving(f32, OUT / "once.log", ctx=8192, slots=4, port=18799) as url:
         res["once"] = once(url, ck)
     RESULTS.write_text(json.dumps(res, indent=1, default=float))
     write_doc(res)

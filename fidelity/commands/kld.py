@@ -35,7 +35,7 @@ def add_arguments(p):
                    help="the arm the others are compared with (default: the first --inprocess, "
                         "else the first --endpoint)")
     g.add_argument("--dialect", action="append", default=[], metavar="NAME=DIALECT",
-                   help="force an endpoint's dialect: sglang, vllm or openai (default: detected)")
+                   help="force an endpoint's dialect: sglang, vllm, llamacpp or openai (default: detected)")
     g.add_argument("--floor", action="append", default=[], metavar="NAME",
                    help="an endpoint arm that is a noise floor, not a candidate (repeatable)")
     g.add_argument("--no-floors", action="store_true",

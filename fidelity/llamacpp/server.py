@@ -36,9 +36,9 @@ def command(gguf: Path, port: int, ctx: int = 4096, slots: int = 1, threads: int
 
 @contextlib.contextmanager
 def serving(gguf: Path, log: Path, ctx: int = 4096, slots: int = 1, threads: int = 1,
-            extra: tuple[str, ...] = (), ready_timeout: float = 900.0):
-    """Yield the root URL of a running llama-server; stop it on exit."""
-    port = free_port()
+            extra: tuple[str, ...] = (), ready_timeout: float = 900.0, port: int | None = None):
+    """Yield the root URL of a running llama-server (on `port`, else a free one); stop it on exit."""
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     with open(log, "wb") as out:
         proc = subprocess.Popen(command(gguf, port, ctx, slots, threads, extra),
