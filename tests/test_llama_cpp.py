@@ -223,3 +223,37 @@ def test_needle_against_llama_server(server, f32, tmp_path):
     arms = json.loads((tmp_path / "needle" / "n" / "summary.json").read_text())["tables"]["arms"]
     (llama,) = [a for a in arms if a["arm"] == "llama"]
     assert llama["n_scored"] == 2 and llama["server_error"] == 0 and llama["exact_length_rate"] == 1.0
+
+
+def test_a_tokenizer_that_differs_from_the_servers_is_refused(server, f32, tmp_path):
+    """kld with a tokenizer whose ids for two of the probe text's tokens are swapped: the
+    server's /tokenize disagrees, and the run stops naming the arm before scoring."""
+    from fidelity.kld.run import TOKENIZER_PROBE
+    tj = json.loads((f32[0] / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    first, second = _tokenizer(f32[0]).encode(TOKENIZER_PROBE)[:2]
+    by_id = {i: t for t, i in vocab.items()}
+    vocab[by_id[first]], vocab[by_id[second]] = second, first
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text(json.dumps(tj))
+    r = subprocess.run([*_fidelity(), "kld", "--inprocess", "golden=golden", "--endpoint", f"llama={server}",
+                        "--checkpoint", str(f32[0]), "--tokenizer", str(bad), "--lengths", "200", "--reps", "1",
+                        "--no-floors", "--no-captures", "--out", str(tmp_path), "--quiet"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "arm llama's tokenizer differs from ours" in r.stderr, r.stderr[-1500:]
+    assert not (tmp_path / "kld" / "scores" / "llama").exists() or not any((tmp_path / "kld" / "scores" / "llama").glob("*.npz"))
+
+
+def test_consistency_prefix_family_through_llamacpp_cache(server, f32, tmp_path):
+    """The prefix family against llama-server's prompt cache (native /completion with
+    cache_prompt; its timings.cache_n is the cached-token count): every condition asked,
+    the cold replies verified cold, and a judgement written."""
+    r = subprocess.run([*_fidelity(), "consistency", "--endpoint", f"llama={server}", "--families", "prefix",
+                        "--probes", "1", "--out", str(tmp_path), "--run-id", "c", "--quiet",
+                        "--tokenizer", str(f32[0] / "tokenizer.json")], capture_output=True, text=True)
+    assert r.returncode in (0, 1), r.stderr[-2000:]
+    rows = [json.loads(ln) for ln in (tmp_path / "consistency" / "probes.jsonl").read_text().splitlines()]
+    assert rows and all(row.get("arm") == "llama" for row in rows)
+    cold = [row for row in rows if str(row.get("condition", "")).startswith("cold")]
+    assert cold and all(not row.get("still_warm") for row in cold)
+    assert "`llama` (prefix)" in r.stdout + r.stderr

@@ -87,6 +87,30 @@ def _completions_reply(d: dict, piece_ids: dict | None) -> Reply:
     return Reply(ids, dists, cached, str(ch.get("finish_reason") or ""))
 
 
+def _llamacpp_body(ids, max_tokens, k, model, ignore_eos, temperature=0.0, seed=None):
+    """llama-server's native /completion: token ids in, `n_probs` pre-sampling top-k per
+    new token, its prompt cache on (what the prefix family probes)."""
+    body = {"prompt": list(ids), "n_predict": max_tokens, "n_probs": k, "post_sampling_probs": False,
+            "temperature": temperature, "ignore_eos": ignore_eos, "cache_prompt": True, "return_tokens": True}
+    if seed is not None:
+        body["seed"] = seed
+    return "/completion", {**body, **({"model": model} if model else {})}
+
+
+def _llamacpp_reply(d: dict) -> Reply:
+    """Tokens, top-k, cached tokens (`timings.cache_n`: prompt tokens taken from its cache)
+    and the stop reason of a /completion answer."""
+    try:
+        probs = d["completion_probabilities"]
+        got = [(int(e["id"]), known_from_pairs([(t["id"], t["logprob"]) for t in e["top_logprobs"]]
+                                               + [(e["id"], e["logprob"])])) for e in probs]
+    except (KeyError, TypeError):
+        raise ScoringError("the /completion answer has no completion_probabilities with id, logprob "
+                           "and top_logprobs (send n_probs k)") from None
+    finish = {"limit": "length", "eos": "stop", "word": "stop"}.get(str(d.get("stop_type")), str(d.get("stop_type") or ""))
+    return Reply([t for t, _ in got], [k for _, k in got], (d.get("timings") or {}).get("cache_n"), finish)
+
+
 class LiveArm:
     """An endpoint the probes send requests to (connect() first)."""
 
@@ -108,12 +132,16 @@ class LiveArm:
                  temperature: float = 0.0, seed: int | None = None) -> Reply:
         """Continuation of `ids` (greedy unless `temperature`; `seed` where the engine takes
         one) with the top-k before each new token, logprobs raw as the engines report them
-        (`ignore_eos`: always max_tokens of them, where the dialect has the field: SGLang, vLLM)."""
+        (`ignore_eos`: always max_tokens of them, where the dialect has the field: SGLang, vLLM,
+        llama.cpp)."""
         ep = self.ep
         self.sent += 1
         if ep.dialect == "sglang":
             path, body = _sglang_body(ids, max_tokens, k, ep.model, ignore_eos, temperature, seed)
             parse = _sglang_reply
+        elif ep.dialect == "llamacpp":
+            path, body = _llamacpp_body(ids, max_tokens, k, ep.model, ignore_eos, temperature, seed)
+            parse = _llamacpp_reply
         else:
             path, body = _completions_body(ids, max_tokens, k, ep.model, ep.dialect == "vllm", ignore_eos,
                                            temperature, seed)
@@ -130,7 +158,7 @@ class LiveArm:
         ep = self.ep
         body = {"prompt": list(ids), "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 **({"model": ep.model} if ep.model else {}),
-                **({"ignore_eos": True} if ep.dialect in ("sglang", "vllm") else {})}
+                **({"ignore_eos": True} if ep.dialect in ("sglang", "vllm", "llamacpp") else {})}
 
         def once():
             data = False
