@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from . import profiles
 from .registry import ToggleError
 
-ENGINES = ("sglang", "vllm", "fidelity")
+ENGINES = ("sglang", "vllm", "fidelity", "llamacpp")
 PLACEHOLDERS = ("{value}", "{value_plus_1}")
 
 

@@ -257,3 +257,67 @@ def test_consistency_prefix_family_through_llamacpp_cache(server, f32, tmp_path)
     cold = [row for row in rows if str(row.get("condition", "")).startswith("cold")]
     assert cold and all(not row.get("still_warm") for row in cold)
     assert "`llama` (prefix)" in r.stdout + r.stderr
+
+
+ENGINES_SPEC = """
+[run]
+baseline = "golden"
+tasks = ["kld"]
+out = "{out}"
+[run.kld]
+lengths = [200]
+depths = [50]
+steps = 2
+top_k = 512
+n_boot = 200
+
+[engines.here]
+kind = "inprocess"
+devices = "cpu"
+model = "{ck}"
+
+[engines.llama]
+kind = "llamacpp"
+model = "{gguf}"
+port = {port}
+flags = ["-c", "4096", "-t", "1"]
+
+[[arms]]
+name = "golden"
+engine = "here"
+
+[[arms]]
+name = "llama-np1"
+engine = "llama"
+serving = {{ max_running_requests = 1, chunked_prefill_size = 128 }}
+
+[[arms]]
+name = "llama-kv-q8"
+engine = "llama"
+flags = ["-ctk", "q8_0", "-ctv", "q8_0"]
+"""
+
+
+def test_engines_launches_llama_server_arms_from_a_spec(f32, tmp_path):
+    """`fidelity engines run` with a llamacpp engine: serving settings become llama-server's
+    own flags (-np, -b/-ub), each arm is launched, scored through the llamacpp dialect and
+    stopped, and the report judges them against the in-process golden."""
+    from fidelity.llamacpp.server import free_port
+    from fidelity.engines.spec import SpecError, load_spec
+    from fidelity.engines.run import plans
+    spec = tmp_path / "spec.toml"
+    spec.write_text(ENGINES_SPEC.format(out=tmp_path / "out", ck=f32[0], gguf=f32[1], port=free_port()))
+    plan = {p.arm: p for p in plans(load_spec(spec))}
+    assert plan["llama-np1"].cmd[-6:] == ["-b", "128", "-ub", "128", "-np", "1"]
+    assert plan["llama-kv-q8"].cmd[-4:] == ["-ctk", "q8_0", "-ctv", "q8_0"]
+    r = subprocess.run([*_fidelity(), "engines", "run", str(spec), "--quiet"], capture_output=True, text=True)
+    assert r.returncode in (0, 1), r.stderr[-2500:]
+    state = json.loads(next((tmp_path / "out").rglob("state.json")).read_text())
+    assert json.dumps(state).count("llama-np1") and json.dumps(state).count("llama-kv-q8")
+    page = next((tmp_path / "out").rglob("kld-report/summary.md")).read_text()
+    assert "Arm `llama-np1`: teacher-forced" in page and "Arm `llama-kv-q8`: teacher-forced" in page
+    bad = tmp_path / "bad.toml"
+    bad.write_text(ENGINES_SPEC.format(out=tmp_path / "o2", ck=f32[0], gguf=f32[1], port=1).replace(
+        'name = "llama-np1"\nengine = "llama"', 'name = "llama-np1"\nengine = "llama"\ntoggles = "wo_a_fp8"'))
+    with pytest.raises(SpecError, match="no toggle mapping"):
+        plans(load_spec(bad))

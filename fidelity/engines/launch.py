@@ -27,7 +27,7 @@ from kernel_toggles import serving_settings as SS
 
 from .spec import EngineArm, EngineSpec, SpecError
 
-READY = {"sglang": "/health_generate", "vllm": "/health", "fidelity": "/health_generate",
+READY = {"sglang": "/health_generate", "vllm": "/health", "fidelity": "/health_generate", "llamacpp": "/health",
          "external": "/v1/models", "inprocess": ""}
 LOG_TAIL = 20
 
@@ -62,6 +62,10 @@ def _base_cmd(e: EngineSpec) -> list[str]:
     if e.kind == "vllm":
         return [e.python, "-m", "vllm.entrypoints.cli.main", "serve", e.model, "--host", e.host,
                 "--port", str(e.port)]
+    if e.kind == "llamacpp":
+        from fidelity.llamacpp import paths
+        return [str(paths.home() / "bin" / "llama-server"), "-m", e.model, "--host", e.host,
+                "--port", str(e.port), "--alias", Path(e.model).stem, "--no-webui"]
     cmd = [python_for(e), "-m", "fidelity.cli", "serve", "--host", e.host, "--port", str(e.port)]
     return cmd + (["--checkpoint", e.model] if e.model else [])
 
@@ -82,7 +86,14 @@ def plan_arm(arm: EngineArm, e: EngineSpec, captures: bool = False, max_logprobs
                             "cannot be given toggles, serving settings, env or flags")
         return p
     env, flags = dict(e.env), list(e.flags)
-    if e.kind == "fidelity":
+    if e.kind == "llamacpp":
+        if arm.toggles is not None:
+            raise SpecError(f"arm {arm.name}: llama.cpp's numerics have no toggle mapping; give its own "
+                            "flags instead (e.g. flags = [\"-ctk\", \"q8_0\", \"-ctv\", \"q8_0\"])")
+        from fidelity.llamacpp import paths
+        if paths.built() != paths.PINNED:
+            p.notes.append("llama.cpp is not built here: `make llama-cpp` builds the pinned llama-server")
+    elif e.kind == "fidelity":
         env["DSV4_FIDELITY_ARM"] = str(arm.toggles) if arm.toggles is not None else "golden"
         if max_logprobs is not None:
             flags += ["--max-logprobs", str(max_logprobs)]

@@ -124,8 +124,8 @@ def consistency_settings(spec: Spec):
         raise SpecError(f"run.consistency: family {need[0]} compares with a reference computed here in one "
                         "piece; give one, e.g. reference = \"golden\" (an arm of our toggles)")
     dialect = c.pop("dialect", None)
-    if dialect not in (None, "sglang", "vllm", "openai"):
-        raise SpecError(f"run.consistency.dialect must be sglang, vllm or openai, got {dialect!r}")
+    if dialect not in (None, "sglang", "vllm", "llamacpp", "openai"):
+        raise SpecError(f"run.consistency.dialect must be sglang, vllm, llamacpp or openai, got {dialect!r}")
     for k in ("retries", "timeout"):
         c.pop(k, None)
     _policy(spec)
@@ -353,6 +353,12 @@ def _run_arm(spec, arm, plan, st, state, root, prompts, s, store, base, target, 
             progress.log(f"{arm.name}: stopped ({describe_exit(code)})")
 
 
+def _reading(st: dict) -> dict:
+    """How an arm's prompt positions were read, when not from one prefill (llama.cpp)."""
+    from fidelity.kld.llamacpp_dialect import READING
+    return {"reading": READING} if st.get("dialect") == "llamacpp" else {}
+
+
 def report(spec: Spec, root: Path, run_id: str, state: State, prompts, s: KldSettings,
            store: ScoreStore, progress: Progress) -> dict:
     """The KLD report (verdict over the arms), the needle report, and a summary tying them."""
@@ -370,7 +376,7 @@ def report(spec: Spec, root: Path, run_id: str, state: State, prompts, s: KldSet
                     "arms": [{"name": a.name, "engine": a.engine, "role": a.role,
                               "toggles": None if a.toggles is None else str(a.toggles),
                               "env": a.env, "flags": a.flags, "serving": a.serving,
-                              "factors": sorted(a.factors)} for a in arms],
+                              "factors": sorted(a.factors), **_reading(state.arm(a.name))} for a in arms],
                     "servers": {a.name: state.arm(a.name).get("engine") for a in arms},
                     "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in prompts]}
         res = evaluate(entries, prompts, s, store, shape if s.captures else None, root, "kld-report",

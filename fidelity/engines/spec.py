@@ -23,7 +23,9 @@ it is under.
     accumulate = "auto"            # | fp64 | fp32
 
     [engines.sg]
-    kind = "sglang"                # sglang | vllm | fidelity | external | inprocess
+    kind = "sglang"                # sglang | vllm | fidelity | llamacpp | external | inprocess
+                                   # (llamacpp: model = a GGUF, served by the pinned llama-server;
+                                   # its own flags (-ctk q8_0, -fa on, --no-repack ...) in flags)
     version = "0.5.23"             # mappings of toggles are per version
     model = "/models/DeepSeek-V4-Flash"
     port = 30000
@@ -61,7 +63,7 @@ from kernel_toggles import arms as K
 from kernel_toggles import serving_settings as SS
 from kernel_toggles.arms import reference_closest
 
-KINDS = ("sglang", "vllm", "fidelity", "external", "inprocess")
+KINDS = ("sglang", "vllm", "fidelity", "llamacpp", "external", "inprocess")
 # what an in-process engine takes: it is computed here, so nothing about a launch applies
 INPROCESS_KEYS = ("kind", "model", "devices", "weights_mode", "accumulate")
 DESIGNS = ("one-at-a-time", "leave-one-out", "factorial")
@@ -176,6 +178,9 @@ def _engine(name: str, d: dict) -> EngineSpec:
     e.serving = _serving(d.get("serving", {}), f"{where}.serving")
     if kind == "external" and not e.url:
         raise SpecError(f"{where}: an external engine needs url")
+    if kind == "llamacpp" and not (e.model or "").endswith(".gguf"):
+        raise SpecError(f"{where}: a llamacpp engine needs model = a .gguf file "
+                        "(`fidelity llamacpp prepare` writes one for a checkpoint)")
     if kind in ("sglang", "vllm") and not (e.model and e.version):
         raise SpecError(f"{where}: a {kind} engine needs model and version "
                         "(toggle mappings are per version)")
