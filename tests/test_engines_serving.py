@@ -228,7 +228,7 @@ def test_consistency_table_sets_the_plans(tmp_path):
     ('families = ["batch"]\nconcurrency = 4', r"run.consistency.concurrency must be a non-empty list of integers"),
     ("probes = 0", "run.consistency.probes must be an integer >= 1, got 0"),
     ("retries = -1", "run.consistency.retries must be an integer >= 0"),
-    ('dialect = "tgi"', "run.consistency.dialect must be sglang, vllm or openai"),
+    ('dialect = "tgi"', "run.consistency.dialect must be sglang, vllm, llamacpp or openai"),
     ('families = ["chunk"]', 'family chunk compares with a reference computed here.*reference = "golden"'),
     ('reference = "nope"', "run.consistency.reference: unknown toggle 'nope'"),
     ("[run.consistency.batch]\nlenght = 9", r"run.consistency.batch: unknown key 'lenght' \(allowed: "),
