@@ -2,11 +2,13 @@
 here: every GGUF variant served by llama-server and scored by the toolkit's own commands.
 
 Variants: F32 GGUF (FP8 weights dequantised exactly), F32 with a q8_0 KV cache, Q8_0 (what
-llama.cpp's converter writes), Q4_K_M (llama-quantize from F32, experts kept MXFP4). Per variant:
+llama.cpp's converter writes) as served by default and with --no-repack, Q4_K_M (llama-quantize
+from F32, experts kept MXFP4) with --no-repack. Per variant:
   kld      `fidelity kld`, golden + floors in-process vs llama-server (teacher-forced, decode path)
   prefill  llama-perplexity's own logits file scored against the golden (its prefill path)
   needle   `fidelity needle` recall vs context, golden in-process vs llama-server
-  replay   `fidelity llamacpp replay`'s first departure (prefill)
+  replay   `fidelity llamacpp replay`'s first departure (prefill; F32)
+  paths    the same text through both paths, against golden, exact and each other (F32)
 and once (F32, -np 4): `fidelity chat-check` and `fidelity consistency`.
 Writes bench/results/llama_cpp.json and docs/real-engines.md's measured tables (`--render`:
 the tables again from the stored JSON).
@@ -49,8 +51,10 @@ def q4_k_m(f32: Path) -> Path:
     not a multiple of 256 fall back to q5_0, as llama-quantize decides."""
     out = f32.with_name(f32.name.replace("-f32-", "-q4_k_m-"))
     if not out.is_file():
+        tmp = out.with_name(out.name + ".part")          # a failed run leaves no file under the name
         subprocess.run([str(paths.program("llama-quantize")), "--tensor-type", "exps=mxfp4", str(f32),
-                        str(out), "Q4_K_M"], check=True, capture_output=True)
+                        str(tmp), "Q4_K_M"], check=True, capture_output=True)
+        tmp.replace(out)
     return out
 
 
@@ -71,17 +75,56 @@ def kld(name: str, url: str, ck: Path) -> dict:
             "floor_kld_hi": float(allk.loc[floors].kld_hi.max()), "verdict": v}
 
 
-def prefill(name: str, model: Path, ck: Path) -> dict:
+def prefill(name: str, model: Path, ck: Path, extra: tuple = ()) -> dict:
     text = OUT / "text.txt"
     text.write_text(("The river runs past the old mill, and the miller counts 1234 sacks of grain "
                      "while the clock in the square strikes nine. ") * 120)
     base = OUT / f"{name}.kld"
     subprocess.run([str(paths.program("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", "512",
-                    "-b", "512", "--chunks", "4", "-t", "1", "--kl-divergence-base", str(base)],
+                    "-b", "512", "--chunks", "4", "-t", "1", *extra, "--kl-divergence-base", str(base)],
                    check=True, capture_output=True)
     r = fidelity("llamacpp", "kld-base", "--checkpoint", str(ck), "--compare", str(base))
     res = json.loads(r.stdout[r.stdout.index("{"):])
     return {k: res[k] for k in ("kld_mean", "kld_p99", "kld_max", "same_top1", "dp_rms", "positions")}
+
+
+def two_paths(name: str, url: str, ck: Path) -> dict:
+    """The same 4 x 512 tokens through llama.cpp's two paths -- the server's decode path
+    (teacher-forced) and llama-perplexity's prefill (its logits file, written by prefill()
+    first) -- each scored against the golden and the exact profile, and against each other."""
+    import numpy as np
+    from fidelity.kld.dialects import Request
+    from fidelity.kld.endpoint import Endpoint
+    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.llamacpp import golden_logits as G
+    from fidelity.llamacpp import logits_file as F
+    from fidelity.pipeline_model import arm_numerics
+    from fidelity.weights.source import load_tokenizer_for, load_weights
+    from reference_model.numerics import Numerics
+    w, _ = load_weights(str(ck))
+    tok = load_tokenizer_for(str(ck))
+    lf = F.read(OUT / f"{name}.kld")
+    ep = Endpoint("llama", url, tokenizer=tok).connect()
+    refs = {"golden": InProcessScorer("golden", arm_numerics("golden", "reference", {}, "v4"), w),
+            "exact": InProcessScorer("exact", Numerics("exact"), w)}
+    kl = {k: [] for k in ("decode vs golden", "prefill vs golden", "decode vs exact", "prefill vs exact",
+                          "prefill vs decode")}
+    first = F.first_scored(lf.n_ctx)
+    for c in range(lf.n_chunk):
+        s = ep.score(G.evaluated(lf.tokens[c], tok.bos_id), Request(k=lf.n_vocab, steps=1))
+        dec = []
+        for k in s.known[first:lf.n_ctx - 1]:
+            row = np.full(lf.n_vocab, -1e30)
+            row[k.ids] = k.logp
+            dec.append(row)
+        pre = list(lf.rows(c))
+        for ref, sc in refs.items():
+            g = list(G.GoldenRows(sc, lf.tokens, tok.bos_id)(c))
+            kl[f"decode vs {ref}"] += [G.kld_rows(a, b) for a, b in zip(g, dec)]
+            kl[f"prefill vs {ref}"] += [G.kld_rows(a, b) for a, b in zip(g, pre)]
+        kl["prefill vs decode"] += [G.kld_rows(a, b) for a, b in zip(dec, pre)]
+    return {k: {"mean": float(np.mean(v)), "p99": float(np.percentile(v, 99)), "max": float(np.max(v))}
+            for k, v in kl.items()}
 
 
 def needle(name: str, url: str, ck: Path) -> dict:
@@ -108,9 +151,9 @@ def once(url: str, ck: Path) -> dict:
     cases = pd.read_csv(OUT / "chat-check" / "chat" / "cases.csv")
     cons = fidelity("consistency", "--endpoint", f"llama={url}", "--inprocess", "golden=golden",
                     "--checkpoint", str(ck), "--chunk-size", "512", "--out", str(OUT), "--run-id", "cons",
-                    "--fresh", "--quiet")
+                    "--fresh")
     return {"chat_check": cases.status.value_counts().to_dict(), "chat_check_line": cc.stdout.strip().splitlines()[-2],
-            "consistency": [ln for ln in cons.stdout.splitlines() if ln.strip()][-12:]}
+            "consistency": [ln for ln in (cons.stdout + cons.stderr).splitlines() if ln.startswith("`")]}
 
 
 def main() -> int:
@@ -118,8 +161,12 @@ def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)          # stored scores and trials are reused (resume)
     ck, f32 = gguf(MODEL, "f32")
     _, q8 = gguf(MODEL, "q8_0")
+    q4 = q4_k_m(f32)
+    # quantized weights need --no-repack on this CPU (AMX): with repacking llama-server aborts
+    # (Q8_0 wo_a: no backend for its node) or crashes in ggml_backend_amx_mul_mat
     variants = [("F32", f32, ()), ("F32 + KV q8_0", f32, ("-ctk", "q8_0", "-ctv", "q8_0")),
-                ("Q8_0", q8, ()), ("Q4_K_M", q4_k_m(f32), ())]
+                ("Q8_0", q8, ()), ("Q8_0 --no-repack", q8, ("--no-repack",)),
+                ("Q4_K_M --no-repack", q4, ("--no-repack",))]
     res = {"build": paths.PINNED, "model": f"{MODEL.name} widened to head_dim 512", "variants": {}}
     for port, (name, model, extra) in enumerate(variants, 18700):   # fixed ports: a rerun resumes
         t0 = time.time()
@@ -129,12 +176,15 @@ def main() -> int:
                 row = {"kld": kld(key, url, ck), "needle": needle(key, url, ck)}
         except ServerFailed as e:                    # a finding, not a crash of the bench
             first = next((ln for ln in str(e).splitlines() if "GGML_ASSERT" in ln or "error" in ln.lower()), str(e)[:200])
-            res["variants"][name] = {"failed": first.split("/src/")[-1].strip()}
+            res["variants"][name] = {"failed": first.split("/src/")[-1].split(" (log:")[0].strip()}
             print(name, "failed:", res["variants"][name]["failed"], flush=True)
             continue
+        row["prefill"] = prefill(key, model, ck, extra)
         if not extra:
-            row["prefill"] = prefill(key, model, ck)
             row["replay"] = replay(model, ck)
+            if name == "F32":
+                with serving(model, OUT / f"{key}-paths.log", ctx=8192, port=port) as url:
+                    row["two_paths"] = two_paths(key, url, ck)
         row["seconds"] = round(time.time() - t0)
         res["variants"][name] = row
         print(name, json.dumps(row)[:400], flush=True)
@@ -171,6 +221,11 @@ def render(res: dict) -> str:
                   [[n, r["prefill"]["positions"], f"{r['prefill']['kld_mean']:.3g}", f"{r['prefill']['kld_p99']:.3g}",
                     f"{r['prefill']['kld_max']:.3g}", f"{r['prefill']['same_top1']:.4f}", f"{r['prefill']['dp_rms']:.3g}"]
                    for n, r in v.items() if "prefill" in r]), "",
+           "**The two paths on the same text** (F32; the prefill table's 4 x 512 tokens, positions "
+           "256-510 of each chunk, also read through llama-server's decode path; mean / p99 / max KLD):", "",
+           _table(["pair", "mean", "p99", "max"],
+                  [[k, f"{x['mean']:.3g}", f"{x['p99']:.3g}", f"{x['max']:.3g}"]
+                   for k, x in v.get("F32", {}).get("two_paths", {}).items()]), "",
            f"**Needle recall vs context** (`fidelity needle`, chat API, single needle, depths 10/50/90, "
            f"{NEEDLE_REPS} reps; recall per length, then overall with its 95% interval):", ""]
     last = list(v.values())[-1]["needle"]
@@ -182,8 +237,8 @@ def render(res: dict) -> str:
             "**Tensor replay** (`fidelity llamacpp replay`, 240 tokens, prefill):", ""]
     out += [f"- {n}: {r['replay']}" for n, r in v.items() if "replay" in r]
     if failed:
-        out += ["", "**Variants llama-server could not load:**", ""]
-        out += [f"- {n}: aborts while reserving its graph, `{why}`" for n, why in failed.items()]
+        out += ["", "**Variants llama-server could not start:**", ""]
+        out += [f"- {n}: `{why}`" for n, why in failed.items()]
     once = res.get("once", {})
     if once:
         out += ["", f"**chat-check** (`--generation original`): {once['chat_check']}.", "",
