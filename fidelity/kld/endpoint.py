@@ -17,8 +17,8 @@ from dataclasses import replace
 import httpx
 import numpy as np
 
-from infra.http import (ModelChoiceError, RequestFailed, RetryPolicy, backoff_delay, pick_model, redact_url,
-                        send, split_base)
+from infra.http import (ModelChoiceError, RequestFailed, RetryPolicy, URLError, backoff_delay, check_url,
+                        pick_model, redact_url, send, split_base)
 
 from . import llamacpp_dialect as L
 from .bounds import Known
@@ -65,6 +65,10 @@ class Endpoint:
                  policy: RetryPolicy | None = None, tokenizer=None, on_retry=None):
         if dialect is not None and dialect not in DIALECTS:
             raise EndpointError(f"{name}: unknown dialect {dialect!r} (one of {', '.join(DIALECTS)})")
+        try:
+            check_url(url)                           # the CLI checks it when parsed; callers in code too
+        except URLError as e:
+            raise EndpointError(f"{name}: {e}") from None
         self.name, self.url = name, url
         self.root, self.v1 = split_base(url)
         self.policy = policy or RetryPolicy(retries=4, timeout=600.0, backoff=0.5)
