@@ -188,9 +188,10 @@ class LiveArm:
         with self._lock:
             self.ep.retries[FILLER_ROUTE] += 1
         msg = f"{self.name}: {FILLER_ROUTE}: {why}; retry {attempt}/{self.ep.policy.retries} in {delay:.1f}s"
-        log.warning(msg)
-        if self.ep.on_retry is not None:
+        if self.ep.on_retry is not None:             # shown by the caller, not logged a second time
             self.ep.on_retry(msg)
+        else:
+            log.warning(msg)
 
     def score(self, ids: list[int], req):
         """kld's scoring of a prompt (prompt logprobs and a greedy ladder), counted."""

@@ -95,9 +95,10 @@ class Endpoint:
         """Count and show retry number `attempt` of `route`, due in `delay` seconds."""
         self.retries[route] += 1
         msg = f"{self.name}: {route}: {why}; retry {attempt}/{self.policy.retries} in {delay:.1f}s"
-        log.warning(msg)
-        if self.on_retry is not None:
+        if self.on_retry is not None:                # the caller shows it; logging too printed it twice
             self.on_retry(msg)
+        else:
+            log.warning(msg)
 
     def _retry(self, route: str, attempt: int, why) -> None:
         """Count, show and wait before retry number `attempt` of `route`."""
