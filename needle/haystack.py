@@ -319,6 +319,9 @@ def largest_fit(f, target: int, hint: dict) -> int:
             w = max(w, lo + 1) if hi is None else min(max(w, lo + 1), hi - 1)
         width = None if hi is None else hi - lo
         v = at(w)
+        if v <= target and w > target:        # a word adds at least one token: f(w) >= w
+            raise HaystackError(f"the token counter says {w} filler words make {v} tokens: it is not "
+                                "counting the text (a tokenize route that ignores the body it was sent?)")
         if v <= target:
             lo = w
             if v == target:                   # a word adds at least one token: w is the largest

@@ -281,8 +281,8 @@ class TokenizeCounter:
     probe request's usage.prompt_tokens."""
     exact = True
 
-    def __init__(self, runner: HttpRunner, path: str, client: httpx.Client):
-        self.r, self.path, self.c = runner, path, client
+    def __init__(self, runner: HttpRunner, path: str, client: httpx.Client, llama: bool = False):
+        self.r, self.path, self.c, self.llama = runner, path, client, llama
         self.source = f"server-tokenize:{runner.model}"
         self.overhead: int | None = None
 
@@ -293,17 +293,23 @@ class TokenizeCounter:
         return self.r.startup_request(self.c, "POST", self.r.root + self.path, _token_count,
                                       json={"model": self.r.model, **body})
 
+    def _text(self, text: str) -> int:
+        """One text's count, in the server's body shape (llama.cpp: content + parse_special)."""
+        return self._tok(llama_tokenize_body(text) if self.llama else {"prompt": text})
+
     def count(self, prompt: Prompt) -> int:
         if self.r.api == "completions":
-            return self._tok({"prompt": prompt.text})
-        if self.overhead is None:
+            return self._text(prompt.text)
+        if self.overhead is None and not self.llama:    # llama.cpp's /tokenize ignores messages
             try:
                 return self._tok({"messages": prompt.messages(), "add_generation_prompt": True,
                                   "chat_template_kwargs": self.r.template_kwargs(prompt.fmt.thinking)})
             except StartupError:                     # e.g. 400: messages not accepted
-                self.overhead = _probe_usage(self.r, prompt) - self._tok({"prompt": prompt.user})
-                self.source += "+chat-overhead"
-        return self._tok({"prompt": prompt.user}) + self.overhead
+                pass
+        if self.overhead is None:
+            self.overhead = _probe_usage(self.r, prompt) - self._text(prompt.user)
+            self.source += "+chat-overhead"
+        return self._text(prompt.user) + self.overhead
 
 
 class CalibratedCounter:
@@ -346,11 +352,18 @@ def _probe_usage(runner: HttpRunner, prompt: Prompt) -> int:
 
 
 def _is_tokenize(r: httpx.Response) -> bool:
+    """A tokenize answer that counted the probe text: llama-server answers a body without
+    its `content` with an empty token list, which counts nothing."""
     try:
         d = r.json()
     except ValueError:                             # e.g. a catch-all HTML page
         return False
-    return isinstance(d, dict) and ("count" in d or "tokens" in d)
+    return isinstance(d, dict) and (bool(d.get("count")) or bool(d.get("tokens")))
+
+
+def llama_tokenize_body(text: str) -> dict:
+    """llama-server's /tokenize body: the text as `content`, special tokens parsed, no BOS added."""
+    return {"content": text, "add_special": False, "parse_special": True}
 
 
 def make_http_counter(runner: HttpRunner):
@@ -361,16 +374,21 @@ def make_http_counter(runner: HttpRunner):
     runner.discover_model()
     client = httpx.Client(timeout=runner.timeout(), headers=runner.headers())
     try:
-        for path in ("/tokenize", "/v1/tokenize"):
+        answered = set()                      # routes that answered 2xx without counting
+        for path, llama in (("/tokenize", False), ("/v1/tokenize", False), ("/tokenize", True)):
+            if llama and "/tokenize" not in answered:
+                continue                          # llama-server answers `prompt` with no tokens
+            body = llama_tokenize_body("hello") if llama else {"prompt": "hello"}
             try:
                 ok = runner.startup_request(client, "POST", runner.root + path, _is_tokenize,
-                                            json={"model": runner.model, "prompt": "hello"})
+                                            json={"model": runner.model, **body})
             except StartupError as e:
                 if e.exhausted:
                     raise
                 continue
             if ok:
-                return TokenizeCounter(runner, path, client)
+                return TokenizeCounter(runner, path, client, llama)
+            answered.add(path)
     except BaseException:
         client.close()
         raise

@@ -116,3 +116,12 @@ def test_scoring_partial_errors_and_keys():
     # echoing the key (same shape as a word value) is not a wrong value
     s = score(["calm-otter"], "The word for red-fox is unknown to me", "stop", value_type="word", key="red-fox")
     assert s.outcome == "other"
+
+
+def test_a_counter_that_counts_nothing_is_an_error_not_an_endless_search():
+    """A tokenize route that ignores its body (llama-server sent `prompt` instead of
+    `content` answers an empty list) must stop the search, not grow the haystack forever."""
+    import pytest
+    from needle.haystack import HaystackError, largest_fit
+    with pytest.raises(HaystackError, match="not counting"):
+        largest_fit(lambda w: 0, 500, {})
