@@ -228,12 +228,12 @@ class Endpoint:
 
     def _score_llamacpp(self, ids: list[int], req: Request, retry: bool) -> PromptScores:
         """Teacher-forced (llamacpp_dialect.py): the prefixes in batches, in order on one
-        slot, then the full prompt's greedy ladder."""
+        slot, then the full prompt's greedy ladder. Only one batch of prefixes is ever built
+        (all of them at once would be quadratic in the prompt's length)."""
         req = replace(req, model=self.model)
-        prefixes = [list(ids[:j + 1]) for j in range(len(ids) - 1)]
         known, evaluated = [], []
-        for a in range(0, len(prefixes), L.PREFIXES_PER_REQUEST):
-            batch = prefixes[a:a + L.PREFIXES_PER_REQUEST]
+        for a in range(0, len(ids) - 1, L.PREFIXES_PER_REQUEST):
+            batch = [list(ids[:j + 1]) for j in range(a, min(a + L.PREFIXES_PER_REQUEST, len(ids) - 1))]
             k, ev = self.call("POST", "/completion", L.body(batch, req, 1), retry_malformed=retry,
                               parse=lambda d, b=batch: L.parse_prefixes(d, b))
             known += k
