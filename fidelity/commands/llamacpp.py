@@ -37,25 +37,26 @@ def add_arguments(p):
     p.add_argument("--text", default=None, help="kld-base: text file (default: generated haystack text)")
     p.add_argument("--compare", default=None, metavar="FILE",
                    help="kld-base: score this llama.cpp logits file against the golden instead of writing one")
-    p.add_argument("--out", default="reports", help="output file (kld-base) or folder (replay)")
+    p.add_argument("--out", default=None,
+                   help="kld-base: the file written (default golden.kld); replay: the folder (default reports)")
 
 
 def run(args) -> int:
     from fidelity.llamacpp import paths
     from fidelity.llamacpp.prepare import gguf
     from fidelity.weights.source import EMBEDDED, resolve_checkpoint
+    src = Path(resolve_checkpoint(args.checkpoint)) if args.checkpoint else EMBEDDED
+    if not (src / "config.json").is_file():
+        raise CommandError(f"{src} is not a checkpoint folder (no config.json)", 2)
+    if args.action == "kld-base":          # the golden alone (a widened copy computes the same)
+        return _kld_base(args, src)
     try:
-        src = Path(resolve_checkpoint(args.checkpoint)) if args.checkpoint else EMBEDDED
-        if not (src / "config.json").is_file():
-            raise CommandError(f"{src} is not a checkpoint folder (no config.json)", 2)
         ck, model = (src, Path(args.gguf)) if args.gguf else gguf(src, args.fp8)
     except paths.NotBuilt as e:
         raise CommandError(str(e), 2) from None
     print(f"checkpoint {ck}\nGGUF {model}")
     if args.action == "replay":
         return _replay(args, ck, model)
-    if args.action == "kld-base":
-        return _kld_base(args, ck)
     return 0
 
 
@@ -70,9 +71,12 @@ def _golden(ck: Path):
 def _text_ids(args, tok, n: int) -> list[int]:
     from fidelity.prompts import haystack_ids
     if args.text:
-        ids = tok.encode(Path(args.text).read_text())
-    else:
-        ids, _ = haystack_ids(tok, n, 50, 0)
+        try:
+            ids = tok.encode(Path(args.text).read_text())
+        except OSError as e:
+            raise CommandError(f"cannot read --text {args.text}: {e.strerror}", 2) from None
+    else:                                         # a haystack at least as long as the template needs
+        ids, _ = haystack_ids(tok, max(n, 1024), 50, 0)
     if len(ids) < n:
         raise CommandError(f"the text has {len(ids)} tokens, {n} needed", 2)
     return list(ids[:n])
@@ -85,7 +89,7 @@ def _replay(args, ck: Path, model: Path) -> int:
     from reference_model.numerics import Numerics
     w, tok, _ = _golden(ck)
     ids = _text_ids(args, tok, args.tokens)
-    out = Path(args.out) / "llamacpp-replay"
+    out = Path(args.out or "reports") / "llamacpp-replay"
     out.mkdir(parents=True, exist_ok=True)
     arms = {R.GOLDEN: arm_numerics("golden", "reference", {}, "v4"),
             R.FLOOR: Numerics("reference", torch.float32), "exact": Numerics("exact")}
@@ -104,7 +108,9 @@ def _kld_base(args, ck: Path) -> int:
     if args.compare:
         try:
             lf = F.read(args.compare)
-        except (OSError, F.LogitsFileError) as e:
+        except OSError as e:
+            raise CommandError(f"cannot read {args.compare}: {e.strerror}", 2) from None
+        except F.LogitsFileError as e:
             raise CommandError(str(e), 2) from None
         if lf.n_vocab != w.cfg.vocab_size:
             raise CommandError(f"{args.compare} has a {lf.n_vocab}-token vocabulary, the checkpoint "
@@ -113,7 +119,7 @@ def _kld_base(args, ck: Path) -> int:
         print(json.dumps(res, indent=1))
         return 0
     tokens = G.chunk_tokens(_text_ids(args, tok, args.ctx * args.chunks), args.ctx, args.chunks)
-    path = G.write_golden(args.out, golden, tokens, w.cfg.vocab_size, tok.bos_id)
+    path = G.write_golden(args.out or "golden.kld", golden, tokens, w.cfg.vocab_size, tok.bos_id)
     print(f"wrote {path}: {args.chunks} chunks of {args.ctx} tokens, golden log-probs at positions "
           f"{args.ctx // 2}..{args.ctx - 2} of each")
     return 0
