@@ -64,8 +64,7 @@ def _base_cmd(e: EngineSpec) -> list[str]:
                 "--port", str(e.port)]
     if e.kind == "llamacpp":
         from fidelity.llamacpp import paths
-        return [str(paths.home() / "bin" / "llama-server"), "-m", e.model, "--host", e.host,
-                "--port", str(e.port), "--alias", Path(e.model).stem, "--no-webui"]
+        return paths.server_command(e.model, e.host, e.port)
     cmd = [python_for(e), "-m", "fidelity.cli", "serve", "--host", e.host, "--port", str(e.port)]
     return cmd + (["--checkpoint", e.model] if e.model else [])
 

@@ -45,3 +45,11 @@ def program(name: str) -> Path:
 def source() -> Path:
     """llama.cpp's source tree (its converter and gguf-py)."""
     return require() / "src"
+
+
+def server_command(gguf, host: str, port: int) -> list[str]:
+    """llama-server on one GGUF, named by its file's stem (not its path), without its web UI;
+    the launch flags follow. The build is not required here (a plan can be shown before it
+    exists); `program("llama-server")` is what checks."""
+    return [str(home() / "bin" / "llama-server"), "-m", str(gguf), "--host", host, "--port", str(port),
+            "--alias", Path(gguf).stem, "--no-webui"]
