@@ -14,6 +14,7 @@ import pytest
 
 from fidelity.kld.endpoint import Endpoint, EndpointError
 from fidelity.llamacpp import paths
+from needle_util import fidelity_cmd
 
 pytestmark = pytest.mark.llama
 MODEL = paths.REPO / "models" / "tiny-needle-v2"
@@ -97,7 +98,7 @@ def test_teacher_forced_reading_is_the_decode_path(server, f32):
 
 def test_kld_report_says_how_llamacpp_was_read(server, f32, tmp_path):
     out = tmp_path / "out"
-    r = subprocess.run([*_fidelity(), "kld", "--inprocess", "golden=golden", "--endpoint", f"llama={server}",
+    r = subprocess.run([*fidelity_cmd(), "kld", "--inprocess", "golden=golden", "--endpoint", f"llama={server}",
                         "--checkpoint", str(f32[0]), "--lengths", "200", "--reps", "1", "--steps", "2",
                         "--top-k", "512", "--no-captures", "--no-floors", "--out", str(out),
                         "--run-id", "t", "--threads", "1", "--quiet"], capture_output=True, text=True)
@@ -122,11 +123,6 @@ def test_wrong_model_and_missing_route_are_named(server, tmp_path):
         other = Endpoint("ours", url, dialect="llamacpp").connect()
         with pytest.raises(EndpointError, match="POST .*/completion"):
             other.score(load_tokenizer().encode("hello there"), Request(k=4, steps=1))
-
-
-def _fidelity():
-    import sys
-    return [sys.executable, "-m", "fidelity.cli"]
 
 
 def _ppl(*args) -> str:
@@ -175,7 +171,7 @@ def test_chat_check_reads_llamacpp_template_and_finds_its_tools_block(server, f3
     are left: b11434 drops the blank line before `## Tools`, and by default (reasoning
     preserve) it keeps an earlier assistant turn's reasoning, which DeepSeek's encoder drops."""
     import pandas as pd
-    r = subprocess.run([*_fidelity(), "chat-check", "--endpoint", server, "--generation", "original",
+    r = subprocess.run([*fidelity_cmd(), "chat-check", "--endpoint", server, "--generation", "original",
                         "--tokenizer", str(f32[0] / "tokenizer.json"), "--out", str(tmp_path),
                         "--run-id", "c", "--quiet"], capture_output=True, text=True)
     assert r.returncode == 1, r.stderr[-2000:]                  # differences found: exit 1
@@ -216,7 +212,7 @@ def test_replay_places_the_departure_and_names_what_reproduces_it(f32, tmp_path)
 def test_needle_against_llama_server(server, f32, tmp_path):
     """A needle sweep through llama-server's chat route (its own V4 template): every trial
     scored, none a server error, the report written."""
-    r = subprocess.run([*_fidelity(), "needle", "--endpoint", f"llama={server}", "--checkpoint", str(f32[0]),
+    r = subprocess.run([*fidelity_cmd(), "needle", "--endpoint", f"llama={server}", "--checkpoint", str(f32[0]),
                         "--lengths", "512", "--depths", "10,90", "--reps", "1", "--out", str(tmp_path),
                         "--run-id", "n", "--quiet", "--no-plots"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -236,7 +232,7 @@ def test_a_tokenizer_that_differs_from_the_servers_is_refused(server, f32, tmp_p
     vocab[by_id[first]], vocab[by_id[second]] = second, first
     bad = tmp_path / "tokenizer.json"
     bad.write_text(json.dumps(tj))
-    r = subprocess.run([*_fidelity(), "kld", "--inprocess", "golden=golden", "--endpoint", f"llama={server}",
+    r = subprocess.run([*fidelity_cmd(), "kld", "--inprocess", "golden=golden", "--endpoint", f"llama={server}",
                         "--checkpoint", str(f32[0]), "--tokenizer", str(bad), "--lengths", "200", "--reps", "1",
                         "--no-floors", "--no-captures", "--out", str(tmp_path), "--quiet"],
                        capture_output=True, text=True)
@@ -248,7 +244,7 @@ def test_consistency_prefix_family_through_llamacpp_cache(server, f32, tmp_path)
     """The prefix family against llama-server's prompt cache (native /completion with
     cache_prompt; its timings.cache_n is the cached-token count): every condition asked,
     the cold replies verified cold, and a judgement written."""
-    r = subprocess.run([*_fidelity(), "consistency", "--endpoint", f"llama={server}", "--families", "prefix",
+    r = subprocess.run([*fidelity_cmd(), "consistency", "--endpoint", f"llama={server}", "--families", "prefix",
                         "--probes", "1", "--out", str(tmp_path), "--run-id", "c", "--quiet",
                         "--tokenizer", str(f32[0] / "tokenizer.json")], capture_output=True, text=True)
     assert r.returncode in (0, 1), r.stderr[-2000:]
@@ -310,7 +306,7 @@ def test_engines_launches_llama_server_arms_from_a_spec(f32, tmp_path):
     plan = {p.arm: p for p in plans(load_spec(spec))}
     assert plan["llama-np1"].cmd[-6:] == ["-b", "128", "-ub", "128", "-np", "1"]
     assert plan["llama-kv-q8"].cmd[-4:] == ["-ctk", "q8_0", "-ctv", "q8_0"]
-    r = subprocess.run([*_fidelity(), "engines", "run", str(spec), "--quiet"], capture_output=True, text=True)
+    r = subprocess.run([*fidelity_cmd(), "engines", "run", str(spec), "--quiet"], capture_output=True, text=True)
     assert r.returncode in (0, 1), r.stderr[-2500:]
     state = json.loads(next((tmp_path / "out").rglob("state.json")).read_text())
     assert json.dumps(state).count("llama-np1") and json.dumps(state).count("llama-kv-q8")

@@ -14,6 +14,7 @@ import httpx
 
 from infra.http import RequestFailed, check_status, retry, send, transport_failure
 
+from fidelity.kld import llamacpp_dialect as L
 from fidelity.kld.bounds import Known
 from fidelity.kld.dialects import ScoringError, known_from_pairs
 from fidelity.kld.endpoint import Endpoint, EndpointError
@@ -87,26 +88,13 @@ def _completions_reply(d: dict, piece_ids: dict | None) -> Reply:
     return Reply(ids, dists, cached, str(ch.get("finish_reason") or ""))
 
 
-def _llamacpp_body(ids, max_tokens, k, model, ignore_eos, temperature=0.0, seed=None):
-    """llama-server's native /completion: token ids in, `n_probs` pre-sampling top-k per
-    new token, its prompt cache on (what the prefix family probes)."""
-    body = {"prompt": list(ids), "n_predict": max_tokens, "n_probs": k, "post_sampling_probs": False,
-            "temperature": temperature, "ignore_eos": ignore_eos, "cache_prompt": True, "return_tokens": True}
-    if seed is not None:
-        body["seed"] = seed
-    return "/completion", {**body, **({"model": model} if model else {})}
-
-
 def _llamacpp_reply(d: dict) -> Reply:
     """Tokens, top-k, cached tokens (`timings.cache_n`: prompt tokens taken from its cache)
     and the stop reason of a /completion answer."""
-    try:
-        probs = d["completion_probabilities"]
-        got = [(int(e["id"]), known_from_pairs([(t["id"], t["logprob"]) for t in e["top_logprobs"]]
-                                               + [(e["id"], e["logprob"])])) for e in probs]
-    except (KeyError, TypeError):
-        raise ScoringError("the /completion answer has no completion_probabilities with id, logprob "
-                           "and top_logprobs (send n_probs k)") from None
+    probs = d.get("completion_probabilities") if isinstance(d, dict) else None
+    if not isinstance(probs, list):
+        raise ScoringError("the /completion answer has no completion_probabilities (send n_probs k)")
+    got = [L.entry_known(e) for e in probs]
     finish = {"limit": "length", "eos": "stop", "word": "stop"}.get(str(d.get("stop_type")), str(d.get("stop_type") or ""))
     return Reply([t for t, _ in got], [k for _, k in got], (d.get("timings") or {}).get("cache_n"), finish)
 
@@ -139,9 +127,10 @@ class LiveArm:
         if ep.dialect == "sglang":
             path, body = _sglang_body(ids, max_tokens, k, ep.model, ignore_eos, temperature, seed)
             parse = _sglang_reply
-        elif ep.dialect == "llamacpp":
-            path, body = _llamacpp_body(ids, max_tokens, k, ep.model, ignore_eos, temperature, seed)
-            parse = _llamacpp_reply
+        elif ep.dialect == "llamacpp":            # no pinned slot: batch probes run side by side
+            path, parse = "/completion", _llamacpp_reply
+            body = L.body([list(ids)], k, max_tokens, ep.model, temperature=temperature, seed=seed,
+                          ignore_eos=ignore_eos, slot=None)
         else:
             path, body = _completions_body(ids, max_tokens, k, ep.model, ep.dialect == "vllm", ignore_eos,
                                            temperature, seed)

@@ -20,6 +20,8 @@ import numpy as np
 from infra.http import (ModelChoiceError, RequestFailed, RetryPolicy, URLError, backoff_delay, check_url,
                         pick_model, redact_url, send, split_base)
 
+from needle.http import llama_tokenize_body
+
 from . import llamacpp_dialect as L
 from .bounds import Known
 from .dialects import (CAPTURE_SHAPE_KEYS, DIALECTS, PARSERS, PromptScores, Request, ScoringError,
@@ -189,8 +191,7 @@ class Endpoint:
             if not isinstance(t, list):
                 raise ScoringError(f"no `tokens` list in the answer: {str(d)[:120]}")
             return [int(x) for x in t]
-        body = ({"content": text, "add_special": False, "parse_special": True} if self.llama_server
-                else {"prompt": text, "model": self.model})
+        body = llama_tokenize_body(text) if self.llama_server else {"prompt": text, "model": self.model}
         return self.call("POST", "/tokenize", body, ok404=True, parse=tokens)
 
     def describe(self) -> dict:
@@ -234,11 +235,11 @@ class Endpoint:
         known, evaluated = [], []
         for a in range(0, len(ids) - 1, L.PREFIXES_PER_REQUEST):
             batch = [list(ids[:j + 1]) for j in range(a, min(a + L.PREFIXES_PER_REQUEST, len(ids) - 1))]
-            k, ev = self.call("POST", "/completion", L.body(batch, req, 1), retry_malformed=retry,
+            k, ev = self.call("POST", "/completion", L.body(batch, req.k, 1, req.model), retry_malformed=retry,
                               parse=lambda d, b=batch: L.parse_prefixes(d, b))
             known += k
             evaluated += ev
-        tokens, ladder, ev = self.call("POST", "/completion", L.body([list(ids)], req, req.steps),
+        tokens, ladder, ev = self.call("POST", "/completion", L.body([list(ids)], req.k, req.steps, req.model),
                                        retry_malformed=retry,
                                        parse=lambda d: L.parse_ladder(d, list(ids), req.steps))
         return L.assemble(list(ids), known, tokens, ladder, evaluated + [ev])

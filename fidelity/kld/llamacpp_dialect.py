@@ -23,17 +23,25 @@ READING = ("teacher-forced /completion prefixes (llama-server has no prompt logp
            "(one new token on a cached prefix); prefill-path numerics are not measured")
 
 
-def body(prompts: list[list[int]], r: Request, steps: int) -> dict:
-    """One /completion request: greedy, `steps` new tokens per prompt, top-k logprobs."""
-    b = {"prompt": prompts if len(prompts) > 1 else prompts[0], "n_predict": steps,
-         "n_probs": r.k, "post_sampling_probs": False, "temperature": 0, "ignore_eos": True,
-         "cache_prompt": True, "id_slot": SLOT, "return_tokens": True}
-    if r.model:
-        b["model"] = r.model
+def body(prompts: list[list[int]], k: int, steps: int, model: str | None = None, *,
+         temperature: float = 0.0, seed: int | None = None, ignore_eos: bool = True,
+         slot: int | None = SLOT) -> dict:
+    """One /completion request: `steps` new tokens per prompt (greedy unless `temperature`)
+    with the pre-sampling top-k log-probs before each, the prompt cache on; `slot` pins the
+    slot (None: the server chooses, as for requests that must run side by side)."""
+    b = {"prompt": prompts if len(prompts) > 1 else prompts[0], "n_predict": steps, "n_probs": k,
+         "post_sampling_probs": False, "temperature": temperature, "ignore_eos": ignore_eos,
+         "cache_prompt": True, "return_tokens": True}
+    if slot is not None:
+        b["id_slot"] = slot
+    if seed is not None:
+        b["seed"] = seed
+    if model:
+        b["model"] = model
     return b
 
 
-def _known(entry: dict) -> tuple[int, Known]:
+def entry_known(entry: dict) -> tuple[int, Known]:
     """(chosen token, its position's known distribution) from one completion_probabilities
     entry; a `prob` entry means post-sampling probabilities, which are not the model's."""
     try:
@@ -70,7 +78,7 @@ def _checked(res: dict, prompt: list[int], steps: int) -> tuple[list[tuple[int, 
         raise ScoringError(f"the server evaluated {res.get('tokens_evaluated')} prompt tokens, "
                            f"sent {len(prompt)}")
     evaluated = (res.get("timings") or {}).get("prompt_n")
-    return [_known(e) for e in probs], int(evaluated) if evaluated is not None else -1
+    return [entry_known(e) for e in probs], int(evaluated) if evaluated is not None else -1
 
 
 def parse_prefixes(data, prefixes: list[list[int]]) -> tuple[list[Known], list[int]]:
