@@ -73,6 +73,18 @@ def all_token_ids(path) -> bool:
     return all("token_ids" in json.loads(x) for x in Path(path).read_text().splitlines() if x.strip())
 
 
+def describe(prompts) -> dict[str, str]:
+    """Prompt id -> how the verdict names it: "511 tokens, needle at 70%" (the needle's
+    first token as a share of the prompt), "250 tokens" without a needle."""
+    out = {}
+    for p in prompts:
+        words = f"{p.length} tokens"
+        if p.needle_tokens:
+            words += f", needle at {round(100 * p.needle_tokens[0] / max(1, p.length))}%"
+        out[p.id] = words
+    return out
+
+
 def grid_prompts(tokenizer, lengths, depths, reps: int, seed: int) -> list[Prompt]:
     """`fidelity kld`'s and `fidelity engines`' haystacks on a (length, depth, rep) grid."""
     out = []

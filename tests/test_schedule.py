@@ -137,6 +137,33 @@ def test_ab_names_serving_bugs_under_their_schedule_only(tmp_path):
             "from golden at layer 0") in html
 
 
+def test_an_effect_equal_to_its_one_shot_effect_is_the_toggles_not_the_schedules(tmp_path):
+    """A numerics bug acts the same with or without a cache hit: paired against its one-shot
+    effect, its effect under prefix_hit(130) is not a schedule finding, so the verdict names
+    it one-shot and never "under prefix_hit"; no schedule is a suspect; under decode_from
+    the first-divergence phase says the tokens went through the decode path."""
+    from fidelity.ab.design import ABSettings
+    from fidelity.ab.run import run_ab
+    from fidelity.verdict.board import suspects
+    from fidelity.weights.source import load_tokenizer_for, load_weights
+    w, _ = load_weights(None)
+    arms = ["routed_scaling_double", "routed_scaling_double@prefix_hit(130)",
+            "routed_scaling_double@decode_from(150)"]
+    res = run_ab(w, ABSettings.of(arms=arms, lengths=(200,), prompts_per_length=3, decode_steps=1,
+                                  shapley_top=0, n_boot=300), tmp_path, run_id="same",
+                 progress=lambda m: None, tokenizer=load_tokenizer_for(None))
+    v, t = res["verdict"], res["signal_attribution"]
+    assert [n["toggle"] for n in v["named"]] == ["routed_scaling_double"]
+    assert v["method"] != "under_schedule" and " under " not in v["outcome_sentence"]
+    sched = t[t.method == "under_schedule"]
+    assert len(sched) and sched.same_as_oneshot.all() and not sched.clears.any()
+    assert not t.toggle.str.startswith("@").any()
+    assert not suspects(t).toggle.str.startswith("@").any()
+    fd = {f["arm"]: f["phase"] for f in res["first_divergence"]}
+    assert fd["routed_scaling_double@decode_from(150)"] == "prefill to token 150, decode path after"
+    assert fd["routed_scaling_double"] == "prefill"
+
+
 def test_arm_strings_carry_a_schedule_and_serve_refuses_one(capsys):
     from fidelity.arms import ArmError, parse_arm
     from fidelity.cli import main

@@ -11,6 +11,8 @@ TAP_ORDER = ("hc_attn.comb", "attn.kv", "attn.index.topk", "attn.out", "hc_ffn.c
              "ffn.router.experts", "ffn.out", "out")
 # taps first divergence walks through (the final logits count as the layer after the last)
 DIVERGENCE_TAPS = TAP_ORDER + ("logits",)
+# taps whose departure is a set difference (indexer picks, expert sets), not a rel L2
+DISCRETE_TAPS = ("attn.index.topk", "ffn.router.experts")
 KEYS = ["prompt", "phase", "step", "layer", "tap", "bucket"]
 
 
@@ -62,3 +64,10 @@ def first_divergence(drift: pd.DataFrame, arm: str, floor_arm: str, k: float = 2
                         "tap": lt[1], "departure": va, "floor": vr,
                         "ratio": va / vr if vr > 0 and np.isfinite(va) else np.inf}
     return None
+
+
+def departure_at(drift: pd.DataFrame, arm: str, phase: str, layer: int, tap: str) -> float | None:
+    """The arm's mean departure from golden at one place (None where it has no row)."""
+    d = drift[(drift.arm == arm) & (drift.phase == phase) & (drift.bucket == "all")
+              & (drift.layer == layer) & (drift.tap == tap)]
+    return float(_departure(d).mean()) if len(d) else None

@@ -13,16 +13,18 @@ import pandas as pd
 import torch
 
 from kernel_toggles.arms import version_of
+from reference_model.schedule import Schedule
 
 from ..arms import check_schedules
-from ..prompts import Prompt, all_token_ids, builtin_prompts, file_prompts
+from ..prompts import Prompt, all_token_ids, builtin_prompts, describe, file_prompts
 from ..verdict.attribution import attribute, bootstrap_mean_ci, outcome_matrix, prompt_outcomes
 from ..verdict.judge import Design, judge
-from ..verdict.signals import direct_effects, prompt_signals, with_longest
+from ..verdict.findings import DEPARTURE_X, with_departures
+from ..verdict.signals import SCHEDULE_FACTOR, direct_effects, prompt_signals, with_longest
 from .design import (FLOOR, FLOOR_ORDER, GOLDEN, WEIGHTS_PREFIX, ABSettings, RunnerSettings,
                      Statistics, arm_sets, base_toggles, factorial_arms, floor_arms,
                      golden_arm, schedule_arms, toggle_arms, top_toggles, vs_pairs, weight_arms)
-from .drift import first_divergence, with_floor_multiple
+from .drift import DISCRETE_TAPS, departure_at, first_divergence, with_floor_multiple
 from .lockstep import LockstepResult, LockstepRunner
 from .report import write_report
 
@@ -55,6 +57,7 @@ def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None 
     st = _stage_one(weights, settings, prompts, longest, progress, variants, stage)
     _stage_two(weights, settings, prompts, longest, progress, st, stage)
     tables, judged = _judged_tables(cfg, settings, prompts, longest, st)
+    with_departures(judged["verdict"], _departures(tables["drift"], st.sets))
     result = {"manifest": _manifest(cfg, settings, st, prompts, run_id, t_start, stage),
               "verdict": judged["verdict"], "noise_floor": _noise_floor(st.outcomes, settings),
               "floors": judged["floors"].to_dict("records"),
@@ -131,7 +134,7 @@ def _judged_tables(cfg, settings, prompts, longest, st: _Stages) -> tuple[dict, 
         direct = direct_effects(pair_sig, st.sets, frozenset(st.label_sets[settings.design.vs].names),
                                 stats.n_boot, stats.seed)
     judged = judge(sig, Design(GOLDEN, st.sets, st.toggles, st.floors, base_toggles(settings, version_of(cfg))),
-                   stats.n_boot, stats.seed, len(prompts), direct)
+                   stats.n_boot, stats.seed, len(prompts), direct, describe(prompts))
     tables = {"drift": drift, "kld": kld, "attribution": _attribution(st.toggles, st.top, st.table, stats),
               "attribution_by_length": _per_length_attr(kld, st.sets, st.toggles, stats),
               "summary": _summary_table(drift, kld, judged["summary"], st.sets, st.floors), "signals": sig,
@@ -177,7 +180,34 @@ def _first_divergences(drift, pair_df, sets, pairs, k) -> list[dict]:
         for vs in (None, pairs.get(a)) if a in pairs else (None,):
             f = first_divergence(drift, a, FLOOR_ORDER, k, pair_df, vs)
             if f:
-                out.append(f)
+                out.append(_on_its_path(f, sets[a]))
+    return out
+
+
+def _on_its_path(f: dict, factors) -> dict:
+    """The phase label follows the path the tokens took: under decode_from(P) the prompt's
+    tokens from P on went through the decode path one at a time, not through prefill."""
+    for s in (Schedule.parse(x[len(SCHEDULE_FACTOR):]) for x in factors if x.startswith(SCHEDULE_FACTOR)):
+        if s.kind == "decode_from" and f["phase"] == "prefill":
+            f["phase"] = f"prefill to token {s.n}, decode path after"
+    return f
+
+
+def _departures(drift, sets) -> list[dict]:
+    """Per arm holding a toggle: its first tensor tap at DEPARTURE_X x the reduction-order
+    floor, with the QAT floor's multiple there (a kernel change the size of QAT's is
+    expected). Indexer picks and expert sets are left to the mechanism signals, judged
+    against floors that are noise for them (their reduction-order floor is often 0)."""
+    drift = drift[~drift.tap.isin(DISCRETE_TAPS)]
+    out = []
+    for a, factors in sets.items():
+        toggles = [f for f in factors if not f.startswith(SCHEDULE_FACTOR)]
+        f = first_divergence(drift, a, FLOOR_ORDER, DEPARTURE_X) if toggles else None
+        if f:
+            qat = departure_at(drift, FLOOR, f["phase"], f["layer"], f["tap"])
+            f["qat_ratio"] = f["departure"] / qat if qat and np.isfinite(f["departure"]) else None
+            f["toggle"] = toggles[0] if len(toggles) == 1 else None
+            out.append(f)
     return out
 
 

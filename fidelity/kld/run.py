@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from fidelity.progress import Progress
+from fidelity.prompts import describe
 from fidelity.verdict.judge import Design, judge
 from fidelity.verdict.signals import http_signals
 
@@ -147,13 +148,15 @@ def compare_all(entries: list[ScoredArm], prompts, s: KldSettings, store: ScoreS
             "margins": pd.DataFrame(margins), "coverage": pd.DataFrame(cov)}
 
 
-def judge_arms(entries: list[ScoredArm], sig: pd.DataFrame, s: KldSettings) -> dict:
-    """Summary, floors, attribution and verdict, exactly as `fidelity ab` judges its arms."""
+def judge_arms(entries: list[ScoredArm], sig: pd.DataFrame, s: KldSettings, prompts=()) -> dict:
+    """Summary, floors, attribution and verdict, exactly as `fidelity ab` judges its arms
+    (`prompts` name the broken ones in the verdict's words)."""
     base = next(e for e in entries if e.role == "baseline")
     sets = {e.name: e.factors for e in entries if e.role == "arm"}
     factors = sorted(set().union(*sets.values())) if sets else []
     floors = [e.name for e in entries if e.role == "floor"]
-    return judge(sig, Design(base.name, sets, factors, floors), s.n_boot, s.seed)
+    return judge(sig, Design(base.name, sets, factors, floors), s.n_boot, s.seed,
+                 describe=describe(prompts))
 
 
 def check_identity(store: ScoreStore, entry: ScoredArm) -> None:
@@ -226,7 +229,7 @@ def evaluate(entries: list[ScoredArm], prompts, s: KldSettings, store: ScoreStor
     the manifest."""
     tables = compare_all(entries, prompts, s, store, shape)
     tables["signals"] = http_signals(tables)
-    judged = judge_arms(entries, tables["signals"], s)
+    judged = judge_arms(entries, tables["signals"], s, prompts)
     if coverage:
         manifest["capture_coverage"] = tables["coverage"].to_dict("records")
     path = report.write(out_dir, run_id, tables, judged, manifest,

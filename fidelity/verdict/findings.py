@@ -106,7 +106,46 @@ def findings_table(findings: list[dict]) -> pd.DataFrame:
                                        "outcome beyond floors"])
 
 
+# a first departure this many times its floor is stated in the verdict even when the
+# outcome stays inside its floors (a kernel that is wrong at layer 0 by 20x is a finding)
+DEPARTURE_X = 10.0
+
+
+def departure_sentence(deps: list[dict], named: set[str]) -> str:
+    """"Departures: t first departs from golden at layer 0 `attn.q` (prefill) at 23.6x the
+    reduction-order floor (0.4x the QAT floor); outcome within floors." -- the arms whose
+    outcome is not already named, strongest first; `deps`: first_divergence rows at
+    DEPARTURE_X with an optional `qat_ratio`."""
+    quiet = sorted((d for d in deps if d["arm"] not in named and d.get("toggle") not in named),
+                   key=lambda d: -d["ratio"])
+    if not quiet:
+        return ""
+    clauses = []
+    for d in quiet[:SENTENCE_TOGGLES]:
+        x = "an infinite multiple of" if d["ratio"] == float("inf") else f"{d['ratio']:.3g}x"
+        qat = f" ({d['qat_ratio']:.2g}x the QAT floor)" if d.get("qat_ratio") is not None else ""
+        clauses.append(f"{d['arm']} first departs from {d['vs']} at layer {d['layer']} `{d['tap']}` "
+                       f"({d['phase']}) at {x} the reduction-order floor{qat}")
+    more = len(quiet) - SENTENCE_TOGGLES
+    tail = f" {more} more arm(s) depart that far (the First divergence table lists them)." if more > 0 else ""
+    return ("Departures (at least " + f"{DEPARTURE_X:g}x the floor; outcome within floors): "
+            + "; ".join(clauses) + "." + tail)
+
+
+def with_departures(v: dict, deps: list[dict]) -> dict:
+    """The verdict with its departure findings in words (v["departures"], and the sentence)."""
+    named = {n["toggle"] for n in v.get("named", [])}
+    v["departures"] = deps
+    v["departure_sentence"] = departure_sentence(deps, named)
+    if v["departure_sentence"]:
+        v["sentence"] += " " + v["departure_sentence"]
+    return v
+
+
 def verdict_lines(v: dict) -> list[str]:
-    """The verdict as a report's first lines: outcome, then mechanism (when there is one)."""
+    """The verdict as a report's first lines: outcome, then mechanism and departures (when
+    there are any)."""
     lines = [v.get("outcome_sentence", v["sentence"])]
-    return lines + [v["mechanism_sentence"]] if v.get("mechanism") else lines
+    if v.get("mechanism"):
+        lines.append(v["mechanism_sentence"])
+    return lines + [v["departure_sentence"]] if v.get("departure_sentence") else lines

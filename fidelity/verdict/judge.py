@@ -12,8 +12,11 @@ import pandas as pd
 from .binary import clears as exact_clears
 from .binary import exact_tests
 from .findings import mechanism_findings, mechanism_sentence, schedule_of
-from .signals import (FLOOR_EPS, SIGNALS, attribute_signals, floor_levels, kind, mechanism_floors,
-                      signal_summary)
+from .signals import (FLOOR_EPS, SCHEDULE_FACTOR, SIGNALS, attribute_signals, floor_levels, kind,
+                      mechanism_floors, signal_summary)
+from .tail import METHOD as TAIL
+from .tail import clears as tail_clears
+from .tail import tail_tests, tail_words
 
 
 @dataclass(frozen=True)
@@ -34,10 +37,11 @@ class Design:
 
 
 def judge(sig: pd.DataFrame, design: Design, n_boot: int, seed: int, n_prompts: int | None = None,
-          direct: pd.DataFrame | None = None) -> dict:
+          direct: pd.DataFrame | None = None, describe: dict[str, str] | None = None) -> dict:
     """Summary, floors, attribution and verdict of the signals `sig` (signals.COLUMNS).
     `direct`: attribution rows measured directly between arms (signals.direct_effects),
-    judged with the rest. `n_prompts` defaults to the prompts in `sig`."""
+    judged with the rest. `n_prompts` defaults to the prompts in `sig`. `describe`: prompt
+    -> words for the verdict ("511 tokens, needle at 70%") where the tail names prompts."""
     summary = signal_summary(sig, n_boot, seed)
     floors = floor_levels(summary, design.floors, design.noise_for_mechanism())
     serving = floor_levels(summary, design.noise_for_mechanism(), design.noise_for_mechanism())
@@ -46,8 +50,9 @@ def judge(sig: pd.DataFrame, design: Design, n_boot: int, seed: int, n_prompts: 
     if direct is not None:
         attr = pd.concat([attr, direct], ignore_index=True)
     exact = exact_tests(sig, design.arms, design.noise_for_mechanism())
+    tail = tail_tests(sig, design.arms, design.floors, describe)
     v, table = verdict(attr, floors, sig.prompt.nunique() if n_prompts is None else n_prompts, exact,
-                       serving)
+                       serving, tail)
     return {"summary": summary, "floors": floors, "attribution": table, "verdict": v}
 
 
@@ -55,16 +60,17 @@ MIN_PROMPTS = 3          # below this a bootstrap over prompts says little
 
 
 def verdict(attr: pd.DataFrame, floors: pd.DataFrame, n_prompts: int | None = None,
-            exact: pd.DataFrame | None = None,
-            serving: pd.DataFrame | None = None) -> tuple[dict, pd.DataFrame]:
+            exact: pd.DataFrame | None = None, serving: pd.DataFrame | None = None,
+            tail: pd.DataFrame | None = None) -> tuple[dict, pd.DataFrame]:
     """Outcome: name every toggle whose interval, for some outcome signal and method, lies
     wholly above that signal's highest floor; the culprit is the one clearing by the
     largest factor. Mechanism: the same for mechanism signals against their own floors,
     plus the exact tests of binary signals (`exact`, binary.exact_tests), reported
     separately. With fewer than MIN_PROMPTS prompts the sentence says the bootstrap
     intervals are not to be trusted. `serving`: the floors of `under_schedule` effects
-    (default `floors`), see _table."""
-    t = _table(attr, floors, exact, serving)
+    (default `floors`), see _table. `tail`: the per-prompt tail tests (tail.tail_tests),
+    which name a toggle that breaks a few prompts far beyond their floors."""
+    t = _table(attr, floors, exact, serving, tail)
     mech = t[(t.kind == "mechanism") & t.clears]
     v = _outcome(t[t.kind == "outcome"], mechanism=not mech.empty)
     v["mechanism"] = mechanism_findings(mech, {n["toggle"] for n in v["named"]})
@@ -80,7 +86,7 @@ def verdict(attr: pd.DataFrame, floors: pd.DataFrame, n_prompts: int | None = No
 
 
 def _table(attr: pd.DataFrame, floors: pd.DataFrame, exact: pd.DataFrame | None,
-           serving: pd.DataFrame | None = None) -> pd.DataFrame:
+           serving: pd.DataFrame | None = None, tail: pd.DataFrame | None = None) -> pd.DataFrame:
     """Attribution rows with their floor, whether they clear it and by what factor; exact
     tests' rows (their floor: the comparator's own rate) judged by their p-value.
 
@@ -88,7 +94,10 @@ def _table(attr: pd.DataFrame, floors: pd.DataFrame, exact: pd.DataFrame | None,
     numerics, one with a serving bug: what can legitimately separate them is reduction and
     tie order (an engine's kernels see other shapes under S) and the golden's own schedule
     floor -- the `serving` floors -- not the QAT floor, a property of the weights that is
-    the same on both sides of a cache hit."""
+    the same on both sides of a cache hit.
+
+    A schedule is context, never a suspect: rows whose factor is a schedule (golden@S
+    against golden) are left out; what golden does under S is floor:schedule@S."""
     t = attr.merge(floors, on=["signal", "where"], how="left")
     if serving is not None and len(t):
         sv = attr.merge(serving, on=["signal", "where"], how="left")
@@ -96,10 +105,20 @@ def _table(attr: pd.DataFrame, floors: pd.DataFrame, exact: pd.DataFrame | None,
         t.loc[use, ["floor_hi", "floor_arm"]] = sv.loc[use, ["floor_hi", "floor_arm"]].to_numpy()
     t["floor_hi"] = t["floor_hi"].fillna(0.0)
     t["clears"] = (t.lo > t.floor_hi) & (t.value > 0)
+    if "vs_oneshot_lo" in t and len(t):
+        # an effect under S is the schedule's only when it exceeds the same toggle's one-shot
+        # effect by more than the floor (paired); else the finding is the one-shot row's
+        same = (t.method == "under_schedule") & t.vs_oneshot_lo.notna() & ~(t.vs_oneshot_lo > t.floor_hi)
+        t["same_as_oneshot"] = same
+        t.loc[same, "clears"] = False
     if exact is not None and len(exact):
         e = exact.assign(floor_hi=exact.c / exact.n.clip(lower=1), floor_arm=exact.vs)
         e["clears"] = exact_clears(e)
         t = pd.concat([t, e], ignore_index=True) if len(t) else e
+    if tail is not None and len(tail):
+        tail = tail.assign(clears=tail_clears(tail))
+        t = pd.concat([t, tail], ignore_index=True) if len(t) else tail
+    t = t[~t.toggle.astype(str).str.startswith(SCHEDULE_FACTOR)].reset_index(drop=True)
     eps = t.signal.map(FLOOR_EPS).fillna(1e-9)
     t["x_floor"] = t.lo / np.maximum(t.floor_hi, eps)
     t["kind"] = t.signal.map(kind)
@@ -108,35 +127,66 @@ def _table(attr: pd.DataFrame, floors: pd.DataFrame, exact: pd.DataFrame | None,
 
 
 def _outcome(t: pd.DataFrame, mechanism: bool) -> dict:
+    """The outcome verdict: every toggle with an outcome row clearing its floor, the
+    strongest first. A toggle's lead row is its strongest mean-effect row; a toggle named
+    only by the per-prompt tail leads with its tail ("breaks 2 of 18 prompts ...")."""
     if t.empty:
         return {"culprit": None, "named": [], "sentence": "No attribution was computed (need at "
                 "least one toggle arm besides golden)."}
     hits = t[t.clears].sort_values("x_floor", ascending=False)
     if hits.empty:
-        k = t[t.signal == "kld_mean"].sort_values("value", ascending=False)
-        top = k.iloc[0] if len(k) else t.sort_values("value", ascending=False).iloc[0]
-        lead = "No toggle changes the outcome beyond its floors" if mechanism else "No toggle stands out"
-        return {"culprit": None, "named": [], "sentence":
-                f"{lead}: for no outcome signal does a toggle's interval clear its floor (largest "
-                f"mean-KLD effect: {top.toggle}, {top.value:.3g} [{top.lo:.3g}, {top.hi:.3g}] vs "
-                f"floor {top.floor_hi:.3g})."}
-    best = hits.drop_duplicates("toggle")
-    c = best.iloc[0]
-    named = [{"toggle": r.toggle, "signal": r.signal, "where": r["where"], "method": r.method,
-              "schedule": schedule_of(r), "value": float(r.value), "lo": float(r.lo), "hi": float(r.hi),
-              "floor_hi": float(r.floor_hi), "floor_arm": r.get("floor_arm"), "x_floor": float(r.x_floor),
-              "signals": sorted(set(hits[hits.toggle == r.toggle].signal))}
-             for _, r in best.iterrows()]
-    others = ", ".join(f"{n['toggle']} ({n['signal']}, {n['where']}"
-                       + (f", under {n['schedule']}" if n["schedule"] else "") + ")" for n in named[1:])
-    under = f" under {named[0]['schedule']}" if named[0]["schedule"] else ""
-    sentence = (f"{c.toggle} breaks coherence{under}: its {c.method.replace('_', '-')} effect on "
-                f"{c.signal} ({SIGNALS[c.signal]}) at {c['where']} is {c.value:.3g} "
-                f"(95% CI [{c.lo:.3g}, {c.hi:.3g}]), above the highest floor's {c.floor_hi:.3g}"
-                f" ({c.get('floor_arm')}); "
-                f"outcome signals cleared: {', '.join(named[0]['signals'])}."
+        return {"culprit": None, "named": [], "sentence": _nothing(t, mechanism)}
+    lead = pd.concat([hits[hits.method != TAIL], hits[hits.method == TAIL]]).drop_duplicates("toggle")
+    best = lead.sort_values("x_floor", ascending=False)
+    named = [_named(r, hits) for _, r in best.iterrows()]
+    c = named[0]
+    others = ", ".join(f"{n['toggle']} ({_short(n)})" for n in named[1:])
+    under = f" under {c['schedule']}" if c["schedule"] else ""
+    sentence = (f"{c['toggle']} breaks coherence{under}: {_words(c)}; "
+                f"outcome signals cleared: {', '.join(c['signals'])}."
                 + (f" Also above their floors: {others}." if others else ""))
-    return {"culprit": c.toggle, "named": named, "method": c.method, "schedule": named[0]["schedule"],
-            "signal": c.signal,
-            "where": c["where"], "value": float(c.value), "lo": float(c.lo), "hi": float(c.hi),
-            "sentence": sentence}
+    return {"culprit": c["toggle"], "named": named, "method": c["method"], "schedule": c["schedule"],
+            "signal": c["signal"], "where": c["where"], "value": c["value"], "lo": c["lo"],
+            "hi": c["hi"], "sentence": sentence}
+
+
+def _named(r, hits: pd.DataFrame) -> dict:
+    mine = hits[hits.toggle == r.toggle]
+    tail = mine[mine.method == TAIL]
+    out = {"toggle": r.toggle, "signal": r.signal, "where": r["where"], "method": r.method,
+           "schedule": schedule_of(r), "value": float(r.value), "lo": float(r.lo), "hi": float(r.hi),
+           "floor_hi": float(r.floor_hi), "floor_arm": r.get("floor_arm"), "x_floor": float(r.x_floor),
+           "signals": sorted(set(mine.signal))}
+    if len(tail):
+        tr = tail.iloc[0]
+        out["tail"] = {k: tr[k] for k in ("signal", "b", "n", "value", "floor_hi", "p_value", "worst",
+                                          "prompts")}
+        out["tail"]["words"] = tail_words(tr)
+    return out
+
+
+def _words(n: dict) -> str:
+    """How the named toggle clears: its mean effect with the interval, or its tail."""
+    if n["method"] == TAIL:
+        return f"it {n['tail']['words']}; broken prompts: {n['tail']['prompts']}"
+    words = (f"its {n['method'].replace('_', '-')} effect on {n['signal']} ({SIGNALS[n['signal']]}) at "
+             f"{n['where']} is {n['value']:.3g} (95% CI [{n['lo']:.3g}, {n['hi']:.3g}]), above the "
+             f"highest floor's {n['floor_hi']:.3g} ({n['floor_arm']})")
+    if "tail" in n and n["tail"]["b"] < n["tail"]["n"]:
+        words += f"; it {n['tail']['words']}"
+    return words
+
+
+def _short(n: dict) -> str:
+    if n["method"] == TAIL:
+        return f"{n['signal']}, {int(n['tail']['b'])} of {int(n['tail']['n'])} prompts, worst {n['tail']['worst']}"
+    return f"{n['signal']}, {n['where']}" + (f", under {n['schedule']}" if n["schedule"] else "")
+
+
+def _nothing(t: pd.DataFrame, mechanism: bool) -> str:
+    k = t[(t.signal == "kld_mean") & (t.method != TAIL)].sort_values("value", ascending=False)
+    top = k.iloc[0] if len(k) else t.sort_values("value", ascending=False).iloc[0]
+    lead = "No toggle changes the outcome beyond its floors" if mechanism else "No toggle stands out"
+    return (f"{lead}: for no outcome signal does a toggle's interval clear its floor, and no toggle "
+            f"breaks a prompt beyond its floors (largest mean-KLD effect: {top.toggle}, {top.value:.3g} "
+            f"[{top.lo:.3g}, {top.hi:.3g}] vs floor {top.floor_hi:.3g}).")

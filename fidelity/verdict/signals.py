@@ -182,8 +182,10 @@ def attribute_signals(sig: pd.DataFrame, arm_sets: dict[str, frozenset], toggles
     return pd.DataFrame(rows, columns=ATTRIBUTION_COLUMNS)
 
 
-# attribution rows; `schedule`: the schedule(s) an under_schedule effect was measured under
-ATTRIBUTION_COLUMNS = ["signal", "where", "toggle", "method", "value", "lo", "hi", "schedule"]
+# attribution rows; `schedule`: the schedule(s) an under_schedule effect was measured under;
+# `vs_oneshot*`: that effect minus the same toggle's one-shot effect (paired, with its CI)
+ATTRIBUTION_COLUMNS = ["signal", "where", "toggle", "method", "value", "lo", "hi", "schedule",
+                       "vs_oneshot", "vs_oneshot_lo", "vs_oneshot_hi"]
 
 # a factor that is a schedule (fidelity.ab.design.schedule_factor): arms under it are
 # compared with golden under it, so a serving bug is measured where it can act
@@ -191,14 +193,23 @@ SCHEDULE_FACTOR = "@"
 
 
 def _added(table, ctx: frozenset, s, w, method, n_boot, seed) -> list[dict]:
-    """Effect of t added to the arm `ctx`: signal(ctx + t) - signal(ctx), per t present."""
+    """Effect of t added to the arm `ctx`: signal(ctx + t) - signal(ctx), per t present.
+    Under a schedule, also how it differs from the same effect one-shot (ctx without its
+    schedule), paired over prompts: `vs_oneshot` with its interval, NaN when the one-shot
+    arms were not run."""
     rows = []
     context = ", ".join(sorted(f[len(SCHEDULE_FACTOR):] for f in ctx if f.startswith(SCHEDULE_FACTOR)))
+    plain = frozenset(f for f in ctx if not f.startswith(SCHEDULE_FACTOR))
     for t in sorted(next(iter(k - ctx)) for k in table if k > ctx and len(k - ctx) == 1):
         pair = {frozenset(): table[ctx], frozenset({t}): table[ctx | {t}]}
         for r in attribute([t], pair, n_boot, seed):
             if r["method"] == "one_at_a_time":        # (leave-one-out and Shapley equal it here)
-                rows.append({"signal": s, "where": w, **r, "method": method, "schedule": context})
+                row = {"signal": s, "where": w, **r, "method": method, "schedule": context}
+                if context and plain in table and plain | {t} in table:
+                    extra = (table[ctx | {t}] - table[ctx]) - (table[plain | {t}] - table[plain])
+                    m, lo, hi = bootstrap_mean_ci(extra, n_boot, seed)
+                    row.update(vs_oneshot=m, vs_oneshot_lo=lo, vs_oneshot_hi=hi)
+                rows.append(row)
     return rows
 
 

@@ -1,0 +1,106 @@
+"""The per-prompt tail: an arm that breaks a few prompts badly.
+
+A bootstrap interval of the mean over 18 prompts starts near 0 when 16 of them are
+untouched, so a bug that is wrong only at some lengths or positions (the field's worst
+V4 bugs) went unnamed with an answer KLD 2000x its floor on two prompts. Here each
+prompt is judged against what the floors reach on that same prompt:
+
+- F_p, the largest value any floor arm reaches on prompt p (at least FLOOR_EPS), and the
+  arm's ratio r_p = V_p / F_p;
+- a prompt is broken when r_p >= BROKEN (10x: far beyond the floors, not a wobble);
+- the exact test: under "the arm is noise like the floors" a prompt's expected value is
+  at most F_p, so by Markov's inequality P(r_p >= r) <= 1/r for a nonnegative signal,
+  prompts independently. For the j-th largest ratio r_(j), P(r_(j) >= r) <= P(Bin(n, 1/r)
+  >= j): the p-value of the j broken prompts. The smallest over j = 1..X (X broken),
+  times X (Bonferroni over the j looked at), is the arm's p-value.
+
+No assumption beyond nonnegativity and "a noise arm averages no more than the floors on
+a prompt". An arm whose every prompt sits inside the floors has no broken prompt and is
+never named; a single prompt must reach n/ALPHA times its floor to be named alone."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from .signals import FLOOR_EPS, SCHEDULE_FACTOR
+
+TAIL_SIGNALS = ("kld_mean", "kld_p99", "answer_kld", "top1_disagree")
+BROKEN = 10.0
+ALPHA = 0.05
+METHOD = "tail"
+COLUMNS = ["signal", "where", "toggle", "method", "value", "lo", "hi", "floor_hi", "floor_arm",
+           "b", "n", "p_value", "schedule", "prompts", "worst"]
+
+
+def tail_tests(sig: pd.DataFrame, arms: dict[str, frozenset], floors: list[str],
+               describe: dict[str, str] | None = None) -> pd.DataFrame:
+    """One row per (arm with one toggle, tail signal): X = b broken prompts of n, value /
+    hi the worst prompt's value, lo the least broken one's, floor_hi the largest floor
+    among the broken prompts, p_value as in the module docstring; `prompts` names the
+    broken prompts (with `describe[prompt]`, e.g. "511 tokens, needle at 70%")."""
+    describe = describe or {}
+    s = sig[sig.signal.isin(TAIL_SIGNALS) & (sig["where"] == "final logits")]
+    rows = []
+    for signal, grp in s.groupby("signal", sort=False):
+        wide = grp.pivot_table(index="prompt", columns="arm", values="value", aggfunc="first")
+        have = [f for f in floors if f in wide]
+        if not have:
+            continue
+        fl = wide[have]
+        floor = fl.max(axis=1).clip(lower=FLOOR_EPS.get(signal, 1e-9))
+        floor_arm = fl.idxmax(axis=1)
+        for arm, factors in arms.items():
+            toggles = [f for f in factors if not f.startswith(SCHEDULE_FACTOR)]
+            if len(toggles) != 1 or arm not in wide:
+                continue
+            v = wide[arm].dropna()
+            f = floor.reindex(v.index)
+            rows.append(_row(signal, toggles[0], _schedule(factors), v, f, floor_arm, describe))
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _schedule(factors: frozenset) -> str:
+    return ", ".join(sorted(f[len(SCHEDULE_FACTOR):] for f in factors if f.startswith(SCHEDULE_FACTOR)))
+
+
+def p_value(ratios: np.ndarray, n: int) -> float:
+    """Markov-binomial p-value of the broken ratios (module docstring); 1 when none."""
+    r = np.sort(ratios[ratios >= BROKEN])[::-1]
+    if not len(r):
+        return 1.0
+    ps = [stats.binom.sf(j - 1, n, 1.0 / r[j - 1]) for j in range(1, len(r) + 1)]
+    return float(min(1.0, min(ps) * len(r)))
+
+
+def _row(signal, toggle, schedule, v: pd.Series, floor: pd.Series, floor_arm: pd.Series,
+         describe: dict) -> dict:
+    ratio = (v / floor).to_numpy(float)
+    broken = v.index[ratio >= BROKEN]
+    order = sorted(broken, key=lambda p: -float(v[p] / floor[p]))
+    worst = order[0] if order else v.idxmax()
+    lo = float(v[broken].min()) if len(broken) else float(v[worst])
+    fhi = float(floor[broken].max()) if len(broken) else float(floor[worst])
+    return {"signal": signal, "where": "final logits", "toggle": toggle, "method": METHOD,
+            "value": float(v[worst]), "lo": lo, "hi": float(v[worst]), "floor_hi": fhi,
+            "floor_arm": floor_arm.get(worst), "b": len(broken), "n": len(v),
+            "p_value": p_value(ratio, len(v)), "schedule": schedule,
+            "prompts": "; ".join(_prompt_words(p, v[p], floor[p], describe) for p in order),
+            "worst": describe.get(worst, str(worst))}
+
+
+def _prompt_words(p, value, floor, describe) -> str:
+    where = f" ({describe[p]})" if p in describe else ""
+    return f"{p}{where}: {value:.3g} vs floor {floor:.2g}"
+
+
+def clears(rows: pd.DataFrame) -> pd.Series:
+    """Named by the tail: at least one broken prompt and p < ALPHA."""
+    return (rows.b > 0) & (rows.p_value < ALPHA)
+
+
+def tail_words(r) -> str:
+    """"breaks 2 of 18 prompts (worst: 511 tokens, needle at 70%): answer_kld 3.68 vs floor
+    <= 0.0016 there (exact p = 0.001)"."""
+    return (f"breaks {int(r['b'])} of {int(r['n'])} prompts (worst: {r['worst']}): {r['signal']} "
+            f"{r['value']:.3g} vs floor <= {r['floor_hi']:.2g} there (exact p = {r['p_value']:.2g})")
