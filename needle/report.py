@@ -170,6 +170,10 @@ COLUMNS = {
     "kinds": ["arm", "kind", "values_per_trial", "n_scored", "recall", "ci_low", "ci_high", "all_found_rate",
               "correct", "partial", "wrong", "truncated", "server_error"],
     "lengths": ["arm", "length", "n_scored", "recall", "ci_low", "ci_high", "truncated", "server_error"],
+    "residues": ["arm", "residue", "lengths", "n_scored", "recall", "ci_low", "ci_high", "truncated",
+                 "server_error"],
+    "window": ["arm", "window", "side", "distance_min", "distance_max", "n_scored", "recall", "ci_low",
+               "ci_high"],
     "pairs": ["arm_a", "arm_b", "scope", "length", "depth", "n_pairs", "a_only", "b_only", "recall_a",
               "recall_b", "delta", "p_value", "test", "significant"],
     "mechanism": ["arm", "layer", "n", "in_topk_rate", "ci_low", "ci_high", "median_rank", "margin_median",
@@ -312,6 +316,13 @@ def build_page(t: dict, arms: list[str], meta: dict, figures: list[str]) -> Page
                 [Table(_frame(t["kinds"], "kinds"), fold=False)]),
         Section("Recall by length (all depths)", "", [Table(_frame(t["lengths"], "lengths"))],
                 [f for f in figures if f.startswith("heatmap_")]),
+        Section("Recall by length residue", "Per arm and prompt length mod 4 (V4's ratio-4 compressor "
+                "groups; `--lengths boundaries` covers every residue): a bug of one residue "
+                "(vllm #55927: lengths 3 mod 4) shows in its own row. Then recall with the needle "
+                "inside vs outside the last query's sliding window (measured token distance from "
+                "the needle value to the prompt's end; in-process arms only).",
+                [Table(_frame(t["residues"], "residues"))]
+                + ([Table(_frame(t["window"], "window"))] if t.get("window") else [])),
         Section("Paired comparison (McNemar)", "Overall and per length, then every cell with a "
                 "discordant pair; cells where both arms agree on every trial are folded below.",
                 [Table(pairs[keep].reset_index(drop=True), fold=False),
@@ -341,7 +352,8 @@ def write_report(rows: list[dict], root: str | Path, meta: dict | None = None,
     """Write the report for `rows` (latest row per arm and trial, baseline arm first) to
     root/<run_id> and point root/latest at it; returns the report directory."""
     meta = dict(meta or {})
-    t = all_tables(rows)
+    b = meta.get("boundaries") or {}
+    t = all_tables(rows, (b.get("ratios") or [4])[0], b.get("window"))
     arms = [a["arm"] for a in t["arms"]]
     w = ReportWriter(root, run_id or time.strftime("needle-%Y%m%d-%H%M%S"))
     try:

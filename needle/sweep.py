@@ -48,6 +48,9 @@ class SweepConfig:
     spec: H.HaystackSpec = field(default_factory=H.HaystackSpec)
     fmt: H.PromptFormat = field(default_factory=H.PromptFormat)
     seed: int = 0
+    # more depths at some lengths only (the boundary grid's needle just inside / outside
+    # the sliding window, fidelity.lengths.needle_window_depths): {length: (depth, ...)}
+    length_depths: dict = field(default_factory=dict)
 
     def trial_settings(self, count_source: str) -> dict:
         """What makes trials comparable across runs (checked on resume)."""
@@ -57,7 +60,8 @@ class SweepConfig:
     def plan(self) -> list[Trial]:
         out = []
         for L in self.lengths:
-            for d in self.depths:
+            extra = [d for d in self.length_depths.get(L, ()) if d not in self.depths]
+            for d in [*self.depths, *extra]:
                 for r in range(self.reps):
                     key = [self.spec.to_dict(), self.fmt.to_dict(), self.seed, L, float(d), r]
                     tid = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]

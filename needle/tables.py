@@ -55,6 +55,41 @@ def by_length(rows) -> list[dict]:
             for (a, L), rs in sorted(g.items(), key=lambda kv: (order[kv[0][0]], kv[0][1]))]
 
 
+def by_residue(rows, modulus: int = 4) -> list[dict]:
+    """Recall per arm and length residue mod `modulus` (4: V4's ratio-4 compressor groups),
+    so a bug of one residue (vllm #55927: lengths 3 mod 4) shows in its own row."""
+    g = defaultdict(list)
+    for r in rows:
+        g[(r["arm"], r["length"] % modulus)].append(r)
+    order = {a: i for i, a in enumerate(_arms(rows))}
+    return [{"arm": a, "residue": f"{k} mod {modulus}",
+             "lengths": ",".join(map(str, sorted({r["length"] for r in rs}))), **_summ(rs)}
+            for (a, k), rs in sorted(g.items(), key=lambda kv: (order[kv[0][0]], kv[0][1]))]
+
+
+def needle_distance(r: dict) -> int | None:
+    """Tokens from the needle value's last token to the prompt's last token (in-process
+    rows, which record the value's token positions); None when unknown."""
+    pos = r.get("value_token_positions")
+    n = r.get("n_tokens")
+    return n - 1 - max(pos) if pos and isinstance(n, int) else None
+
+
+def by_window(rows, window: int) -> list[dict]:
+    """Recall per arm with the needle inside the last query's sliding window (distance
+    <= window - 1) or outside it (only in the compressed entries); rows without token
+    positions (endpoints) are left out."""
+    g = defaultdict(list)
+    for r in rows:
+        d = needle_distance(r)
+        if d is not None:
+            g[(r["arm"], "inside" if d <= window - 1 else "outside")].append((d, r))
+    order = {a: i for i, a in enumerate(_arms(rows))}
+    return [{"arm": a, "window": window, "side": side, "distance_min": min(d for d, _ in ds),
+             "distance_max": max(d for d, _ in ds), **_summ([r for _, r in ds])}
+            for (a, side), ds in sorted(g.items(), key=lambda kv: (order[kv[0][0]], kv[0][1]))]
+
+
 def kind_label(r: dict) -> str:
     """multikey with near-duplicate distractor keys is its own kind in the tables."""
     k = r.get("kind", "single")
@@ -215,7 +250,11 @@ def errors(rows) -> list[dict]:
     return [{"arm": a, "error": e, "count": n} for (a, e), n in sorted(g.items())]
 
 
-def all_tables(rows) -> dict[str, list[dict]]:
+def all_tables(rows, modulus: int = 4, window: int | None = None) -> dict[str, list[dict]]:
+    """Every table; `modulus`: the residue of the per-residue table; `window` (the model's
+    sliding window, when known): recall inside vs outside it."""
     return {"arms": by_arm(rows), "kinds": by_kind(rows), "cells": cells(rows), "lengths": by_length(rows),
+            "residues": by_residue(rows, modulus),
+            "window": by_window(rows, window) if window else [],
             "pairs": pairs(rows), "mechanism": mechanism(rows),
             "mechanism_pairs": mechanism_pairs(rows), "errors": errors(rows)}

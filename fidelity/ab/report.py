@@ -16,6 +16,9 @@ from infra.report_writer import ReportWriter
 
 from ..verdict.board import signal_board, signal_ratios, suspects
 from ..verdict.findings import findings_table, verdict_lines
+from ..lengths import Boundaries
+from ..residues import CAPTION as RESIDUE_CAPTION
+from ..residues import grid_frame, residue_table
 from ..verdict.signals import SCHEDULE_FACTOR, SIGNALS, mechanism_floors
 from . import plots
 from .margins import margin_table, margin_trend
@@ -31,6 +34,7 @@ def write_report(out_dir, run_id, tables: dict, result, sets, res):
     try:
         for name, df in tables.items():
             w.table(name, df, gzip=name in ("drift", "kld", "signals", "pairs"))
+        w.table("residues", residues(tables["signals"], result["manifest"])[0])
         w.table("events", pd.DataFrame(res.events, columns=["prompt", "arm", "phase", "step", "layer",
                                                             "event", "detail"]))
         w.json("manifest", {k: result[k] for k in ("manifest", "verdict", "noise_floor", "floors",
@@ -44,6 +48,15 @@ def write_report(out_dir, run_id, tables: dict, result, sets, res):
     except BaseException:
         w.abort()
         raise
+
+
+def residues(signals: pd.DataFrame, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Answer KLD per arm and length residue (fidelity.residues), and each length's residue
+    and boundary, from the run's signals and manifest (config, prompts, arms, floors)."""
+    b = Boundaries.of(manifest["config"])
+    lengths = {p["id"]: p["length"] for p in manifest["prompts"]}
+    return (residue_table(signals, lengths, list(manifest["arms"]), manifest["floors"], b),
+            grid_frame(lengths.values(), b))
 
 
 def _plotted_arms(sets) -> tuple[list[str], list[str]]:
@@ -196,6 +209,11 @@ def build_page(tables, result, sets) -> Page:
         Section("Indexer selection", "", [], ["topk_recall"]),
         _margins_section(tables["needle"], m["golden"]),
     ]
+    by_res, grid = residues(tables["signals"], m)
+    sections.insert(3, Section("By length residue", RESIDUE_CAPTION,
+                               [Table(by_res, summary=f"{len(by_res)} arm × residue rows"),
+                                Table(grid, caption="Each length's residue and the boundary it sits "
+                                      "at (window, index_topk × ratio, multiples of the largest ratio).")]))
     if result["events"]:
         ev = pd.DataFrame(result["events"])
         sections.append(Section("Events", "", [Table(ev, summary=f"{len(ev)} events")]))

@@ -1,11 +1,12 @@
 """`fidelity ab`: the main command (golden vs engine numerics, drift report)."""
 from __future__ import annotations
 
-import argparse
 import sys
 
 from fidelity.commands.options import output_options
 from fidelity.errors import CommandError
+from fidelity.lengths import HELP as LENGTHS_HELP
+from fidelity.lengths import argtype as lengths_arg
 
 HELP = "A/B: golden vs engine numerics layer by layer, attribution to toggles, report."
 EXAMPLES = """\
@@ -15,13 +16,6 @@ EXAMPLES = """\
     fidelity ab --arms 'engine@prefix_hit(128)' --arms 'engine,chunk_stale_index_keys@chunked(64)'   # serving state
     fidelity ab --distributed --checkpoint /models/DeepSeek-V4-Pro   # each rank of `torchrun --nnodes 2 --nproc-per-node 8 ... -m fidelity ab --distributed` (docs/distributed.md)
 """
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expects comma-separated integers, got {text!r}") from None
 
 
 def add_arguments(p):
@@ -39,8 +33,9 @@ def add_arguments(p):
                    help="propagated: each arm feeds itself (the drift it accumulates); isolated: each "
                         "arm's layer i gets golden's input to layer i (that layer's own error) "
                         "(default: %(default)s)")
-    p.add_argument("--lengths", type=_ints, default=None,
-                   help="prompt lengths, e.g. 250,511 (default 250,511)")
+    p.add_argument("--lengths", type=lengths_arg, default=None, metavar="L,L|boundaries[:MAX]",
+                   help="prompt lengths, e.g. 250,511 (default 250,511: residues 2 and 3 mod 4), "
+                        + LENGTHS_HELP)
     p.add_argument("--long", action="store_true",
                    help="long-context preset: lengths 250,511,2047 (each CSA layer then picks "
                         "index_topk among up to 32x as many entries on the tiny model)")
@@ -120,7 +115,8 @@ def run(args) -> int:
     tokenizer = load_tokenizer_for(args.checkpoint)
     if args.long and args.lengths or args.prompts and (args.long or args.lengths):
         raise CommandError("give one of --long, --lengths, --prompts")
-    lengths = LONG_LENGTHS if args.long else (args.lengths or PromptPlan.lengths)
+    lengths = LONG_LENGTHS if args.long else (_resolve_lengths(args.lengths, weights.cfg, tokenizer)
+                                              if args.lengths else PromptPlan.lengths)
     from fidelity.weights.sizes import parse_bytes
     try:
         budget = parse_bytes(args.activation_budget) if args.activation_budget else None
@@ -151,8 +147,27 @@ def run(args) -> int:
         return 0
     print(res["verdict"]["sentence"])
     print(res["summary"].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    if args.lengths is not None and args.lengths.boundaries:     # the grid's point: which residue breaks
+        from fidelity.ab.report import residues
+        by_res = residues(res["signals"], res["manifest"])[0]
+        print("answer KLD by length residue (breaks: prompts above every floor on that prompt):")
+        print(by_res.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"report: {res['path']}")
     return 0
+
+
+def _resolve_lengths(spec, cfg, tokenizer) -> tuple[int, ...]:
+    """--lengths as run: the boundary grid from the config, above the shortest haystack
+    when the built-in prompts are haystacks (random tokens have no minimum)."""
+    from fidelity.lengths import LengthsError, resolve, shortest_haystack
+    try:
+        from needle.haystack import LocalCounter
+        lengths, _, note = resolve(spec, cfg, shortest_haystack(LocalCounter(tokenizer)) if tokenizer else 2)
+    except LengthsError as e:
+        raise CommandError(str(e)) from None
+    if note:
+        print(note, file=sys.stderr)
+    return tuple(lengths)
 
 
 def _stage(args, mode):

@@ -9,6 +9,8 @@ import time
 
 from fidelity.commands.options import endpoint_pair, http_options, output_options
 from fidelity.errors import CommandError
+from fidelity.lengths import HELP as LENGTHS_HELP
+from fidelity.lengths import argtype as lengths_arg
 from fidelity.kld.settings import HttpSettings, KldSettings, PromptGrid
 
 HELP = ("KLD of live endpoints (and in-process arms) against a baseline over HTTP: "
@@ -55,9 +57,10 @@ def add_arguments(p):
     g = p.add_argument_group("prompts")
     g.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                    help="your own prompts: one JSON per line with text, messages or token_ids")
-    g.add_argument("--lengths", default=",".join(map(str, PromptGrid.lengths)),
+    g.add_argument("--lengths", default=",".join(map(str, PromptGrid.lengths)), type=lengths_arg,
+                   metavar="L,L|boundaries[:MAX]",
                    help="comma-separated prompt lengths in tokens for the built-in needle "
-                        "prompts (default: %(default)s)")
+                        "prompts (default: %(default)s), " + LENGTHS_HELP)
     g.add_argument("--depths", default=",".join(f"{d:g}" for d in PromptGrid.depths),
                    help="comma-separated needle depths in percent (default: %(default)s)")
     g.add_argument("--reps", type=int, default=PromptGrid.reps,
@@ -177,23 +180,36 @@ def _need(args, cfg):
     in-process arm and automatic floor, with every position's logits."""
     from fidelity.ab.design import floor_arms
     from fidelity.pipeline_model import Need
+    from fidelity.weights.target import load_target
     if args.prompts:
         from fidelity.prompts import file_prompts
-        from fidelity.weights.target import load_target
         tok = load_target(args.checkpoint, args.tokenizer, "streamed").tokenizer      # reads no layer
         longest = max((p.length for p in file_prompts(args.prompts, tok, cfg.vocab_size)), default=1)
     else:
-        longest = max(_csv(args.lengths, int), default=1)
+        tok = load_target(args.checkpoint, args.tokenizer, "streamed").tokenizer if args.lengths.boundaries else None
+        longest = max(_lengths(args, cfg, tok)[0], default=1)
     baseline_inprocess = args.baseline is None or args.baseline in {n for n, _ in
                                                                    (a.split("=", 1) for a in args.inprocess)}
     floors = 0 if args.no_floors or not baseline_inprocess else len(floor_arms())
     return Need(longest + args.steps, len(args.inprocess) + floors)
 
 
+def _lengths(args, cfg, tok) -> tuple[list[int], str]:
+    """The built-in prompts' lengths (the boundary grid from `cfg`, above the shortest
+    haystack when a tokenizer is given) and what the grid left out ('' if nothing)."""
+    from fidelity.lengths import resolve, shortest_haystack
+    from needle.haystack import LocalCounter
+    lengths, _, note = resolve(args.lengths, cfg, shortest_haystack(LocalCounter(tok)) if tok else 2)
+    return lengths, note
+
+
 def _run(args, driver=None) -> int:
     """The command on one process, or on rank 0 with `driver`'s pipeline models."""
     from fidelity.kld.run import run_kld
     from fidelity.kld.endpoint import EndpointError
+    from dataclasses import asdict
+
+    from fidelity.lengths import Boundaries, LengthsError
     from fidelity.prompts import PromptFileError, file_prompts, grid_prompts
 
     from fidelity.progress import Progress
@@ -208,8 +224,10 @@ def _run(args, driver=None) -> int:
         if args.prompts:
             prompts = file_prompts(args.prompts, tok, target.cfg.vocab_size)
         else:
-            prompts = grid_prompts(tok, _csv(args.lengths, int), _csv(args.depths, float), args.reps,
-                                   args.seed)
+            lengths, note = _lengths(args, target.cfg, tok)
+            if note:
+                progress(note)
+            prompts = grid_prompts(tok, lengths, _csv(args.depths, float), args.reps, args.seed)
         from fidelity.arms import check_schedules, split_schedule
         from fidelity.cli import name_value_pairs
         check_schedules({n: split_schedule(s)[1] for n, s in name_value_pairs(args.inprocess, "--inprocess")},
@@ -227,12 +245,18 @@ def _run(args, driver=None) -> int:
                     "arms": [{**e.scorer.describe(), "name": e.name, "role": e.role,
                               "factors": sorted(e.factors)} for e in entries],
                     "servers": {e.name: getattr(e.scorer, "info", None) for e in entries},
-                    "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in prompts]}
+                    "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in prompts],
+                    "lengths": None if args.prompts else str(args.lengths),
+                    "boundaries": asdict(Boundaries.of(target.cfg))}
         res = run_kld(entries, prompts, s, args.out, args.run_id or time.strftime("kld-%Y%m%d-%H%M%S"),
                       manifest, progress)
-    except (ValueError, RuntimeError, EndpointError, PromptFileError, DeviceError) as e:
+    except (ValueError, RuntimeError, EndpointError, PromptFileError, DeviceError, LengthsError) as e:
         raise CommandError(str(e)) from None
     print(res["verdict"]["sentence"])
+    if not args.prompts and args.lengths.boundaries:     # the grid's point: which residue breaks
+        from fidelity.kld.report import residues
+        print("answer KLD by length residue (breaks: prompts above every floor on that prompt):")
+        print(residues(res["signals"], manifest)[0].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     _health_lines(res)
     print(f"report: {res['path']}")
     return 0

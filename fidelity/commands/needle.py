@@ -10,6 +10,8 @@ from pathlib import Path
 
 from fidelity.commands.options import endpoint_pair, http_options, output_options
 from fidelity.errors import CommandError
+from fidelity.lengths import HELP as LENGTHS_HELP
+from fidelity.lengths import argtype as lengths_arg
 
 HELP = "Needle-in-a-haystack recall sweep (in-process arms and/or --endpoint servers) + report."
 EXAMPLES = """\
@@ -70,8 +72,12 @@ def add_arguments(p):
     distributed_options(p.add_argument_group("distributed (docs/distributed.md; in-process trials then run one "
                                              "at a time, not in layer-major batches)"), "needle")
     g = p.add_argument_group("grid")
-    g.add_argument("--lengths", help="comma-separated token counts (default: in-process "
-                   f"{DEFAULT_INPROCESS_LENGTHS}, endpoints {DEFAULT_ENDPOINT_LENGTHS})")
+    g.add_argument("--lengths", type=lengths_arg, metavar="L,L|boundaries[:MAX]",
+                   help="comma-separated token counts (default: in-process "
+                   f"{DEFAULT_INPROCESS_LENGTHS}, endpoints {DEFAULT_ENDPOINT_LENGTHS}), " + LENGTHS_HELP
+                   + "; with boundaries each length also gets needle depths just inside and just outside "
+                     "the window seen from the question, where the prompt can reach them (endpoint-only "
+                     "runs read the config from --checkpoint)")
     g.add_argument("--depths", default="0,25,50,75,100", help="comma-separated depth percents")
     g.add_argument("--reps", type=int, default=1, help="trials per cell (different needles)")
     _haystack_arguments(g)
@@ -189,19 +195,26 @@ def run(args) -> int:
         raise CommandError("--distributed runs the in-process arms across the ranks; give at least one --arm "
                            "(endpoint arms are queried from rank 0 as usual)")
     from fidelity.pipeline_model import run_ranks
-    return run_ranks(args, lambda driver: _run(args, driver), lambda cfg: _need(args))
+    return run_ranks(args, lambda driver: _run(args, driver), lambda cfg: _need(args, cfg))
 
 
 ANSWER_TOKENS = 64        # the memory check's answer budget when --max-tokens is not given
 
 
-def _need(args):
+def _need(args, cfg):
     """What a distributed needle sweep holds at once: one trial (its longest prompt and
     answer) per in-process arm, the last position's logits."""
     from fidelity.pipeline_model import Need
     answer = args.max_tokens or ANSWER_TOKENS + (256 if args.thinking else 0)
     arms = len(args.arm) if args.arm is not None else 2
-    return Need(max(_csv(args.lengths, int) or DEFAULT_INPROCESS_LENGTHS) + answer, arms, "last")
+    if args.lengths is None:
+        longest = max(DEFAULT_INPROCESS_LENGTHS)
+    elif args.lengths.boundaries:
+        from fidelity.lengths import resolve
+        longest = max(resolve(args.lengths, cfg)[0])
+    else:
+        longest = max(args.lengths.lengths)
+    return Need(longest + answer, arms, "last")
 
 
 def _run(args, driver=None) -> int:
@@ -227,8 +240,13 @@ def _run(args, driver=None) -> int:
             runners, notes = _runners(args, driver)
         except ValueError as e:
             raise CommandError(str(e)) from None
-        lengths = _csv(args.lengths, int) or (DEFAULT_ENDPOINT_LENGTHS if args.endpoint and args.arm is None
-                                              else DEFAULT_INPROCESS_LENGTHS)
+        spec = HaystackSpec(args.kind, args.value_type, args.filler, n_keys=args.n_keys,
+                            n_values=args.n_values, n_queries=args.n_queries, distractors=args.distractors)
+        fmt = PromptFormat("chat" if args.api == "chat" else "completion", args.thinking, args.reasoning_effort)
+        try:
+            lengths, length_depths, bounds = _grid(args, runners, spec, fmt, notes)
+        except (HaystackError, ValueError) as e:
+            raise CommandError(str(e)) from None
         from fidelity.arms import check_schedules
         try:                                  # in-process arms prefill all but the last token
             check_schedules({r.name: r.arm.schedule for r in runners if hasattr(r, "arm")}, lengths, 1)
@@ -236,18 +254,17 @@ def _run(args, driver=None) -> int:
             raise CommandError(str(e)) from None
         try:
             cfg = SweepConfig(lengths=lengths, depths=_csv(args.depths, float), reps=args.reps,
-                              spec=HaystackSpec(args.kind, args.value_type, args.filler,
-                                                n_keys=args.n_keys, n_values=args.n_values,
-                                                n_queries=args.n_queries, distractors=args.distractors),
-                              fmt=PromptFormat("chat" if args.api == "chat" else "completion",
-                                               args.thinking, args.reasoning_effort),
-                              seed=args.seed)
+                              spec=spec, fmt=fmt, seed=args.seed, length_depths=length_depths)
             for n in notes:
                 print(n, file=sys.stderr)
             rows = run_sweep(cfg, runners, results, fresh=args.fresh, quiet=args.quiet)
         except (HaystackError, ResultsError, ValueError) as e:
             raise CommandError(str(e)) from None
         meta["retries"] = _retries(runners, rows)
+        if bounds is not None:
+            meta["boundaries"] = bounds
+        if length_depths:
+            meta["window_depths"] = {str(k): v for k, v in length_depths.items()}
         meta.update({"notes": notes, "lengths": lengths, "depths": cfg.depths, "reps": cfg.reps,
                      "trials": {"spec": cfg.spec.to_dict(), "format": cfg.fmt.to_dict(),
                                 "seed": cfg.seed},
@@ -266,6 +283,57 @@ def _run(args, driver=None) -> int:
                                       f"trials {r['trials']})" for a, r in meta["retries"].items()))
     print(f"report: {path}")
     return 0
+
+
+def _grid(args, runners, spec, fmt, notes) -> tuple[list[int], dict, dict | None]:
+    """Lengths, extra needle depths per length and the model's boundaries (None when no
+    config is known). --lengths boundaries derives the grid from the in-process model's
+    config (or --checkpoint's), above the shortest haystack, and adds per length the
+    depths that put the needle just inside / outside the sliding window seen from the
+    question (fidelity.lengths), when a local tokenizer can measure the prompt's parts."""
+    from dataclasses import asdict
+
+    from fidelity.lengths import Boundaries, needle_window_depths, resolve, shortest_haystack
+    target = next((r.target for r in runners if hasattr(r, "target")), None)
+    cfg = target.cfg if target is not None else None
+    if cfg is None and args.checkpoint:
+        from fidelity.weights.source import checkpoint_config
+        cfg = checkpoint_config(args.checkpoint)
+    spec_l = args.lengths
+    if spec_l is None or not spec_l.boundaries:
+        lengths = list(spec_l.lengths) if spec_l is not None else (
+            DEFAULT_ENDPOINT_LENGTHS if args.endpoint and args.arm is None else DEFAULT_INPROCESS_LENGTHS)
+        return lengths, {}, asdict(Boundaries.of(cfg)) if cfg is not None else None
+    if cfg is None:
+        raise ValueError(f"--lengths {spec_l} derives lengths from the model's config: give --checkpoint "
+                         "(a folder with the model's config.json; no weights are read) or an in-process --arm")
+    tok = target.tokenizer if target is not None else None
+    if tok is None and args.checkpoint:
+        from fidelity.weights.source import load_tokenizer_for
+        tok = load_tokenizer_for(args.checkpoint)
+    from needle.haystack import LocalCounter
+    lengths, _, note = resolve(spec_l, cfg, shortest_haystack(LocalCounter(tok), spec, fmt) if tok else 2)
+    if note:
+        notes.append(note)
+    b = Boundaries.of(cfg)
+    extra = {}
+    if tok is not None:
+        base, tail = _no_filler(tok, spec, fmt)
+        for L in lengths:
+            extra[L] = tuple(d for d, _ in needle_window_depths(L, b.window, base, tail))
+        notes.append(f"window-edge needle depths (window {b.window}; {tail} tokens follow a needle right "
+                     "before the question): " + ", ".join(f"{L}: {'/'.join(f'{d:g}' for d in ds) or '-'}" for L, ds in extra.items()))
+    return lengths, {L: ds for L, ds in extra.items() if ds}, asdict(b)
+
+
+def _no_filler(tok, spec, fmt) -> tuple[int, int]:
+    """Tokens of the prompt with no filler, and how many follow the needle's value there
+    (its distance from the last token when the needle sits right before the question)."""
+    from needle.haystack import probe_prompts, value_token_positions
+    p = probe_prompts(spec, fmt, 0)[0]
+    ids, offsets = tok.encode_with_offsets(p.text)
+    pos = value_token_positions(offsets, p.value_spans)
+    return len(ids), len(ids) - 1 - max(pos)
 
 
 def _retries(runners, rows) -> dict:

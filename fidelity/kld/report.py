@@ -128,7 +128,10 @@ def write(out_dir, run_id: str, tables: dict, judged: dict, manifest: dict, arms
             w.figure(signal_board(judged["summary"], judged["attribution"], arms), "signals",
                      "Signals vs their floors", "Each arm's mean of each signal over the highest "
                      "floor's upper 95% bound (log scale): red above every floor, grey no data.")
-        w.page(build_page(manifest, judged, kt, lt, tables.get("coverage"), ms))
+        by_res = residues(tables["signals"], manifest)
+        if by_res is not None:
+            w.table("residues", by_res[0])
+        w.page(build_page(manifest, judged, kt, lt, tables.get("coverage"), ms, by_res))
         plt.close("all")
         return w.commit()
     except BaseException:
@@ -184,8 +187,23 @@ def _readings(m: dict) -> str:
     return "".join(lines)
 
 
+def residues(signals: pd.DataFrame, m: dict) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """Answer KLD per arm and length residue (fidelity.residues) and each length's
+    boundary, when the manifest says the model's boundaries (runs before it did not)."""
+    if not m.get("boundaries"):
+        return None
+    from ..lengths import Boundaries
+    from ..residues import grid_frame, residue_table
+    b = Boundaries.from_dict(m["boundaries"])
+    lengths = {p["id"]: p["length"] for p in m["prompts"]}
+    roles = {a["name"]: a["role"] for a in m["arms"]}
+    return (residue_table(signals, lengths, [a for a, r in roles.items() if r == "arm"],
+                          [a for a, r in roles.items() if r == "floor"], b),
+            grid_frame(lengths.values(), b))
+
+
 def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov,
-               margins: pd.DataFrame | None = None) -> Page:
+               margins: pd.DataFrame | None = None, by_residue=None) -> Page:
     s = m["settings"]
     others = [a["name"] for a in m["arms"] if a["name"] != m["baseline"]]
     compared = (f"Baseline `{m['baseline']}` vs {', '.join(f'`{a}`' for a in others)} on "
@@ -210,6 +228,10 @@ def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov,
         Section("Floors per signal", "Upper 95% bound of the highest floor, per signal and place.",
                 [Table(judged["floors"])]),
     ]
+    if by_residue is not None:
+        from ..residues import CAPTION
+        sections.insert(4, Section("By length residue", CAPTION, [
+            Table(by_residue[0]), Table(by_residue[1], caption="Each length's residue and the boundary it sits at.")]))
     if margins is not None and len(margins):
         sections.append(Section(
             "Selection margins", f"At the last prompt position, per CSA layer: the baseline "

@@ -1,0 +1,64 @@
+"""Outcomes per length residue (ab and kld reports): which residues mod 4 (the smallest
+compress ratio, fidelity.lengths) break, so "only lengths 3 mod 4 depart" reads off one
+table instead of being averaged into a mean over every prompt.
+
+A prompt *breaks* when the arm's value of a per-prompt signal exceeds every floor's value
+on that same prompt: no statistics, the floors' own spread on that prompt is the bar.
+The verdict judges; this table only says where."""
+from __future__ import annotations
+
+import pandas as pd
+
+from .lengths import Boundaries, label_length, residue_label
+
+COLUMNS = ["arm", "residue", "lengths", "prompts", "breaks", "mean", "max", "floor_max"]
+
+
+def residue_table(sig: pd.DataFrame, prompt_length: dict[str, int], arms: list[str],
+                  floors: list[str], b: Boundaries, signal: str = "answer_kld",
+                  where: str = "final logits") -> pd.DataFrame:
+    """Per arm and residue: the lengths there, prompts, how many break (above every
+    floor on that prompt), the signal's mean and max, and the floors' max. `sig`: tidy
+    signals (arm, prompt, signal, where, value), as fidelity.verdict.signals makes them."""
+    s = sig[(sig.signal == signal) & (sig["where"] == where)]
+    if s.empty:
+        return pd.DataFrame(columns=COLUMNS)
+    v = s.pivot_table(index="prompt", columns="arm", values="value", aggfunc="first")
+    have = [f for f in floors if f in v]
+    bar = v[have].max(axis=1) if have else pd.Series(float("nan"), index=v.index)
+    m = b.modulus
+    rows = []
+    for arm in [a for a in arms if a in v]:
+        by_res: dict[int, list[str]] = {}
+        for p in v.index:
+            if p in prompt_length and pd.notna(v.at[p, arm]):
+                by_res.setdefault(prompt_length[p] % m, []).append(p)
+        for r in sorted(by_res):
+            ps = by_res[r]
+            x, f = v.loc[ps, arm], bar.loc[ps]
+            rows.append({"arm": arm, "residue": f"{r} mod {m}",
+                         "lengths": ",".join(map(str, sorted({prompt_length[p] for p in ps}))),
+                         "prompts": len(ps), "breaks": int((x > f).sum()) if have else 0,
+                         "mean": float(x.mean()), "max": float(x.max()),
+                         "floor_max": float(f.max()) if have else float("nan")})
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def broken_residues(table: pd.DataFrame, arm: str) -> list[str]:
+    """Residues where every prompt of `arm` breaks."""
+    t = table[(table.arm == arm) & (table.prompts > 0)]
+    return list(t[t.breaks == t.prompts].residue)
+
+
+def grid_frame(lengths, b: Boundaries) -> pd.DataFrame:
+    """One row per length: its residue and the boundary it sits at."""
+    return pd.DataFrame([{"length": L, "residue": residue_label(L, b.modulus),
+                          "boundary": label_length(L, b)} for L in sorted(set(lengths))],
+                        columns=["length", "residue", "boundary"])
+
+
+CAPTION = ("Per arm and length residue: a prompt *breaks* when the arm's answer KLD (where "
+           "the answer is produced: the question's last token and the decode steps) exceeds "
+           "every floor's on that prompt. A bug of one residue (vllm #55927: lengths 3 mod 4) "
+           "breaks every prompt of its row and none of the others'. Descriptive; the verdict "
+           "judges.")

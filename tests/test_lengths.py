@@ -1,0 +1,190 @@
+"""The boundary grid (fidelity.lengths) against hand-derived lengths, on the embedded
+model's config and on DeepSeek-V4-Flash's shipped config shape; --lengths parsing and its
+errors in ab, kld and needle; the per-residue tables of ab/kld and needle on
+hand-built signals."""
+import pandas as pd
+import pytest
+
+from fidelity.cli import main
+from fidelity.lengths import (Boundaries, LengthsError, LengthSpec, boundary_grid, default_max,
+                              label_length, needle_window_depths, parse_lengths, resolve)
+from fidelity.residues import broken_residues, residue_table
+from fidelity.weights.source import EMBEDDED, checkpoint_config
+from needle.tables import by_residue, by_window
+from reference_model.config import ModelConfig
+from test_config import HF_FLASH
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = checkpoint_config(None)          # models/tiny-needle/config.json
+    assert EMBEDDED.name == "tiny-needle"
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def flash():
+    return ModelConfig.from_dict(HF_FLASH)
+
+
+# ---- parsing -------------------------------------------------------------------------------
+def test_parse_lengths():
+    assert parse_lengths("250,511") == LengthSpec(lengths=(250, 511))
+    assert parse_lengths("boundaries") == LengthSpec(boundaries=True)
+    assert parse_lengths("boundaries:4096") == LengthSpec(boundaries=True, max_len=4096)
+    assert str(parse_lengths("boundaries:4096")) == "boundaries:4096"
+
+
+@pytest.mark.parametrize("text,says", [
+    ("boundary", "comma-separated integers"), ("boundaries:", "MAX"), ("boundaries:x", "MAX"),
+    ("boundaries:1", "MAX >= 2"), ("250,abc", "comma-separated integers"), ("", "no lengths"),
+    ("250,1", "at least 2 tokens")])
+def test_bad_lengths_are_named(text, says):
+    with pytest.raises(LengthsError, match=says) as e:
+        parse_lengths(text)
+    assert "--lengths" in str(e.value)
+
+
+@pytest.mark.parametrize("command", [["ab"], ["kld", "--inprocess", "golden=golden"], ["needle"]])
+def test_commands_refuse_a_bad_lengths_value(command, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--lengths", "boundaries:abc", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "boundaries:MAX needs an integer MAX" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command", [["ab"], ["kld"], ["needle"]])
+def test_help_names_the_boundary_grid(command, capsys):
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    assert "boundaries:MAX" in capsys.readouterr().out
+
+
+# ---- the grid on the embedded (tiny) config: window 32, ratios 4 and 128, index_topk 16 --------
+def test_tiny_boundaries(tiny):
+    b = Boundaries.of(tiny)
+    assert (b.window, b.ratios, b.index_topk, b.index_ratios, b.modulus) == (32, (4, 128), 16, (4,), 4)
+    assert b.index_capacities == [(4, 64)]                          # 16 entries x 4 tokens
+    assert Boundaries.of(tiny.to_dict()) == b                       # ab's manifest config
+    from dataclasses import asdict
+    import json
+    assert Boundaries.from_dict(json.loads(json.dumps(asdict(b)))) == b   # kld's and needle's
+
+
+def test_tiny_grid_without_a_minimum(tiny):
+    # cap 2 x 128 + 2 = 258; blocks A-1..A+2 around 4 (first CSA entry), 32 (window),
+    # 128 and 256 (HCA groups), and 63..68 around 64 = index_topk x 4 (68: 17 entries > 16)
+    assert default_max(Boundaries.of(tiny)) == 258
+    pts, dropped = boundary_grid(tiny)
+    assert [p.length for p in pts] == [3, 4, 5, 6, 31, 32, 33, 34, 63, 64, 65, 66, 67, 68,
+                                       127, 128, 129, 130, 255, 256, 257, 258]
+    assert dropped == []
+    lab = {p.length: p.boundary for p in pts}
+    assert lab[33] == "window 32+1" and lab[68] == "index_topk x4 64+4" and lab[255] == "2x128-1"
+    assert lab[4] == "ratio 4"
+
+
+def test_tiny_grid_above_the_shortest_haystack(tiny):
+    # a tiny-model haystack needs ~170 tokens: cap 2 x 173 + 2 = 348, one block left
+    lengths, pts, note = resolve(parse_lengths("boundaries"), tiny, min_len=173)
+    assert lengths == [255, 256, 257, 258]
+    assert [p.residue for p in pts] == [3, 0, 1, 2]
+    assert "left out 18" in note and "31, 32, 33" in note
+
+
+def test_explicit_cap_and_nothing_left(tiny):
+    lengths, _, note = resolve(parse_lengths("boundaries:129"), tiny)
+    assert lengths[-3:] == [127, 128, 129] and "130" in note      # a block cut by the cap is said
+    with pytest.raises(LengthsError, match="no boundary length between 200"):
+        resolve(parse_lengths("boundaries:190"), tiny, min_len=200)
+
+
+# ---- the grid on V4-Flash's config.json: window 128, ratios 4 and 128, index_topk 512 -------
+def test_flash_grid(flash):
+    b = Boundaries.of(flash)
+    assert (b.window, b.ratios, b.index_capacities) == (128, (4, 128), [(4, 2048)])
+    lengths, pts, note = resolve(parse_lengths("boundaries"), flash, min_len=100)
+    # cap 2 x 2048 + 2; 128 is both the window and the first HCA group; 2048 both
+    # index_topk x 4 and 16 x 128
+    assert lengths == [127, 128, 129, 130, 255, 256, 257, 258, 511, 512, 513, 514,
+                       1023, 1024, 1025, 1026, 2047, 2048, 2049, 2050, 2051, 2052,
+                       4095, 4096, 4097, 4098]
+    assert note.endswith("3, 4, 5, 6")                             # below the shortest prompt
+    lab = {p.length: p.boundary for p in pts}
+    assert lab[129] == "window 128+1; 1x128+1"
+    assert lab[2052] == "index_topk x4 2048+4"                     # 513 entries > 512
+    assert lab[2047] == "index_topk x4 2048-1; 16x128-1"
+    assert lengths == [L for L in lengths if L <= 4098]
+    assert resolve(parse_lengths("boundaries:1024"), flash, 100)[0][-2:] == [1023, 1024]
+
+
+def test_every_block_covers_every_residue(flash, tiny):
+    for cfg in (flash, tiny):
+        pts, _ = boundary_grid(cfg)
+        for A in (128, 256) if cfg is tiny else (128, 512, 2048, 4096):
+            assert {p.residue for p in pts if A - 1 <= p.length <= A + 2} == {0, 1, 2, 3}
+
+
+def test_labels_of_the_default_lengths(tiny):
+    b = Boundaries.of(tiny)
+    assert label_length(250, b) == "" and label_length(511, b) == "4x128-1"
+    assert label_length(1023, b) == "8x128-1"
+
+
+# ---- needle depths around the window edge ---------------------------------------------------
+def test_needle_window_depths():
+    # 60 tokens without filler, 20 follow the needle at depth 100: at 2048 tokens the
+    # filler is 1988; inside = 96 tokens from the end -> 100 (1 - 76/1988) = 96.2,
+    # outside = 160 -> 100 (1 - 140/1988) = 93.0
+    assert needle_window_depths(2048, 128, 60, 20) == [(96.2, "inside"), (93.0, "outside")]
+    # the tiny model: 47 tokens follow the needle, more than the 32-token window
+    assert needle_window_depths(300, 32, 160, 47) == [(100.0, "outside")]
+    # too little filler to get outside: only inside (needle at the context start)
+    assert needle_window_depths(130, 128, 60, 20) == [(0.0, "inside")]
+
+
+# ---- per-residue tables ---------------------------------------------------------------------
+def _sig(values: dict) -> pd.DataFrame:
+    return pd.DataFrame([{"arm": a, "prompt": p, "signal": "answer_kld", "where": "final logits",
+                          "value": v} for (a, p), v in values.items()])
+
+
+def test_residue_table_counts_prompts_above_every_floor():
+    lengths = {"a": 255, "b": 256, "c": 511, "d": 257}
+    v = {("floor:x", "a"): 0.01, ("floor:x", "b"): 0.02, ("floor:x", "c"): 0.01, ("floor:x", "d"): 0.0,
+         ("floor:y", "a"): 0.03, ("floor:y", "b"): 0.0, ("floor:y", "c"): 0.0, ("floor:y", "d"): 0.0,
+         ("bug", "a"): 0.5, ("bug", "b"): 0.01, ("bug", "c"): 0.02, ("bug", "d"): 0.0}
+    t = residue_table(_sig(v), lengths, ["bug"], ["floor:x", "floor:y"], Boundaries(32, (4, 128), 16, (4,)))
+    row = t.set_index("residue").loc["3 mod 4"]
+    assert (row.lengths, row.prompts, row.breaks) == ("255,511", 2, 2)   # 0.5 > 0.03, 0.02 > 0.01
+    assert row.floor_max == pytest.approx(0.03) and row["max"] == pytest.approx(0.5)
+    assert t.set_index("residue").loc["0 mod 4"].breaks == 0          # 0.01 < 0.02
+    assert t.set_index("residue").loc["1 mod 4"].breaks == 0          # equal to the floor: no break
+    assert broken_residues(t, "bug") == ["3 mod 4"]
+
+
+def test_needle_residue_and_window_tables():
+    rows = [{"arm": "a", "length": L, "outcome": o, "recall": float(o == "correct"),
+             "n_tokens": L, "value_token_positions": [L - 1 - d]}
+            for L, o, d in ((255, "wrong", 10), (259, "wrong", 40), (256, "correct", 40),
+                            (257, "correct", 31), (258, "correct", 32))]
+    t = {r["residue"]: r for r in by_residue(rows)}
+    assert t["3 mod 4"]["recall"] == 0 and t["3 mod 4"]["lengths"] == "255,259"
+    assert t["0 mod 4"]["recall"] == 1 and t["3 mod 4"]["n_scored"] == 2
+    w = {r["side"]: r for r in by_window(rows, 32)}
+    assert (w["inside"]["n_scored"], w["inside"]["distance_max"]) == (2, 31)   # 10 and 31 <= 31
+    assert (w["outside"]["n_scored"], w["outside"]["distance_min"]) == (3, 32)
+
+
+def test_v41_grid_has_an_anchor_per_indexer_ratio():
+    """DeepSeek-V4.1's tiny config: window 16, ratios 2 and 1, index_topk 8, indexers on
+    ratio-2 and ratio-1 layers: residues mod 2, capacities 8 x 2 = 16 and 8 x 1 = 8."""
+    from reference_model.v41.config import tiny_v41
+    b = Boundaries.of(tiny_v41())
+    assert (b.modulus, b.index_capacities) == (2, [(2, 16), (1, 8)])
+    # blocks A-1..A (mod 2) at 2 and the window 16, A-1..A+2 at each capacity; no larger
+    # ratio, so no multiples; length 1 is below the 2-token minimum
+    pts, dropped = boundary_grid(tiny_v41())
+    assert [p.length for p in pts] == [2, 7, 8, 9, 10, 15, 16, 17, 18] and dropped == [1]
