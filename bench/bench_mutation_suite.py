@@ -45,13 +45,15 @@ def score(root: Path) -> tuple[dict, float]:
     v = res["verdict"]
     outcome = {n["toggle"] for n in v["named"]}
     mech = {f["toggle"] for f in v["mechanism"]} if "mechanism" in v else None
+    deps = {d["arm"] for d in v["departures"]} if "departures" in v else None
     fd = {f["arm"]: f for f in res["first_divergence"] if f["vs"] == "golden"}
     out = {}
     for bug in arms:
         want = expected.get(bug)
         f = fd.get(bug)
         ok = None if want is None else (f is not None and (f["layer"], f["phase"]) == want[:2])
-        out[bug] = (bug in outcome, None if mech is None else bug in mech, ok)
+        out[bug] = (bug in outcome, None if mech is None else bug in mech, ok,
+                    None if deps is None else bug in deps)
     return out, seconds
 
 
@@ -66,7 +68,8 @@ def write(label: str, got: dict, seconds: float) -> Path:
              "every bug in tests/mutations/bugs.py plus `index_keys_fp8`, lengths 250/511, 2 "
              "prompts per length, 2 decode steps, no Shapley, 500 bootstrap resamples, on the "
              "embedded model. `O`: named by the outcome verdict; `M`: named as a mechanism "
-             "finding; `-`: not named; `fd`: first divergence at the expected layer and phase "
+             "finding; `D`: its first departure at 10x the floor stated in the verdict's words; "
+             "`-`: not named; `fd`: first divergence at the expected layer and phase "
              "(`?`: no expectation).", "",
              "| bug | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     bugs = sorted({b for lab in labels for b in data[lab]["bugs"]})
@@ -77,9 +80,10 @@ def write(label: str, got: dict, seconds: float) -> Path:
             if r is None:
                 cells.append("")
                 continue
-            o, m, ok = r
+            o, m, ok, dep = (list(r) + [None])[:4]
             named = "O" if o else ""
             named += "M" if m else ""
+            named += "D" if dep else ""
             cells.append(f"{named or '-'}, fd {'ok' if ok else '?' if ok is None else 'wrong'}")
         lines.append(f"| `{b}` | " + " | ".join(cells) + " |")
     found = lambda lab: sum(1 for r in data[lab]["bugs"].values() if r[0] or r[1])  # noqa: E731

@@ -132,6 +132,18 @@ def test_sentence_for_an_exact_finding_and_several_layers():
     assert "outcome within floors" not in s
 
 
+def test_a_place_seen_only_on_the_longest_prompts_is_still_named():
+    """A finding whose only place is a length group's (`layer 1 @ L511`) keeps that place:
+    the sentence never reads "changes indexer selection at  (...)"."""
+    from fidelity.verdict.findings import _places
+    assert _places(pd.Series(["layer 1 @ L511"])) == ["layer 1 @ L511"]
+    assert _places(pd.Series(["layer 1", "layer 1 @ L511", "layer 3 @ L511"])) == ["layer 1", "layer 3 @ L511"]
+    f = [{"toggle": "bug", "outcome_named": False, "signals": [
+        {"signal": "topk_loss", "places": _places(pd.Series(["layer 1 @ L511"])), "method": "one_at_a_time",
+         "value": 0.05, "lo": 0.03, "hi": 0.07, "floor_hi": 0.01}]}]
+    assert "changes indexer selection at layer 1 @ L511 (" in mechanism_sentence(f)
+
+
 def test_check_gates_outcome_by_default_and_mechanism_on_request(tmp_path, capsys):
     """An arm that changes a tenth of the picks with KLD under the floors passes the default
     gate and fails `--mechanism`, judged against the tie-order and reduction-order floors

@@ -88,7 +88,8 @@ def attribute(names: list[str], per_prompt: Mapping[frozenset, np.ndarray], n_bo
     oat = [i for i in names if frozenset({i}) in arrays]
     if frozenset() in arrays and oat:
         methods["one_at_a_time"] = lambda v: one_at_a_time(oat, v)
-    loo = [i for i in names if full - {i} in arrays]
+    # with one factor, leave-one-out is one-at-a-time under another name: not repeated
+    loo = [i for i in names if full - {i} in arrays and full != {i}]
     if full in arrays and loo:
         methods["leave_one_out"] = lambda v: leave_one_out(loo, v, full)
     if len(names) <= 6 and all(frozenset(s) in arrays for r in range(len(names) + 1)

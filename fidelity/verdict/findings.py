@@ -47,7 +47,7 @@ def _places(wheres: pd.Series) -> list[str]:
     """Distinct places, per-layer ones as layer numbers; a length group's copy of a place
     already listed is dropped."""
     seen = list(dict.fromkeys(wheres))
-    base = {w.split(" @ ")[0] for w in seen}
+    base = {w for w in seen if " @ " not in w}
     return [w for w in seen if " @ " not in w or w.split(" @ ")[0] not in base]
 
 

@@ -158,7 +158,8 @@ def _named(r, hits: pd.DataFrame) -> dict:
            "floor_hi": float(r.floor_hi), "floor_arm": r.get("floor_arm"), "x_floor": float(r.x_floor),
            "signals": sorted(set(mine.signal))}
     if len(tail):
-        tr = tail.iloc[0]
+        same = tail[tail.signal == r.signal]                # the lead's own signal when it breaks prompts
+        tr = (same if len(same) else tail).iloc[0]
         out["tail"] = {k: tr[k] for k in ("signal", "b", "n", "value", "floor_hi", "p_value", "worst",
                                           "prompts")}
         out["tail"]["words"] = tail_words(tr)

@@ -16,7 +16,7 @@ prompt is judged against what the floors reach on that same prompt:
 
 No assumption beyond nonnegativity and "a noise arm averages no more than the floors on
 a prompt". An arm whose every prompt sits inside the floors has no broken prompt and is
-never named; a single prompt must reach n/ALPHA times its floor to be named alone."""
+never named; a single prompt must reach about n/ALPHA times its floor to be named alone."""
 from __future__ import annotations
 
 import numpy as np
@@ -101,6 +101,6 @@ def clears(rows: pd.DataFrame) -> pd.Series:
 
 def tail_words(r) -> str:
     """"breaks 2 of 18 prompts (worst: 511 tokens, needle at 70%): answer_kld 3.68 vs floor
-    <= 0.0016 there (exact p = 0.001)"."""
+    <= 0.0016 there (p <= 0.001)" -- p is the Markov-binomial bound, an upper bound."""
     return (f"breaks {int(r['b'])} of {int(r['n'])} prompts (worst: {r['worst']}): {r['signal']} "
-            f"{r['value']:.3g} vs floor <= {r['floor_hi']:.2g} there (exact p = {r['p_value']:.2g})")
+            f"{r['value']:.3g} vs floor <= {r['floor_hi']:.2g} there (p <= {r['p_value']:.2g})")
