@@ -4,7 +4,8 @@ else; the batch family flags an arm whose decode kernel depends on the requests 
 not its fixed counterpart; a clean server flags nothing over three seeds; transport faults
 are retried, never counted as differences; a run killed with SIGKILL resumes to the same
 tables; the OpenAI dialect alone works on greedy text; the chunked-prefill family finds a
-boundary bug and not an even kernel difference; the long-generation family dates drift."""
+boundary bug and not an even kernel difference; the long-generation family dates drift
+against the engine's re-read of its own output, from step 0."""
 import json
 
 import pytest
@@ -24,12 +25,26 @@ TARGET = load_target(None)
 BUGS = ("restore_window_one_off", "restore_drops_compressor_pending", "restore_saved_one_token_later")
 PLAN = PrefixPlan(length=200, probes=1, max_tokens=4)
 FAST = RetryPolicy(retries=4, timeout=120.0, backoff=0.05)
+TOK = TARGET.tokenizer
+
+
+def _chat_tokens(task: int = 0) -> int:
+    """The long-generation family's chat prompt length for TASKS[task] (thinking on)."""
+    from fidelity.consistency.longgen import TASKS
+    return len(TOK.encode(TOK.render_chat([{"role": "user", "content": TASKS[task]}], thinking=True).text))
+
+
+def _wrap_at(step: int) -> str:
+    """decode_positions_wrap leaving the golden at generated step `step` of TASKS[0]: step t
+    decodes the token at position P + t - 1, the first one the wrap moves is `at`."""
+    return f"decode_positions_wrap(at={_chat_tokens() + step - 1})"
 
 
 @pytest.fixture(scope="module")
 def url():
     arms = ["--arm", "golden=golden"] + [a for b in BUGS for a in ("--arm", f"{b}={b}")]
     arms += ["--arm", "batchdep=decode_splitk_by_batch", "--arm", "fixed=splitk_decode"]
+    arms += ["--arm", f"early={_wrap_at(20)}"]
     # --time-slice 0: requests in flight take turns step by step, as in continuous batching
     with served("golden", extra=(*arms, "--page-size", "64", "--time-slice", "0")) as (u,):
         yield u
@@ -187,31 +202,70 @@ def test_chunk_family_needs_a_reference_and_a_chunk_size(url, tmp_path):
                         tmp_path, "x", progress=lambda m: None)
 
 
-@pytest.mark.slow          # ~80 s each on 2 cores: make test-slow (CI runs it)
-def test_long_generation_drift_found_where_it_starts(tmp_path):
-    """decode_positions_wrap(at=P+150) (decode positions modulo P+150, P the chat prompt's
-    length): a 300-token generation leaves the golden, scored teacher-forced here, exactly
-    at step 151, the token at position P+150 -- greedy and sampled; the golden arm's own
-    output never drifts."""
-    from fidelity.consistency.longgen import TASKS, LongGenPlan
+def _agree(res) -> None:
+    """Each long-generation run is stated once in the verdict, flagged there exactly when the
+    behaviour table flags it, and its conditions-table stretches agree."""
+    t, c = res["behaviour"], res["conditions"]
+    for _, r in t.iterrows():
+        lines = [v for v in res["verdict"] if v.startswith(f"`{r.arm}` (long generation, {r['mode']},")]
+        assert len(lines) == 1 and ("is flagged:" in lines[0]) == r.flagged, (lines, r.flagged)
+        stretch = c[(c.arm == r.arm) & c.condition.str.startswith(r["mode"] + ":steps@")]
+        assert stretch.flagged.any() == (r.stretches_flagged > 0)
+    assert not any("(longgen)" in v for v in res["verdict"])
+    assert res["flagged"] == bool(t.flagged.any())
+
+
+def test_long_generation_early_onset_seen_golden_not(url, tmp_path):
+    """Greedy, 64 tokens: decode_positions_wrap leaving the golden at step 20 -- inside what
+    used to be the floor (the first 128 steps) -- is flagged and dated at 20 against the
+    engine's re-read of its own output; the golden arm is not flagged."""
+    from fidelity.consistency.longgen import LongGenPlan
     from fidelity.kld.inprocess import InProcessScorer
     from reference_model import Numerics
-    tok = TARGET.tokenizer
-    at = len(tok.encode(tok.render_chat([{"role": "user", "content": TASKS[0]}], thinking=True).text)) + 150
     ref = InProcessScorer("golden", Numerics("reference"), TARGET.weights)
-    plan = LongGenPlan(probes=1, max_tokens=300, ignore_eos=True)
-    with served("golden", extra=("--arm", "golden=golden", "--arm", f"wrap=decode_positions_wrap(at={at})")) as (u,):
-        res = run_consistency([_arm(n, u) for n in ("golden", "wrap")], TARGET,
+    plan = LongGenPlan(probes=1, max_tokens=64, temperature=0.0, ignore_eos=True)
+    res = run_consistency([_arm(n, url) for n in ("golden", "early")], TARGET,
+                          ConsistencySettings(("longgen",), longgen=plan), tmp_path, "e",
+                          progress=lambda m: None, reference=ref)
+    b = res["behaviour"].set_index("arm")
+    assert b.loc["early", "flagged"] and b.loc["early", "drift_start_min"] == 20
+    assert b.loc["early", "first_flagged"] == 16 and b.loc["early", "floor_kl_max"] == 0
+    assert not b.loc["golden", "flagged"] and b.loc["golden", "kl_max"] == 0
+    assert res["manifest"]["requests"]["longgen/early"] == 2          # the generation and its re-read
+    _agree(res)
+
+
+@pytest.mark.slow          # ~60 s on 2 cores: make test-slow (CI runs it)
+def test_long_generation_drift_found_where_it_starts(tmp_path):
+    """decode_positions_wrap leaving the golden at step 20 and at step 151 of a 200-token
+    generation, greedy and sampled, scored teacher-forced here against the engine's re-read
+    of the same tokens: each flagged and dated exactly; the golden arm and index_keys_fp8
+    (off the reference as much re-read as generated) are not flagged; the verdict and the
+    behaviour table agree on every run."""
+    from fidelity.consistency.longgen import LongGenPlan
+    from fidelity.kld.inprocess import InProcessScorer
+    from reference_model import Numerics
+    ref = InProcessScorer("golden", Numerics("reference"), TARGET.weights)
+    plan = LongGenPlan(probes=1, max_tokens=200, ignore_eos=True)
+    arms = ("--arm", "golden=golden", "--arm", f"early={_wrap_at(20)}", "--arm", f"late={_wrap_at(151)}",
+            "--arm", "fp8=index_keys_fp8")
+    with served("golden", extra=arms) as (u,):
+        res = run_consistency([_arm(n, u) for n in ("golden", "early", "late", "fp8")], TARGET,
                               ConsistencySettings(("longgen",), longgen=plan), tmp_path, "g",
                               progress=lambda m: None, reference=ref)
     b = res["behaviour"].set_index(["arm", "mode"])
     for mode in ("greedy", "sampled"):
-        assert b.loc[("wrap", mode), "drift_start_min"] == 151 and b.loc[("wrap", mode), "flagged"]
-        assert b.loc[("golden", mode), "drifting"] == 0 and not b.loc[("golden", mode), "flagged"]
+        assert b.loc[("early", mode), "drift_start_min"] == 20 and b.loc[("early", mode), "flagged"]
+        assert b.loc[("late", mode), "drift_start_min"] == 151 and b.loc[("late", mode), "flagged"]
+        for arm in ("golden", "fp8"):
+            assert b.loc[(arm, mode), "drifting"] == 0 and not b.loc[(arm, mode), "flagged"]
+    assert b.loc[("fp8", "greedy"), "floor_kl_max"] > 0          # off the reference, evenly
     t = res["conditions"].set_index(["arm", "condition"])
-    assert t.loc[("wrap", "greedy:steps@128"), "flagged"] and not t.loc["golden", "flagged"].any()
-    assert any("drift along its own output starts at step 151" in v for v in res["verdict"])
-    assert res["flagged"]
+    assert t.loc[("early", "greedy:steps@16"), "flagged"] and not t.loc[("early", "greedy:steps@0"), "flagged"]
+    assert t.loc[("late", "greedy:steps@128"), "flagged"] and not t.loc[("late", "greedy:steps@64"), "flagged"]
+    assert any("from step 151" in v for v in res["verdict"])
+    assert "KL along long generations" in open(f"{res['path']}/index.html").read()
+    _agree(res)
 
 
 def test_eviction_condition_with_a_small_cache(tmp_path):

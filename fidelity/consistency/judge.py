@@ -12,31 +12,36 @@ reference condition) flag a condition when
   * the floor is not exact and its replies part from the reference more often than the
     floor's (one-sided Fisher exact test, p < ALPHA), or its KL is above every floor
     pair's in more probes than chance allows (one-sided binomial, p < ALPHA).
-Step families (chunk, longgen: KL against a reference computed here, along a sequence)
-flag a stretch whose KL jumps above the stretch before it (`_jump`); an arm that differs
-from the reference evenly is not flagged. Long generations' behaviour (loops, leaks ...)
-is judged in `behaviour_table`.
+The chunk family (KL against a reference computed here, along a prompt) flags a window
+whose KL jumps above the window before it (`_jump`); an arm that differs from the
+reference evenly is not flagged. Long generations are judged once, per arm and run
+(greedy, sampled), by `longgen_table`: a stretch of the output whose KL is above the
+engine's own re-read of the same tokens (`_against_reread`), or a misbehaviour more
+frequent than in the baseline arm's runs (Fisher exact); the verdict sentence, the
+behaviour table and the exit code all read that one decision.
 """
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-from scipy.stats import binomtest, fisher_exact, mannwhitneyu
+from scipy.stats import binomtest, fisher_exact, mannwhitneyu, wilcoxon
+
+from .longgen import ROLLING, drift_start
 
 ALPHA = 0.05
 # per family: the reference condition (stored, not judged) and the floor condition
 REFERENCE = {"prefix": "cold", "batch": "alone", "chunk": "profile", "longgen": "behaviour"}
 FLOOR = {"prefix": "cold-again", "batch": "alone-again"}
-JUMP = 4.0               # step families: a stretch's mean KL over the one before it, at least
+JUMP = 4.0               # chunk: a window's mean KL over the one before it; longgen: over its re-read
 
 
 def floor_of(family: str, condition: str) -> str:
     """The floor condition a condition is judged against (chunk: its own boundary's
-    before-window; longgen: the start of the same run, greedy or sampled)."""
+    before-window; longgen: the engine's re-read of the same run, greedy or sampled)."""
     if family == "chunk":
         return "before@" + condition.split("@", 1)[1]
     if family == "longgen":
-        return condition.split(":", 1)[0] + ":start"
+        return condition.split(":", 1)[0] + ":floor"
     return FLOOR[family]
 
 
@@ -56,8 +61,8 @@ def condition_table(rows: pd.DataFrame) -> pd.DataFrame:
     for (arm, fam), g in rows.groupby(["arm", "family"], sort=False):
         for cond, c in g.groupby("condition", sort=False):
             floor = g[g.condition == floor_of(fam, cond)]
-            flag = (_floor_row() if is_floor(fam, cond) else _jump(c, floor, BEFORE[fam])
-                    if fam in BEFORE else _flag(c, floor))
+            flag = (_floor_row() if is_floor(fam, cond) else _against_reread(c) if fam == "longgen"
+                    else _jump(c, floor, BEFORE[fam]) if fam in BEFORE else _flag(c, floor))
             out.append({"arm": arm, "family": fam, "condition": cond, **_stats(c), **flag})
     cols = ["arm", "family", "condition", "class", "shared", "probes", "bitwise", "diverged",
             "first_step", "distinct", "kl_first_median", "kl_first_max", "kl_max", "cached_median",
@@ -117,13 +122,13 @@ def _floor_row() -> dict:
     return {"flagged": False, "why": "floor"}
 
 
-# families judged as a step in KL against the stretch before it (a chunk boundary, a later
-# part of a generation), and what that stretch is called in their sentences
-BEFORE = {"chunk": "just before it", "longgen": "at the start of the generation"}
+# families judged as a step in KL against the window before it (a chunk boundary), and what
+# that window is called in their sentences
+BEFORE = {"chunk": "just before it"}
 
 
 def _jump(c: pd.DataFrame, floor: pd.DataFrame, before_name: str) -> dict:
-    """A stretch (after a chunk boundary, later in a generation) against the one before it,
+    """A window (after a chunk boundary) against the one before it,
     per-position KL pooled over probes: flagged when higher (one-sided Mann-Whitney,
     p < ALPHA) by at least JUMP times in the mean -- a step, not an even difference."""
     after = np.concatenate([np.asarray(x, float) for x in c.kl_window])
@@ -138,6 +143,26 @@ def _jump(c: pd.DataFrame, floor: pd.DataFrame, before_name: str) -> dict:
             else f"while the tokens {before_name} are identical to the reference")
     return {"flagged": bool(p < ALPHA and ratio >= JUMP),
             "why": f"{step} (Mann-Whitney p={p:.2g}; flagged at >= {JUMP:g}x and p < {ALPHA})"}
+
+
+def _against_reread(c: pd.DataFrame) -> dict:
+    """A stretch of a long generation against the engine's own re-read of the same tokens
+    (one prefill: none of the state the decode built), position by position, pooled over
+    probes: flagged when the generation's KL is higher (one-sided Wilcoxon signed-rank on
+    the paired differences, p < ALPHA) by at least JUMP times in the mean. The floor is
+    measured at the very positions judged, so an onset at any step is seen; a kernel as
+    far from the reference re-read as generated is not flagged."""
+    gen = np.concatenate([np.asarray(x, float) for x in c.kl_window])
+    floor = np.concatenate([np.asarray(x, float) for x in c.floor_window])
+    d = gen - floor
+    if not d.any():
+        return {"flagged": False, "why": "as its re-read" if gen.any() else "identical to the reference here"}
+    p = float(wilcoxon(d[d != 0], alternative="greater").pvalue)
+    ratio = gen.mean() / floor.mean() if floor.mean() > 0 else np.inf
+    step = (f"{ratio:.3g}x the KL of its re-read of the same tokens" if np.isfinite(ratio)
+            else "while its re-read of the same tokens is identical to the reference")
+    return {"flagged": bool(p < ALPHA and ratio >= JUMP),
+            "why": f"{step} (Wilcoxon p={p:.2g}; flagged at >= {JUMP:g}x and p < {ALPHA})"}
 
 
 def _flag(c: pd.DataFrame, floor: pd.DataFrame) -> dict:
@@ -158,15 +183,17 @@ def _flag(c: pd.DataFrame, floor: pd.DataFrame) -> dict:
 
 # how a family's sentences name what a condition is compared with, and its floor
 COMPARED = {"prefix": ("its cold replies", "cold vs cold"), "batch": ("its alone replies", "alone vs alone"),
-            "chunk": ("the one-piece reference", "before the boundaries"),
-            "longgen": ("the reference along its own output", "the first tokens")}
+            "chunk": ("the one-piece reference", "before the boundaries")}
 
 
 def verdict_lines(table: pd.DataFrame) -> list[str]:
     """One sentence per arm and family: the conditions under which its replies differ,
-    strongest first, or that none does."""
+    strongest first, or that none does. Long generations are said by `longgen_lines`
+    (their one judgement), not here."""
     lines = []
     for (arm, fam), g in table.groupby(["arm", "family"], sort=False):
+        if fam == "longgen":
+            continue
         floor = g[[is_floor(fam, c) for c in g.condition]]
         fl = ("bit-identical" if len(floor) and (floor.bitwise == floor.probes).all()
               else f"KL up to {floor.kl_max.max():.3g}" if len(floor) else "not measured")
@@ -190,9 +217,6 @@ def _describe(r) -> str:
                 else ", same top-1 throughout")
         return (f"the prefill chunk boundary at token {int(r.shared)}: KL up to {r.kl_max:.3g} just "
                 f"after it, {r.why.split(' (')[0]}{top1}")
-    if r["class"] == "generation":
-        return (f"generated tokens from step {int(r.shared)}: KL up to {r.kl_max:.3g} against the "
-                f"reference, {r.why.split(' (')[0]}")
     if r["class"] == "full":
         where = "a full-prompt hit"
     elif r["class"] == "multi-turn":
@@ -211,41 +235,103 @@ def _describe(r) -> str:
             f"({r.kl_first_max:.3g} at the first){tok}{cached}")
 
 
-def behaviour_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """Long generations per arm: length (and against the first arm's), how they ended, loops,
-    thinking until the cap, special-token leaks, early EOS, where drift starts. Flagged:
-    drift, or more loops / thinking-until-cap / leaks than the first arm (the baseline; with
-    one arm, any)."""
+# misbehaviour counted per long generation: (the table's count, the behaviour row's field, words)
+BEHAVIOUR = (("loops", "loop", "loops"), ("thinking_until_cap", "thinking_until_cap", "thinking until the cap"),
+             ("leaks", "leaks", "special tokens in the text"), ("early_eos", "early_eos", "early EOS"))
+
+
+def longgen_table(rows: pd.DataFrame, table: pd.DataFrame) -> pd.DataFrame:
+    """The one judgement of long generations, per arm and run (greedy, sampled): flagged
+    when some stretch of its output leaves the reference more than the engine's re-read of
+    the same tokens (the conditions table's `mode:steps@a` rows), or a misbehaviour is more
+    frequent than in the baseline arm's (the first arm's) same runs (`_behaviour_tests`).
+    The behaviour table, the verdict sentence and the exit code all read its `flagged`."""
     b = rows[rows.condition.str.endswith(":behaviour")] if len(rows) else rows
     if b.empty:
         return pd.DataFrame()
-    out = []
-    for (arm, mode), g in b.groupby(["arm", "mode"], sort=False):
-        starts = g.drift_start.dropna()
-        out.append({"arm": arm, "mode": mode, "generations": len(g), "mean_length": float(g.length.mean()),
-                    "finish": ", ".join(f"{k} {v}" for k, v in g.finish.value_counts().items()),
-                    "loops": int(g.loop.sum()), "thinking_until_cap": int(g.thinking_until_cap.sum()),
-                    "leaks": int(g.leaks.map(bool).sum()), "early_eos": int(g.early_eos.sum()),
-                    "drifting": len(starts), "drift_start_min": int(starts.min()) if len(starts) else None})
+    lg = table[table.family == "longgen"]
+    out = [{"arm": arm, "mode": mode, **_counts(g),
+            **_drift(g, lg[(lg.arm == arm) & lg.condition.str.startswith(mode + ":steps@")])}
+           for (arm, mode), g in b.groupby(["arm", "mode"], sort=False)]
     t = pd.DataFrame(out)
-    # lengths and misbehaviour counts against the first arm's (the baseline), mode by mode
     first = t.groupby("mode")
     t.insert(4, "length_vs_first_arm", t.mean_length / first.mean_length.transform("first"))
-    cols = ["loops", "thinking_until_cap", "leaks"]
-    base = first[cols].transform("first") if t.arm.nunique() > 1 else 0
-    t["flagged"] = (t.drifting > 0) | (t[cols] > base).any(axis=1)
+    tests = [_behaviour_tests(r, t[t["mode"] == r["mode"]]) for _, r in t.iterrows()]
+    t["baseline"] = [x["baseline"] for x in tests]
+    t["behaviour_p"] = [x["p"] for x in tests]
+    t["flagged"] = [bool(r.stretches_flagged) or x["flagged"] for (_, r), x in zip(t.iterrows(), tests)]
+    t["why"] = [_longgen_why(r, x) for (_, r), x in zip(t.iterrows(), tests)]
     return t
 
 
-def behaviour_lines(t: pd.DataFrame) -> list[str]:
-    lines = []
-    for _, r in t.iterrows():
-        n = r.generations
-        bad = [f"{what} in {int(r[col])}/{n}" for col, what in
-               (("loops", "loops"), ("thinking_until_cap", "thinking until the cap"),
-                ("leaks", "special tokens in the text"), ("early_eos", "early EOS")) if r[col]]
-        drift = (f"drift along its own output starts at step {int(r.drift_start_min)} in {r.drifting}/{n} "
-                 "generations" if r.drifting else "no drift along its own output")
-        lines.append(f"`{r.arm}` (long generation, {r['mode']}, {r.mean_length:.0f} tokens on average): {drift}"
-                     + (f"; {', '.join(bad)}" if bad else "") + ".")
-    return lines
+def _counts(g: pd.DataFrame) -> dict:
+    """One run's generations: how many, how long, how they ended, each misbehaviour count."""
+    return {"generations": len(g), "mean_length": float(g.length.mean()),
+            "finish": ", ".join(f"{k} {v}" for k, v in g.finish.value_counts().items()),
+            **{col: int(g[field].map(bool).sum()) for col, field, _ in BEHAVIOUR}}
+
+
+def _drift(g: pd.DataFrame, stretches: pd.DataFrame) -> dict:
+    """The run's stretches flagged against the re-read, the first of them, and -- only
+    when some is -- where drift starts in each generation (`drift_start`)."""
+    hit = stretches[stretches.flagged]
+    starts = [s for kl, fl in zip(g.kl, g.kl_floor)
+              if (s := drift_start(kl, fl, ROLLING, JUMP)) is not None] if len(hit) else []
+    return {"stretches": len(stretches), "stretches_flagged": len(hit),
+            "first_flagged": int(hit.shared.min()) if len(hit) else None,
+            "drifting": len(starts), "drift_start_min": min(starts) if starts else None,
+            "kl_max": max((max(k) for k in g.kl if len(k)), default=0.0),
+            "floor_kl_max": max((max(k) for k in g.kl_floor if len(k)), default=0.0)}
+
+
+def _behaviour_tests(r, runs: pd.DataFrame) -> dict:
+    """Each misbehaviour count of a run against the baseline arm's (the first of `runs`,
+    every arm's same run): one-sided Fisher exact test, p < ALPHA flags it. A count is not
+    a rate: 2 of 2 against 1 of 2 is p = 0.5. The baseline itself is counted, not judged
+    (with no other arm there is nothing to judge it against)."""
+    base = runs.iloc[0]
+    if r.arm == base.arm:
+        return {"baseline": None, "p": None, "flagged": False, "found": [], "alone": len(runs) == 1}
+    n, nb = int(r.generations), int(base.generations)
+    found = []
+    for col, _, what in BEHAVIOUR:
+        k, kb = int(r[col]), int(base[col])
+        if k:
+            p = float(fisher_exact([[k, n - k], [kb, nb - kb]], alternative="greater").pvalue)
+            found.append((what, k, n, kb, nb, p))
+    p = min((f[-1] for f in found), default=None)
+    return {"baseline": base.arm, "p": p, "flagged": p is not None and p < ALPHA, "found": found, "alone": False}
+
+
+def _longgen_why(r, tests: dict) -> str:
+    """The decision in words, for the table and (with the arm and run) the verdict."""
+    n = int(r.generations)
+    if r.stretches_flagged:
+        start = (f"from step {int(r.drift_start_min)} (dated in {r.drifting}/{n} generations)" if r.drifting
+                 else f"from the stretch at step {int(r.first_flagged)}")
+        if r.drifting and r.drift_start_min <= 1:      # step 0 is the prefill's; step 1 the first decode
+            start += ", its first decoded token: a decode path unlike its own prefill, or a bug from the start"
+        parts = [f"leaves the reference {start} where its re-read of the same tokens does not: "
+                 f"{r.stretches_flagged} of {r.stretches} stretches flagged, KL up to {r.kl_max:.3g} "
+                 f"generating vs {r.floor_kl_max:.3g} re-read"]
+    elif not (r.kl_max or r.floor_kl_max):
+        parts = ["identical to the reference along its output, generated and re-read"]
+    else:
+        parts = [f"no stretch leaves the reference more than its re-read of the same tokens (KL up to "
+                 f"{r.kl_max:.3g} generating vs {r.floor_kl_max:.3g} re-read)"]
+    if tests["baseline"] is not None:
+        parts += [f"{what} in {k}/{m} vs {kb}/{mb} for `{tests['baseline']}` (Fisher p={p:.2g})"
+                  for what, k, m, kb, mb, p in tests["found"]]
+    else:
+        counted = [f"{what} in {int(r[col])}/{n}" for col, _, what in BEHAVIOUR if r[col]]
+        if counted:
+            whose = "no other arm to test against" if tests["alone"] else "the baseline of the other arms"
+            parts.append(", ".join(counted) + f" ({whose}: counted, not judged)")
+    return "; ".join(parts)
+
+
+def longgen_lines(t: pd.DataFrame) -> list[str]:
+    """One sentence per arm and run, from `longgen_table`'s decision (no other rule)."""
+    return [f"`{r.arm}` (long generation, {r['mode']}, {r.mean_length:.0f} tokens on average) "
+            + ("is flagged: " if r.flagged else "is not flagged: ") + r.why + "."
+            for _, r in t.iterrows()]

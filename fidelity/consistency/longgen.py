@@ -3,15 +3,19 @@ what the reference would do, and does the output misbehave (loops, thinking unti
 cap, special tokens in the text, early EOS)?
 
 Per probe (a chat task, thinking on) the engine generates up to `max_tokens` with top-k
-logprobs per token, greedily and once sampled at `temperature`. The reference computed
-here (`--inprocess`) then scores the engine's own sequence teacher-forced, in one
-prefill: before each generated token, KL(reference || engine) on what the engine
-reported, and the rank of the engine's token under the reference. Drift is judged like a
-chunk boundary: each later stretch of the generation against its first `floor_tokens`
-tokens (the arm's own numerics at the start), so a kernel that differs evenly is not
-flagged and state that goes bad a few hundred steps in is, with the step where the
-rolling KL first leaves the start's range. Long outputs corrupting while short ones
-never do is sglang #33397's report."""
+logprobs per token, greedily and once sampled at `temperature`. The same request is then
+asked again as one prompt: the engine re-reads its own output in one prefill (prompt
+logprobs), with none of the state a long decode builds. The reference computed here
+(`--inprocess`) scores the engine's sequence teacher-forced, in one prefill: before each
+generated token, KL(reference || engine) on what the engine reported while generating,
+KL(reference || engine) on what it reported re-reading (the floor: its own numerics on
+the same tokens at the same positions), and the rank of the engine's token under the
+reference. Each stretch of the generation (`stretches`: from step 0, so a bug's onset at
+step 20 is inside a judged stretch, not inside the floor) is judged against the re-read
+at the same positions (judge.py): a kernel that differs from the reference as much
+re-read as generated is not flagged, state that goes bad along the decode is, with the
+step where it starts. Long outputs corrupting while short ones never do is sglang
+#33397's report."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,13 +24,15 @@ import numpy as np
 import torch
 
 from fidelity.kld.bounds import Known, compare
+from fidelity.kld.dialects import Request
 
 from .client import Reply
-from .family import Cost, Family
+from .family import Cost, Family, FamilyError
 
 FAMILY = "longgen"
 ROWS = 256                        # reference logits rows handled at a time (never [n, vocab] whole)
 LEAKS = ("<think>", "</think>", "｜DSML｜")
+ROLLING = 32                      # tokens in the rolling mean that dates where drift starts
 
 
 # chat tasks that invite a long answer; rendered with thinking on (DeepSeek's encoder)
@@ -45,35 +51,37 @@ class LongGenPlan:
     max_tokens: int = 2048
     thinking: bool = True
     temperature: float = 1.0      # the sampled run's (DeepSeek's recommended); 0: greedy only
-    floor_tokens: int = 128       # the start of each generation: the floor of the later stretches
+    first_stretch: int = 16       # tokens in the first judged stretch (then doubling: 16, 32, 64 ...)
     k: int = 5
     ignore_eos: bool = False      # force the length (a model that answers and stops early)
     seed: int = 0
-    rolling: int = 32             # tokens in the rolling mean that dates where drift starts
 
     def modes(self) -> list[tuple[str, float]]:
         """(name, temperature) of the runs per probe: greedy, and sampled unless T is 0."""
         return [("greedy", 0.0)] + ([("sampled", self.temperature)] if self.temperature > 0 else [])
 
 
-def stretches(n: int, floor: int) -> list[tuple[int, int]]:
-    """[floor, 2 floor), [2 floor, 4 floor), ... up to n: the later parts of a generation."""
-    out, a = [], floor
+def stretches(n: int, first: int) -> list[tuple[int, int]]:
+    """[0, first), [first, 2 first), [2 first, 4 first), ... up to n: every part of a
+    generation is judged (none is the floor), short ones early so an onset is dated."""
+    out, a, b = [], 0, first
     while a < n:
-        out.append((a, min(2 * a, n)))
-        a *= 2
+        out.append((a, min(b, n)))
+        a, b = b, 2 * b
     return out
 
 
-def teacher_forced(model, prompt: list[int], reply: Reply) -> tuple[list[float], list[int]]:
-    """Per generated token: KL(reference || engine's reported distribution) and the rank of
-    the engine's token under the reference (1 = its top choice), from one prefill of the
+def teacher_forced(model, prompt: list[int], reply: Reply,
+                   reread: list[Known]) -> tuple[list[float], list[float], list[int]]:
+    """Per generated token: KL(reference || what the engine reported generating it),
+    KL(reference || what it reported re-reading it in one prefill), and the rank of the
+    engine's token under the reference (1 = its top choice) -- from one prefill of the
     prompt and the engine's tokens, ROWS logits rows at a time."""
     ids = torch.tensor(prompt + reply.tokens[:-1])
     with torch.no_grad():
         H, _ = model.extend(ids, None, "hidden")       # the head runs ROWS positions at a time
     start = len(prompt) - 1
-    kl, rank = [], []
+    kl, floor, rank = [], [], []
     for a in range(0, len(reply.tokens), ROWS):
         with torch.no_grad():
             logits = model.head(H[start + a:start + a + ROWS])
@@ -82,8 +90,20 @@ def teacher_forced(model, prompt: list[int], reply: Reply) -> tuple[list[float],
             t = a + j
             ref = Known(np.arange(len(row)), row)
             kl.append(compare(ref, reply.dists[t], None)["kl_lb"])
+            floor.append(compare(ref, reread[t], None)["kl_lb"])
             rank.append(1 + int((row > row[reply.tokens[t]]).sum()))
-    return kl, rank
+    return kl, floor, rank
+
+
+def reread_dists(scores, prompt: list[int], reply: Reply) -> list[Known]:
+    """The engine's distribution before each generated token as it re-read prompt + reply
+    in one prefill (its prompt logprobs at the positions that predict those tokens)."""
+    start, n = len(prompt) - 1, len(reply.tokens)
+    got = scores.known[start:start + n]
+    if len(got) != n:
+        raise FamilyError(f"the engine's re-read of a {n}-token generation answered {len(scores.known)} "
+                          f"prompt positions for a {len(prompt) + n}-token prompt")
+    return got
 
 
 def _loop(tokens: list[int], tail: int = 256, n: int = 8) -> bool:
@@ -98,21 +118,21 @@ def rolling_mean(x, window: int) -> np.ndarray:
     return np.convolve(np.asarray(x, float), np.ones(window) / window, "valid")
 
 
-def drift_start(kl: list[float], floor: int, window: int, jump: float) -> int | None:
-    """Where drift starts: in the first stretch of `window` tokens after the floor whose mean
-    KL exceeds `jump` x the largest such mean within the floor (any KL at all where the floor
-    is exact), the first token above that level."""
-    x = np.asarray(kl, float)
-    if len(x) < floor + window:
+def drift_start(kl, floor, window: int, jump: float) -> int | None:
+    """Where drift starts along one generation: in the first `window`-token stretch whose
+    mean KL exceeds `jump` x the highest such mean of the engine's own re-read anywhere
+    along the same tokens (any KL at all where the re-read is exact), the first token above
+    that level. From step 0: no part of the run is taken as the floor."""
+    x, f = np.asarray(kl, float), np.asarray(floor, float)
+    w = min(window, len(x))
+    if not w:
         return None
-    roll = rolling_mean(x, window)
-    base = roll[:floor - window + 1].max() if floor >= window else x[:floor].max()
-    level = jump * base
-    over = np.nonzero(roll[floor:] > level)[0]
+    level = jump * rolling_mean(f, w).max()
+    over = np.nonzero(rolling_mean(x, w) > level)[0]
     if not len(over):
         return None
-    i = floor + int(over[0])
-    return i + int(np.argmax(x[i:i + window] > level))
+    i = int(over[0])
+    return i + int(np.argmax(x[i:i + w] > level))
 
 
 class LongGenFamily(Family):
@@ -122,17 +142,19 @@ class LongGenFamily(Family):
     @staticmethod
     def key_prefix(arm: str, p: LongGenPlan) -> str:
         return (f"{FAMILY}|{arm}|t{int(p.thinking)}|T{p.temperature}|s{p.seed}|n{p.max_tokens}|"
-                f"f{p.floor_tokens}|k{p.k}|e{int(p.ignore_eos)}|")
+                f"r{p.first_stretch}|k{p.k}|e{int(p.ignore_eos)}|")        # r: the re-read floor
 
     def _prompt(self, probe: int) -> list[int]:
         return self.tok.encode(self.tok.render_chat([{"role": "user", "content": TASKS[probe % len(TASKS)]}],
                                                     thinking=self.plan.thinking).text)
 
     def cost(self) -> Cost:
-        runs, gen = len(self.plan.modes()), self.plan.max_tokens
-        prompts = sum(len(self._prompt(p)) for p in range(self.plan.probes))
-        return Cost(self.plan.probes * runs, runs * prompts, self.plan.probes * runs * gen,
-                    runs * (prompts + self.plan.probes * gen))
+        """Per run and probe: the generation, then its re-read (prompt + output as one prompt,
+        one ladder token); the reference here scores prompt + output once."""
+        runs, gen, n = len(self.plan.modes()), self.plan.max_tokens, self.plan.probes
+        prompts = sum(len(self._prompt(p)) for p in range(n))
+        return Cost(2 * n * runs, runs * (2 * prompts + n * gen), n * runs * (gen + 1),
+                    runs * (prompts + n * gen))
 
     def run(self, progress=lambda m: None) -> None:
         self._need_reference()
@@ -144,27 +166,40 @@ class LongGenFamily(Family):
                     continue
                 reply = self.arm.generate(ids, plan.max_tokens, plan.k, ignore_eos=plan.ignore_eos,
                                           temperature=temperature, seed=plan.seed + probe)
-                kl, rank = teacher_forced(self.reference.model, ids, reply) if reply.tokens else ([], [])
-                for row in self._rows(probe, mode, kl):
+                kl, floor, rank = self._score(ids, reply)
+                for row in self._rows(probe, mode, kl, floor):
                     if not self.store.has(row["key"]):
                         self.store.add(row)
-                self.store.add(self._behaviour(probe, mode, len(ids), reply, kl, rank))
+                self.store.add(self._behaviour(probe, mode, len(ids), reply, kl, floor, rank))
                 progress(f"{self.arm.name}: long generation {probe + 1}/{plan.probes} ({mode}) done "
                          f"({len(reply.tokens)} tokens)")
 
-    def _rows(self, probe: int, mode: str, kl: list[float]) -> list[dict]:
-        f = self.plan.floor_tokens
-        parts = [(f"{mode}:start", "floor", 0, min(f, len(kl)))] + [
-            (f"{mode}:steps@{a}", "generation", a, b) for a, b in stretches(len(kl), f)]
-        return [{"key": self._key(probe, cond), "family": FAMILY, "arm": self.arm.name, "probe": probe,
-                 "condition": cond, "class": cls, "shared": a, "cached": None, "tokens": [],
-                 "bitwise": all(x == 0 for x in kl[a:b]), "kl_window": kl[a:b], "first_diff": None,
-                 "kl_first": kl[a], "kl_max": max(kl[a:b]), "same_top1_first": None}
-                for cond, cls, a, b in parts if b > a]
+    def _score(self, ids: list[int], reply: Reply) -> tuple[list[float], list[float], list[int]]:
+        """The generation's KL, its re-read's KL (the engine asked again, prompt + output in
+        one prefill) and the ranks, against the reference here."""
+        if not reply.tokens:
+            return [], [], []
+        scores = self.arm.score(ids + reply.tokens, Request(k=self.plan.k, steps=1))
+        return teacher_forced(self.reference.model, ids, reply, reread_dists(scores, ids, reply))
+
+    def _rows(self, probe: int, mode: str, kl: list[float], floor: list[float]) -> list[dict]:
+        """The re-read (`mode:floor`, the whole output) and each stretch `mode:steps@a`,
+        with the generation's KL and the re-read's at the same positions."""
+        if not kl:                    # an empty reply: nothing to judge along it
+            return []
+        parts = [(f"{mode}:floor", "floor", 0, len(kl))] + [
+            (f"{mode}:steps@{a}", "generation", a, b) for a, b in stretches(len(kl), self.plan.first_stretch)]
+        rows = []
+        for cond, cls, a, b in parts:
+            x = floor[a:b] if cls == "floor" else kl[a:b]
+            rows.append({"key": self._key(probe, cond), "family": FAMILY, "arm": self.arm.name, "probe": probe,
+                         "condition": cond, "class": cls, "shared": a, "cached": None, "tokens": [],
+                         "bitwise": all(v == 0 for v in x), "kl_window": x, "floor_window": floor[a:b],
+                         "first_diff": None, "kl_first": x[0], "kl_max": max(x), "same_top1_first": None})
+        return rows
 
     def _behaviour(self, probe: int, mode: str, prompt_tokens: int, reply: Reply, kl: list[float],
-                   rank: list[int]) -> dict:
-        from .judge import JUMP
+                   floor: list[float], rank: list[int]) -> dict:
         tok = self.tok
         closed = tok.end_think_id in reply.tokens
         # the reasoning ends at </think>: the content after it must carry no special tags
@@ -172,12 +207,11 @@ class LongGenFamily(Family):
                              ([] if self.plan.thinking else reply.tokens), skip_special_tokens=False)
         return {"key": self._key(probe, f"{mode}:behaviour"), "family": FAMILY, "arm": self.arm.name,
                 "probe": probe, "condition": f"{mode}:behaviour", "mode": mode, "prompt_tokens": prompt_tokens,
-                "requests": 1,
+                "requests": 2 if reply.tokens else 1,
                 "tokens": reply.tokens, "finish": reply.finish,
                 "length": len(reply.tokens), "loop": _loop(reply.tokens),
                 "thinking_until_cap": bool(self.plan.thinking and not closed
                                            and len(reply.tokens) >= self.plan.max_tokens),
                 "leaks": [t for t in LEAKS if t in content],
                 "early_eos": bool(not self.plan.ignore_eos and len(reply.tokens) < 16),
-                "drift_start": drift_start(kl, self.plan.floor_tokens, self.plan.rolling, JUMP),
-                "kl": kl, "rank": rank}
+                "kl": kl, "kl_floor": floor, "rank": rank}

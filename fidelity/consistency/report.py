@@ -11,7 +11,8 @@ import pandas as pd
 from infra.report_page import Page, Section, Table
 from infra.report_writer import ReportWriter
 
-from .longgen import rolling_mean
+from .judge import JUMP
+from .longgen import ROLLING, drift_start, rolling_mean
 
 KL_FLOOR_PLOT = 1e-9          # zero KL drawn here on the log axis
 
@@ -91,32 +92,41 @@ def _chunk_figure(probes: pd.DataFrame):
     return fig
 
 
-def _drift_figure(probes: pd.DataFrame):
+def _drift_figure(table: pd.DataFrame, probes: pd.DataFrame):
     """Rolling KL against the reference along each long generation (one line per
-    generation, per-arm colour), where drift starts marked."""
-    if probes.empty or "drift_start" not in probes:
+    generation, per-arm colour) and, thin, along the engine's re-read of the same tokens
+    (the floor); where drift starts marked only on runs the judgement flagged for drift
+    (a stretch flagged in `table`), as the longgen table dates it."""
+    if probes.empty or "kl_floor" not in probes:
         return None
+    lg = table[(table.family == "longgen") & table.flagged]
+    drifted = {(a, c.split(":", 1)[0]) for a, c in zip(lg.arm, lg.condition)}
     b = probes[(probes.family == "longgen") & probes.condition.str.endswith(":behaviour")]
     if b.empty:
         return None
     fig, ax = plt.subplots(figsize=(9, 3.4))
     colours = {}
     for _, r in b.iterrows():
-        kl = np.asarray(r.kl, float)
-        w = min(32, len(kl))
-        roll = rolling_mean(kl, w) if w else kl
+        kl, floor = np.asarray(r.kl, float), np.asarray(r.kl_floor, float)
+        w = min(ROLLING, len(kl))
+        if not w:
+            continue
+        x = np.arange(len(kl) - w + 1) + w - 1
         label = f"{r.arm} ({r['mode']})"
         c = colours.get(label)
-        line, = ax.plot(np.arange(len(roll)) + w - 1, np.maximum(roll, KL_FLOOR_PLOT), lw=0.9, color=c,
+        line, = ax.plot(x, np.maximum(rolling_mean(kl, w), KL_FLOOR_PLOT), lw=0.9, color=c,
                         ls="-" if r["mode"] == "greedy" else "--", label=None if c else label)
         colours[label] = line.get_color()
-        if pd.notna(r.drift_start):
-            ax.axvline(r.drift_start, color=line.get_color(), ls=":", lw=1)
+        ax.plot(x, np.maximum(rolling_mean(floor, w), KL_FLOOR_PLOT), lw=0.5, alpha=0.5, color=line.get_color(),
+                ls="-" if r["mode"] == "greedy" else "--")
+        start = drift_start(kl, floor, ROLLING, JUMP) if (r.arm, r["mode"]) in drifted else None
+        if start is not None:
+            ax.axvline(start, color=line.get_color(), ls=":", lw=1)
     ax.set_yscale("log")
     ax.set_xlabel("generated token (dotted: where drift starts)")
-    ax.set_ylabel("KL vs reference (rolling mean, 32)")
-    ax.set_title(f"Along the engine's own long output, teacher-forced ({KL_FLOOR_PLOT:g} = identical)",
-                 fontsize=10)
+    ax.set_ylabel(f"KL vs reference (rolling mean, {ROLLING})")
+    ax.set_title(f"Along the engine's own long output (thick) and its re-read (thin), teacher-forced "
+                 f"({KL_FLOOR_PLOT:g} = identical)", fontsize=10)
     ax.legend(fontsize=8)
     return fig
 
@@ -125,7 +135,7 @@ def _drift_figure(probes: pd.DataFrame):
 FIGURES = {"prefix_kl": (lambda t, p: _prefix_figure(t), "Prefix-cache hits vs cold"),
            "batch_kl": (lambda t, p: _batch_figure(t), "Alone vs with other requests in flight"),
            "chunk_kl": (lambda t, p: _chunk_figure(p), "KL along the prompt, chunk boundaries marked"),
-           "drift": (lambda t, p: _drift_figure(p), "KL along long generations")}
+           "drift": (_drift_figure, "KL along long generations")}
 
 
 def _sections(table: pd.DataFrame, behaviour: pd.DataFrame) -> list[Section]:
@@ -165,13 +175,16 @@ def _sections(table: pd.DataFrame, behaviour: pd.DataFrame) -> list[Section]:
     if (table.family == "longgen").any():
         out.append(Section(
             "Long generations: where the engine leaves the reference along its own output",
-            "Each probe prompt is generated greedily to the token cap; the reference computed "
-            "here scores the engine's own tokens teacher-forced (KL against what the engine "
-            "reported, before each token). `start` (the first tokens) is the floor; each later "
-            "stretch `steps@a` is flagged when its KL jumps above the start's (a state that goes "
-            "bad, not a kernel that differs evenly). Behaviour: loops (a tail with under 30% "
-            "distinct 8-grams), thinking until the cap, special tokens in the text, early EOS, "
-            "length against the first arm.",
+            "Each probe prompt is generated to the token cap, greedily and sampled; the engine is "
+            "then asked the same tokens again as one prompt (a re-read in one prefill, none of the "
+            "state the decode built), and the reference computed here scores both teacher-forced "
+            "(KL against what the engine reported, before each token). `floor` is the re-read; each "
+            "stretch `steps@a` (from step 0) is flagged when its KL is above the re-read's at the "
+            "same positions (Wilcoxon signed-rank, p < 0.05, at least 4x in the mean). The second "
+            "table is the one judgement per arm and run, read by the verdict: flagged for a "
+            "flagged stretch, or for a misbehaviour (loops: a tail with under 30% distinct 8-grams; "
+            "thinking until the cap; special tokens in the text; early EOS) more frequent than in "
+            "the first arm's same run (one-sided Fisher exact test, p < 0.05).",
             [Table(table[table.family == "longgen"].drop(columns=["family", "cached_median", "distinct",
                                                                    "diverged", "first_step"]), fold=False),
              Table(behaviour, fold=False)], ["drift"]))
@@ -208,7 +221,8 @@ def build_page(result: dict) -> Page:
                 "than P: a retry of a request the server had processed), discarded, the cache "
                 "flushed and the condition asked again.", [Table(how, fold=False)]),
         Section("Every probe", "One row per comparison (probes.csv).",
-                [Table(result["probes"].drop(columns=["key", "tokens", "kl", "rank", "kl_window"],
+                [Table(result["probes"].drop(columns=["key", "tokens", "kl", "rank", "kl_window", "kl_floor",
+                                                       "floor_window"],
                                               errors="ignore"), fold=True)]),
     ]
     return Page("dsv4-fidelity consistency report", compared, result["verdict"],

@@ -14,7 +14,7 @@ from .batch import BatchFamily, BatchPlan
 from .chunk import ChunkFamily, ChunkPlan
 from .client import LiveArm
 from .family import FamilyError
-from .judge import behaviour_lines, behaviour_table, cache_reruns, condition_table, rerun_lines, verdict_lines
+from .judge import cache_reruns, condition_table, longgen_lines, longgen_table, rerun_lines, verdict_lines
 from .longgen import LongGenFamily, LongGenPlan
 from .prefix import PrefixFamily, PrefixPlan
 from .store import ProbeStore
@@ -69,11 +69,11 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
     for d in described:
         d["cache_reruns"] = cache_reruns(rows, d["name"])
     table = condition_table(rows)
-    behaviour = behaviour_table(rows)
+    behaviour = longgen_table(rows, table)          # the one judgement of long generations
     result = {"manifest": {"arms": described, "settings": asdict(settings), "checkpoint": target.name,
                            "reference": reference.describe() if reference is not None else None,
                            "seconds": round(time.time() - t0, 1), "requests": _requests(rows)},
-              "verdict": verdict_lines(table) + rerun_lines(rows) + behaviour_lines(behaviour)
+              "verdict": verdict_lines(table) + rerun_lines(rows) + longgen_lines(behaviour)
               + _dialect_caveats(described),
               "conditions": table,
               "behaviour": behaviour, "probes": rows,
