@@ -77,6 +77,39 @@ def _kv_bf16(golden, nope):
     return golden.rs(nope)
 
 
+@toggle("kv_cache_ggml", kernels=("kv_store", "rope_apply", "index_key_store"), group="kv_cache",
+        wraps=True, versions=("v4",), **_B,
+        params=(Param("type", str, "f16", "llama.cpp's -ctk/-ctv cache type", choices=("f16", "q8_0")),),
+        provenance=Provenance(("llama.cpp",), ("b11434 -ctk/-ctv f16 (default)", "-ctk q8_0 -ctv q8_0"),
+                              ("llama-kv-cache-dsv4.cpp (one type_k for the window, CSA, HCA and "
+                               "indexer caches)",)),
+        description="llama.cpp's DeepSeek-V4 caches hold whole KV rows in the -ctk type: the window "
+                    "KV, the CSA and HCA compressed entries (no-RoPE and RoPE dims alike) and the "
+                    "indexer keys, f16 by default or Q8_0 (blocks of 32, fp16 scale) with -ctk "
+                    "q8_0, where the reference keeps an FP8 grid on the no-RoPE dims and bf16 "
+                    "elsewhere. Every cached value passes through that type, the tokens of the "
+                    "current batch too. It models the stored values only: ggml's CPU attention "
+                    "over the cache also converts the query to the cache's dot-product type "
+                    "(f16, or Q8_0) and accumulates in it, which is not modelled -- on the "
+                    "embedded model the f16 case then leaves layer 0's attention output within "
+                    "2e-5 of llama.cpp, the Q8_0 case 5e-3 (docs/real-engines.md).")
+def _kv_cache_ggml(type):
+    def cache(x, cd):
+        return x.to(torch.float16).to(cd) if type == "f16" else E.q8_0(x, cd)
+
+    def kv_store(golden, nope):
+        return cache(golden.kv_store(nope), golden.cd)
+
+    def rope_apply(golden, x, inv, pos, site, inverse=False, phase="prefill"):
+        out = golden.rope_apply(x, inv, pos, site, inverse, phase)
+        return cache(out, golden.cd) if site in ("kv", "compressed_kv") else out
+
+    def index_key_store(golden, k):
+        return cache(golden.index_key_store(k), golden.cd)
+
+    return {"kv_store": kv_store, "rope_apply": rope_apply, "index_key_store": index_key_store}
+
+
 # ---- compressor ---------------------------------------------------------------------------
 @toggle("compress_state_bf16", kernel="compress_state", **_B,
         provenance=Provenance(("sglang",), ("SGLANG_DSV4_COMPRESS_STATE_DTYPE=bf16",),
@@ -297,7 +330,7 @@ def _mhc_bf16():
 
 
 # ---- MoE ---------------------------------------------------------------------------------
-@toggle("moe_weight_after_w2", kernel="expert_ffn", **_B,
+@toggle("moe_weight_after_w2", kernel="expert_ffn", group="moe_experts", **_B,
         provenance=Provenance(("sglang", "vllm"), ("fused MoE kernels (mul_routed_weight on the "
                                                    "down GEMM)",), (),
                               "per MoE backend (research §2.7, §8)"),
@@ -315,6 +348,29 @@ def _moe_weight_after_w2(golden, x, w1, w3, w2, weight, limit):
         h = Q.fp8_qdq(h, 128).to(cd)
     acc = golden.r32(h @ w2.to(cd).T)
     return golden.rs(acc * golden.r32(weight.to(cd)).unsqueeze(-1))
+
+
+@toggle("expert_act_q8_0", kernel="expert_ffn", group="moe_experts", **_B,
+        provenance=Provenance(("llama.cpp",), ("b11434 CPU backend with MXFP4 routed experts (default "
+                                                 "for V4 GGUFs)",),
+                              ("ggml-cpu quants.c: quantize_row_q8_0, ggml_vec_dot_mxfp4_q8_0",
+                               "llama-graph.cpp build_moe_ffn",
+                               "docs/real-engines.md: `fidelity llamacpp replay`, isolated MoE")),
+        description="llama.cpp's CPU routed experts: their MXFP4 GEMMs read the activations as "
+                    "Q8_0 (blocks of 32, scale amax/127 in fp16, codes rounded to nearest-even) "
+                    "instead of the reference's FP8 1x128 blocks, for the gate/up input and "
+                    "the SwiGLU output alike, and the routing weight multiplies the down "
+                    "projection's output (llama.cpp's build_moe_ffn) rather than the SwiGLU "
+                    "intermediate. The shared expert (F32/Q8_0 weights there) is unaffected. "
+                    "On the exact profile this is llama.cpp's expert arithmetic.")
+def _expert_act_q8_0(golden, x, w1, w3, w2, weight, limit):
+    if weight is None:
+        return golden.expert_ffn(x, w1, w3, w2, None, limit)
+    cd = golden.cd
+    a = E.q8_0(x, cd)
+    h = golden.swiglu(a @ w1.to(cd).T, a @ w3.to(cd).T, limit)
+    out = E.q8_0(h, cd) @ w2.to(cd).T
+    return golden.rs(out * weight.to(cd).unsqueeze(-1))
 
 
 def _rsf_recorder(box, route_scale_in_weights: bool):

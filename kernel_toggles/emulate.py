@@ -161,3 +161,21 @@ def splitk_mixes(X: torch.Tensor, fn: torch.Tensor, eps: float, splits: int, rou
         part = round_partial(Xs @ Fs.T)
         acc = part if acc is None else round_partial(acc + part)
     return acc * r
+
+
+def q8_0(x: torch.Tensor, cd=None) -> torch.Tensor:
+    """ggml's Q8_0 quantise-dequantise along the last dim, as its x86 CPU backend does for
+    the activations of a quantised-weight GEMM (quantize_row_q8_0): blocks of 32 fp32
+    values, id = 127 / amax, codes round(x * id) to nearest-even (_MM_ROUND_NEAREST), the
+    block scale amax / 127 stored as fp16; the value is code x fp16 scale."""
+    cd = cd or x.dtype
+    xf = x.float()
+    n = xf.shape[-1]
+    if n % 32:
+        raise ValueError(f"Q8_0 needs rows of a multiple of 32 values, got {n}")
+    b = xf.reshape(*xf.shape[:-1], n // 32, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(b * inv)
+    d = (amax / 127.0).half().float()
+    return (codes * d).reshape(xf.shape).to(cd)

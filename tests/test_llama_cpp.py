@@ -189,7 +189,10 @@ def test_replay_places_the_departure_and_names_what_reproduces_it(f32, tmp_path)
     """Tensor replay on the F32 GGUF: llama.cpp leaves the golden at its first tensor
     compared (layer 0's q, thousands of times the reduction-order floor) and matches the
     `exact` profile there to float32 rounding -- llama.cpp does not simulate the reference's
-    FP8 activation quantisation (its QAT numerics); nothing else differs at that point."""
+    FP8 activation quantisation (its QAT numerics); nothing else differs at that point.
+    Its MoE, fed its own inputs, is the exact profile with Q8_0 expert activations
+    (expert_act_q8_0) to float32 rounding, and its f16 cache (kv_cache_ggml) explains
+    layer 0's attention output."""
     import torch
     from fidelity.llamacpp import replay as R
     from fidelity.pipeline_model import arm_numerics
@@ -199,14 +202,24 @@ def test_replay_places_the_departure_and_names_what_reproduces_it(f32, tmp_path)
     ck, model = f32
     w, _ = load_weights(str(ck))
     ids, _ = haystack_ids(_tokenizer(ck), 200, 50, 3)
+    cpu, cache = R.LLAMA_CPU_ARMS
     arms = {R.GOLDEN: arm_numerics("golden", "reference", {}, "v4"),
-            R.FLOOR: Numerics("reference", torch.float32), "exact": Numerics("exact")}
-    table, first = R.replay(model, w, list(ids), arms, tmp_path, "prefill")
-    assert (first["layer"], first["tensor"], first["reproduced_by"]) == (0, "attn.q", ["exact"]), first
+            R.FLOOR: Numerics("reference", torch.float32), "exact": Numerics("exact"),
+            **{a: arm_numerics(a.split(":", 1)[1], "exact", {}, "v4") for a in R.LLAMA_CPU_ARMS}}
+    table, first, moe = R.replay(model, w, list(ids), arms, tmp_path, "prefill")
+    assert (first["layer"], first["tensor"]) == (0, "attn.q"), first
+    assert set(first["reproduced_by"]) == {"exact", *R.LLAMA_CPU_ARMS}
     assert first["x_floor"] > 100
-    q0 = table[(table.layer == 0) & (table.tensor == "attn.q")].iloc[0]
-    assert q0["vs exact"] < 1e-5 and q0["vs golden"] > 0.01
+    at = table.set_index(["layer", "tensor"])
+    assert at.loc[(0, "attn.q"), "vs exact"] < 1e-5 and at.loc[(0, "attn.q"), "vs golden"] > 0.01
     assert "first departs from the golden at layer 0 attn.q" in R.sentence(first, "prefill")
+    # the f16 cache explains most of what is left of layer 0's attention output
+    assert at.loc[(0, "attn.out"), f"vs {cache}"] < at.loc[(0, "attn.out"), "vs exact"] / 3
+    # each MoE fed llama.cpp's own input, experts and weights: Q8_0 activations reproduce
+    # its routed experts to float32 rounding; the exact profile is 1000x further
+    assert len(moe) == w.cfg.n_layers
+    assert (moe[f"vs {cpu}"] < 1e-5).all(), moe
+    assert (moe["vs exact"] > 100 * moe[f"vs {cpu}"]).all(), moe
 
 
 def test_needle_against_llama_server(server, f32, tmp_path):

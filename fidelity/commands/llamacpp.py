@@ -37,6 +37,13 @@ def add_arguments(p):
     p.add_argument("--text", default=None, help="kld-base: text file (default: generated haystack text)")
     p.add_argument("--compare", default=None, metavar="FILE",
                    help="kld-base: score this llama.cpp logits file against the golden instead of writing one")
+    p.add_argument("--cache-type", choices=("f16", "q8_0"), default="f16",
+                   help="replay: llama.cpp's KV cache type (llama-server's -ctk/-ctv; f16 is its default)")
+    p.add_argument("--arm", action="append", default=[], metavar="PROFILE:ARM",
+                   help="replay: also compare this in-process arm, a profile (reference|exact) and an "
+                        "arm spelling, e.g. exact:kv_cache_ggml(type=q8_0) (repeatable; golden, the "
+                        "fp32-accumulation floor, exact and llamacpp.replay.LLAMA_CPU_ARMS are always "
+                        "compared)")
     p.add_argument("--out", default=None,
                    help="kld-base: the file written (default golden.kld); replay: the folder (default reports)")
 
@@ -93,11 +100,27 @@ def _replay(args, ck: Path, model: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     arms = {R.GOLDEN: arm_numerics("golden", "reference", {}, "v4"),
             R.FLOOR: Numerics("reference", torch.float32), "exact": Numerics("exact")}
-    table, first = R.replay(model, w, ids, arms, out, args.path)
-    table.to_csv(out / f"replay-{args.path}.csv", index=False)
-    (out / f"first-departure-{args.path}.json").write_text(json.dumps(first, indent=1))
-    print(table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    for spec in dict.fromkeys([*R.LLAMA_CPU_ARMS, *args.arm]):
+        profile, _, arm = spec.partition(":")
+        if profile not in ("reference", "exact") or not arm:
+            raise CommandError(f"--arm {spec!r}: give PROFILE:ARM with PROFILE reference or exact, "
+                               "e.g. exact:expert_act_q8_0", 2)
+        try:
+            arms[spec] = arm_numerics(arm, profile, {}, "v4")
+        except ValueError as e:
+            raise CommandError(f"--arm {spec!r}: {e}", 2) from None
+    table, first, moe = R.replay(model, w, ids, arms, out, args.path, args.cache_type)
+    tag = f"{args.path}-{args.cache_type}"
+    table.to_csv(out / f"replay-{tag}.csv", index=False)
+    moe.to_csv(out / f"isolated-moe-{tag}.csv", index=False)
+    (out / f"first-departure-{tag}.json").write_text(json.dumps(first, indent=1))
+    fmt = lambda v: f"{v:.3g}"  # noqa: E731
+    print(table.to_string(index=False, float_format=fmt))
     print(R.sentence(first, args.path))
+    if len(moe):
+        print("\nEach layer's MoE fed llama.cpp's own input, experts and routing weights "
+              "(relative error to its ffn_out):")
+        print(moe.to_string(index=False, float_format=fmt))
     return 0
 
 

@@ -25,9 +25,13 @@ from . import tensor_dump as D
 
 # (golden tap under layers.{i}., llama.cpp tensor name before -{i}), in graph order
 PAIRS = [("attn.q", "q"), ("attn.kv", "kv"), ("attn.out", "attn_out"), ("ffn.out", "ffn_out")]
-PATTERN = r"^(embd|(q|kv|attn_out|ffn_out)-\d+)$"
+PATTERN = r"^(embd|(q|kv|attn_out|ffn_out|ffn_norm|ffn_moe_topk|ffn_moe_weights_scaled)-\d+)$"
 FACTOR = 10.0
 GOLDEN, FLOOR = "golden", "floor:fp32-accum"
+# llama.cpp's CPU arithmetic as in-process arms: the reference's math without its QAT
+# simulation, with the routed experts' activations read as Q8_0, then also the f16 cache
+# (llama-server's default -ctk f16) (docs/real-engines.md)
+LLAMA_CPU_ARMS = ("exact:expert_act_q8_0", "exact:expert_act_q8_0,kv_cache_ggml")
 
 
 def taps_of(weights, numerics, ids: list[int], path: str) -> Taps:
@@ -82,14 +86,40 @@ def first_departure(table: pd.DataFrame) -> dict | None:
             "x_floor": float(r[f"vs {GOLDEN}"] / max(r.floor, 1e-300)), "reproduced_by": arms}
 
 
-def replay(gguf: Path, weights, ids: list[int], arms: dict, workdir: Path, path: str = "prefill"):
-    """(table, first departure) for llama.cpp on `gguf` vs in-process `arms` (name ->
-    Numerics; must hold GOLDEN and FLOOR) over `ids` by `path`."""
-    dump = D.run(gguf, ids, Path(workdir) / f"dump-{path}.bin", path, PATTERN)
+def isolated_moe(engine: dict[str, np.ndarray], weights, arms: dict) -> pd.DataFrame:
+    """Each layer's MoE fed llama.cpp's own input, expert choice and routing weights
+    (ffn_norm, ffn_moe_topk, ffn_moe_weights_scaled), once per in-process arm: the arm's
+    relative error to llama.cpp's ffn_out there. Upstream differences drop out, so an arm
+    that matches to float32 rounding computes the experts as llama.cpp does."""
+    from reference_model.model import moe_experts
+    rows = []
+    for i in range(weights.cfg.n_layers):
+        need = [f"{n}-{i}" for n in ("ffn_norm", "ffn_moe_topk", "ffn_moe_weights_scaled", "ffn_out")]
+        if any(k not in engine for k in need):
+            continue
+        x, idx, wt, out = (np.asarray(engine[k]) for k in need)
+        k = idx.size // x.shape[0]
+        lw = weights.layer_weights(i)
+        row = {"layer": i}
+        for name, nx in arms.items():
+            y = moe_experts(nx, weights.cfg, lw, torch.tensor(x).to(nx.cd),
+                            torch.tensor(idx.reshape(-1, k)).long(),
+                            torch.tensor(wt.reshape(-1, k)).to(nx.cd))
+            row[f"vs {name}"] = rel(out, y.double().numpy())
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def replay(gguf: Path, weights, ids: list[int], arms: dict, workdir: Path, path: str = "prefill",
+           cache: str = "f16"):
+    """(table, first departure, isolated MoE table) for llama.cpp on `gguf` with its KV
+    cache in `cache` vs in-process `arms` (name -> Numerics; must hold GOLDEN and FLOOR)
+    over `ids` by `path`."""
+    dump = D.run(gguf, ids, Path(workdir) / f"dump-{path}-{cache}.bin", path, PATTERN, cache)
     engine = D.read(dump)
     taps = {name: taps_of(weights, nx, ids, path) for name, nx in arms.items()}
     table = compare(engine, taps, weights.cfg.n_layers)
-    return table, first_departure(table)
+    return table, first_departure(table), isolated_moe(engine, weights, arms)
 
 
 def sentence(first: dict | None, path: str) -> str:

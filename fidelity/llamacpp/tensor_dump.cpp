@@ -77,8 +77,11 @@ static bool on_tensor(struct ggml_tensor * t, bool ask, void * user_data) {
 }
 
 int main(int argc, char ** argv) {
-    if (argc != 6 || (strcmp(argv[4], "prefill") != 0 && strcmp(argv[4], "decode") != 0)) {
-        fprintf(stderr, "usage: %s MODEL.gguf IDS.i32 OUT.bin prefill|decode REGEX\n", argv[0]);
+    const char * cache = argc == 7 ? argv[6] : "f16";
+    const bool known_cache = strcmp(cache, "f16") == 0 || strcmp(cache, "q8_0") == 0;
+    if ((argc != 6 && argc != 7) || !known_cache ||
+        (strcmp(argv[4], "prefill") != 0 && strcmp(argv[4], "decode") != 0)) {
+        fprintf(stderr, "usage: %s MODEL.gguf IDS.i32 OUT.bin prefill|decode REGEX [f16|q8_0]\n", argv[0]);
         return 2;
     }
     std::vector<llama_token> ids;
@@ -100,6 +103,8 @@ int main(int argc, char ** argv) {
     cp.n_ctx = (uint32_t) ids.size() + 64;
     cp.n_batch = cp.n_ubatch = (uint32_t) ids.size();
     cp.n_threads = cp.n_threads_batch = 1;
+    // the cache type, as llama-server's -ctk/-ctv (f16 by default)
+    cp.type_k = cp.type_v = strcmp(cache, "q8_0") == 0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
     cp.cb_eval = on_tensor;
     cp.cb_eval_user_data = &st;
     llama_context * ctx = llama_init_from_model(model, cp);

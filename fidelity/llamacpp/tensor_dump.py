@@ -21,13 +21,15 @@ class DumpError(RuntimeError):
     pass
 
 
-def run(gguf: Path, ids: list[int], out: Path, path: str = "prefill", pattern: str = ".") -> Path:
+def run(gguf: Path, ids: list[int], out: Path, path: str = "prefill", pattern: str = ".",
+        cache: str = "f16") -> Path:
     """Dump the tensors matching `pattern` while llama.cpp evaluates `ids` by `path`
-    (prefill: one batch; decode: one token per step)."""
+    (prefill: one batch; decode: one token per step) with its KV cache in `cache` (f16 or
+    q8_0, llama-server's -ctk/-ctv)."""
     out = Path(out)
     ids_file = out.with_suffix(".ids")
     np.asarray(ids, "<i4").tofile(ids_file)
-    r = subprocess.run([str(paths.program(PROGRAM)), str(gguf), str(ids_file), str(out), path, pattern],
+    r = subprocess.run([str(paths.program(PROGRAM)), str(gguf), str(ids_file), str(out), path, pattern, cache],
                        capture_output=True, text=True, errors="replace")
     if r.returncode != 0:
         raise DumpError(f"{PROGRAM} failed (exit {r.returncode}): {r.stderr[-1500:]}")
