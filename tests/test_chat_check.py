@@ -248,3 +248,37 @@ def test_auto_chat_version_follows_a_served_v41_checkpoint(tmp_path):
     assert rc == 0 and set(df.status) == {"identical"} and len(df) == len(CASES)
     assert (m["meta"]["chat_version"], m["meta"]["chat_version_from"]) == ("v41", "architecture DeepseekV41ForCausalLM")
     assert m["meta"]["server"]["server_info"]["chat_encoding"] == "deepseek-recipe, DeepSeek-V4.1 encoding"
+
+
+# ---- the failing page: causes and next steps (issue 38) -------------------------------------------
+def _next_steps(summary: str) -> list[str]:
+    block = summary.split("## What to run next", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("toggle", list(EXPECTED))
+def test_failing_page_states_each_cause_and_steps_the_cli_parses(tmp_path, servers, toggle):
+    """Each request toggle's server: every failing case has a cause, the causes name the
+    reading the server runs (or one that includes it), the verdict states them in words,
+    and every suggested command fits the cause and parses with the real CLI."""
+    from kernel_toggles.registry import subsumed_by
+    from test_chat_check_causes import parsed
+    rc, df, rep = _run(tmp_path, servers[toggle], f"why-{toggle}", "--no-behaviour")
+    m = json.loads((rep / "manifest.json").read_text())
+    summary = (rep / "summary.md").read_text()
+    assert rc == 1 and df[df.status == "differs"].cause.notna().all()
+    named = {n for c in m["causes"] for n in c["reproduced by"].split()}
+    assert toggle in named | subsumed_by(named)
+    verdict = summary.split("**Verdict.**", 1)[1].split("##", 1)[0]
+    top = m["causes"][0]
+    assert f"{top['cause'][0].upper() + top['cause'][1:]}** in {top['cases']} case(s)" in verdict
+    assert "| case | status | cause |" in summary                  # the cause before the long columns
+    steps = _next_steps(summary)
+    assert steps
+    for s in steps:
+        args = parsed(s)
+        assert args.command == "serve" or args.endpoint == servers[toggle]
+    profile = "--engine-profile sglang" if "chat_sglang_0523" in named else None
+    assert any(profile in s for s in steps) if profile else not any("--engine-profile" in s for s in steps)
+    if not profile:
+        assert any(s.startswith(f"fidelity serve --arm {toggle} ") for s in steps)

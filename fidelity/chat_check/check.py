@@ -65,6 +65,23 @@ def profile_numerics(engine_profile: str | None):
     return ToggleSet.parse(PROFILES[engine_profile]).numerics()
 
 
+def known_readings() -> dict:
+    """name -> Numerics of every request toggle (each a known way an engine reads or renders
+    a chat): a differing prompt one of them reproduces exactly has a named cause."""
+    from kernel_toggles.registry import all_toggles
+    return {t.name: ToggleSet.parse(t.name).numerics() for t in all_toggles("request")}
+
+
+def reproduced_by(case, ids: list[int], probe, generation: str, readings: dict) -> str:
+    """The known readings whose rendering of the case the engine's ids equal, space-separated."""
+    hits = []
+    for name, nx in readings.items():
+        r = reference(case, generation, nx)
+        if r is not None and probe.raw_ids(r.text) == ids:
+            hits.append(name)
+    return " ".join(hits)
+
+
 def check_specials(probe, generation: str = "0731") -> None:
     """The engine's raw-text tokenizer must know DeepSeek-V4's special tokens; otherwise
     nothing rendered by the reference can be compared. Checking V4.1, the probe text
@@ -95,9 +112,11 @@ def state(thinking: bool | None, preamble: str) -> str:
     return "thinking" + (f", {preamble.replace('-', ' ')} preamble" if preamble else ", no preamble")
 
 
-def run_case(case, probe, generation: str, profile_nx=None) -> dict:
+def run_case(case, probe, generation: str, profile_nx=None, readings: dict | None = None) -> dict:
+    """The case's verdict row; with `readings`, a differing prompt also names the known
+    readings that reproduce it (`reproduced_by`)."""
     row = {"case": case.id, "kind": case.kind, "thinking_sent": case.thinking, "effort_sent": case.effort,
-           "tools": bool(case.tools)}
+           "tools": bool(case.tools), "system": bool(case.tags.get("system"))}
     ref = reference(case, generation)
     if ref is None:
         return {**row, "status": "undefined", "detail": f"effort {case.effort!r} has no reference in the "
@@ -123,13 +142,15 @@ def run_case(case, probe, generation: str, profile_nx=None) -> dict:
               f"{row['reference_state']} -> {row['engine_state']}")
     detail = (f"first difference at token {j} (engine {len(ids)} tokens, reference {len(ref_ids)}); "
               f"engine: ...{probe.decode(ids[lo:j + CONTEXT])!r}; reference: ...{probe.decode(ref_ids[lo:j + CONTEXT])!r}")
-    if case.tools:
-        detail += _dsml_note(eng_text, ref)
-    row.update(first_diff=j, became=became, detail=detail, status="differs")
+    note = _dsml_note(eng_text, ref) if case.tools else ""
+    row.update(first_diff=j, became=became, detail=detail + (f"; {note}" if note else ""), status="differs",
+               tools_format=note or None)
     if profile_nx is not None:
         exp = reference(case, generation, profile_nx)
         if exp is not None and probe.raw_ids(exp.text) == ids:
             row["status"] = "documented"
+    if readings and row["status"] == "differs":
+        row["reproduced_by"] = reproduced_by(case, ids, probe, generation, readings)
     return row
 
 
@@ -137,11 +158,11 @@ def _dsml_note(eng_text: str, ref: Reference) -> str:
     """What the engine's prompt says about its tool format, when it is not the reference's."""
     want = DIALECTS[ref.dsml]
     if "｜DSML｜" not in eng_text:
-        return f"; tools are not in {DSML_NAMES[ref.dsml]}'s DSML format"
+        return f"tools are not in {DSML_NAMES[ref.dsml]}'s DSML format"
     if want.opening not in eng_text:
         other = next((n for n, d in DIALECTS.items() if d.opening in eng_text and n != ref.dsml), None)
         if other:
-            return f"; tools are in {DSML_NAMES[other]}'s DSML tags, not {DSML_NAMES[ref.dsml]}'s"
+            return f"tools are in {DSML_NAMES[other]}'s DSML tags, not {DSML_NAMES[ref.dsml]}'s"
     return ""
 
 

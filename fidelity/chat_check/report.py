@@ -1,7 +1,9 @@
-"""The chat-check report on the common page layout (verdict, a thinking × effort status
-grid, the failing cases first), cases.csv, and the run's
-manifest (endpoint, the engine's own view, chat version and generation, engine profile, how
-prompt ids were obtained). `failed` = any undocumented difference, error or behaviour problem."""
+"""The chat-check report on the common page layout (verdict: the counts, then the cause of
+each kind of difference; a thinking × effort status grid in the request's own order; the
+causes as suspects with the commands that fit them; the failing cases), cases.csv, and the
+run's manifest (endpoint, the engine's own view, chat version and generation, engine
+profile, how prompt ids were obtained). `failed` = any undocumented difference, error or
+behaviour problem."""
 from __future__ import annotations
 
 import re
@@ -12,8 +14,12 @@ import pandas as pd
 from infra.report_page import Page, Section, Table
 from infra.report_writer import ReportWriter
 
+from fidelity.chat_check.cases import EFFORTS, THINKING
+from fidelity.chat_check.causes import cause_table, causes, label, next_steps, verdict_lines
+
 FAIL = ("differs", "error")
-COLUMNS = ["case", "status", "reference_state", "engine_state", "became", "behaviour", "detail"]
+# the cause before the long columns: a reader sees why a case failed without scrolling right
+COLUMNS = ["case", "status", "cause", "reproduced_by", "behaviour", "reference_state", "engine_state", "detail"]
 
 
 def headline(df, wrong) -> str:
@@ -43,6 +49,13 @@ def _axis(case: str, key: str) -> str:
     return m.group(1) if m else "absent"
 
 
+def in_order(values, order: list[str]) -> list[str]:
+    """`values` in the request's own order (absent, none, low, medium, high, max, xhigh),
+    anything unknown after it: an alphabetical axis puts high before low."""
+    rank = {v: i for i, v in enumerate(order)}
+    return sorted(set(values), key=lambda v: (rank.get(v, len(rank)), v))
+
+
 def status_grid(df: pd.DataFrame):
     """Thinking setting × reasoning effort: each cell coloured by its worst case status, with
     how many cases it holds; behaviour problems marked '!'. Where an engine reads a request
@@ -50,9 +63,10 @@ def status_grid(df: pd.DataFrame):
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
     d = df.assign(think=[_axis(c, "think") for c in df.case], effort=[_axis(c, "effort") for c in df.case])
-    thinks, efforts = sorted(d.think.unique()), sorted(d.effort.unique())
+    thinks = in_order(d.think, [label(v) for v in THINKING])
+    efforts = in_order(d.effort, [label(v) for v in EFFORTS])
     z = np.full((len(thinks), len(efforts)), np.nan)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.0 * len(efforts), 1.2 + 0.6 * len(thinks)))
+    fig, ax = plt.subplots(figsize=(1.6 + 0.85 * len(efforts), 1.0 + 0.5 * len(thinks)))
     for (t, e), g in d.groupby(["think", "effort"]):
         i, j = thinks.index(t), efforts.index(e)
         z[i, j] = min(SEVERITY.index(x) if x in SEVERITY else 0 for x in g.status)
@@ -72,19 +86,9 @@ def status_grid(df: pd.DataFrame):
     return fig
 
 
-def _next_steps(meta: dict, failed: bool) -> list[str]:
-    url = meta["endpoint"]["url"]
-    if not meta.get("engine_profile"):
-        return [f"fidelity chat-check --endpoint {url} --engine-profile sglang   # or vllm: judge "
-                "documented readings as documented"]
-    if failed and meta.get("chat_version") == "v41":
-        return [f"fidelity chat-check --endpoint {url} --engine-profile {meta['engine_profile']} "
-                "--chat-version v4   # if the deployment serves a DeepSeek-V4 checkpoint"]
-    if failed:
-        other = "original" if meta.get("generation") == "0731" else "0731"
-        return [f"fidelity chat-check --endpoint {url} --engine-profile {meta['engine_profile']} "
-                f"--generation {other}   # if the checkpoint is the {other} generation (its effort tiers)"]
-    return []
+def _next_steps(meta: dict, failed: bool, table: pd.DataFrame) -> list[str]:
+    """Commands that fit the causes found; none for a clean run."""
+    return next_steps(meta, table) if failed else []
 
 
 def _encoding(meta: dict) -> str:
@@ -95,13 +99,16 @@ def _encoding(meta: dict) -> str:
 
 def write(rows: list[dict], meta: dict, out_dir, run_id: str):
     df = pd.DataFrame(rows)
-    for c in COLUMNS:
+    for c in COLUMNS + ["tools_format"]:
         if c not in df:
             df[c] = None
+    df["cause"] = ["; ".join(causes(r)) or None for r in df.to_dict("records")]
     wrong = df.behaviour.notna() & (df.behaviour != "ok")
     failed = bool(df.status.isin(FAIL).any() or wrong.any())
     counts = df.status.value_counts().rename_axis("status").reset_index(name="cases")
-    bad = df[df.status.isin(FAIL) | wrong][COLUMNS].reset_index(drop=True)
+    failing = df[df.status.isin(FAIL) | wrong]
+    bad = failing[COLUMNS].reset_index(drop=True)
+    why = cause_table(failing, df)
     verdict = headline(df, wrong) if failed else "Every case renders as DeepSeek's encoder does"
     if not failed and (df.status == "documented").any():
         verdict = (f"No undocumented difference: {int((df.status == 'identical').sum())} case(s) render as "
@@ -112,8 +119,10 @@ def write(rows: list[dict], meta: dict, out_dir, run_id: str):
     w = ReportWriter(f"{out_dir}/chat-check", run_id)
     try:
         w.table("cases", df)
+        w.table("causes", why)
         w.json("manifest", {"meta": meta, "verdict": verdict, "failed": failed,
-                            "counts": dict(zip(counts.status, counts.cases.astype(int)))})
+                            "counts": dict(zip(counts.status, counts.cases.astype(int))),
+                            "causes": why.to_dict("records")})
         import matplotlib.pyplot as plt
         w.figure(status_grid(df), "status_grid", "Cases by thinking × effort",
                  "Each cell: the worst status among its cases (colour), failing cases (differs or "
@@ -123,11 +132,12 @@ def write(rows: list[dict], meta: dict, out_dir, run_id: str):
                     f"DeepSeek's encoder (deepseek-recipe, {_encoding(meta)}) on {len(df)} chat "
                     f"requests; engine profile `{meta['engine_profile'] or 'none'}`; prompt ids via "
                     f"`{meta['method']}`, raw text tokenized by `{meta['raw_tokenizer']}`.")
-        page = Page("dsv4-fidelity chat-check", compared, [verdict + "."], ["status_grid"],
-                    Table(bad.head(8), fold=False, caption=f"Undocumented differences, refusals and behaviour "
-                          f"problems: {min(8, len(bad))} of {len(bad)} (all below and in cases.csv).")
-                    if len(bad) else None,
-                    _next_steps(meta, failed),
+        page = Page("dsv4-fidelity chat-check", compared, [verdict + "."] + verdict_lines(why), ["status_grid"],
+                    Table(why, fold=False, caption="Each cause of a failing case: how many cases, the request "
+                          "settings they share, the known engine reading (request toggle) that renders them "
+                          "exactly, and one example (every case below and in cases.csv).")
+                    if len(why) else None,
+                    _next_steps(meta, failed, why),
                     [Section("Cases by status", "", [Table(counts, fold=False)]),
                      Section("Differences, errors and behaviour problems", "",
                              [Table(bad, summary=f"{len(bad)} cases")]),

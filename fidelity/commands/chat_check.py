@@ -47,7 +47,7 @@ def run(args) -> int:
     from fidelity.chat_check import report
     from fidelity.chat_check.cases import all_cases
     from fidelity.chat_check.check import (TokenizerMismatch, behaviour, check_specials, expected_reading,
-                                           profile_numerics, run_case)
+                                           known_readings, profile_numerics, run_case)
     from fidelity.chat_check.probe import WEAK, ChatProbe, ProbeError
     from fidelity.chat_check.version import served_chat_version
     from fidelity.kld.endpoint import Endpoint, EndpointError
@@ -69,11 +69,12 @@ def run(args) -> int:
         probe = ChatProbe(ep, tok or load_tokenizer())
         cases = all_cases()
         prof = profile_numerics(args.engine_profile)
+        readings = known_readings()
         check_specials(probe, generation)
         rows = []
         with progress.task("chat-check", len(cases)) as advance:
             for c in cases:
-                row = run_case(c, probe, generation, prof)
+                row = run_case(c, probe, generation, prof, readings)
                 if not args.no_behaviour and (c.kind != "matrix" or (c.effort is None and not c.tags["system"])):
                     row["behaviour"] = behaviour(c, probe, *expected_reading(c, row, generation, prof))
                 rows.append(row)
