@@ -191,18 +191,17 @@ def main() -> int:
         row["seconds"] = round(time.time() - t0)
         res["variants"][name] = row
         print(name, json.dumps(row)[:400], flush=True)
-    with serving(f32, OUT / "once.log", ctx=8192, slots=4, port=18799) as url:
-        res["once"] = once(url, ck)
-    RESULTS.write_text(json.dumps(res, indent=1, default=float))
-    write_doc(res)
-    print(f"wrote {RESULTS} and {DOC}")
-    return 0
+    return finish(res, f32, ck)
 
 
 def rerun_once() -> int:
     """chat-check and consistency again (F32, -np 4), the stored variants kept."""
     ck, f32 = gguf(MODEL, "f32")
-    res = json.loads(RESULTS.read_text())
+    return finish(json.loads(RESULTS.read_text()), f32, ck)
+
+
+def finish(res: dict, f32: Path, ck: Path) -> int:
+    """chat-check and consistency once (F32, -np 4), then the results and the doc written."""
     with serving(f32, OUT / "once.log", ctx=8192, slots=4, port=18799) as url:
         res["once"] = once(url, ck)
     RESULTS.write_text(json.dumps(res, indent=1, default=float))
