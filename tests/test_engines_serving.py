@@ -297,7 +297,9 @@ def test_consistency_task_end_to_end(tmp_path):
     summary = (root / "summary.md").read_text()
     lines = st["golden"]["consistency"]["verdict"] + st["batchdep"]["consistency"]["verdict"]
     assert lines and all(line in summary for line in lines)
-    assert any(line.startswith("`batchdep` (batch) differs") for line in st["batchdep"]["consistency"]["verdict"])
+    # its replies change with a batch-mate (below the greedy choice on this short probe)
+    assert any(line.startswith(("`batchdep` (batch) differs", "`batchdep` (batch) its numerics change"))
+               and "under 1 of 1 conditions" in line for line in st["batchdep"]["consistency"]["verdict"])
     assert "consistency report (batchdep, 1 of 1 conditions flagged): `consistency/batchdep/index.html`" in summary
     assert "prefix_cache=false chunked_prefill_size=256" in summary           # the arms table
     p2 = run()
