@@ -102,15 +102,20 @@ def _heatmaps(plt, t: dict, arms: list[str]):
 
 def _recall_vs_length(plt, t: dict, arms: list[str]):
     Ls, _ = _axes(t["cells"])
+    from infra.plot_style import same_as
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for k, a in enumerate(arms):
-        rs = [r for r in t["lengths"] if r["arm"] == a and r["recall"] is not None]
+    rows = {a: [r for r in t["lengths"] if r["arm"] == a and r["recall"] is not None] for a in arms}
+    same = same_as({a: pd.Series([r["recall"] for r in rs], [r["length"] for r in rs])
+                    for a, rs in rows.items() if rs})
+    for k, (a, rs) in enumerate(rows.items()):
         if rs:
             style = dict(ls="--", color="k") if k == 0 else {}     # the baseline arm dashed
+            if a in same:                                           # hidden under an earlier arm: ringed
+                style.update(mfc="none", ms=11, mew=1.3)
             ax.errorbar([r["length"] for r in rs], [r["recall"] for r in rs],
                         yerr=[[max(0.0, r["recall"] - r["ci_low"]) for r in rs],
                               [max(0.0, r["ci_high"] - r["recall"]) for r in rs]],
-                        marker="o", capsize=3, label=a, **style)
+                        marker="o", capsize=3, label=a + (f" ({same[a]})" if a in same else ""), **style)
     if Ls and max(Ls) >= 4 * min(Ls):
         ax.set_xscale("log", base=2)
     if ax.lines:

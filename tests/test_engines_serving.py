@@ -300,7 +300,8 @@ def test_consistency_task_end_to_end(tmp_path):
     # its replies change with a batch-mate (below the greedy choice on this short probe)
     assert any(line.startswith(("`batchdep` (batch) differs", "`batchdep` (batch) its numerics change"))
                and "under 1 of 1 conditions" in line for line in st["batchdep"]["consistency"]["verdict"])
-    assert "consistency report (batchdep, 1 of 1 conditions flagged): `consistency/batchdep/index.html`" in summary
+    assert "[Consistency report: batchdep](consistency/batchdep/index.html) (1 of 1 conditions flagged)" in summary
+    assert "| batchdep | **flagged**: consistency: batch/batch@1 |" in summary     # its one-line finding
     assert "prefix_cache=false chunked_prefill_size=256" in summary           # the arms table
     p2 = run()
     assert p2.returncode == 0 and p2.stderr.count("not launched") == 2

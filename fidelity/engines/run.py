@@ -14,8 +14,6 @@ import shutil
 import time
 from pathlib import Path
 
-import pandas as pd
-
 from fidelity.kld.endpoint import Endpoint
 from fidelity.kld.run import (TOKENIZER_PROBE, ScoredArm, check_tokenizers, evaluate, repeat_floor,
                               score_entry)
@@ -24,8 +22,6 @@ from fidelity.kld.store import ScoreStore
 from fidelity.prompts import file_prompts, grid_prompts
 from fidelity.progress import Progress
 from fidelity.weights.target import load_target
-from infra.report_page import FigureStore, Page, Section, Table, render_html, render_markdown
-from kernel_toggles import serving_settings as SS
 from needle.haystack import HaystackSpec, PromptFormat
 from needle.http import HttpRunner, RequestOptions
 from needle.report import write_report
@@ -35,6 +31,7 @@ from needle.tables import by_arm
 
 from . import golden
 from .launch import EngineProcess, LaunchPlan, ReadinessLog, describe_exit, plan_arm
+from .page import engines_page, write_index
 from .spec import Spec, SpecError
 
 KLD_KEYS = {"lengths", "depths", "reps", "seed", "top_k", "steps", "exact", "exact_k", "captures",
@@ -396,51 +393,5 @@ def report(spec: Spec, root: Path, run_id: str, state: State, prompts, s: KldSet
     if "consistency" in spec.tasks:
         out["consistency"] = {a.name: state.arm(a.name)["consistency"] for a in arms
                               if state.arm(a.name).get("consistency")}
-    write_summary(root, _page(spec, state, out), out)
+    write_index(root, engines_page(spec, state, out), out)
     return out
-
-
-def _page(spec: Spec, state: State, out: dict) -> Page:
-    """The run's first page: the KLD verdict and each arm's needle recall, the two
-    sub-reports' lead plots, the arms as launched, and where everything else is."""
-    verdict = [out["verdict"]["sentence"]] if "verdict" in out else []
-    for r in out.get("recall") or []:
-        verdict.append(f"`{r['arm']}` needle recall " + ("– (no scored trial)" if r["recall"] is None else
-                       f"{r['recall']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] over {r['n_scored']} "
-                       f"scored trials ({r['truncated']} truncated, {r['server_error']} server errors)"))
-    for name, c in (out.get("consistency") or {}).items():   # its lines name the arm, else say which
-        verdict += [f"Consistency: {line}" if line.startswith(f"`{name}`") else f"`{name}` consistency: {line}"
-                    for line in c["verdict"]]
-    arms = pd.DataFrame([{"arm": a.name, "engine": a.engine, "role": a.role,
-                          "toggles": a.toggles if a.toggles is not None else "-",
-                          "serving": " ".join(f"{k}={SS.get(k).spell(v)}" for k, v in a.serving.items()) or "-",
-                          "env": " ".join(f"{k}={v}" for k, v in a.env.items()) or "-",
-                          "flags": " ".join(a.flags) or "-", "ready_s": state.arm(a.name).get("ready_s"),
-                          "tasks_done": ", ".join(state.arm(a.name)["done"]) or "-"} for a in spec.arms])
-    where = [f"{k} report: `{Path(out[k]).relative_to(out['root'])}/index.html`" for k in ("kld", "needle")
-             if k in out]
-    where += [f"consistency report ({name}, {len(c['flagged'])} of {c['conditions']} conditions flagged): "
-              f"`{c['path']}/index.html`" for name, c in (out.get("consistency") or {}).items()]
-    where.append("Launch commands: `launch.sh`; engine logs: `logs/`; state: `state.json`.")
-    compared = (f"Spec `{spec.path.name}`: " + ", ".join(f"`{a.name}` ({a.engine})" for a in spec.arms)
-                + f"; tasks {', '.join(spec.tasks)}.")
-    return Page(f"fidelity engines: {spec.path.name}", compared, verdict or ["No task finished."],
-                ["signals", "recall_vs_length"], None, [],
-                [Section("Arms as launched", "", [Table(arms, fold=False)]), Section("Reports", "\n".join(where))])
-
-
-def write_summary(root: Path, page: Page, out: dict) -> None:
-    """index.html and summary.md at the run's root (beside its state and logs), the lead
-    plots taken from the KLD and needle reports; each file written whole, then renamed."""
-    figs = []
-    if "kld" in out:
-        figs.append((f"{Path(out['kld']).relative_to(root)}/signals.png", "KLD: signals vs their floors",
-                     "Each arm's mean of each signal over the highest floor (red: above every floor)."))
-    if "needle" in out:
-        figs.append((f"{Path(out['needle']).relative_to(root)}/recall_vs_length.png", "Needle recall vs context length",
-                     "95% Wilson intervals; the baseline arm dashed."))
-    store = FigureStore(root, [f for f in figs if (root / f[0]).exists()])
-    for name, text in (("index.html", render_html(page, store)), ("summary.md", render_markdown(page, store))):
-        tmp = root / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(root / name)

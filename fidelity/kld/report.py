@@ -6,13 +6,15 @@ selection margins of the needle entry (fidelity.kld.margins), plots and the run'
 manifest (each arm's own view of itself included)."""
 from __future__ import annotations
 
+import shlex
+
 import numpy as np
 import pandas as pd
 
 import matplotlib.pyplot as plt
 
 from fidelity.verdict.attribution import bootstrap_mean_ci
-from fidelity.verdict.board import signal_board, suspects
+from fidelity.verdict.board import SUSPECTS_CAPTION, headline, named_suspects, signal_board, suspects
 from fidelity.verdict.findings import findings_table, verdict_lines
 from infra.report_page import Page, Section, Table
 from infra.report_writer import ReportWriter
@@ -153,11 +155,20 @@ def _retry_lines(m) -> list[str]:
             for a, v in (m.get("retries") or {}).items()]
 
 
-def _arm_flag(a: dict) -> str:
-    return f"--endpoint {a['name']}={a['url']}" if a.get("url") else f"--inprocess {a['name']}={a.get('arm', a['name'])}"
+def _arm_flag(a: dict) -> str | None:
+    """How `fidelity kld` would be told about this arm again: its URL, else its arm spelling
+    (in-process, or the toggles an engines spec gave a stand-in); None for a live engine
+    that is not running now (no URL kept)."""
+    if a.get("url"):
+        return f"--endpoint {shlex.quote(a['name'] + '=' + a['url'])}"
+    spelling = a.get("arm") or a.get("toggles")
+    if spelling is None and "spec" in a:
+        return None
+    return f"--inprocess {shlex.quote(a['name'] + '=' + str(spelling or a['name']))}"
 
 
 def _next_steps(m: dict, sus: pd.DataFrame) -> list[str]:
+    """Commands spelled as the CLI parses them (tests/test_report_pages.py parses each)."""
     s = m["settings"]
     arms = {a["name"]: a for a in m["arms"]}
     base = arms.get(m["baseline"])
@@ -166,16 +177,21 @@ def _next_steps(m: dict, sus: pd.DataFrame) -> list[str]:
     out = []
     others = [a for n, a in arms.items() if n != m["baseline"] and a.get("role", "arm") != "floor"]
     if not s.get("exact") and others:
-        flags = " ".join(_arm_flag(a) for a in [base] + others)
-        out.append(f"fidelity kld {flags} --exact   # exact KL instead of a top-{s['k']} lower bound")
-    named = sus[sus.named] if len(sus) else sus
+        flags = [_arm_flag({**a, "spec": m["spec"]} if "spec" in m else a) for a in [base] + others]
+        if None not in flags:
+            out.append(f"fidelity kld {' '.join(flags)} --exact   # exact KL instead of a top-{s['k']} lower bound")
+        else:
+            out.append(f"fidelity engines run {shlex.quote(m['spec'])} --fresh   # with exact = true under "
+                       f"[run.kld]: exact KL instead of a top-{s['k']} lower bound")
+    named = named_suspects(sus)
     for _, r in named.head(2).iterrows():
         a = arms.get(r.toggle)
         if a is not None and a.get("url"):
-            out.append(f"fidelity needle --endpoint {m['baseline']}={base.get('url', '')} "
-                       f"--endpoint {a['name']}={a['url']}   # does {a['name']} cost recall?"
+            q = shlex.quote
+            out.append(f"fidelity needle --endpoint {q(m['baseline'] + '=' + base.get('url', ''))} "
+                       f"--endpoint {q(a['name'] + '=' + a['url'])}   # does {a['name']} cost recall?"
                        if base.get("url") else
-                       f"fidelity needle --arm golden=golden --endpoint {a['name']}={a['url']}"
+                       f"fidelity needle --arm golden=golden --endpoint {q(a['name'] + '=' + a['url'])}"
                        f"   # does {a['name']} cost recall?")
     return out
 
@@ -251,5 +267,5 @@ def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov,
     lead = ["signals", "kld_vs_position"] if len(judged["summary"]) else ["kld_vs_position"]
     return Page("dsv4-fidelity KLD report", compared,
                 [*verdict_lines(judged["verdict"]), *_incomplete_lines(cov)],
-                lead, Table(sus, ratio=sus[["x_floor"]], fold=False) if len(sus) else None,
-                _next_steps(m, sus), sections, m)
+                lead, Table(sus, ratio=sus[["x_floor"]], fold=False, caption=SUSPECTS_CAPTION) if len(sus) else None,
+                _next_steps(m, sus), sections, m, headline=headline(judged["verdict"]))

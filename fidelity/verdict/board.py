@@ -1,26 +1,59 @@
-"""The verdict as a reader sees it, shared by the ab, kld and engines reports: the signals
-board (each arm's signals over their floors) and the suspects (each factor's strongest
-signal against its floor)."""
+"""The verdict as a reader sees it, shared by the ab, kld and engines reports: the headline
+(one sentence: what broke, where, how much against its floor), the signals board (each
+arm's signals over their floors) and the suspects (each factor's strongest signal against
+its floor, and which kind of finding it is)."""
 from __future__ import annotations
+
+import re
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from .findings import _how_much, _layers
+from .signals import MECHANISM_WHAT
+from .tail import METHOD as TAIL
+
+
+# what a suspect's row is, in the words of the verdict (judge.verdict): an outcome finding
+# names the toggle; a mechanism finding says what it changes inside, outcome within floors
+OUTCOME, BOTH, MECHANISM_ONLY, NEITHER = ("outcome (named)", "outcome (named) + mechanism",
+                                          "mechanism only", "below floors")
+SUSPECTS_CAPTION = (f"Each toggle's strongest signal: value (95% CI) against the highest floor for that "
+                    f"signal and place. Finding: \"{OUTCOME}\" = the verdict names it (an outcome signal's "
+                    f"interval clears its floor; that outcome row is shown); \"{MECHANISM_ONLY}\" = it changes "
+                    f"what the model selects inside (indexer picks, experts) beyond the floors that are noise "
+                    f"for that, while the outcome stays within its floors; \"{NEITHER}\" = neither.")
+
 
 def suspects(verdict_table: pd.DataFrame, limit: int = 8) -> pd.DataFrame:
-    """Each toggle's strongest signal against its floor, strongest first: named ones (their
-    interval clears the floor) then the rest."""
+    """Each toggle's strongest signal against its floor, ranked as the verdict reads them:
+    toggles the outcome names first (their strongest outcome row, the one the verdict
+    quotes), then mechanism-only ones, then the rest; `finding` says which kind, so a
+    mechanism finding never reads as a named culprit."""
     if verdict_table.empty:
         return verdict_table
     v = verdict_table.copy()
-    v["rank"] = v["clears"].astype(int) * 1e9 + v["x_floor"].replace(np.inf, 1e8).fillna(0)
+    if "kind" not in v:
+        v["kind"] = "outcome"
+    v["clears"] = v["clears"].astype(bool)
+    outcome = set(v.toggle[v.clears & (v.kind == "outcome")])
+    mechanism = set(v.toggle[v.clears & (v.kind == "mechanism")])
+    tier = np.where(v.toggle.isin(outcome), np.where(v.clears & (v.kind == "outcome"), 3, 0),
+                    np.where(v.toggle.isin(mechanism), v.clears.astype(int) * 2, 1))
+    v["rank"] = tier * 1e9 + v["x_floor"].replace(np.inf, 1e8).fillna(0).clip(upper=1e8)
     best = v.sort_values("rank", ascending=False).drop_duplicates("toggle").head(limit)
-    kind = best["kind"] if "kind" in best else pd.Series("outcome", index=best.index)
-    return pd.DataFrame({"toggle": best.toggle, "kind": kind, "signal": best.signal, "where": best["where"],
-                         "method": best.method, "value": best.value, "ci_low": best.lo, "ci_high": best.hi,
-                         "floor": best.floor_hi, "x_floor": best.x_floor, "named": best.clears}
-                        ).reset_index(drop=True)
+    finding = [BOTH if t in outcome and t in mechanism else OUTCOME if t in outcome
+               else MECHANISM_ONLY if t in mechanism else NEITHER for t in best.toggle]
+    return pd.DataFrame({"toggle": best.toggle, "finding": finding, "signal": best.signal,
+                         "where": best["where"], "method": best.method, "value": best.value,
+                         "ci_low": best.lo, "ci_high": best.hi, "floor": best.floor_hi,
+                         "x_floor": best.x_floor}).reset_index(drop=True)
+
+
+def named_suspects(sus: pd.DataFrame) -> pd.DataFrame:
+    """The suspects the outcome verdict names."""
+    return sus[sus.finding.isin([OUTCOME, BOTH])] if len(sus) else sus
 
 
 def signal_ratios(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[str]) -> pd.DataFrame:
@@ -43,15 +76,112 @@ def signal_ratios(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[s
 def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[str]):
     """Arm × (signal, place) heat map of mean / highest floor's upper bound (log10); grey
     where there is no data (or 0 against a 0 floor), so "nothing to say" never looks like
-    "far below the floor"."""
+    "far below the floor". The board is a page's lead plot, shown at its own size: labels
+    at 10 pt, the signals named above the rows (on the first screen however many arms)."""
     piv = signal_ratios(sig_summary, verdict, arms)
     z = np.ma.masked_invalid(np.log10(piv.to_numpy(dtype=float).clip(1e-3, 1e4)))
     cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#cfcfcf")
-    fig, ax = plt.subplots(figsize=(2.5 + 0.42 * piv.shape[1], 2.2 + 0.3 * len(piv)))
-    im = ax.imshow(z, aspect="auto", cmap=cmap, vmin=-2, vmax=2)
-    ax.set_yticks(range(len(piv)), piv.index, fontsize=8)
-    ax.set_xticks(range(piv.shape[1]), piv.columns, rotation=60, ha="right", fontsize=8)
-    ax.set_xlabel("signal @ place (grey: no data, or 0 vs a floor of 0)")
-    fig.colorbar(im, ax=ax, label="log10(mean / floor)", shrink=min(1.0, 0.3 + 0.07 * len(piv)))
-    fig.tight_layout()
+    with plt.rc_context({"font.size": 10}):
+        rows = max((len(str(a)) for a in piv.index), default=8)       # labels get their room
+        cols = max((len(str(c)) for c in piv.columns), default=8)
+        per_row = 0.32 if len(piv) <= 12 else 0.25
+        fig, ax = plt.subplots(figsize=(1.6 + 0.5 * piv.shape[1] + 0.08 * rows,
+                                        1.0 + per_row * len(piv) + 0.06 * cols))
+        im = ax.imshow(z, aspect="auto", cmap=cmap, vmin=-2, vmax=2)
+        ax.set_yticks(range(len(piv)), piv.index, fontsize=10)
+        ax.xaxis.tick_top()
+        ax.xaxis.set_label_position("top")
+        ax.set_xticks(range(piv.shape[1]), piv.columns, rotation=40, ha="left", rotation_mode="anchor",
+                      fontsize=10)
+        ax.set_xlabel("signal @ place (grey: no data, or 0 vs a floor of 0)")
+        fig.colorbar(im, ax=ax, label="log10(mean / floor)", shrink=min(1.0, 0.35 + 0.07 * len(piv)))
+        fig.tight_layout()
     return fig
+
+
+# each signal in a few words, for the headline (SIGNALS has the full definitions)
+SHORT = {"kld_mean": "mean final-logit KLD", "kld_p99": "p99 final-logit KLD", "answer_kld": "KLD at the answer",
+         "late_kld_excess": "KLD growth along the context", "topk_loss": "indexer top-k loss",
+         "needle_lost": "needle entry lost", "expert_disagree": "expert-set disagreement",
+         "top1_disagree": "top-1 disagreement"}
+
+
+def place_words(where: str) -> str:
+    """"final logits @ L511" -> " on the 511-token prompts"; "layer 1" -> " at layer 1"
+    (the final logits are where every outcome signal is read: not repeated)."""
+    base, _, group = str(where).partition(" @ ")
+    words = f" at {base}" if base.startswith("layer") else "" if base == "final logits" else f" at {base}"
+    m = re.fullmatch(r"L(\d+)", group)
+    return words + (f" on the {m.group(1)}-token prompts" if m else f" on the {group} prompts" if group else "")
+
+
+def headline(v: dict, first_divergence=None, sets: dict | None = None) -> str:
+    """The verdict in one sentence: the culprit the outcome names (signal, place, value
+    against its floor, where it first departs); else the strongest mechanism finding; else
+    the strongest departure; else that nothing moves. Read from the verdict dict alone
+    (judge.verdict, findings.with_departures), so the page can never say more than it."""
+    caution = " Caution: too few prompts for the intervals to mean much." if v.get("few_prompts") else ""
+    if v.get("named"):
+        return _named_headline(v["named"], first_divergence, sets) + caution
+    if v.get("mechanism"):
+        return _mechanism_headline(v["mechanism"]) + caution
+    deps = sorted(v.get("departures") or [], key=lambda d: -d["ratio"])
+    if deps:
+        d = deps[0]
+        return (f"No toggle changes the outcome or the mechanism beyond its floors; {d['arm']} departs "
+                f"first at layer {d['layer']} `{d['tap']}` ({d['phase']}), {_times(d['ratio'])} the "
+                f"reduction-order floor.{caution}")
+    if "No attribution" in v.get("sentence", ""):
+        return v["sentence"]
+    return "No toggle changes the outcome or the mechanism beyond its floors." + caution
+
+
+def _times(x: float) -> str:
+    return "infinitely many times" if not np.isfinite(x) else f"{x:.3g}×"
+
+
+def _named_headline(named: list[dict], fd, sets) -> str:
+    c = named[0]
+    under = f" under {c['schedule']}" if c.get("schedule") else ""
+    if c["method"] == TAIL and "tail" in c:
+        t = c["tail"]
+        how = (f"breaks {int(t['b'])} of {int(t['n'])} prompts{under}: {SHORT.get(t['signal'], t['signal'])} "
+               f"{t['value']:.3g} vs a floor of at most {t['floor_hi']:.2g} (worst: {t['worst']})")
+    else:
+        vs = (f"{c['value'] / c['floor_hi']:.3g}× the highest floor ({c['floor_hi']:.2g}, {c['floor_arm']})"
+              if c["floor_hi"] > 0 else f"where the highest floor ({c['floor_arm']}) is exactly 0")
+        how = (f"changes the outcome{under}: {SHORT.get(c['signal'], c['signal'])}{place_words(c['where'])} "
+               f"is {c['value']:.3g}, {vs}")
+    dep = _first_place(c["toggle"], fd, sets)
+    more = f" {len(named) - 1} more toggle(s) are named too." if len(named) > 1 else ""
+    return f"{c['toggle']} {how}" + (f"; it first departs {dep}" if dep else "") + "." + more
+
+
+def _mechanism_headline(findings: list[dict]) -> str:
+    f = findings[0]
+    s = f["signals"][0]
+    under = f" under {s['schedule']}" if s.get("schedule") else ""
+    more = f"; {len(findings) - 1} more toggle(s) change the mechanism less" if len(findings) > 1 else ""
+    return (f"Nothing changes the outcome beyond its floors; inside, {f['toggle']} changes "
+            f"{MECHANISM_WHAT[s['signal']]} at {_layers(s['places'])}{under} ({_how_much(s)}){more}.")
+
+
+def _first_place(toggle: str, fd, sets: dict | None) -> str:
+    """Where the culprit itself first departs: from the arm it was added to (a --vs pair
+    differing by it alone), else its own one-toggle arm from golden; "" when only arms
+    holding other toggles too were compared (their first place may be another toggle's)."""
+    rows = pd.DataFrame(fd) if fd is not None else pd.DataFrame()
+    if rows.empty:
+        return ""
+
+    def toggles(arm) -> frozenset:
+        if arm == "golden":
+            return frozenset()
+        return frozenset(sets.get(arm, ())) if sets else frozenset(str(arm).split("@")[0].split(","))
+    own = rows[[toggles(a) - toggles(b) == {toggle} and toggles(b) <= toggles(a)
+                for a, b in zip(rows.arm, rows.vs)]]
+    if own.empty:
+        return ""
+    r = own.assign(direct=(own.vs != "golden").astype(int)).sort_values("direct", ascending=False).iloc[0]
+    return (f"from {r.vs} at layer {r.layer} `{r.tap}` ({r.phase}), {_times(float(r.ratio))} "
+            f"the reduction-order floor")
