@@ -75,3 +75,22 @@ def test_kv_cache_ggml_rounds_every_cached_row_and_nothing_else(kind):
         assert torch.equal(nx.rope_apply(rope, inv, pos, site), cache(base.rope_apply(rope, inv, pos, site)))
     for site in ("q", "index_q", "index_k", "output"):
         assert torch.equal(nx.rope_apply(rope, inv, pos, site), base.rope_apply(rope, inv, pos, site))
+
+
+def test_an_f16_cache_holds_the_references_values_exactly_and_rounds_the_exact_profiles():
+    """The reference stores bf16 and an FP8 grid, which f16 holds exactly: kv_cache_ggml's
+    default is a no-op there. On the exact profile (fp32 values, llama.cpp's) it rounds the
+    cached rows, so the first tap to differ is layer 0's KV."""
+    from reference_model import Model, Numerics, Taps, random_weights, tiny
+    w = random_weights(tiny(), 0)
+    tokens = torch.randint(0, tiny().vocab_size, (64,), generator=torch.Generator().manual_seed(1))
+
+    def taps(nx):
+        t = Taps("*")
+        Model(w, nx).extend(tokens, None, "all", t)
+        return t
+    ref, cached = taps(Numerics("reference")), taps(ToggleSet.parse("kv_cache_ggml").numerics())
+    assert all(torch.equal(ref[n], cached[n]) for n in ref.names())
+    ex, ex_cached = taps(Numerics("exact")), taps(ToggleSet.parse("kv_cache_ggml").numerics("exact"))
+    first = next(n for n in ex.names() if not torch.equal(ex[n], ex_cached[n]))
+    assert first == "layers.0.attn.kv"

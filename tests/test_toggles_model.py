@@ -17,6 +17,8 @@ FIRST_TAP = {
     "yarn_on_swa_layers(theta=compressed)": "layers.0.attn.q",
     "kv_fp8_from_fp32": "layers.0.attn.kv",
     "kv_bf16": "layers.0.attn.kv",
+    # (its f16 type holds the reference's bf16 and FP8 values exactly: tests/test_toggles_llamacpp.py)
+    "kv_cache_ggml(type=q8_0)": "layers.0.attn.kv",
     "compress_state_bf16": "layers.1.attn.compressed_kv",    # layer 1: first compressed layer
     "index_no_hadamard": "layers.1.attn.index.topk",
     "index_hadamard_q_only": "layers.1.attn.index.topk",
@@ -31,6 +33,7 @@ FIRST_TAP = {
     "mhc_tf32": "layers.0.hc_attn.post",
     "mhc_bf16": "layers.0.hc_attn.post",
     "moe_weight_after_w2": "layers.0.ffn.out",
+    "expert_act_q8_0": "layers.0.ffn.out",
     "routed_scaling_output_bf16": "layers.0.ffn.router.weights",
     "routed_scaling_double": "layers.0.ffn.out",              # weights untouched, output 1.5x
     "lm_head_bf16": "logits",

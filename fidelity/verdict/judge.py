@@ -108,7 +108,8 @@ def _table(attr: pd.DataFrame, floors: pd.DataFrame, exact: pd.DataFrame | None,
     if "vs_oneshot_lo" in t and len(t):
         # an effect under S is the schedule's only when it exceeds the same toggle's one-shot
         # effect by more than the floor (paired); else the finding is the one-shot row's
-        same = (t.method == "under_schedule") & t.vs_oneshot_lo.notna() & ~(t.vs_oneshot_lo > t.floor_hi)
+        lo = pd.to_numeric(t.vs_oneshot_lo, errors="coerce")
+        same = (t.method == "under_schedule") & lo.notna() & ~(lo.fillna(np.inf) > t.floor_hi)
         t["same_as_oneshot"] = same
         t.loc[same, "clears"] = False
     if exact is not None and len(exact):
