@@ -139,8 +139,12 @@ def _jump(c: pd.DataFrame, floor: pd.DataFrame, before_name: str) -> dict:
         return {"flagged": False, "why": "identical to the reference here"}
     p = mannwhitneyu(after, before, alternative="greater").pvalue
     ratio = after.mean() / before.mean() if before.mean() > 0 else np.inf
-    step = (f"{ratio:.3g}x the KL {before_name}" if np.isfinite(ratio)
-            else f"while the tokens {before_name} are identical to the reference")
+    # the means the flag compares, both quoted: a window's max can sit below the one before
+    # it while its mean is 4x higher, and a line quoting the two maxima reads as a contradiction
+    step = (f"mean KL {after.mean():.3g} just after it vs {before.mean():.3g} {before_name}, {ratio:.3g}x"
+            if np.isfinite(ratio) else
+            f"mean KL {after.mean():.3g} just after it while the tokens {before_name} are identical "
+            "to the reference")
     return {"flagged": bool(p < ALPHA and ratio >= JUMP),
             "why": f"{step} (Mann-Whitney p={p:.2g}; flagged at >= {JUMP:g}x and p < {ALPHA})"}
 
@@ -210,8 +214,12 @@ def verdict_lines(table: pd.DataFrame) -> list[str]:
         # answers do not -- said as such, so a 1e-11 wobble does not read like a broken answer
         how = ("its numerics change (not its greedy answers)" if not hits.diverged.any()
                else f"differs from {what}")
+        # chunk: each boundary is judged against the window just before it, quoted in its
+        # part; the largest KL before any boundary is not what it was compared with
+        floor_words = ("each boundary against the positions just before it" if fam in BEFORE
+                       else f"{floor_name}: {fl}")
         lines.append(f"`{arm}` ({fam}) {how} under {len(hits)} of {n} conditions: "
-                     + "; ".join(parts) + f"{more} ({floor_name}: {fl}).")
+                     + "; ".join(parts) + f"{more} ({floor_words}).")
     return lines
 
 
@@ -219,8 +227,7 @@ def _describe(r) -> str:
     if r["class"] == "chunk-boundary":
         top1 = (f", top-1 differs from the reference in {r.diverged}/{r.probes} windows" if r.diverged
                 else ", same top-1 throughout")
-        return (f"the prefill chunk boundary at token {int(r.shared)}: KL up to {r.kl_max:.3g} just "
-                f"after it, {r.why.split(' (')[0]}{top1}")
+        return f"the prefill chunk boundary at token {int(r.shared)}: {r.why.split(' (')[0]}{top1}"
     if r["class"] == "full":
         where = "a full-prompt hit"
     elif r["class"] == "multi-turn":

@@ -1,8 +1,13 @@
-"""The `fidelity consistency` report, in the house format: the verdict (which condition
-changes which arm's answer), one section per probe family with its table and plot, every
-probe as a tidy CSV, and how the run was made (cold starts, sizes the servers report,
-requests, retries)."""
+"""The `fidelity consistency` report, in the house format: one headline sentence (which
+arm changes its replies under which condition, how much against its floor; the verdict's
+full wording folded under it), the prefix-cache plot, Suspects (one row per flagged
+condition or long-generation run, strongest first) and the commands worth running next;
+then one section per probe family with its table (flagged rows first, folded when long)
+and plot, every probe as a tidy CSV, and how the run was made (cold starts, sizes the
+servers report, requests, retries)."""
 from __future__ import annotations
+
+import shlex
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -11,36 +16,91 @@ import pandas as pd
 from infra.report_page import Page, Section, Table
 from infra.report_writer import ReportWriter
 
-from .judge import JUMP
+from infra.plot_style import arm_styles, readable, same_as
+
+from .judge import BEFORE, JUMP, floor_of, is_floor
 from .longgen import ROLLING, drift_start, rolling_mean
 
 KL_FLOOR_PLOT = 1e-9          # zero KL drawn here on the log axis
 
 
+def _floors(table: pd.DataFrame) -> np.ndarray:
+    """Which rows are floors (cold-again, alone-again, before@b, mode:floor): not judged."""
+    return np.array([is_floor(f, c) for f, c in zip(table.family, table.condition)], bool)
+
+
+@readable
 def _prefix_figure(table: pd.DataFrame):
-    """First-token KL vs the shared prefix length, per arm; flagged conditions filled,
-    the others hollow; the boundary classes as labelled vertical lines."""
-    hits = table[(table.family == "prefix") & table.shared.notna() & (table["class"] != "full")]
-    if hits.empty:
+    """KL over the generated tokens per arm, from each condition's own coordinates: the `hit@P`
+    conditions against the shared prefix length P (left; the boundary classes as labelled
+    vertical lines), the conditions that have no prefix length -- a full hit, a second chat
+    turn, the prompt after eviction pressure -- each at its own place on the right, never
+    joined by a line. Flagged conditions filled, the others hollow; an arm hidden under
+    another's curve says so in the legend. `fig.drawn`: (arm, condition) -> panel index."""
+    pre = table[(table.family == "prefix").to_numpy() & ~_floors(table)]
+    if pre.empty:
         return None
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    for arm, g in hits.groupby("arm", sort=False):
-        g = g.sort_values("shared")
-        y = np.maximum(g.kl_first_max.to_numpy(float), KL_FLOOR_PLOT)
-        line, = ax.plot(g.shared, y, "-", alpha=0.5, label=arm)
-        f = g.flagged.to_numpy(bool)
-        ax.plot(g.shared[f], y[f], "o", color=line.get_color())
-        ax.plot(g.shared[~f], y[~f], "o", mfc="none", color=line.get_color())
-    for cls, g in hits.groupby("class"):
-        b = int(g.shared.median())
-        ax.axvline(b, color="0.8", lw=0.8, zorder=0)
-        ax.annotate(cls, (b, 1), xycoords=("data", "axes fraction"), rotation=90, va="top",
-                    ha="right", fontsize=7, color="0.4")
-    ax.set_yscale("log")
-    ax.set_xlabel("shared prefix (tokens) before the prompt is asked")
-    ax.set_ylabel("KL at first generated token (max over probes)")
-    ax.set_title(f"Prefix-cache hit vs cold (filled: flagged; {KL_FLOOR_PLOT:g} = bit-identical)")
-    ax.legend(fontsize=8)
+    hits = pre[pre.condition.str.startswith("hit@")]
+    other = pre[~pre.condition.str.startswith("hit@")]
+    arms = list(dict.fromkeys(pre.arm))
+    styles = arm_styles(arms)
+    widths = [3, 1] if len(hits) and len(other) else [1]
+    fig, axes = plt.subplots(1, len(widths), figsize=(10, 3.8), sharey=True, squeeze=False,
+                             gridspec_kw={"width_ratios": widths})
+    axes = list(axes[0])
+    fig.drawn = {}
+    # the KL the headline, the verdict and Suspects quote: over the generated tokens
+    y_of = lambda g: np.maximum(g.kl_max.to_numpy(float), KL_FLOOR_PLOT)      # noqa: E731
+    if len(hits):
+        ax = axes[0]
+        series = {a: pd.Series(y_of(g.sort_values("shared")), index=g.sort_values("shared").shared.to_numpy())
+                  for a, g in hits.groupby("arm", sort=False)}
+        hidden = same_as(series, log=True)
+        for arm, g in hits.groupby("arm", sort=False):
+            g = g.sort_values("shared")
+            st = styles[arm]
+            y, f = y_of(g), g.flagged.to_numpy(bool)
+            x = g.shared.to_numpy(float)
+            label = arm + (f" ({hidden[arm]})" if arm in hidden else "")
+            ax.plot(x, y, ls=st["ls"], color=st["color"], lw=1.2, alpha=0.6, label=label, zorder=2)
+            ax.plot(x[f], y[f], st["marker"], color=st["color"], ms=6, zorder=4)
+            ax.plot(x[~f], y[~f], st["marker"], color=st["color"], mfc="white", ms=6, zorder=4)
+            if arm in hidden:
+                ax.plot(x, y, "o", ms=12, mfc="none", color=st["color"], lw=0, zorder=1)
+            fig.drawn.update({(arm, c): 0 for c in g.condition})
+        for cls, g in hits.groupby("class"):
+            b = int(g.shared.median())
+            ax.axvline(b, color="0.8", lw=0.8, zorder=0)
+            ax.annotate(cls, (b, 1), xycoords=("data", "axes fraction"), rotation=90, va="top",
+                        ha="right", fontsize=8, color="0.4")
+        ax.set_xlabel("shared prefix (tokens) before the prompt is asked")
+        ax.set_title("Prefix hits (hit@P)")
+        ax.legend(fontsize=8, loc="center left")
+    if len(other):
+        ax = axes[-1]
+        places = list(dict.fromkeys(other.condition))
+        off = (np.arange(len(arms)) - (len(arms) - 1) / 2) * (0.5 / max(len(arms), 1))
+        for i, arm in enumerate(arms):
+            g = other[other.arm == arm]
+            if g.empty:
+                continue
+            st = styles[arm]
+            x = np.array([places.index(c) for c in g.condition], float) + off[i]
+            y, f = y_of(g), g.flagged.to_numpy(bool)
+            ax.plot(x[f], y[f], st["marker"], color=st["color"], ms=7, ls="none", zorder=4,
+                    label=None if len(hits) else arm)
+            ax.plot(x[~f], y[~f], st["marker"], color=st["color"], mfc="white", ms=7, ls="none", zorder=4)
+            fig.drawn.update({(arm, c): len(axes) - 1 for c in g.condition})
+        ax.set_xticks(range(len(places)), places)
+        ax.set_xlim(-0.6, len(places) - 0.4)
+        ax.set_title("No prefix length")
+        if not len(hits):
+            ax.legend(fontsize=8)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("KL over the generated tokens\n(max over probes)")
+    fig.suptitle(f"Prefix-cache hit vs cold (filled: flagged; hollow: not; {KL_FLOOR_PLOT:g} = bit-identical)",
+                 fontsize=11)
+    fig.tight_layout()
     return fig
 
 
@@ -138,6 +198,32 @@ FIGURES = {"prefix_kl": (lambda t, p: _prefix_figure(t), "Prefix-cache hits vs c
            "drift": (_drift_figure, "KL along long generations")}
 
 
+def _flagged_first(df: pd.DataFrame) -> pd.DataFrame:
+    """Flagged rows first (their order kept), `flagged` and `why` beside the names so the
+    explanation is on screen however wide the numbers run."""
+    if df is None or df.empty or "flagged" not in df:
+        return df
+    df = df.iloc[np.argsort(~df.flagged.to_numpy(bool), kind="stable")]
+    front = [c for c in ["arm", "mode", "condition", "flagged", "why"] if c in df]
+    return df[front + [c for c in df.columns if c not in front]].reset_index(drop=True)
+
+
+def _family_table(table: pd.DataFrame, family: str, drop: list[str]) -> Table:
+    """One family's conditions: flagged first, folded past FOLD_ROWS with how many are
+    flagged on the fold."""
+    t = _flagged_first(table[table.family == family].drop(columns=["family", *drop]))
+    k = int(t.flagged.sum())
+    return Table(t, summary=f"{len(t)} conditions ({k} flagged, listed first)")
+
+
+CAPTIONS = {"prefix_kl": "Every prefix-cache condition of every arm at its own coordinates: left, a "
+                         "hit sharing P tokens at P (vertical lines: the boundary classes); right, the "
+                         "conditions with no prefix length (a full hit, a second chat turn, the prompt "
+                         "after eviction), each at its own place. Filled: flagged. Bit-identical replies "
+                         f"are drawn at {KL_FLOOR_PLOT:g}; an arm whose curve hides under another's says "
+                         "so in the legend (= the same numbers, ≈ within 1% of the axis)."}
+
+
 def _sections(table: pd.DataFrame, behaviour: pd.DataFrame) -> list[Section]:
     out = []
     if (table.family == "prefix").any():
@@ -150,7 +236,7 @@ def _sections(table: pd.DataFrame, behaviour: pd.DataFrame) -> list[Section]:
             "its cache (the proof a hit happened; a page-granular cache restores the largest page "
             "multiple below the shared prefix). `why` says the rule that flagged it "
             "(fidelity/consistency/judge.py).",
-            [Table(table[table.family == "prefix"].drop(columns=["family", "distinct"]), fold=False)]))
+            [_family_table(table, "prefix", ["distinct"])]))
     if (table.family == "batch").any():
         out.append(Section(
             "Batch: alone vs with other requests in flight",
@@ -159,7 +245,7 @@ def _sections(table: pd.DataFrame, behaviour: pd.DataFrame) -> list[Section]:
             "lengths are generating beside it (`batch@k`). `distinct`: distinct greedy "
             "completions among a probe's repeats. Prompt-logprob requests skip the engines' "
             "prefix caches, so repeats are not cache hits.",
-            [Table(table[table.family == "batch"].drop(columns=["family", "cached_median"]), fold=False)],
+            [_family_table(table, "batch", ["cached_median"])],
             ["batch_kl"]))
     if (table.family == "chunk").any():
         out.append(Section(
@@ -170,8 +256,7 @@ def _sections(table: pd.DataFrame, behaviour: pd.DataFrame) -> list[Section]:
             "`diverged`: windows where the top-1 token differs from the reference somewhere. An "
             "arm that differs from the reference evenly (a kernel's numerics) is not flagged; one "
             "whose KL jumps where the prefill is cut is.",
-            [Table(table[table.family == "chunk"].drop(columns=["family", "cached_median", "distinct"]),
-                   fold=False)], ["chunk_kl"]))
+            [_family_table(table, "chunk", ["cached_median", "distinct"])], ["chunk_kl"]))
     if (table.family == "longgen").any():
         out.append(Section(
             "Long generations: where the engine leaves the reference along its own output",
@@ -185,9 +270,172 @@ def _sections(table: pd.DataFrame, behaviour: pd.DataFrame) -> list[Section]:
             "flagged stretch, or for a misbehaviour (loops: a tail with under 30% distinct 8-grams; "
             "thinking until the cap; special tokens in the text; early EOS) more frequent than in "
             "the first arm's same run (one-sided Fisher exact test, p < 0.05).",
-            [Table(table[table.family == "longgen"].drop(columns=["family", "cached_median", "distinct",
-                                                                   "diverged", "first_step"]), fold=False),
-             Table(behaviour, fold=False)], ["drift"]))
+            [_family_table(table, "longgen", ["cached_median", "distinct", "diverged", "first_step"]),
+             Table(_flagged_first(behaviour), fold=False)], ["drift"]))
+    return out
+
+
+# family -> (what its conditions are, in a headline; what its floor compares)
+FAMILY = {"prefix": ("prefix-cache conditions", "between two cold starts"),
+          "batch": ("conditions with other requests in flight", "between two replies alone"),
+          "chunk": ("prefill chunk boundaries", "just before the boundary")}
+SUSPECTS_CAPTION = ("One row per flagged condition (and long-generation run), strongest first: greedy "
+                    "tokens that part before numerics that move, then the larger KL (over the generated "
+                    "tokens). `floor KL`: the KL the same comparison has under the reference "
+                    "condition (two cold starts, two replies alone, the engine's re-read of its own output; "
+                    "chunk: the means after and before the boundary, in `why`); 0 is bit-identical.")
+SUSPECT_ROWS = 12
+
+
+def _place(r) -> str:
+    """Where a condition is, in words."""
+    cls, shared = r["class"], r["shared"]
+    if cls == "chunk-boundary":
+        return f"prefill chunk boundary at token {int(shared)}"
+    if cls == "full":
+        return "a full-prompt hit"
+    if cls == "multi-turn":
+        return "a second chat turn re-sending the first"
+    if cls == "eviction":
+        return f"the prompt again after {int(shared)} tokens of other prompts (eviction)"
+    if cls == "concurrency":
+        return f"{int(shared)} other request{'s' if int(shared) != 1 else ''} in flight"
+    return f"a prefix hit sharing {int(shared)} tokens ({cls} boundary)"
+
+
+def _floor_kl(table: pd.DataFrame, r) -> tuple[float, bool]:
+    """The KL of a condition's floor (its own arm and family) and whether the floor is exact."""
+    f = table[(table.arm == r.arm) & (table.family == r.family) & (table.condition == floor_of(r.family, r.condition))]
+    if f.empty:
+        return float("nan"), False
+    return float(f.kl_max.max()), bool((f.bitwise == f.probes).all() and f.kl_max.max() == 0)
+
+
+def suspects(table: pd.DataFrame, behaviour: pd.DataFrame) -> pd.DataFrame:
+    """One row per flagged condition (long generations: per flagged arm and run), strongest
+    first: parted greedy tokens before moved numerics, then the larger KL."""
+    rows = []
+    for _, r in table[table.flagged & (table.family != "longgen")].iterrows():
+        # chunk: the flag compares the means of the windows after and before the boundary
+        # (quoted in `why`); the window before's largest KL is no floor for this one's
+        floor = float("nan") if r.family in BEFORE else _floor_kl(table, r)[0]
+        rows.append({"arm": r.arm, "family": r.family, "condition": r.condition, "where": _place(r),
+                     "replies changed": f"{int(r.probes - r.bitwise)}/{int(r.probes)}",
+                     "greedy tokens part": (f"{int(r.diverged)}/{int(r.probes)} from step {int(r.first_step)}"
+                                            if r.diverged else "never"),
+                     "kl_max": float(r.kl_max), "floor": floor, "why": r.why, "_part": int(r.diverged)})
+    if behaviour is not None and len(behaviour) and "flagged" in behaviour:
+        for _, r in behaviour[behaviour.flagged].iterrows():
+            start = r.drift_start_min if pd.notna(r.get("drift_start_min")) else r.get("first_flagged")
+            rows.append({"arm": r.arm, "family": "longgen", "condition": r["mode"],
+                         "where": f"its {r['mode']} long generation"
+                                  + (f" from step {int(start)}" if pd.notna(start) else ""),
+                         "replies changed": f"{int(r.generations)}/{int(r.generations)}",
+                         "greedy tokens part": "–", "kl_max": float(r.kl_max),
+                         "floor": float(r.floor_kl_max), "why": r.why, "_part": 1})
+    cols = ["arm", "family", "condition", "where", "replies changed", "greedy tokens part", "kl_max", "floor", "why"]
+    if not rows:
+        return pd.DataFrame(columns=cols)
+    df = pd.DataFrame(rows).sort_values(["_part", "kl_max"], ascending=False, kind="stable")
+    return df[cols].reset_index(drop=True)
+
+
+def headline(table: pd.DataFrame, behaviour: pd.DataFrame, sus: pd.DataFrame) -> str:
+    """One sentence: the strongest finding (which arm, under which condition, its KL against
+    its floor, how many of the family's conditions), the other flagged arms named after it;
+    or that nothing changed, over how many conditions."""
+    judged = table[~_floors(table) & (table.family != "longgen").to_numpy()]
+    if sus.empty:
+        runs = len(behaviour) if behaviour is not None else 0
+        exact = bool(len(judged)) and bool((judged.bitwise == judged.probes).all())
+        more = f" and {runs} long-generation run{'s' if runs != 1 else ''}" if runs else ""
+        return (f"No serving condition changes any arm's replies: {len(judged)} condition"
+                f"{'s' if len(judged) != 1 else ''}{more} over "
+                f"{table.arm.nunique()} arm{'s' if table.arm.nunique() != 1 else ''}, each within its floor"
+                + (" (every reply bit-identical)." if exact else "."))
+    top = sus.iloc[0]
+    first = _finding(table, behaviour, top)
+    others = []
+    for (arm, fam), g in sus.iloc[1:].groupby(["arm", "family"], sort=False):
+        if (arm, fam) == (top.arm, top.family):
+            continue
+        n = len(judged[(judged.arm == arm) & (judged.family == fam)]) if fam != "longgen" else None
+        others.append(f"`{arm}` ({fam}, {len(g)} of {n})" if n else f"`{arm}` ({fam}, {', '.join(g.condition)})")
+    also = ""
+    if others:
+        also = "; also " + ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    return first + also + "."
+
+
+def _finding(table: pd.DataFrame, behaviour: pd.DataFrame, top) -> str:
+    """The strongest suspect row in words: what, where, how much against its floor."""
+    if top.family == "longgen":
+        return (f"`{top.arm}` leaves the reference along {top['where'].replace('its ', 'its own ', 1)}: "
+                f"KL up to {top.kl_max:.3g} generating vs {top.floor:.3g} re-reading the same tokens")
+    g = table[(table.arm == top.arm) & (table.family == top.family)]
+    judged = g[~_floors(g)]
+    hits = judged[judged.flagged]
+    what, floor_words = FAMILY[top.family]
+    verb = ("changes its replies" if hits.diverged.any()
+            else "changes its replies' numerics (not its greedy tokens)")
+    if top.family in BEFORE:
+        return (f"`{top.arm}` jumps in KL after {len(hits)} of {len(judged)} {what}, most at token "
+                f"{int(judged[judged.condition == top.condition].shared.iloc[0])}: {top.why.split(' (')[0]}")
+    r = judged[judged.condition == top.condition].iloc[0]
+    floor, exact = _floor_kl(table, r)
+    fl = "0 (bit-identical)" if exact else f"{floor:.3g}"
+    return (f"`{top.arm}` {verb} under {len(hits)} of {len(judged)} {what}: KL up to {top.kl_max:.3g} over "
+            f"the generated tokens at {top['where']} vs {fl} {floor_words}")
+
+
+def next_steps(m: dict, sus: pd.DataFrame) -> list[str]:
+    """`fidelity consistency` commands that would sharpen the finding, spelled as its parser
+    takes them (tests/test_consistency_page.py parses every one): per flagged arm and
+    family (strongest first, at most three), that family alone on that arm with more probes
+    -- and longer replies, more company, the reference, longer generations as the family
+    needs; with nothing flagged, every arm again with more probes."""
+    q = shlex.quote
+    arms = {a["name"]: a for a in m["arms"]}
+    st = m["settings"]
+    ref = m.get("reference") or {}
+    inproc = f" --inprocess {q(ref['name'] + '=' + ref['arm'])}" if ref.get("name") and ref.get("arm") else ""
+    ck = f" --checkpoint {q(str(m['checkpoint']))}" if m.get("checkpoint") else ""
+
+    def ep(names):
+        return " ".join(f"--endpoint {q(n + '=' + arms[n]['url'])}" for n in names if n in arms)
+
+    more = lambda n: max(8, 3 * int(n or 1))                   # noqa: E731
+    if sus.empty:
+        fams = ",".join(f for f in st["families"] if f in ("prefix", "batch") or inproc)
+        return ["# more probes: still nothing flagged with more power?",
+                f"fidelity consistency{ck} {ep(arms)}{inproc} --families {fams} "
+                f"--probes {more(st['prefix']['probes'])}"]
+    out = []
+    for (arm, fam), g in sus.groupby(["arm", "family"], sort=False):
+        if arm not in arms or len(out) >= 6:          # three findings, a comment and a command each
+            continue
+        base = f"fidelity consistency{ck} {ep([arm])}"
+        a = arms[arm]
+        if fam == "prefix":
+            p = st["prefix"]
+            page = f" --page-size {int(a['page_size'])}" if a.get("page_size") else ""
+            why = ("how often does a hit change the answer?" if (g["greedy tokens part"] != "never").any()
+                   else "does a hit change the greedy answer further on?")
+            out += [f"# {arm}: {why}", f"{base} --families prefix --probes {more(p['probes'])} --max-tokens "
+                    f"{max(32, 4 * int(p['max_tokens']))}{page}"]
+        elif fam == "batch":
+            b = st["batch"]
+            out += [f"# {arm}: from how many requests in flight, and how often?",
+                    f"{base} --families batch --probes {more(b['probes'])} --concurrency 1,8,32,64 "
+                    f"--repeats {max(4, int(b['repeats']))}"]
+        elif fam == "chunk" and inproc:
+            chunk = f" --chunk-size {int(a['chunked_prefill_size'])}" if a.get("chunked_prefill_size") else ""
+            out += [f"# {arm}: every boundary again, on more prompts",
+                    f"{base}{inproc} --families chunk --probes {more(st['chunk']['probes'])}{chunk}"]
+        elif fam == "longgen" and inproc:
+            out += [f"# {arm}: where along a longer output it starts, on more prompts",
+                    f"{base}{inproc} --families longgen --probes {more(st['longgen']['probes'])} "
+                    f"--gen-tokens {2 * int(st['longgen']['max_tokens'])}"]
     return out
 
 
@@ -225,8 +473,16 @@ def build_page(result: dict) -> Page:
                                                        "floor_window"],
                                               errors="ignore"), fold=True)]),
     ]
+    behaviour = result.get("behaviour", pd.DataFrame())
+    sus = suspects(table, behaviour)
+    shown = sus.head(SUSPECT_ROWS).rename(columns={"kl_max": "KL max", "floor": "floor KL"})
+    caption = SUSPECTS_CAPTION + (f" {len(sus) - SUSPECT_ROWS} more in the tables below." if len(sus) > SUSPECT_ROWS
+                                  else "")
     return Page("dsv4-fidelity consistency report", compared, result["verdict"],
-                lead_figures=["prefix_kl"], sections=sections, manifest=m)
+                lead_figures=["prefix_kl"],
+                suspects=Table(shown, caption=caption, fold=False) if len(sus) else None,
+                next_steps=next_steps(m, sus), sections=sections, manifest=m,
+                headline=headline(table, behaviour, sus))
 
 
 def write_report(out_dir, run_id: str, result: dict):
@@ -240,7 +496,7 @@ def write_report(out_dir, run_id: str, result: dict):
         for stem, (draw, title) in FIGURES.items():
             fig = draw(result["conditions"], result["probes"])
             if fig is not None:
-                w.figure(fig, stem, title)
+                w.figure(fig, stem, title, CAPTIONS.get(stem, ""))
                 plt.close(fig)
         page = build_page({**result, "probes": result["probes"].drop(columns=["reference"], errors="ignore")})
         w.page(page)
