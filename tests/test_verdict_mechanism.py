@@ -190,3 +190,23 @@ def test_score_shift_over_the_entries_both_hold():
     from fidelity.ab.margins import score_shift
     g = torch.tensor([1.0, 2.0, 3.0, float("-inf")])
     assert score_shift(g, torch.tensor([1.5, 2.0, 2.0])) == {"dscore_p50": 0.5, "dscore_max": 1.0}
+
+
+def test_departures_are_stated_for_one_toggle_arms_whose_outcome_is_not_named():
+    """A first departure at 10x the floor is said in words for an arm of one toggle, the
+    strongest first; an arm of several toggles (it departs where one of them does) and a
+    toggle the outcome already names are left to the table."""
+    from fidelity.verdict.findings import departure_sentence, with_departures
+
+    def dep(arm, toggle, ratio, qat=None):
+        return {"arm": arm, "toggle": toggle, "vs": "golden", "phase": "prefill", "layer": 0,
+                "tap": "attn.kv", "ratio": ratio, "qat_ratio": qat}
+    deps = [dep("a", "a", 58.0, 1.9), dep("b", "b", 362.0), dep("engine-x", None, 900.0), dep("c", "c", 12.0)]
+    s = departure_sentence(deps, named={"c"})
+    assert s.startswith("Departures (at least 10x the floor; outcome within floors): b first departs "
+                        "from golden at layer 0 `attn.kv` (prefill) at 362x the reduction-order floor; "
+                        "a first departs")
+    assert "(1.9x the QAT floor)" in s and "engine-x" not in s and " c first" not in s
+    v = with_departures({"sentence": "Nothing.", "named": [{"toggle": "c"}]}, deps)
+    assert v["sentence"] == "Nothing. " + s and v["departures"] == deps
+    assert departure_sentence([dep("engine-x", None, 900.0)], set()) == ""

@@ -113,10 +113,12 @@ DEPARTURE_X = 10.0
 
 def departure_sentence(deps: list[dict], named: set[str]) -> str:
     """"Departures: t first departs from golden at layer 0 `attn.q` (prefill) at 23.6x the
-    reduction-order floor (0.4x the QAT floor); outcome within floors." -- the arms whose
-    outcome is not already named, strongest first; `deps`: first_divergence rows at
-    DEPARTURE_X with an optional `qat_ratio`."""
-    quiet = sorted((d for d in deps if d["arm"] not in named and d.get("toggle") not in named),
+    reduction-order floor (0.4x the QAT floor); outcome within floors." -- the one-toggle
+    arms whose outcome is not already named, strongest first; `deps`: first_divergence rows
+    at DEPARTURE_X with `toggle` (None for an arm of several) and an optional `qat_ratio`."""
+    # one-toggle arms only: an arm holding several toggles departs where one of them does
+    # (`engine-t` at kv_fp8_from_fp32's place), which its own arm already says
+    quiet = sorted((d for d in deps if d.get("toggle") and d["toggle"] not in named),
                    key=lambda d: -d["ratio"])
     if not quiet:
         return ""
