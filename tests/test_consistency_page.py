@@ -17,7 +17,8 @@ import pytest
 from fidelity.consistency.client import LiveArm
 from fidelity.consistency.judge import condition_table, verdict_lines
 from fidelity.consistency.prefix import PrefixPlan
-from fidelity.consistency.report import _prefix_figure, headline, suspects
+from fidelity.consistency.plots import prefix_figure
+from fidelity.consistency.report import headline, suspects
 from fidelity.consistency.run import ConsistencySettings, run_consistency
 from fidelity.kld.endpoint import Endpoint
 from fidelity.weights.target import load_target
@@ -86,7 +87,7 @@ def test_headline_suspects_and_next_steps(result):
 
 def test_prefix_plot_draws_every_flagged_condition(result):
     t = result["conditions"]
-    fig = _prefix_figure(t)
+    fig = prefix_figure(t)
     pre = t[(t.family == "prefix") & (t.condition != "cold-again")]
     assert set(zip(pre.arm, pre.condition)) == set(fig.drawn)           # flagged or not, every one
     assert {c for a, c in fig.drawn if fig.drawn[(a, c)] == 1} == {"full-hit", "multi-turn"}
