@@ -3,6 +3,7 @@ beyond their floors is named with its prompts; arms inside the floors never are.
 import math
 
 import numpy as np
+import pytest
 import pandas as pd
 
 from fidelity.verdict.judge import Design, judge
@@ -94,6 +95,7 @@ def test_schedule_factors_are_context_and_multi_toggle_arms_are_left_to_attribut
     assert BROKEN * t.floor_hi.iloc[0] <= 0.88
 
 
+@pytest.mark.slow           # fidelity ab's default 18 prompts: 37 s alone, minutes beside the suite
 def test_ab_names_a_bug_that_breaks_two_of_its_eighteen_prompts(tmp_path):
     """tests/mutations/rare_bugs.py's page-table bug on `fidelity ab`'s default prompts:
     2 of 18 answers broken, the rest within their floors. Its mean effect's interval does
