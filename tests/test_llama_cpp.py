@@ -193,20 +193,14 @@ def test_replay_places_the_departure_and_names_what_reproduces_it(f32, tmp_path)
     Its MoE, fed its own inputs, is the exact profile with Q8_0 expert activations
     (expert_act_q8_0) to float32 rounding, and its f16 cache (kv_cache_ggml) explains
     layer 0's attention output."""
-    import torch
     from fidelity.llamacpp import replay as R
-    from fidelity.pipeline_model import arm_numerics
     from fidelity.prompts import haystack_ids
     from fidelity.weights.source import load_weights
-    from reference_model.numerics import Numerics
     ck, model = f32
     w, _ = load_weights(str(ck))
     ids, _ = haystack_ids(_tokenizer(ck), 200, 50, 3)
     cpu, cache = R.LLAMA_CPU_ARMS
-    arms = {R.GOLDEN: arm_numerics("golden", "reference", {}, "v4"),
-            R.FLOOR: Numerics("reference", torch.float32), "exact": Numerics("exact"),
-            **{a: arm_numerics(a.split(":", 1)[1], "exact", {}, "v4") for a in R.LLAMA_CPU_ARMS}}
-    table, first, moe = R.replay(model, w, list(ids), arms, tmp_path, "prefill")
+    table, first, moe = R.replay(model, w, list(ids), R.replay_arms(), tmp_path, "prefill")
     assert (first["layer"], first["tensor"]) == (0, "attn.q"), first
     assert set(first["reproduced_by"]) == {"exact", *R.LLAMA_CPU_ARMS}
     assert first["x_floor"] > 100

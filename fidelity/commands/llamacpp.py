@@ -90,25 +90,15 @@ def _text_ids(args, tok, n: int) -> list[int]:
 
 
 def _replay(args, ck: Path, model: Path) -> int:
-    import torch
     from fidelity.llamacpp import replay as R
-    from fidelity.pipeline_model import arm_numerics
-    from reference_model.numerics import Numerics
+    try:
+        arms = R.replay_arms(args.arm)
+    except ValueError as e:
+        raise CommandError(str(e), 2) from None
     w, tok, _ = _golden(ck)
     ids = _text_ids(args, tok, args.tokens)
     out = Path(args.out or "reports") / "llamacpp-replay"
     out.mkdir(parents=True, exist_ok=True)
-    arms = {R.GOLDEN: arm_numerics("golden", "reference", {}, "v4"),
-            R.FLOOR: Numerics("reference", torch.float32), "exact": Numerics("exact")}
-    for spec in dict.fromkeys([*R.LLAMA_CPU_ARMS, *args.arm]):
-        profile, _, arm = spec.partition(":")
-        if profile not in ("reference", "exact") or not arm:
-            raise CommandError(f"--arm {spec!r}: give PROFILE:ARM with PROFILE reference or exact, "
-                               "e.g. exact:expert_act_q8_0", 2)
-        try:
-            arms[spec] = arm_numerics(arm, profile, {}, "v4")
-        except ValueError as e:
-            raise CommandError(f"--arm {spec!r}: {e}", 2) from None
     table, first, moe = R.replay(model, w, ids, arms, out, args.path, args.cache_type)
     tag = f"{args.path}-{args.cache_type}"
     table.to_csv(out / f"replay-{tag}.csv", index=False)

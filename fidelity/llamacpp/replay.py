@@ -34,6 +34,26 @@ GOLDEN, FLOOR = "golden", "floor:fp32-accum"
 LLAMA_CPU_ARMS = ("exact:expert_act_q8_0", "exact:expert_act_q8_0,kv_cache_ggml")
 
 
+def replay_arms(extra=()) -> dict:
+    """The in-process arms a replay compares: golden, the fp32-accumulation floor, the exact
+    profile, LLAMA_CPU_ARMS and each of `extra`, spelled PROFILE:ARM (reference|exact and
+    an arm spelling). A bad spelling is a ValueError naming it."""
+    from fidelity.pipeline_model import arm_numerics
+    from reference_model.numerics import Numerics
+    arms = {GOLDEN: arm_numerics("golden", "reference", {}, "v4"),
+            FLOOR: Numerics("reference", torch.float32), "exact": Numerics("exact")}
+    for spec in dict.fromkeys([*LLAMA_CPU_ARMS, *extra]):
+        profile, _, arm = spec.partition(":")
+        if profile not in ("reference", "exact") or not arm:
+            raise ValueError(f"--arm {spec!r}: give PROFILE:ARM with PROFILE reference or exact, "
+                             "e.g. exact:expert_act_q8_0")
+        try:
+            arms[spec] = arm_numerics(arm, profile, {}, "v4")
+        except ValueError as e:
+            raise ValueError(f"--arm {spec!r}: {e}") from None
+    return arms
+
+
 def taps_of(weights, numerics, ids: list[int], path: str) -> Taps:
     """An arm's taps over `ids`: one prefill, or one token at a time (the decode path)."""
     model = build_model(weights, numerics)
