@@ -14,6 +14,7 @@ from reference_model import Model, Numerics, random_weights, tiny
 from reference_model.checkpoint_format import expected_entries
 from reference_model.checkpoint_write import hf_config_dict
 from reference_model.config import flash
+from reference_model.placement import place_layers
 from reference_model.specs import all_specs, global_specs
 
 BIG = 10 ** 15           # a budget nothing exceeds
@@ -136,11 +137,11 @@ def test_placement_over_two_cpus_splits_the_layers():
 
 
 def test_place_layers_is_optimal_and_contiguous():
-    r = PM.place_layers([5, 1, 1, 1, 1, 5], 3)
+    r = place_layers([5, 1, 1, 1, 1, 5], 3)
     assert [list(x) for x in r] == [[0], [1, 2, 3, 4], [5]]
-    r = PM.place_layers([1] * 4, 6)                              # more devices than layers
+    r = place_layers([1] * 4, 6)                              # more devices than layers
     assert sum(len(x) for x in r) == 4 and all(len(x) <= 1 for x in r)
-    r = PM.place_layers([3, 3, 3, 3], 2, first_extra=6)          # embed weighs on device 0
+    r = place_layers([3, 3, 3, 3], 2, first_extra=6)          # embed weighs on device 0
     assert [list(x) for x in r] == [[0], [1, 2, 3]]
 
 

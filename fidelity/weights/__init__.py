@@ -3,7 +3,8 @@
   source   which weights a command runs on (a checkpoint streamed / resident-quantised /
            dense, or the embedded default) and its tokenizer
   target   weights + tokenizer for generation (`fidelity serve`, the needle runners, kld)
-  plan     memory plan of a lockstep run per device, from the config alone (`plan-memory`)
+  plan     memory plan of a lockstep run per device, from the config alone (`plan-memory`);
+           its parts: plan_inputs, plan_layers, plan_devices, plan_advice, plan_render
   diff     two checkpoints compared tensor by tensor on dequantised values (`weights-diff`)
   sizes    byte sizes as people write them (96GB, 141GiB)
 
