@@ -32,7 +32,8 @@ def add_arguments(p):
 
 def run(args) -> int:
     from fidelity.progress import Progress
-    from fidelity.weights.diff import WeightsDiffError, diff_checkpoints, summary_text, write_report
+    from fidelity.weights.diff import WeightsDiffError, diff_checkpoints
+    from fidelity.weights.diff_report import summary_text, write_report
     try:
         res = diff_checkpoints(args.a, args.b, layers=args.layers, tolerance=args.tolerance,
                                progress=Progress(args.quiet))
