@@ -77,39 +77,59 @@ def _kv_bf16(golden, nope):
     return golden.rs(nope)
 
 
-@toggle("kv_cache_ggml", kernels=("kv_store", "rope_apply", "index_key_store"), group="kv_cache",
-        wraps=True, versions=("v4",), **_B,
-        params=(Param("type", str, "f16", "llama.cpp's -ctk/-ctv cache type", choices=("f16", "q8_0")),),
-        provenance=Provenance(("llama.cpp",), ("b11434 -ctk/-ctv f16 (default)", "-ctk q8_0 -ctv q8_0"),
+@toggle("kv_cache_ggml", kernels=("kv_store", "rope_apply", "index_key_store", "sparse_attention"),
+        group="kv_cache", wraps=True, versions=("v4",), **_B,
+        params=(Param("type", str, "f16", "llama.cpp's -ctk/-ctv cache type", choices=("f16", "q8_0")),
+                Param("rotate", bool, True, "a quantised cache is stored Hadamard-rotated "
+                      "(LLAMA_ATTN_ROT_DISABLE=1 turns it off)")),
+        provenance=Provenance(("llama.cpp",), ("b11434 -ctk/-ctv f16 (default)", "-ctk q8_0 -ctv q8_0",
+                                               "LLAMA_ATTN_ROT_DISABLE=1"),
                               ("llama-kv-cache-dsv4.cpp (one type_k for the window, CSA, HCA and "
-                               "indexer caches)",)),
+                               "indexer caches)", "llama-kv-cache.cpp attention rotation (PR #21038)",
+                               "ggml-cpu ops.cpp flash_attn_ext: the query in K's vec_dot type")),
         description="llama.cpp's DeepSeek-V4 caches hold whole KV rows in the -ctk type: the window "
                     "KV, the CSA and HCA compressed entries (no-RoPE and RoPE dims alike) and the "
                     "indexer keys, f16 by default or Q8_0 (blocks of 32, fp16 scale) with -ctk "
                     "q8_0, where the reference keeps an FP8 grid on the no-RoPE dims and bf16 "
                     "elsewhere. Every cached value passes through that type, the tokens of the "
-                    "current batch too. On the reference profile f16 holds its bf16 and FP8 "
-                    "values exactly (a no-op); the exact profile's fp32 rows are rounded. "
-                    "It models the stored values only: ggml's CPU attention "
-                    "over the cache also converts the query to the cache's dot-product type "
-                    "(f16, or Q8_0) and accumulates in it, which is not modelled -- on the "
-                    "embedded model the f16 case then leaves layer 0's attention output within "
-                    "2e-5 of llama.cpp, the Q8_0 case 5e-3 (docs/real-engines.md).")
-def _kv_cache_ggml(type):
+                    "current batch too. With a quantised type the attention rows are first "
+                    "rotated by an orthonormal Walsh-Hadamard matrix over the head (the largest "
+                    "power of two dividing it, 512 on the released model) and stored rotated; "
+                    "the query is rotated alike and the output rotated back (rotate=false: "
+                    "LLAMA_ATTN_ROT_DISABLE=1), and ggml's CPU flash attention converts the "
+                    "query to Q8_0 before Q.K. On the reference profile f16 holds its bf16 and "
+                    "FP8 values exactly; the exact profile's fp32 rows are rounded. Not modelled: "
+                    "with an f16 cache, ggml's one-query path (decode) also converts the query "
+                    "to f16 and accumulates P.V in an f16 buffer (prefill's tiled path is fp32).")
+def _kv_cache_ggml(type, rotate):
+    rotated = type == "q8_0" and rotate
+
     def cache(x, cd):
         return x.to(torch.float16).to(cd) if type == "f16" else E.q8_0(x, cd)
 
     def kv_store(golden, nope):
-        return cache(golden.kv_store(nope), golden.cd)
+        out = golden.kv_store(nope)
+        return out if rotated else cache(out, golden.cd)
 
     def rope_apply(golden, x, inv, pos, site, inverse=False, phase="prefill"):
         out = golden.rope_apply(x, inv, pos, site, inverse, phase)
-        return cache(out, golden.cd) if site in ("kv", "compressed_kv") else out
+        return cache(out, golden.cd) if site in ("kv", "compressed_kv") and not rotated else out
 
     def index_key_store(golden, k):
         return cache(golden.index_key_store(k), golden.cd)
 
-    return {"kv_store": kv_store, "rope_apply": rope_apply, "index_key_store": index_key_store}
+    def sparse_attention(golden, q, kv, sink, idx, scale, phase="prefill"):
+        if type == "f16":                   # rows already stored in f16; Q.K in fp32 (tiled path)
+            return golden.sparse_attention(q, kv, sink, idx, scale, phase)
+        if not rotated:                     # rows already stored in Q8_0
+            return golden.sparse_attention(cache(q, golden.cd), kv, sink, idx, scale, phase)
+        h = E.attention_rotation(kv.shape[-1], kv.device)
+        out = golden.sparse_attention(cache(E.rotate(q, h), golden.cd), cache(E.rotate(kv, h), golden.cd),
+                                      sink, idx, scale, phase)
+        return E.rotate(out, h).to(out.dtype)
+
+    return {"kv_store": kv_store, "rope_apply": rope_apply, "index_key_store": index_key_store,
+            "sparse_attention": sparse_attention}
 
 
 # ---- compressor ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from reference_model import quant as Q
+from reference_model import primitives as P
 
 FP8_MAX = Q.FP8_MAX
 FP8_AMAX_FLOOR = Q.FP8_AMAX_FLOOR
@@ -179,3 +180,26 @@ def q8_0(x: torch.Tensor, cd=None) -> torch.Tensor:
     codes = torch.round(b * inv)
     d = (amax / 127.0).half().float()
     return (codes * d).reshape(xf.shape).to(cd)
+
+
+def attention_rotation(head_dim: int, device="cpu") -> torch.Tensor | None:
+    """llama.cpp's attention rotation for a quantised K cache (llama-kv-cache.cpp): an
+    orthonormal natural-order Walsh-Hadamard matrix of size n, n = 64 doubled while it
+    still divides the head twice over (512 for a 512 head); None when the head is not a
+    multiple of 64 (llama.cpp then does not rotate)."""
+    if head_dim % 64:
+        return None
+    n = 64
+    while head_dim % (2 * n) == 0:
+        n *= 2
+    return P.hadamard_matrix(n, torch.float32, device)
+
+
+def rotate(x: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+    """x @ h on consecutive blocks of h's size along the last dim, in fp32 (h is symmetric
+    and h @ h = I, so the same call rotates back); identity when h is None."""
+    if h is None:
+        return x
+    n = h.shape[0]
+    xf = x.float()
+    return (xf.reshape(*xf.shape[:-1], xf.shape[-1] // n, n) @ h).reshape(xf.shape)

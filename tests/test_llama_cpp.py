@@ -228,6 +228,24 @@ def test_replay_places_the_departure_and_names_what_reproduces_it(f32, tmp_path)
     assert (moe["vs exact"] > 100 * moe[f"vs {cpu}"]).all(), moe
 
 
+def test_replay_of_a_q8_0_cache_is_explained_by_its_rotation(f32, tmp_path):
+    """-ctk q8_0: llama.cpp stores the attention rows Hadamard-rotated before Q8_0 and
+    converts the query to Q8_0 (kv_cache_ggml(type=q8_0)); layer 0's attention output is
+    then several times closer to llama.cpp's than Q8_0 rows stored unrotated or f16 rows."""
+    from fidelity.llamacpp import replay as R
+    from fidelity.prompts import haystack_ids
+    from fidelity.weights.source import load_weights
+    ck, model = f32
+    w, _ = load_weights(str(ck))
+    ids, _ = haystack_ids(_tokenizer(ck), 200, 50, 3)
+    cpu, rotated = R.llama_cpu_arms("q8_0")
+    unrotated = "exact:expert_act_q8_0,kv_cache_ggml(type=q8_0,rotate=false)"
+    arms = R.replay_arms([unrotated, R.LLAMA_CPU_ARMS[1]], "q8_0")
+    table, _, _ = R.replay(model, w, list(ids), arms, tmp_path, "prefill", "q8_0")
+    out = table.set_index(["layer", "tensor"]).loc[(0, "attn.out")]
+    assert out[f"vs {rotated}"] * 5 < min(out[f"vs {unrotated}"], out[f"vs {R.LLAMA_CPU_ARMS[1]}"]), out
+
+
 def test_needle_against_llama_server(server, f32, tmp_path):
     """A needle sweep through llama-server's chat route (its own V4 template): every trial
     scored, none a server error, the report written."""

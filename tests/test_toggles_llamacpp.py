@@ -60,13 +60,14 @@ def test_expert_act_q8_0_is_llamas_routed_expert():
     assert torch.equal(nx.expert_ffn(x, w1, w3, w2, None, 7.0), base.expert_ffn(x, w1, w3, w2, None, 7.0))
 
 
-@pytest.mark.parametrize("kind", ["f16", "q8_0"])
+@pytest.mark.parametrize("kind", ["type=f16", "type=q8_0,rotate=false"])
 def test_kv_cache_ggml_rounds_every_cached_row_and_nothing_else(kind):
-    nx = ToggleSet.parse(f"kv_cache_ggml(type={kind})").numerics("exact")
+    """Unrotated, every cached row is stored in the cache type where it is written."""
+    nx = ToggleSet.parse(f"kv_cache_ggml({kind})").numerics("exact")
     base = ToggleSet.parse("").numerics("exact")
     g = torch.Generator().manual_seed(2)
     nope, rope, k = torch.randn(6, 448, generator=g), torch.randn(6, 64, generator=g), torch.randn(6, 64, generator=g)
-    cache = (lambda t: t.half().float()) if kind == "f16" else (lambda t: torch.tensor(_q8_0_numpy(t.numpy())))
+    cache = (lambda t: t.half().float()) if kind == "type=f16" else (lambda t: torch.tensor(_q8_0_numpy(t.numpy())))
     assert torch.equal(nx.kv_store(nope), cache(base.kv_store(nope)))
     assert torch.equal(nx.index_key_store(k), cache(base.index_key_store(k)))
     inv = torch.rand(32, generator=g)
@@ -75,6 +76,55 @@ def test_kv_cache_ggml_rounds_every_cached_row_and_nothing_else(kind):
         assert torch.equal(nx.rope_apply(rope, inv, pos, site), cache(base.rope_apply(rope, inv, pos, site)))
     for site in ("q", "index_q", "index_k", "output"):
         assert torch.equal(nx.rope_apply(rope, inv, pos, site), base.rope_apply(rope, inv, pos, site))
+
+
+def _hadamard_numpy(n: int) -> np.ndarray:
+    """Sylvester's construction by Kronecker products, normalised (H @ H = I)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.kron(np.array([[1.0, 1.0], [1.0, -1.0]]), h)
+    return h / np.sqrt(n)
+
+
+def _attention_fp64(q, kv, sink, idx, scale):
+    """Softmax over the selected rows with a per-head sink in the denominator, in fp64."""
+    out = np.zeros(q.shape)
+    for c in range(q.shape[0]):
+        rows = kv[idx[c][idx[c] >= 0]]
+        s = q[c] @ rows.T * scale                                   # [H, k]
+        m = s.max(-1, keepdims=True)
+        p = np.exp(s - m)
+        out[c] = p @ rows / (p.sum(-1, keepdims=True) + np.exp(sink[:, None] - m))
+    return out
+
+
+@pytest.mark.parametrize("head", [128, 512])
+def test_a_q8_0_cache_attends_in_llamas_rotated_basis(head):
+    """-ctk q8_0: rows and query rotated by the head's Walsh-Hadamard matrix, the rows stored
+    as Q8_0 and the query converted to Q8_0 for Q.K, the output rotated back; the rows are
+    not rounded where they are written (they are stored rotated). Against fp64 numpy."""
+    nx = ToggleSet.parse("kv_cache_ggml(type=q8_0)").numerics("exact")
+    base = ToggleSet.parse("").numerics("exact")
+    g = torch.Generator().manual_seed(3)
+    q, kv, sink = torch.randn(5, 2, head, generator=g), torch.randn(9, head, generator=g), torch.randn(2, generator=g)
+    idx = torch.tensor([[0, 1, 2, -1], [3, 4, 5, 6], [7, 8, -1, -1], [0, 8, 4, 2], [5, -1, -1, -1]])
+    got = nx.sparse_attention(q, kv, sink, idx, head ** -0.5).double().numpy()
+    h = _hadamard_numpy(head)
+    qr = _q8_0_numpy((q.double().numpy() @ h).astype(np.float32)).astype(np.float64)
+    kr = _q8_0_numpy((kv.double().numpy() @ h).astype(np.float32)).astype(np.float64)
+    want = _attention_fp64(qr, kr, sink.double().numpy(), idx.numpy(), head ** -0.5) @ h
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-6)
+    plain = base.sparse_attention(q, kv, sink, idx, head ** -0.5).double().numpy()
+    assert np.abs(got - plain).max() > 1e-4                       # it does change the output
+    nope = torch.randn(6, head - 64, generator=g)
+    assert torch.equal(nx.kv_store(nope), base.kv_store(nope))
+
+
+def test_attention_rotation_size_follows_llama():
+    """n = 64 doubled while it divides the head twice over; no rotation off multiples of 64."""
+    assert [E.attention_rotation(d).shape[0] for d in (64, 128, 192, 512, 576)] == [64, 128, 64, 512, 64]
+    assert E.attention_rotation(96) is None
+    np.testing.assert_allclose(E.attention_rotation(256).numpy(), _hadamard_numpy(256), atol=1e-7)
 
 
 def test_an_f16_cache_holds_the_references_values_exactly_and_rounds_the_exact_profiles():

@@ -18,7 +18,8 @@ FIRST_TAP = {
     "kv_fp8_from_fp32": "layers.0.attn.kv",
     "kv_bf16": "layers.0.attn.kv",
     # (its f16 type holds the reference's bf16 and FP8 values exactly: tests/test_toggles_llamacpp.py)
-    "kv_cache_ggml(type=q8_0)": "layers.0.attn.kv",
+    "kv_cache_ggml(type=q8_0)": "layers.0.attn.out",         # stored rotated, inside attention
+    "kv_cache_ggml(type=q8_0,rotate=false)": "layers.0.attn.kv",
     "compress_state_bf16": "layers.1.attn.compressed_kv",    # layer 1: first compressed layer
     "index_no_hadamard": "layers.1.attn.index.topk",
     "index_hadamard_q_only": "layers.1.attn.index.topk",

@@ -42,7 +42,7 @@ def add_arguments(p):
     p.add_argument("--arm", action="append", default=[], metavar="PROFILE:ARM",
                    help="replay: also compare this in-process arm, a profile (reference|exact) and an "
                         "arm spelling, e.g. exact:kv_cache_ggml(type=q8_0) (repeatable; golden, the "
-                        "fp32-accumulation floor, exact and llamacpp.replay.LLAMA_CPU_ARMS are always "
+                        "fp32-accumulation floor, exact and the llama.cpp CPU arms for --cache-type are always "
                         "compared)")
     p.add_argument("--out", default=None,
                    help="kld-base: the file written (default golden.kld); replay: the folder (default reports)")
@@ -92,7 +92,7 @@ def _text_ids(args, tok, n: int) -> list[int]:
 def _replay(args, ck: Path, model: Path) -> int:
     from fidelity.llamacpp import replay as R
     try:
-        arms = R.replay_arms(args.arm)
+        arms = R.replay_arms(args.arm, args.cache_type)
     except ValueError as e:
         raise CommandError(str(e), 2) from None
     w, tok, _ = _golden(ck)

@@ -29,20 +29,26 @@ PATTERN = r"^(embd|(q|kv|attn_out|ffn_out|ffn_norm|ffn_moe_topk|ffn_moe_weights_
 FACTOR = 10.0
 GOLDEN, FLOOR = "golden", "floor:fp32-accum"
 # llama.cpp's CPU arithmetic as in-process arms: the reference's math without its QAT
-# simulation, with the routed experts' activations read as Q8_0, then also the f16 cache
-# (llama-server's default -ctk f16) (docs/real-engines.md)
+# simulation, with the routed experts' activations read as Q8_0, then also its cache in
+# llama-server's -ctk type (f16 by default; Q8_0 rotated) (docs/real-engines.md)
 LLAMA_CPU_ARMS = ("exact:expert_act_q8_0", "exact:expert_act_q8_0,kv_cache_ggml")
 
 
-def replay_arms(extra=()) -> dict:
+def llama_cpu_arms(cache_type: str = "f16") -> tuple[str, ...]:
+    """LLAMA_CPU_ARMS with the cache arm of llama.cpp's -ctk `cache_type`."""
+    cpu, cache = LLAMA_CPU_ARMS
+    return (cpu, cache if cache_type == "f16" else f"{cache}(type={cache_type})")
+
+
+def replay_arms(extra=(), cache_type: str = "f16") -> dict:
     """The in-process arms a replay compares: golden, the fp32-accumulation floor, the exact
-    profile, LLAMA_CPU_ARMS and each of `extra`, spelled PROFILE:ARM (reference|exact and
-    an arm spelling). A bad spelling is a ValueError naming it."""
+    profile, llama_cpu_arms(cache_type) and each of `extra`, spelled PROFILE:ARM
+    (reference|exact and an arm spelling). A bad spelling is a ValueError naming it."""
     from fidelity.pipeline_model import arm_numerics
     from reference_model.numerics import Numerics
     arms = {GOLDEN: arm_numerics("golden", "reference", {}, "v4"),
             FLOOR: Numerics("reference", torch.float32), "exact": Numerics("exact")}
-    for spec in dict.fromkeys([*LLAMA_CPU_ARMS, *extra]):
+    for spec in dict.fromkeys([*llama_cpu_arms(cache_type), *extra]):
         profile, _, arm = spec.partition(":")
         if profile not in ("reference", "exact") or not arm:
             raise ValueError(f"--arm {spec!r}: give PROFILE:ARM with PROFILE reference or exact, "
