@@ -181,11 +181,11 @@ def test_serve_on_two_ranks_answers_as_one_process_and_stops_on_sigterm():
 
 
 def test_each_call_carries_the_batch_mates_rank_0_sees():
-    from fidelity.pipeline_model import _batch_mates
+    from fidelity.pipeline_calls import batch_mates
     from reference_model.schedule import co_batched
-    assert _batch_mates() == 0
+    assert batch_mates() == 0
     with co_batched(5):
-        assert _batch_mates() == 5
+        assert batch_mates() == 5
 
 
 def test_kld_a_stage_without_enough_memory_is_named_with_the_plan(tmp_path):
