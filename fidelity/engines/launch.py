@@ -86,10 +86,16 @@ def plan_arm(arm: EngineArm, e: EngineSpec, captures: bool = False, max_logprobs
         return p
     env, flags = dict(e.env), list(e.flags)
     if e.kind == "llamacpp":
-        if arm.toggles is not None:
-            raise SpecError(f"arm {arm.name}: llama.cpp's numerics have no toggle mapping; give its own "
-                            "flags instead (e.g. flags = [\"-ctk\", \"q8_0\", \"-ctv\", \"q8_0\"])")
+        from fidelity.llamacpp import flags as LF
         from fidelity.llamacpp import paths
+        if arm.toggles is not None:             # its in-process twin's spelling -> flags and env
+            try:
+                more_flags, more_env = LF.launch_of(arm.toggles)
+            except LF.FlagError as ex:
+                raise SpecError(f"arm {arm.name}: {ex}") from None
+            flags += more_flags
+            env.update(more_env)
+            p.notes.append(f"numerics: the {LF.PROFILE} profile with {arm.toggles}")
         if paths.built() != paths.PINNED:
             p.notes.append("llama.cpp is not built here: `make llama-cpp` builds the pinned llama-server")
     elif e.kind == "fidelity":

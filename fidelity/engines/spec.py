@@ -25,7 +25,11 @@ it is under.
     [engines.sg]
     kind = "sglang"                # sglang | vllm | fidelity | llamacpp | external | inprocess
                                    # (llamacpp: model = a GGUF, served by the pinned llama-server;
-                                   # its own flags (-ctk q8_0, -fa on, --no-repack ...) in flags)
+                                   # its own flags (-ctk q8_0, -fa on, --no-repack ...) in flags;
+                                   # an arm's toggles are its in-process twin's, on the exact
+                                   # profile: "expert_act_q8_0,kv_cache_ggml(type=q8_0)" launches
+                                   # -ctk/-ctv q8_0 (fidelity.llamacpp.flags), and -ctk q8_0 in
+                                   # an arm's flags credits kv_cache_ggml in attribution)
     version = "0.5.23"             # mappings of toggles are per version
     model = "/models/DeepSeek-V4-Flash"
     port = 30000
@@ -58,6 +62,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fidelity.llamacpp import flags as LF
 from kernel_toggles import ToggleSet, profiles
 from kernel_toggles import arms as K
 from kernel_toggles import serving_settings as SS
@@ -278,11 +283,24 @@ def _arm(i: int, d: dict, engines) -> EngineArm:
     factors = d.get("factors")
     if factors is None:              # what attribution credits: the toggles, plus the patch
         factors = set(ts.names) if ts is not None else set()
-        if env or flags or own or not factors:
+        patched = env or flags or own
+        if engines[eng].kind == "llamacpp" and ts is None:
+            factors, patched = _llamacpp_factors(env, flags, f"{where} ({name})"), (
+                own or not LF.only_numerics(flags, env))
+        if patched or not factors:
             factors.add(name)
     serving = {**engines[eng].serving, **own}
     return EngineArm(name, eng, ts, env, flags, role, frozenset(_str_list(list(factors), f"{where}.factors")),
                      {n: serving[n] for n in SS.SETTINGS if n in serving})
+
+
+def _llamacpp_factors(env: dict, flags: list, where: str) -> set:
+    """The toggles a llama.cpp arm's own flags and env set away from its defaults
+    (fidelity.llamacpp.flags): what attribution credits for `-ctk q8_0`."""
+    try:
+        return set(LF.read(flags, env).factors())
+    except LF.FlagError as e:
+        raise SpecError(f"{where}: {e}") from None
 
 
 def _design(i: int, d: dict, engines) -> list[EngineArm]:
