@@ -68,7 +68,7 @@ def test_layer0_bit_level_with_hf_readings_and_fp32_rope():
 
 
 def test_logits_within_tolerance():
-    rows, _ = B.run(SRC, lengths=(N_PRE,), decode=N_DEC, arms=("hf-reading",), floor=False)
+    rows, _ = B.run(SRC, B.ParitySetup(lengths=(N_PRE,), decode=N_DEC, arms=("hf-reading",), floor=False))
     by = {(r["arm"], r["phase"]): r for r in rows}
     for phase in ("prefill", f"decode x{N_DEC}"):
         r = by[(B.HF_READING_FP32_ROPE, phase)]
