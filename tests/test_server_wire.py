@@ -1,37 +1,21 @@
 """`fidelity serve` against the engines' wire formats as the research notes document them
 (tests/data/wire_formats.json, written from research/engine-integration.md §1.1, §1.2,
 §2.2, §3.4 and research/engine-divergences.md §6): SGLang's /generate meta_info logprobs
-and captures, vLLM's prompt_logprobs (checked against SGLang's numbers and against the
-full vocabulary), the tokenize endpoints and the ops routes. A real server subprocess."""
-import base64
-import json
+and vLLM's prompt_logprobs (checked against SGLang's numbers and against the full
+vocabulary). A real server subprocess. The captures, the tokenize endpoints and the ops
+routes: tests/test_server_wire_ops.py."""
 import math
-from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
 from needle_util import ok, served
-
-SPEC = json.loads((Path(__file__).parent / "data" / "wire_formats.json").read_text())
-GEN, VLLM, CAP, TOK, OPS = (SPEC[k] for k in ("sglang_generate", "vllm_prompt_logprobs", "captures",
-                                             "tokenize", "ops"))
-TRIPLE = SPEC["triple"]
-
-SENTENCE = "The old man walked to the river."   # 11 tokens with the tiny model's tokenizer; its
-#   tokens fall both inside and outside the top 3
-CHAT = [{"role": "system", "content": "Answer in one word."},
-        {"role": "user", "content": "Where does the river run?"}]
-K = 3                                             # top_logprobs_num / prompt_logprobs
-START_K = 4                                       # a logprob_start_len > 0
+from wire_util import GEN, K, OPS, START_K, TRIPLE, VLLM, generate, is_type, sentence_ids
 
 
 @pytest.fixture(scope="module")
 def ids(http):
-    t = ok(http.post("/tokenize", json={"prompt": SENTENCE}))["tokens"]
-    assert 8 <= len(t) <= 12, t
-    return t
+    return sentence_ids(http)
 
 
 @pytest.fixture(scope="module")
@@ -43,22 +27,6 @@ def score_ids(ids):
 
 
 @pytest.fixture(scope="module")
-def model_info(http):
-    info = ok(http.get(OPS["model_info"]["route"]))
-    missing = [k for k in OPS["model_info"]["keys"] if k not in info]
-    assert not missing, f"/get_model_info lacks {missing}"
-    return info
-
-
-def generate(http, ids, **fields) -> dict:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0}, **fields}
-    out = ok(http.post(GEN["route"], json=body))
-    for key in GEN["response_keys"]["top_level"]:
-        assert key in out, f"/generate response lacks {key}"
-    return out["meta_info"]
-
-
-@pytest.fixture(scope="module")
 def gen0(http, ids, score_ids):
     """/generate with the whole prompt scored, return_text_in_logprobs false and true."""
     return {text: generate(http, ids, return_logprob=True, logprob_start_len=0, top_logprobs_num=K,
@@ -67,13 +35,6 @@ def gen0(http, ids, score_ids):
 
 
 # ---- interpreting the spec -------------------------------------------------------------------
-
-def is_type(v, kind: str) -> bool:
-    return any({"number": isinstance(v, (int, float)) and not isinstance(v, bool),
-                "integer": isinstance(v, int) and not isinstance(v, bool),
-                "string": isinstance(v, str),
-                "null": v is None}[k] for k in kind.split("|"))
-
 
 def check_triple(t, text: bool, null_logprob: bool = False):
     assert isinstance(t, list) and len(t) == TRIPLE["arity"], t
@@ -370,113 +331,3 @@ def test_vllm_prompt_logprobs_refused(http, ids):
         assert r.status_code == cap["over_cap_status"], (extra, r.status_code, r.text)
         assert cap["error_names_field"] in error_message(r), (extra, r.text)
     assert ok(http.post(VLLM["route"], json={**base, "prompt_logprobs": cap["default_max_logprobs"]}))
-
-
-# ---- captures --------------------------------------------------------------------------------
-
-def decode_capture(s: str, shape: tuple[int, ...]) -> np.ndarray:
-    assert isinstance(s, str)
-    raw = base64.b64decode(s, validate=True)
-    a = np.frombuffer(raw, dtype=CAP["encoding"]["dtype"])
-    assert a.size == math.prod(shape), f"{a.size} int32 values, expected shape {shape}"
-    return a.reshape(shape)
-
-
-def test_captures(http, ids, model_info):
-    meta = generate(http, ids, **{CAP["indexer_topk"]["request_flag"]: True,
-                                  CAP["routed_experts"]["request_flag"]: True})
-    rows = meta["prompt_tokens"] + meta["completion_tokens"] - 1          # seqlen - 1
-    assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] >= 1
-    csa = [i for i, r in enumerate(model_info["compress_ratios"]) if r == CAP["indexer_topk"]["compress_ratio"]]
-    assert model_info["indexer_layers"] == csa and csa, "indexer layers = the compress_ratio 4 layers"
-
-    idx = decode_capture(meta[CAP["indexer_topk"]["meta_key"]],
-                         (rows, len(model_info["indexer_layers"]), model_info["index_topk"]))
-    check_indexer_topk(idx)
-    exp = decode_capture(meta[CAP["routed_experts"]["meta_key"]],
-                         (rows, model_info["num_hidden_layers"], model_info["num_experts_per_tok"]))
-    check_routed_experts(exp, model_info["n_routed_experts"])
-
-
-def check_indexer_topk(idx: np.ndarray) -> None:
-    """(seqlen - 1, CSA layers, index_topk): distinct compressed-key indices the row's token
-    can see, then -1 padding to the end of the row."""
-    spec = CAP["indexer_topk"]
-    pad, ratio = spec["padding"], spec["compress_ratio"]
-    assert idx.min() >= pad
-    padded = filled = 0
-    for t in range(idx.shape[0]):
-        bound = (t + 1) // ratio                        # compressed keys token t can see
-        for row in idx[t]:
-            vals = row[row != pad]
-            n = len(vals)
-            assert (row[:n] != pad).all() and (row[n:] == pad).all(), f"row {t}: -1 not only at the tail: {row}"
-            assert len(set(vals.tolist())) == n, f"row {t}: repeated indices {row}"
-            assert (vals < bound).all(), f"row {t}: index beyond the {bound} visible compressed keys: {row}"
-            padded += n < len(row)
-            filled += n > 0
-    assert padded and filled, "the prompt should give both padded and non-empty indexer rows"
-
-
-def check_routed_experts(exp: np.ndarray, n_experts: int) -> None:
-    """(seqlen - 1, layers, experts per token): distinct expert ids in [0, n_routed_experts)."""
-    assert exp.min() >= 0 and exp.max() < n_experts, (exp.min(), exp.max())
-    for t in range(exp.shape[0]):
-        for layer, row in enumerate(exp[t]):
-            assert len(set(row.tolist())) == len(row), f"token {t} layer {layer}: repeated experts {row}"
-
-
-# ---- tokenize and ops ------------------------------------------------------------------------
-
-@pytest.mark.parametrize("route", TOK["routes"])
-def test_tokenize(http, route):
-    want = set(TOK["response_keys"])
-    got = {}
-    for field in TOK["inputs"]:
-        body = {"messages": CHAT} if field == "messages" else {field: SENTENCE}
-        out = ok(http.post(route, json=body))
-        assert set(out) == want, f"{route} {field}: keys {sorted(out)}"
-        assert isinstance(out["tokens"], list) and all(is_type(i, "integer") for i in out["tokens"])
-        assert out["count"] == len(out["tokens"]) > 0
-        assert is_type(out["max_model_len"], "integer") and out["max_model_len"] >= out["count"]
-        got[field] = out["tokens"]
-    assert got["prompt"] == got["text"]
-    assert got["messages"] != got["prompt"]
-    chat = ok(http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "temperature": 0}))
-    assert got["messages"] and len(got["messages"]) == chat["usage"]["prompt_tokens"]  # as for a chat completion
-    (opt, flag), = TOK["optional_keys"].items()
-    out = ok(http.post(route, json={"prompt": SENTENCE, flag: True}))
-    assert set(out) == want | {opt} and len(out[opt]) == out["count"]
-
-
-def test_tokenize_matches_generate_text(http, ids):
-    meta = ok(http.post(GEN["route"], json={"text": SENTENCE, "sampling_params": {"max_new_tokens": 1}}))
-    assert meta["meta_info"]["prompt_tokens"] == len(ids)
-
-
-def test_detokenize_round_trip(http, ids):
-    d = OPS["detokenize"]
-    for text in (SENTENCE, "Rain fell on the old town."):
-        toks = ok(http.post("/tokenize", json={"prompt": text}))["tokens"]
-        assert ok(http.post(d["route"], json={d["request_key"]: toks}))[d["response_key"]] == text
-    assert ok(http.post(d["route"], json={d["request_key"]: ids}))[d["response_key"]] == SENTENCE
-
-
-def values(node):
-    if isinstance(node, dict):
-        for v in node.values():
-            yield from values(v)
-    elif isinstance(node, list):
-        for v in node:
-            yield from values(v)
-    else:
-        yield node
-
-
-def test_ops(http):
-    v = ok(http.get(OPS["version"]["route"]))
-    assert is_type(v[OPS["version"]["response_key"]], OPS["version"]["type"]) and v["version"]
-    info = ok(http.get(OPS["server_info"]["route"]))
-    assert "golden" in set(values(info)), "/get_server_info should name the served arm"
-    r = http.get(OPS["health_generate"]["route"])
-    assert r.status_code == OPS["health_generate"]["status"], r.text
