@@ -51,17 +51,31 @@ def check_schedules(schedules: dict[str, Schedule], lengths, held_back: int = 0)
         raise ValueError("; ".join(problems) + "; change the schedule or the prompt lengths (--lengths)")
 
 
+# numerics profiles an arm can pin with a prefix (reference_model.Numerics): `exact:` is the
+# reference's math without its QAT simulation, what llama.cpp computes (docs/real-engines.md)
+PROFILES = ("reference", "exact")
+
+
+def pinned_profile(spec: str) -> tuple[str | None, str]:
+    """'exact:kv_cache_ggml' -> ('exact', 'kv_cache_ggml'); no profile prefix -> (None, spec)."""
+    head, sep, rest = spec.partition(":")
+    return (head, rest) if sep and head in PROFILES else (None, spec)
+
+
 def parse_arm(text: str | None, model: str = "v4") -> NumericsArm:
     """'golden' (or empty), 'engine', 'engine:sglang', 'kv_bf16,splitk_decode(splits=8)',
-    'engine@chunked(64)', ...; `engine` spellings as for a `model` ('v4', 'v41') checkpoint
-    (kernel_toggles.arms.version_of of the config it runs)."""
+    'engine@chunked(64)', 'exact:expert_act_q8_0' (a pinned profile: the arm computes on it
+    whatever profile its caller asks for), ...; `engine` spellings as for a `model` ('v4',
+    'v41') checkpoint (kernel_toggles.arms.version_of of the config it runs)."""
     try:
         spec, schedule = split_schedule((text or "").strip())
+        profile, spec = pinned_profile(spec.strip())
         ts = ToggleSet.parse(spec.strip(), model)
     except (ValueError, ScheduleError) as e:
         raise ArmError(str(e)) from None
-    name = str(ts) + ("" if schedule == ONESHOT else f"@{schedule}")
-    return NumericsArm(name, ts.numerics, tuple(str(t) for t in ts), schedule)
+    name = (f"{profile}:" if profile else "") + str(ts) + ("" if schedule == ONESHOT else f"@{schedule}")
+    make = ts.numerics if profile is None else (lambda _=None, **kw: ts.numerics(profile, **kw))
+    return NumericsArm(name, make, tuple(str(t) for t in ts), schedule)
 
 
 def as_arm(x, model: str = "v4") -> NumericsArm:

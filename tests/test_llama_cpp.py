@@ -97,16 +97,23 @@ def test_teacher_forced_reading_is_the_decode_path(server, f32):
 
 
 def test_kld_report_says_how_llamacpp_was_read(server, f32, tmp_path):
+    """The report says how llama.cpp's positions were read; scored against its in-process
+    twin (the exact profile with LLAMA_CPU toggles, fidelity.llamacpp.flags) llama.cpp is
+    many times closer than the golden is."""
     out = tmp_path / "out"
-    r = subprocess.run([*fidelity_cmd(), "kld", "--inprocess", "golden=golden", "--endpoint", f"llama={server}",
+    r = subprocess.run([*fidelity_cmd(), "kld", "--inprocess", "twin=exact:expert_act_q8_0,kv_cache_ggml",
+                        "--inprocess", "golden=golden", "--endpoint", f"llama={server}",
                         "--checkpoint", str(f32[0]), "--lengths", "200", "--reps", "1", "--steps", "2",
                         "--top-k", "512", "--no-captures", "--no-floors", "--out", str(out),
                         "--run-id", "t", "--threads", "1", "--quiet"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    page = (out / "kld" / "t" / "summary.md").read_text()
-    assert "Arm `llama`: teacher-forced /completion prefixes" in page
     import pandas as pd
     pos = pd.read_csv(out / "kld" / "t" / "positions.csv.gz")
+    assert set(pos.arm) == {"golden", "llama"}                 # both scored against the twin
+    kld = pos.groupby("arm").kl_lb.mean()                       # exact here (top-512 of 512)
+    assert kld["llama"] * 5 < kld["golden"], kld
+    page = (out / "kld" / "t" / "summary.md").read_text()
+    assert "Arm `llama`: teacher-forced /completion prefixes" in page
     llama = pos[(pos.arm == "llama") & (pos.phase == "prefill")]
     assert (llama.path.iloc[1:] == "decode").all()
     assert (llama.uncovered_p < 1e-9).all()                  # top-512 of a 512 vocabulary: exact KL
@@ -352,5 +359,5 @@ def test_engines_launches_llama_server_arms_from_a_spec(f32, tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text(ENGINES_SPEC.format(out=tmp_path / "o2", ck=f32[0], gguf=f32[1], port=1).replace(
         'name = "llama-np1"\nengine = "llama"', 'name = "llama-np1"\nengine = "llama"\ntoggles = "wo_a_fp8"'))
-    with pytest.raises(SpecError, match="no toggle mapping"):
+    with pytest.raises(SpecError, match="llama.cpp has no setting for wo_a_fp8"):
         plans(load_spec(bad))

@@ -44,17 +44,18 @@ def replay_arms(extra=(), cache_type: str = "f16") -> dict:
     """The in-process arms a replay compares: golden, the fp32-accumulation floor, the exact
     profile, llama_cpu_arms(cache_type) and each of `extra`, spelled PROFILE:ARM
     (reference|exact and an arm spelling). A bad spelling is a ValueError naming it."""
+    from fidelity.arms import pinned_profile
     from fidelity.pipeline_model import arm_numerics
     from reference_model.numerics import Numerics
     arms = {GOLDEN: arm_numerics("golden", "reference", {}, "v4"),
             FLOOR: Numerics("reference", torch.float32), "exact": Numerics("exact")}
     for spec in dict.fromkeys([*llama_cpu_arms(cache_type), *extra]):
-        profile, _, arm = spec.partition(":")
-        if profile not in ("reference", "exact") or not arm:
+        profile, arm = pinned_profile(spec)
+        if profile is None or not arm:
             raise ValueError(f"--arm {spec!r}: give PROFILE:ARM with PROFILE reference or exact, "
                              "e.g. exact:expert_act_q8_0")
         try:
-            arms[spec] = arm_numerics(arm, profile, {}, "v4")
+            arms[spec] = arm_numerics(spec, profile, {}, "v4")
         except ValueError as e:
             raise ValueError(f"--arm {spec!r}: {e}") from None
     return arms
