@@ -237,13 +237,29 @@ def _serving(d, where) -> dict:
         raise SpecError(str(e)) from None
 
 
-def _toggles(text, where):
+def _model_of(e: EngineSpec) -> str:
+    """The model version `engine` spellings of an engine's arms resolve for: an in-process
+    engine's checkpoint's ('v41' for a DeepSeek-V4.1 config.json, read here, before anything
+    runs); 'v4' for launched engines (their checkpoint is the engine's to read) and for a
+    checkpoint not found (the run names it when it loads it)."""
+    if e.kind != "inprocess" or not e.model:
+        return "v4"
+    from fidelity.weights.source import WeightsError, resolve_checkpoint
+    from reference_model.v41.config import any_config_from_file
+    try:
+        path = resolve_checkpoint(e.model) / "config.json"
+    except WeightsError:
+        return "v4"
+    return K.version_of(any_config_from_file(path)) if path.is_file() else "v4"
+
+
+def _toggles(text, where, model: str = "v4"):
     if text is None:
         return None
     if not isinstance(text, str):
         raise SpecError(f"{where} must be an arm string, e.g. \"engine:sglang\"")
     try:
-        return ToggleSet.parse(text)
+        return ToggleSet.parse(text, model)
     except ValueError as e:
         raise SpecError(f"{where}: {e}") from None
 
@@ -273,7 +289,7 @@ def _arm(i: int, d: dict, engines) -> EngineArm:
     if d.get("toggles") == "closest":
         ts = _closest(engines[eng], f"{where}.toggles")
     else:
-        ts = _toggles(d.get("toggles"), f"{where}.toggles")
+        ts = _toggles(d.get("toggles"), f"{where}.toggles", _model_of(engines[eng]))
     env = _str_dict(d.get("env", {}), f"{where}.env")
     flags = _str_list(d.get("flags", []), f"{where}.flags")
     own = _serving(d.get("serving", {}), f"{where}.serving")
@@ -311,7 +327,7 @@ def _design(i: int, d: dict, engines) -> list[EngineArm]:
     kind = d.get("kind")
     if kind not in DESIGNS:
         raise SpecError(f"{where}.kind must be one of {', '.join(DESIGNS)}, got {kind!r}")
-    base = _toggles(d.get("base", "engine"), f"{where}.base")
+    base = _toggles(d.get("base", "engine"), f"{where}.base", _model_of(engines[d["engine"]]))
     names = _str_list(d.get("toggles", list(base.names)), f"{where}.toggles")
     prefix = d.get("prefix", d["engine"])
     if kind == "one-at-a-time":
