@@ -12,7 +12,7 @@ from F32, experts kept MXFP4) with --no-repack. Per variant:
 and once (F32, -np 4): `fidelity chat-check` and `fidelity consistency`.
 Writes bench/results/llama_cpp.json and docs/real-engines.md's measured tables (`--render`:
 the tables again from the stored JSON).
-Needs `make llama-cpp`. Takes ~20-30 minutes on 2 cores; `--once` runs only chat-check and
+Needs `make llama-cpp`. Takes ~20-30 minutes on 2 cores (more with the 8K and 16K needles); `--once` runs only chat-check and
 consistency again (the stored variants kept)."""
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fidelity.llamacpp import flags as LF  # noqa: E402
 from fidelity.llamacpp import paths  # noqa: E402
 from fidelity.llamacpp.prepare import gguf  # noqa: E402
 from fidelity.llamacpp.server import ServerFailed, serving  # noqa: E402
@@ -35,7 +36,8 @@ MODEL = ROOT / "models" / "tiny-needle-v2"
 OUT = Path("/tmp/bench-llama")
 RESULTS = ROOT / "bench" / "results" / "llama_cpp.json"
 KLD_LENGTHS, KLD_REPS = "256,511,1023", 2
-NEEDLE_LENGTHS, NEEDLE_REPS = "512,1024,2048,4096", 3
+NEEDLE_LENGTHS, NEEDLE_REPS = "512,1024,2048,4096,8192,16384", 3
+CTX = 16384 + 1024                                  # the longest needle prompt and its answer
 
 
 def fidelity(*args) -> subprocess.CompletedProcess:
@@ -59,12 +61,22 @@ def q4_k_m(f32: Path) -> Path:
     return out
 
 
-def kld(name: str, url: str, ck: Path) -> dict:
-    """One run folder per variant; the golden's and floors' scores are stored once and reused."""
+def twin(extra: tuple) -> str:
+    """llama.cpp's in-process twin under these flags (fidelity.llamacpp.flags)."""
+    return f"{LF.PROFILE}:{LF.read(list(extra)).toggles()}"
+
+
+def kld(name: str, url: str, ck: Path, extra: tuple = ()) -> dict:
+    """One run folder per variant; the golden's and floors' scores are stored once and reused.
+    Then the same prompts scored against llama.cpp's in-process twin (--baseline twin)."""
     run_id = f"kld-{name}"
-    fidelity("kld", "--inprocess", "golden=golden", "--endpoint", f"llama-{name}={url}", "--checkpoint", str(ck),
-             "--lengths", KLD_LENGTHS, "--reps", str(KLD_REPS), "--steps", "4", "--top-k", "512",
-             "--no-captures", "--out", str(OUT), "--run-id", run_id, "--quiet")
+    args = ("--endpoint", f"llama-{name}={url}", "--checkpoint", str(ck), "--lengths", KLD_LENGTHS,
+            "--reps", str(KLD_REPS), "--steps", "4", "--top-k", "512", "--no-captures", "--out", str(OUT), "--quiet")
+    fidelity("kld", "--inprocess", "golden=golden", *args, "--run-id", run_id)
+    fidelity("kld", "--inprocess", f"twin-{name}={twin(extra)}", "--inprocess", "golden=golden",
+             "--baseline", f"twin-{name}", "--no-floors", *args, "--run-id", f"twin-{name}")
+    tw = pd.read_csv(OUT / "kld" / f"twin-{name}" / "kld_by_position.csv")
+    tw = tw[tw.bucket == "all"].set_index("arm").kld_mean
     d = OUT / "kld" / run_id
     t = pd.read_csv(d / "kld_by_position.csv")
     allk = t[t.bucket == "all"].set_index("arm")
@@ -73,7 +85,8 @@ def kld(name: str, url: str, ck: Path) -> dict:
     r = allk.loc[f"llama-{name}"]
     return {"kld_mean": r.kld_mean, "kld_lo": r.kld_lo, "kld_hi": r.kld_hi, "kld_p99": r.kld_p99,
             "kld_max": r.kld_max, "same_top1": r.same_top1, "positions": int(r.positions),
-            "floor_kld_hi": float(allk.loc[floors].kld_hi.max()), "verdict": v}
+            "floor_kld_hi": float(allk.loc[floors].kld_hi.max()), "verdict": v,
+            "twin": twin(extra), "vs_twin": float(tw[f"llama-{name}"]), "golden_vs_twin": float(tw["golden"])}
 
 
 def prefill(name: str, model: Path, ck: Path, extra: tuple = ()) -> dict:
@@ -140,10 +153,10 @@ def needle(name: str, url: str, ck: Path) -> dict:
             "by_length": {f"{a}@{n}": float(v) for (a, n), v in by_len.items()}}
 
 
-def replay(model: Path, ck: Path) -> str:
+def replay(model: Path, ck: Path, cache_type: str = "f16") -> str:
     r = fidelity("llamacpp", "replay", "--checkpoint", str(ck), "--gguf", str(model), "--tokens", "240",
-                 "--out", str(OUT))
-    return r.stdout.strip().splitlines()[-1]
+                 "--cache-type", cache_type, "--out", str(OUT))
+    return next(ln for ln in r.stdout.splitlines() if ln.startswith("llama.cpp ("))
 
 
 def once(url: str, ck: Path) -> dict:
@@ -175,18 +188,18 @@ def main() -> int:
         t0 = time.time()
         key = name.replace(" ", "").replace("+", "-")
         try:
-            with serving(model, OUT / f"{key}.log", ctx=8192, extra=extra, port=port) as url:
-                row = {"kld": kld(key, url, ck), "needle": needle(key, url, ck)}
+            with serving(model, OUT / f"{key}.log", ctx=CTX, extra=extra, port=port) as url:
+                row = {"kld": kld(key, url, ck, extra), "needle": needle(key, url, ck)}
         except ServerFailed as e:                    # a finding, not a crash of the bench
             first = next((ln for ln in str(e).splitlines() if "GGML_ASSERT" in ln or "error" in ln.lower()), str(e)[:200])
             res["variants"][name] = {"failed": first.split("/src/")[-1].split(" (log:")[0].strip()}
             print(name, "failed:", res["variants"][name]["failed"], flush=True)
             continue
         row["prefill"] = prefill(key, model, ck, extra)
-        if not extra:
-            row["replay"] = replay(model, ck)
+        if model == f32:
+            row["replay"] = replay(model, ck, LF.read(list(extra)).cache_type)
             if name == "F32":
-                with serving(model, OUT / f"{key}-paths.log", ctx=8192, port=port) as url:
+                with serving(model, OUT / f"{key}-paths.log", ctx=CTX, port=port) as url:
                     row["two_paths"] = two_paths(key, url, ck)
         row["seconds"] = round(time.time() - t0)
         res["variants"][name] = row
@@ -202,7 +215,7 @@ def rerun_once() -> int:
 
 def finish(res: dict, f32: Path, ck: Path) -> int:
     """chat-check and consistency once (F32, -np 4), then the results and the doc written."""
-    with serving(f32, OUT / "once.log", ctx=8192, slots=4, port=18799) as url:
+    with serving(f32, OUT / "once.log", ctx=CTX, slots=4, port=18799) as url:
         res["once"] = once(url, ck)
     RESULTS.write_text(json.dumps(res, indent=1, default=float))
     write_doc(res)
@@ -229,6 +242,11 @@ def render(res: dict) -> str:
                     f"{r['kld']['floor_kld_hi']:.3g}", f"{r['kld']['kld_p99']:.3g}", f"{r['kld']['kld_max']:.3g}",
                     f"{r['kld']['same_top1']:.4f}"] for n, r in v.items()]), "",
            "Verdicts: " + " ".join(f"*{n}*: {r['kld']['verdict']}" for n, r in v.items()), "",
+           "**Against llama.cpp's in-process twin** (the same prompts, `--baseline twin`: the exact "
+           "profile with the toggles its flags map to, `fidelity.llamacpp.flags`; mean KLD):", "",
+           _table(["GGUF", "twin", "llama.cpp vs twin", "golden vs twin"],
+                  [[n, f"`{r['kld']['twin']}`", f"{r['kld']['vs_twin']:.3g}", f"{r['kld']['golden_vs_twin']:.3g}"]
+                   for n, r in v.items() if "vs_twin" in r["kld"]]), "",
            "**Next-token KLD, prefill path** (llama-perplexity's own logits file, 4 chunks of 512, "
            "scored against the golden by `fidelity llamacpp kld-base --compare`):", "",
            _table(["GGUF", "positions", "mean KLD", "p99", "max", "same top-1", "RMS dp"],
@@ -248,14 +266,15 @@ def render(res: dict) -> str:
     out += [_table(["arm"] + [str(n) for n in lengths] + ["overall"],
                    [[a] + [f"{last['by_length'].get(f'{a}@{n}', float('nan')):.2f}" for n in lengths]
                     + ["{:.2f} [{:.2f}, {:.2f}]".format(*last["recall"][a])] for a in arms]), "",
-            "**Tensor replay** (`fidelity llamacpp replay`, 240 tokens, prefill):", ""]
+            "**Tensor replay** (`fidelity llamacpp replay`, 240 tokens, prefill, the variant's cache type):", ""]
     out += [f"- {n}: {r['replay']}" for n, r in v.items() if "replay" in r]
     if failed:
         out += ["", "**Variants llama-server could not start:**", ""]
         out += [f"- {n}: `{why}`" for n, why in failed.items()]
     once = res.get("once", {})
     if once:
-        out += ["", f"**chat-check** (`--generation original`): {once['chat_check']}.", "",
+        counts = ", ".join(f"{n} {k}" for k, n in once["chat_check"].items())
+        out += ["", f"**chat-check** (`--generation original`, cases by outcome): {counts}.", "",
                 "**consistency** (F32, `-np 4`, `--chunk-size 512`), its closing lines:", "", "```"]
         out += once["consistency"] + ["```"]
     return "\n".join(out)
