@@ -117,7 +117,9 @@ def score_prompt(logits: torch.Tensor, ids: torch.Tensor, k: int, start: int = 1
     return out
 
 
-def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:
+def pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:
+    """The next token from one row of logits under the request's sampling (one draw of
+    `gen` when sampling; the spec-decoding verifier draws through it too)."""
     if s.logit_bias:
         logits = logits.clone()
         for i, b in s.logit_bias.items():
@@ -206,8 +208,13 @@ class Decoder:
         return logits
 
     def _choose(self, step: torch.Tensor) -> int | None:
+        return self._take(pick(step, self.sampling, self.gen), step, self.state.pos)
+
+    def _take(self, tok: int, step: torch.Tensor, fed: int) -> int | None:
+        """Record a picked token (scores from its row `step`) and check the stop conditions;
+        `fed` = tokens in the state once the row was computed (a speculative decoder takes
+        several tokens per forward)."""
         out, sc = self.out, self.scoring
-        tok = _pick(step, self.sampling, self.gen)
         if sc.top is not None:
             out.scores.append(_score_row(torch.log_softmax(step.double(), -1), tok, sc.top, sc.ids))
         if tok in self.stop_ids:
@@ -216,7 +223,7 @@ class Decoder:
         out.tokens.append(tok)
         if self.should_stop is not None and self.should_stop(out.tokens):
             out.finish_reason, self.done = "stop", True
-        elif len(out.tokens) >= self.max_tokens or self.state.pos + 1 > self.model.cfg.max_seq_len:
+        elif len(out.tokens) >= self.max_tokens or fed + 1 > self.model.cfg.max_seq_len:
             self.done = True
         return tok
 
