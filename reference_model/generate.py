@@ -139,6 +139,9 @@ def pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:
     return int(torch.multinomial(p, 1, generator=gen))
 
 
+_pick = pick                                # the name tests and older callers use
+
+
 class Decoder:
     """One request's generation, one forward per step(): the first step runs the prompt,
     each later step one new token. `done` is set when a stop id, a stop condition, the

@@ -155,9 +155,23 @@ class MTP:
         started at pos >= n - window gives the same last-position output as one from 0)."""
         return SequenceState([None] * self.index + [LayerState()], pos)
 
-    def _own(self, name):
-        v = self.own[name]
+    def _own(self, name, own=None):
+        v = (self.own if own is None else own)[name]
         return v.to(self.nx.cd) if v.is_floating_point() else v
+
+    def prelude(self, H, tokens, own=None):
+        """X = e_proj(enorm(embed(tokens))) + h_proj(hnorm(H)) per copy: the Block's input
+        [n, hc, dim]. `own`: the MTP's own tensors (default its weights; training passes
+        its trainable ones)."""
+        nx, cfg = self.nx, self.cfg
+        n = tokens.numel()
+        emb = self.model.weights.global_weights()["embed.weight"]
+        e = nx.rms_norm(nx.rs(emb[tokens.to(emb.device)]), self._own("enorm.weight", own), cfg.norm_eps)
+        h = nx.rms_norm(nx.c(H).reshape(n * cfg.hc_mult, cfg.dim), self._own("hnorm.weight", own),
+                        cfg.norm_eps)
+        ep = nx.fp8_linear(e, self._own("e_proj.weight", own))
+        hp = nx.fp8_linear(h, self._own("h_proj.weight", own)).view(n, cfg.hc_mult, cfg.dim)
+        return nx.rs(ep.unsqueeze(1) + hp)                    # a bf16 add in the reference
 
     def forward(self, H: torch.Tensor, next_tokens, state: SequenceState, logits: str = "last",
                 taps: Taps | None = None, phase: str | None = None):
@@ -172,12 +186,7 @@ class MTP:
                            f"{tuple(H.shape)}")
         if phase is None:
             phase = "decode" if state.pos > 0 and n == 1 else "prefill"
-        emb = self.model.weights.global_weights()["embed.weight"]
-        e = nx.rms_norm(nx.rs(emb[tokens.to(emb.device)]), self._own("enorm.weight"), cfg.norm_eps)
-        h = nx.rms_norm(nx.c(H).reshape(n * cfg.hc_mult, cfg.dim), self._own("hnorm.weight"), cfg.norm_eps)
-        ep = nx.fp8_linear(e, self._own("e_proj.weight"))
-        hp = nx.fp8_linear(h, self._own("h_proj.weight")).view(n, cfg.hc_mult, cfg.dim)
-        X = nx.rs(ep.unsqueeze(1) + hp)                       # a bf16 add in the reference
+        X = self.prelude(H, tokens)
         t = _Renamed(taps, f"layers.{self.index}.", f"mtp.{self.k}.") if taps else None
         if t:
             t.put(f"mtp.{self.k}.in", X)
@@ -186,12 +195,12 @@ class MTP:
         rows = out if logits == "all" else out[-1:]
         return self.head(rows, t), out
 
-    def head(self, H, taps=None) -> torch.Tensor:
+    def head(self, H, taps=None, own=None) -> torch.Tensor:
         """The shared head with the MTP's own hc_head params and final norm."""
         nx, cfg = self.nx, self.cfg
-        x = nx.hc_head(H, self._own("hc_head_fn"), self._own("hc_head_scale"),
-                       self._own("hc_head_base"), cfg)
-        x = nx.rms_norm(x, self._own("norm.weight"), cfg.norm_eps)
+        x = nx.hc_head(H, self._own("hc_head_fn", own), self._own("hc_head_scale", own),
+                       self._own("hc_head_base", own), cfg)
+        x = nx.rms_norm(x, self._own("norm.weight", own), cfg.norm_eps)
         if taps:
             taps.put(f"mtp.{self.k}.final_hidden", x)
         head = self.model._weights(None, head=True)["head.weight"]
