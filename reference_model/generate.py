@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from .model import Model, SequenceState
+from .sampling import pick
 from .taps import Taps
 
 
@@ -117,29 +118,7 @@ def score_prompt(logits: torch.Tensor, ids: torch.Tensor, k: int, start: int = 1
     return out
 
 
-def pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:
-    """The next token from one row of logits under the request's sampling (one draw of
-    `gen` when sampling; the spec-decoding verifier draws through it too)."""
-    if s.logit_bias:
-        logits = logits.clone()
-        for i, b in s.logit_bias.items():
-            logits[i] += b
-    if s.temperature <= 0:
-        return int(torch.argmax(logits))
-    p = torch.softmax(logits.double() / s.temperature, -1)
-    if 0 < s.top_k < p.numel():
-        kth = torch.topk(p, s.top_k).values[-1]
-        p = torch.where(p >= kth, p, torch.zeros_like(p))
-        p = p / p.sum()
-    if s.top_p < 1.0:
-        sp, si = torch.sort(p, descending=True)
-        keep = (sp.cumsum(0) - sp) < s.top_p           # smallest prefix with mass >= top_p
-        keep[0] = True
-        p = torch.zeros_like(p).scatter(0, si[keep], sp[keep])
-    return int(torch.multinomial(p, 1, generator=gen))
-
-
-_pick = pick                                # the name tests and older callers use
+_pick = pick                                # the name tests and older callers use (sampling.py)
 
 
 class Decoder:

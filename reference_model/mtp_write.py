@@ -50,6 +50,7 @@ def add_mtp_layer(root, tensors: dict[str, torch.Tensor], k: int = 0,
     out = root / shard
     tmp = root / (shard + ".tmp")
     save_file({n: v.contiguous() for n, v in entries.items()}, str(tmp))
+    os.chmod(tmp, 0o644)                       # as the other shards, whatever the temp file got
     os.replace(tmp, out)
     index = json.loads(idx_path.read_text())
     for n in entries:

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .sampling import pick
+
 SPEC_KERNELS = ("spec_verify", "spec_accept", "spec_rollback")
 
 
@@ -111,7 +113,6 @@ class SpecKernels:
         """The tokens a verify emits: the target's pick at each row in order (the request's
         sampling and generator), stopping after the first that differs from its draft; so
         the accepted drafts plus one (the correction, or the bonus when all are accepted)."""
-        from .generate import pick
         out = []
         for i in range(rows.shape[0]):
             t = pick(rows[i], sampling, gen)
