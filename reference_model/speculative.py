@@ -31,7 +31,8 @@ class SpecError(ValueError):
 @dataclass
 class SpecStats:
     """Per request: verify steps, drafted / accepted tokens, acceptances per draft position
-    (accepted[j] = verifies whose draft j+1 was accepted), emitted tokens per verify."""
+    (accepted[j] = verifies whose draft j+1 was accepted, and so every draft before it;
+    proposed[j] = verifies that drafted it)."""
     k: int
     verifies: int = 0
     drafted: int = 0

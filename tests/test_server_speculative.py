@@ -28,11 +28,14 @@ def _complete(url, prompt, **kw):
     return c["text"], c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"], c["finish_reason"]
 
 
-def test_spec_server_answers_as_the_plain_server(ckpt):
-    base = ("--checkpoint", str(ckpt), "--model-name", "m", "--page-size", "16")
+def test_spec_server_answers_as_the_plain_server():
+    """On the embedded tiny-needle-v2 and its trained MTP layer: drafts are accepted (runs
+    of every length), and every answer is the plain server's."""
+    base = ("--checkpoint", "tiny-needle-v2", "--model-name", "m", "--page-size", "16")
     with served("golden", extra=base + ("--speculative-tokens", "2")) as (spec,), \
             served("golden", extra=base) as (plain,):
-        prompts = ["The quick brown fox " * 6, "Once upon a time " * 9]
+        prompts = ["The special magic number for quiet harbor is 4412345. " * 3 +
+                   "What is the special magic number for quiet harbor?", "Once upon a time " * 9]
         for p in prompts:
             for kw in ({"temperature": 0}, {"temperature": 0.8, "seed": 5},
                        {"temperature": 1.2, "top_p": 0.9, "seed": 9}):
@@ -46,6 +49,7 @@ def test_spec_server_answers_as_the_plain_server(ckpt):
         assert len(g["meta_info"]["spec_accepted_per_position"]) == 2
         info = ok(httpx.get(spec + "/get_server_info"))["speculative"]
         assert info["enabled"] and info["num_speculative_tokens"] == 2 and info["verifies"] > 0
+        assert info["accepted_per_position"][1] > 0            # the trained MTP's drafts are taken
         assert ok(httpx.get(plain + "/get_server_info"))["speculative"] == {"enabled": False}
 
 

@@ -52,11 +52,23 @@ def init_weights(main, cfg, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def texts(tok, n: int, seed: int, lengths=(256, 768)) -> list[list[int]]:
-    """Training texts: haystack examples (prompt, answers, follow-ups) of random length."""
+def texts(tok, n: int, seed: int, model: Model | None = None, gen: int = 48,
+          lengths=(256, 768)) -> list[list[int]]:
+    """Training texts: haystack examples (prompt, answers, follow-ups) of random length;
+    with `model`, every other one is a haystack prompt and the model's own greedy
+    continuation of `gen` tokens past its answer (what a served request decodes)."""
+    from reference_model.generate import Decoder
     rng = random.Random(seed)
     hs = HaystackSampler(tok, seed=seed, mix=parse_mix("near=0.5,random=0.2,single=0.3"))
-    return [hs.example(rng.randint(*lengths)).ids for _ in range(n)]
+    out = []
+    for j in range(n):
+        ex = hs.example(rng.randint(*lengths))
+        if model is None or j % 2 == 0:
+            out.append(ex.ids)
+        else:
+            prompt = ex.ids[:ex.n_prompt]
+            out.append(prompt + Decoder(model, prompt, gen).run().tokens)
+    return out
 
 
 @torch.no_grad()
@@ -68,11 +80,17 @@ def teacher(model: Model, ids: list[int]):
     return H[:-1], t[1:], lp
 
 
-def mtp_logits(mtp: MTP, own: dict, H, nxt):
-    """The MTP over one sequence from position 0 with weights `own` (autograd through it)."""
+def mtp_logits(mtp: MTP, own: dict, H, nxt, pos0: int = 0):
+    """The MTP over one sequence from `pos0` with weights `own` (autograd through it):
+    (logits, its output streams)."""
     X = mtp.prelude(H, nxt, own)
-    out = mtp.runner._block(mtp.index, own, X, nxt, LayerState(), 0, None, "prefill")
-    return mtp.head(out, None, own)
+    out = mtp.runner._block(mtp.index, own, X, nxt, LayerState(), pos0, None, "prefill")
+    return mtp.head(out, None, own), out
+
+
+def kl(tgt, lg):
+    lp = torch.log_softmax(lg.float(), -1)
+    return (tgt.exp() * (tgt - lp)).sum(-1).mean()
 
 
 def train(a) -> dict:
@@ -82,7 +100,7 @@ def train(a) -> dict:
     cfg = main.cfg
     tok = load_tokenizer(Path(a.model) / "tokenizer.json")
     golden = Model(main, Numerics("reference", torch.float32))
-    data = [teacher(golden, ids) for ids in texts(tok, a.texts, a.seed)]
+    data = [teacher(golden, ids) for ids in texts(tok, a.texts, a.seed, golden if a.own else None)]
     nx = qat_numerics()
     mtp = MTP(Model(main, nx), init_weights(main, cfg, a.seed))
     specs = {s.name[len("mtp.0."):]: s for s in mtp_specs(cfg)}
@@ -92,9 +110,11 @@ def train(a) -> dict:
     for step in range(a.steps):
         H, nxt, tgt = data[step % len(data)]
         w = effective_weights(params, specs, {})
-        lg = mtp_logits(mtp, w, H, nxt)
-        lp = torch.log_softmax(lg.float(), -1)
-        loss = (tgt.exp() * (tgt - lp)).sum(-1).mean()
+        lg, out = mtp_logits(mtp, w, H, nxt)
+        loss = kl(tgt, lg)
+        if a.chain:           # draft 2: the MTP's own streams fed back, one position on
+            lg2, _ = mtp_logits(mtp, w, out[:-1], nxt[1:], 1)
+            loss = loss + a.chain * kl(tgt[1:], lg2)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
@@ -103,7 +123,7 @@ def train(a) -> dict:
         opt.step()
         with torch.no_grad():
             acc = float((lg.argmax(-1) == tgt.argmax(-1)).float().mean())
-        log.append({"step": step, "kl": float(loss), "top1_agree": acc, "t": round(time.time() - t0, 1)})
+        log.append({"step": step, "kl": float(loss.detach()), "top1_agree": acc, "t": round(time.time() - t0, 1)})
         if step % a.print_every == 0:
             print(json.dumps(log[-1]), flush=True)
     grid = {n: to_grid(specs[n], p.detach()) for n, p in params.items()}
@@ -119,6 +139,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--print-every", type=int, default=20)
+    p.add_argument("--own", action="store_true",
+                   help="half the texts: the model's own greedy continuations of haystack prompts")
+    p.add_argument("--chain", type=float, default=0.0,
+                   help="weight of the draft-2 loss (the MTP fed its own output streams)")
     p.add_argument("--log", default=None, help="write the step log (JSON lines) here")
     p.add_argument("--write", action="store_true", help="add the MTP shard to --model")
     return p.parse_args(argv)
