@@ -466,3 +466,4 @@ def _lm_head_bf16(golden, x, w):
 from . import v41 as _v41  # noqa: E402,F401  (DeepSeek-V4.1 toggles: V4.1 kernels only)
 from . import request as _request  # noqa: E402,F401  (request-level toggles, registered last)
 from . import serving as _serving  # noqa: E402,F401  (serving-state toggles)
+from . import speculative as _speculative  # noqa: E402,F401  (speculative-decoding toggles)

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from .model import Model, SequenceState
+from .sampling import pick
 from .taps import Taps
 
 
@@ -117,24 +118,7 @@ def score_prompt(logits: torch.Tensor, ids: torch.Tensor, k: int, start: int = 1
     return out
 
 
-def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:
-    if s.logit_bias:
-        logits = logits.clone()
-        for i, b in s.logit_bias.items():
-            logits[i] += b
-    if s.temperature <= 0:
-        return int(torch.argmax(logits))
-    p = torch.softmax(logits.double() / s.temperature, -1)
-    if 0 < s.top_k < p.numel():
-        kth = torch.topk(p, s.top_k).values[-1]
-        p = torch.where(p >= kth, p, torch.zeros_like(p))
-        p = p / p.sum()
-    if s.top_p < 1.0:
-        sp, si = torch.sort(p, descending=True)
-        keep = (sp.cumsum(0) - sp) < s.top_p           # smallest prefix with mass >= top_p
-        keep[0] = True
-        p = torch.zeros_like(p).scatter(0, si[keep], sp[keep])
-    return int(torch.multinomial(p, 1, generator=gen))
+_pick = pick                                # the name tests and older callers use (sampling.py)
 
 
 class Decoder:
@@ -206,8 +190,13 @@ class Decoder:
         return logits
 
     def _choose(self, step: torch.Tensor) -> int | None:
+        return self._take(pick(step, self.sampling, self.gen), step, self.state.pos)
+
+    def _take(self, tok: int, step: torch.Tensor, fed: int) -> int | None:
+        """Record a picked token (scores from its row `step`) and check the stop conditions;
+        `fed` = tokens in the state once the row was computed (a speculative decoder takes
+        several tokens per forward)."""
         out, sc = self.out, self.scoring
-        tok = _pick(step, self.sampling, self.gen)
         if sc.top is not None:
             out.scores.append(_score_row(torch.log_softmax(step.double(), -1), tok, sc.top, sc.ids))
         if tok in self.stop_ids:
@@ -216,7 +205,7 @@ class Decoder:
         out.tokens.append(tok)
         if self.should_stop is not None and self.should_stop(out.tokens):
             out.finish_reason, self.done = "stop", True
-        elif len(out.tokens) >= self.max_tokens or self.state.pos + 1 > self.model.cfg.max_seq_len:
+        elif len(out.tokens) >= self.max_tokens or fed + 1 > self.model.cfg.max_seq_len:
             self.done = True
         return tok
 

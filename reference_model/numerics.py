@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from . import primitives as P
 from . import quant as Q
 from .primitives import sinkhorn_split, topk_highest_index_ties, topk_lowest_index_ties  # noqa: F401  (re-exported)
+from .spec_kernels import SPEC_KERNELS, SpecKernels
 from .v41.numerics import V41_KERNELS, V41Kernels
 
 # Names of V4's replaceable kernels.
@@ -35,7 +36,7 @@ V4_KERNELS = (
 )
 # The seam: every kernel a toggle may replace, V4's and the steps V4.1 adds (one Numerics
 # serves both versions; a V4 model never calls the V4.1 ones).
-KERNELS = V4_KERNELS + V41_KERNELS
+KERNELS = V4_KERNELS + V41_KERNELS + SPEC_KERNELS      # spec_*: speculative decoding (spec_kernels.py)
 # chat_request / chat_render are the request-level seam (not numerics): how a chat request
 # is read and rendered to a prompt, so engines' chat-handling differences are toggles like
 # the rest. chunk_boundary / state_restore are the serving seam: what happens to a
@@ -80,7 +81,7 @@ def _row_elems(x: torch.Tensor) -> int:
     return x.numel() // max(1, x.shape[0]) if x.dim() else 1
 
 
-class Numerics(V41Kernels):
+class Numerics(V41Kernels, SpecKernels):
     """The seam of both versions: V4's kernels here, V4.1's inherited from V41Kernels."""
 
     def __init__(self, profile: str = "reference", compute_dtype: torch.dtype | None = None):

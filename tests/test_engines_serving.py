@@ -135,9 +135,10 @@ def test_plan_prints_serving_flags(tmp_path, capsys):
 
 def test_fidelity_stand_in_takes_the_settings_it_has(tmp_path):
     text = '[engines.fs]\nkind = "fidelity"\n[[arms]]\nname = "a"\nengine = "fs"\n' \
-           'serving = { prefix_cache = false, chunked_prefill_size = 256, cuda_graphs = false }\n'
+           'serving = { prefix_cache = false, chunked_prefill_size = 256, cuda_graphs = false, mtp = 2 }\n'
     p = _plans(tmp_path, text)["a"]
     assert "--no-prefix-cache" in p.cmd and _after(p.cmd, "--chunked-prefill-size") == "256"
+    assert _after(p.cmd, "--speculative-tokens") == "2"          # the MTP arm of the stand-in
 
 
 @pytest.mark.parametrize("serving,frag", [
@@ -154,7 +155,8 @@ def test_bad_serving_settings_are_named(tmp_path, serving, frag):
 
 
 @pytest.mark.parametrize("engine,serving,frag", [
-    ('kind = "fidelity"', "{ mtp = 1 }", "arm a on fidelity: serving setting no known fidelity setting for mtp = 1"),
+    ('kind = "fidelity"', "{ cuda_graphs = true }",
+     "arm a on fidelity: serving setting no known fidelity setting for cuda_graphs = true"),
     ('kind = "fidelity"', "{ deterministic = true }", "no known fidelity setting for deterministic = true"),
     ('kind = "external"\nurl = "http://h:1"', "{ mtp = 0 }", "cannot be given toggles, serving settings"),
     ('kind = "sglang"\nversion = "0.5.23"\nmodel = "m"\nflags = ["--speculative-algorithm", "DSPARK"]', "{ mtp = 2 }",
@@ -223,6 +225,7 @@ def test_consistency_table_sets_the_plans(tmp_path):
 
 @pytest.mark.parametrize("table,frag", [
     ('families = ["bacth"]', "run.consistency.families: unknown family 'bacth'"),
+    ('families = ["spec"]', "the spec family compares an arm with a baseline endpoint live at the same time"),
     ('families = ["prefix"]\nconcurrency = [1, 2]', "run.consistency: unknown key 'concurrency' for families prefix"),
     ("probez = 1", "run.consistency: unknown key 'probez'"),
     ('families = ["batch"]\nconcurrency = 4', r"run.consistency.concurrency must be a non-empty list of integers"),

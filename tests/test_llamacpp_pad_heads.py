@@ -61,3 +61,18 @@ def test_fp8_weights_are_not_requantised(widened):
 def test_a_factor_without_exact_rescales_is_refused(tmp_path):
     with pytest.raises(PadError, match="4, 16"):
         pad_checkpoint(SRC, tmp_path / "x", 256)
+
+
+def test_the_mtp_layer_is_widened_to_the_same_function(widened):
+    """The MTP layer's attention is widened like a main layer's: its logits are the same."""
+    from reference_model import Model
+    from reference_model.mtp import MTP, load_mtp_weights
+    ids = torch.randint(2, 500, (80,), generator=torch.Generator().manual_seed(0))
+    out = []
+    for path in (SRC, widened):
+        m = Model(load_weights(str(path))[0])
+        H = m.extend(ids[:-1], None, "hidden")[0]
+        mtp = MTP(m, load_mtp_weights(path))
+        out.append(mtp.forward(H, ids[1:], mtp.new_state(), "all")[0])
+    assert json.loads((widened / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert torch.equal(out[0], out[1])

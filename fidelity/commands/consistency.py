@@ -40,7 +40,7 @@ def add_arguments(p):
     g = p.add_argument_group("probes")
     g.add_argument("--families", default=None,
                    help="comma-separated probe families: prefix (cache hits vs cold), batch "
-                        "(alone vs in company), chunk (KL along the prompt vs --inprocess, at the "
+                        "(alone vs in company), spec (speculation on vs --spec-baseline), chunk (KL along the prompt vs --inprocess, at the "
                         "prefill chunk boundaries), longgen (long generations scored by --inprocess "
                         f"teacher-forced) (default: {DEFAULT_FAMILIES}, and chunk,longgen with --inprocess)")
     g.add_argument("--probes", type=int, default=None,
@@ -72,6 +72,15 @@ def add_arguments(p):
     g.add_argument("--ignore-eos", action="store_true",
                    help="longgen family: generate --gen-tokens even past EOS (a model that answers "
                         "and stops early; early EOS is then not measured)")
+    g.add_argument("--spec-baseline", default=None, metavar="NAME",
+                   help="spec family: the --endpoint serving the same model without speculative "
+                        "decoding, compared with every other arm (giving it adds spec to the "
+                        "default families)")
+    g.add_argument("--spec-seeds", type=int, default=None,
+                   help="spec family: sampled replies per probe and arm for the distribution test "
+                        "(default 8)")
+    g.add_argument("--spec-temperature", type=float, default=None,
+                   help="spec family: temperature of its sampled replies (default 1.0)")
     http_options(g)
     output_options(p, "consistency", "consistency-<timestamp>",
                    fresh="discard stored probes instead of resuming",
@@ -106,6 +115,7 @@ def _settings(args):
     from fidelity.consistency.longgen import LongGenPlan
     from fidelity.consistency.prefix import PrefixPlan
     from fidelity.consistency.run import ConsistencySettings
+    from fidelity.consistency.spec import SpecPlan
     given = lambda **kw: {k: v for k, v in kw.items() if v is not None}       # noqa: E731
     _at_least(args)
     length = _lengths(args.length)
@@ -124,12 +134,20 @@ def _settings(args):
                     **given(probes=args.probes, length=length["chunk"]))
     longgen = replace(LongGenPlan(), k=args.top_k, seed=args.seed, max_tokens=args.gen_tokens,
                       ignore_eos=args.ignore_eos, **given(probes=args.probes))
-    text = args.families or (DEFAULT_FAMILIES + (",chunk,longgen" if args.inprocess else ""))
+    if args.spec_seeds is not None and args.spec_seeds < 2:
+        raise ValueError(f"--spec-seeds {args.spec_seeds}: the distribution test needs at least 2")
+    if args.spec_temperature is not None and args.spec_temperature <= 0:
+        raise ValueError(f"--spec-temperature {args.spec_temperature:g}: must be > 0 (greedy is always compared)")
+    spec = replace(SpecPlan(), k=args.top_k, seed=args.seed, baseline=args.spec_baseline,
+                   **given(probes=args.probes, length=length["spec"], max_tokens=args.max_tokens,
+                           seeds=args.spec_seeds, temperature=args.spec_temperature))
+    text = args.families or (DEFAULT_FAMILIES + (",chunk,longgen" if args.inprocess else "")
+                             + (",spec" if args.spec_baseline else ""))
     families = tuple(f.strip() for f in text.split(",") if f.strip())
-    return ConsistencySettings(families, prefix, batch, chunk, longgen)
+    return ConsistencySettings(families, prefix, batch, chunk, longgen, spec)
 
 
-LENGTH_FAMILIES = ("prefix", "batch", "chunk")        # the families whose probe prompts have a length
+LENGTH_FAMILIES = ("prefix", "batch", "chunk", "spec")        # the families whose probe prompts have a length
 
 
 def _lengths(values: list[str]) -> dict:

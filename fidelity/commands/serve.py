@@ -63,6 +63,11 @@ def add_arguments(p):
     p.add_argument("--chunked-prefill-size", type=int, default=2048, metavar="TOKENS",
                    help="prefill long prompts in chunks of this many tokens, the serving seam's "
                         "chunk_boundary between them (SGLang's --chunked-prefill-size; default 2048)")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="decode speculatively: K draft tokens per step from the checkpoint's MTP "
+                        "layer, verified in one batched forward (SGLang's "
+                        "--speculative-num-draft-tokens - 1, vLLM's num_speculative_tokens; "
+                        "default 0 = off; docs/serve.md)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="serve without a prefix cache (every prompt prefilled in full)")
     p.add_argument("--log-level", default="warning",
@@ -131,6 +136,8 @@ def _run(args, driver=None) -> int:
                            f"schedule on an arm ({', '.join(scheduled)}): drop the @SCHEDULE")
     if args.max_queue < 1 or args.max_logprobs < -1 or args.time_slice < 0:
         raise CommandError("--max-queue must be >= 1, --max-logprobs >= -1, --time-slice >= 0")
+    if args.speculative_tokens < 0:
+        raise CommandError(f"--speculative-tokens must be >= 0 (got {args.speculative_tokens})")
     if args.page_size < 1:
         raise CommandError(f"--page-size must be at least 1 token (got {args.page_size})")
     if not args.no_prefix_cache and args.prefix_cache_bytes < 1:
@@ -172,12 +179,16 @@ def _serve(args, place, arms, version, driver, sock) -> int:
     from fidelity.serve import Engine, ServeOptions, create_app
     target = command_target(args, place, driver)
     generation = chat_encoding(version if args.chat_version == "auto" else args.chat_version, args.generation)
+    speculation = None
     try:
+        if args.speculative_tokens:
+            from fidelity.serve.speculative import Speculation, load_mtp_source
+            speculation = Speculation(args.speculative_tokens, load_mtp_source(args.checkpoint))
         engine = Engine(target, arms, ServeOptions(args.model_name, args.max_queue, args.max_logprobs,
                                                    args.time_slice, generation, place, args.default_arm,
                                                    args.page_size,
                                                    None if args.no_prefix_cache else args.prefix_cache_bytes,
-                                                   args.chunked_prefill_size, driver))
+                                                   args.chunked_prefill_size, driver, speculation))
     except ValueError as e:
         raise CommandError(str(e)) from None
     if args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -34,6 +34,7 @@ class Reply:
     dists: list[Known]
     cached: int | None
     finish: str
+    spec: dict | None = None     # the engine's speculative-decoding counts (SGLang meta_info spec_*)
 
 
 def _sglang_body(ids, max_tokens, k, model, ignore_eos, temperature=0.0, seed=None):
@@ -53,7 +54,8 @@ def _sglang_reply(d: dict) -> Reply:
     dists = [known_from_pairs([(x[1], x[0]) for x in top or []] + [(e[1], e[0])]) for e, top in zip(out, tops)]
     finish = (m.get("finish_reason") or {}).get("type", "") if isinstance(m.get("finish_reason"), dict) \
         else str(m.get("finish_reason") or "")
-    return Reply([int(e[1]) for e in out], dists, m.get("cached_tokens"), finish)
+    spec = {k: v for k, v in m.items() if k.startswith("spec_")} or None
+    return Reply([int(e[1]) for e in out], dists, m.get("cached_tokens"), finish, spec)
 
 
 def _completions_body(ids, max_tokens, k, model, vllm: bool, ignore_eos, temperature=0.0, seed=None):

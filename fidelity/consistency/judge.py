@@ -56,7 +56,8 @@ def is_reference(family: str, condition: str) -> bool:
 
 def condition_table(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per (arm, family, condition) with its counts, statistics and flag."""
-    rows = rows[[not is_reference(f, c) for f, c in zip(rows.family, rows.condition)]]
+    rows = rows[pd.Series([not is_reference(f, c) for f, c in zip(rows.family, rows.condition)],
+                          index=rows.index, dtype=bool)]        # (a list would select columns when empty)
     out = []
     for (arm, fam), g in rows.groupby(["arm", "family"], sort=False):
         for cond, c in g.groupby("condition", sort=False):

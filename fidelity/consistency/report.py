@@ -45,6 +45,11 @@ CAPTIONS = {"prefix_kl": "Every prefix-cache condition of every arm at its own c
                          "so in the legend (= the same numbers, ≈ within 1% of the axis)."}
 
 
+# the spec family's per-probe lists (samples, tokens, the engine's counts): in probes.csv only
+SPEC_LISTS = ["samples", "base_samples", "base_tokens", "seeds", "spec_meta", "base_meta", "injected",
+              "top1", "base_top1"]
+
+
 def _sections(table: pd.DataFrame, behaviour: pd.DataFrame) -> list[Section]:
     out = []
     if (table.family == "prefix").any():
@@ -227,10 +232,13 @@ def next_steps(m: dict, sus: pd.DataFrame) -> list[str]:
 
     more = lambda n: max(8, 3 * int(n or 1))                   # noqa: E731
     if sus.empty:
-        fams = ",".join(f for f in st["families"] if f in ("prefix", "batch") or inproc)
+        spec = st.get("spec", {}).get("baseline")
+        fams = ",".join(f for f in st["families"] if f in ("prefix", "batch") or inproc or (f == "spec" and spec))
+        models = " ".join(f"--model {q(n + '=' + a['model'])}" for n, a in arms.items() if a.get("model"))
         return ["# more probes: still nothing flagged with more power?",
-                f"fidelity consistency{ck} {ep(arms)}{inproc} --families {fams} "
-                f"--probes {more(st['prefix']['probes'])}"]
+                f"fidelity consistency{ck} {ep(arms)}{' ' + models if models else ''}{inproc} --families {fams} "
+                f"--probes {more(st['prefix']['probes'])}" + (f" --spec-baseline {q(spec)}" if spec and "spec" in fams
+                                                              else "")]
     out = []
     for (arm, fam), g in sus.groupby(["arm", "family"], sort=False):
         if arm not in arms or len(out) >= 6:          # three findings, a comment and a command each
@@ -291,9 +299,20 @@ def build_page(result: dict) -> Page:
                 "flushed and the condition asked again.", [Table(how, fold=False)]),
         Section("Every probe", "One row per comparison (probes.csv).",
                 [Table(result["probes"].drop(columns=["key", "tokens", "kl", "rank", "kl_window", "kl_floor",
-                                                       "floor_window"],
+                                                       "floor_window", *SPEC_LISTS],
                                               errors="ignore"), fold=True)]),
     ]
+    spec = result.get("spec", pd.DataFrame())
+    if len(spec):
+        sections.insert(0, Section(
+            "Speculative decoding: on vs off",
+            "Each arm against the same model served without speculation (`baseline`): greedy "
+            "replies token by token and logprob by logprob (the baseline asked twice is the "
+            "floor), sampled replies over seeds (seed-identical replies; `agree_*`: how often two "
+            "samples hold the same token, compared by a permutation test, `p_distribution`), "
+            "special tokens the speculative reply injects, and the engine's acceptance counts "
+            "where it reports them (fidelity/consistency/spec_judge.py).",
+            [Table(_flagged_first(spec), fold=False)]))
     behaviour = result.get("behaviour", pd.DataFrame())
     sus = suspects(table, behaviour)
     shown = sus.head(SUSPECT_ROWS).rename(columns={"kl_max": "KL max", "floor": "floor KL"})
@@ -302,8 +321,39 @@ def build_page(result: dict) -> Page:
     return Page("dsv4-fidelity consistency report", compared, result["verdict"],
                 lead_figures=["prefix_kl"],
                 suspects=Table(shown, caption=caption, fold=False) if len(sus) else None,
-                next_steps=next_steps(m, sus), sections=sections, manifest=m,
-                headline=headline(table, behaviour, sus))
+                next_steps=spec_next_steps(m, spec) + (next_steps(m, sus) if len(sus) or not len(spec)
+                                                        or not spec.flagged.any() else []),
+                sections=sections, manifest=m,
+                headline=_with_spec(headline(table, behaviour, sus), spec, sus))
+
+
+def spec_next_steps(m: dict, spec: pd.DataFrame) -> list[str]:
+    """Per flagged spec arm: the spec family alone on it and its baseline, with more probes
+    and seeds (parsed like every next step)."""
+    if not len(spec) or not spec.flagged.any():
+        return []
+    q = shlex.quote
+    arms = {a["name"]: a for a in m["arms"]}
+    st = m["settings"]["spec"]
+    ck = f" --checkpoint {q(str(m['checkpoint']))}" if m.get("checkpoint") else ""
+    out = []
+    for _, r in spec[spec.flagged].head(3).iterrows():
+        names = [n for n in (r.arm, r.baseline) if n in arms]
+        eps = " ".join(f"--endpoint {q(n + '=' + arms[n]['url'])}" + (f" --model {q(n + '=' + arms[n]['model'])}"
+                                                                     if arms[n].get("model") else "") for n in names)
+        out += [f"# {r.arm}: how early and how often, with more prompts and seeds?",
+                f"fidelity consistency{ck} {eps} --spec-baseline {q(r.baseline)} --families spec "
+                f"--probes {max(8, 3 * int(st['probes']))} --spec-seeds {max(16, 2 * int(st['seeds']))}"]
+    return out
+
+
+def _with_spec(line: str, spec: pd.DataFrame, sus: pd.DataFrame) -> str:
+    """The headline with a flagged spec arm first (the spec family is judged on its own)."""
+    if not len(spec) or not spec.flagged.any():
+        return line
+    from .spec_judge import spec_lines
+    first = spec_lines(spec[spec.flagged])[0]
+    return first + (f" Also: {line}" if len(sus) else "")
 
 
 def write_report(out_dir, run_id: str, result: dict):
@@ -313,6 +363,8 @@ def write_report(out_dir, run_id: str, result: dict):
         w.table("probes", result["probes"].drop(columns=["reference"], errors="ignore"))
         if len(result.get("behaviour", [])):
             w.table("behaviour", result["behaviour"])
+        if len(result.get("spec", [])):
+            w.table("spec", result["spec"])
         w.json("manifest", {**result["manifest"], "verdict": result["verdict"]})
         for stem, (draw, title) in FIGURES.items():
             fig = draw(result["conditions"], result["probes"])

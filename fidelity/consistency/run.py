@@ -17,12 +17,15 @@ from .family import FamilyError
 from .judge import cache_reruns, condition_table, longgen_lines, longgen_table, rerun_lines, verdict_lines
 from .longgen import LongGenFamily, LongGenPlan
 from .prefix import PrefixFamily, PrefixPlan
+from .spec import SpecFamily, SpecPlan
+from .spec_judge import spec_lines, spec_table
 from .store import ProbeStore
 
 # family -> its runner: (arm, store, tokenizer, cfg, plan, reference), run(progress),
 # key_prefix(arm, plan); `reference` (a scorer computed here) is what chunk and longgen
 # compare with
-FAMILIES = {"prefix": PrefixFamily, "batch": BatchFamily, "chunk": ChunkFamily, "longgen": LongGenFamily}
+FAMILIES = {"prefix": PrefixFamily, "batch": BatchFamily, "chunk": ChunkFamily, "longgen": LongGenFamily,
+            "spec": SpecFamily}
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class ConsistencySettings:
     batch: BatchPlan = field(default_factory=BatchPlan)
     chunk: ChunkPlan = field(default_factory=ChunkPlan)
     longgen: LongGenPlan = field(default_factory=LongGenPlan)
+    spec: SpecPlan = field(default_factory=SpecPlan)
 
     def plan(self, family: str):
         return getattr(self, family)
@@ -55,6 +59,9 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
         arm.connect()
     runs = [[FAMILIES[name](arm, store, target.tokenizer, target.cfg, settings.plan(name), reference)
              for name in settings.families] for arm in arms]
+    by_name = {a.name: a for a in arms}
+    for fam in (f for fams in runs for f in fams if isinstance(f, SpecFamily)):
+        fam.baseline = by_name.get(settings.spec.baseline)        # the arm without speculation
     _preflight(runs, progress)
     described = []
     for arm, fams in zip(arms, runs):
@@ -68,16 +75,21 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
     rows = pd.DataFrame([r for r in store.rows if r.get("arm") in names and _current(r, settings)])
     for d in described:
         d["cache_reruns"] = cache_reruns(rows, d["name"])
+    spec_rows = rows[rows.family == "spec"] if len(rows) else rows
+    rows = rows[rows.family != "spec"] if len(rows) else rows
     table = condition_table(rows)
     behaviour = longgen_table(rows, table)          # the one judgement of long generations
+    spec = spec_table(spec_rows)                    # the one judgement of speculation on vs off
     result = {"manifest": {"arms": described, "settings": asdict(settings), "checkpoint": target.name,
                            "reference": reference.describe() if reference is not None else None,
                            "seconds": round(time.time() - t0, 1), "requests": _requests(rows)},
               "verdict": verdict_lines(table) + rerun_lines(rows) + longgen_lines(behaviour)
-              + _dialect_caveats(described),
+              + spec_lines(spec) + _dialect_caveats(described),
               "conditions": table,
-              "behaviour": behaviour, "probes": rows,
-              "flagged": bool(table.flagged.any() or (len(behaviour) and behaviour.flagged.any()))}
+              "behaviour": behaviour, "spec": spec,
+              "probes": pd.concat([rows, spec_rows]) if len(spec_rows) else rows,
+              "flagged": bool(table.flagged.any() or (len(behaviour) and behaviour.flagged.any())
+                              or (len(spec) and spec.flagged.any()))}
     if out_dir is not None:
         from .report import write_report
         result["path"] = str(write_report(Path(out_dir) / "consistency",

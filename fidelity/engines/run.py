@@ -116,6 +116,11 @@ def consistency_settings(spec: Spec):
     bad = [f for f in fams if f not in FAMILIES]
     if bad:
         raise SpecError(f"run.consistency.families: unknown family {bad[0]!r} (families: {', '.join(FAMILIES)})")
+    if "spec" in fams:          # it needs its baseline live beside the arm; engines runs one at a time
+        raise SpecError("run.consistency.families: the spec family compares an arm with a baseline "
+                        "endpoint live at the same time, and fidelity engines runs its arms one at a "
+                        "time: launch both (e.g. fidelity serve --speculative-tokens K, and without) and "
+                        "run fidelity consistency --spec-baseline NAME --families spec (docs/consistency.md)")
     need = [f for f in fams if f in NEEDS_REFERENCE]
     if need and ref is None:
         raise SpecError(f"run.consistency: family {need[0]} compares with a reference computed here in one "

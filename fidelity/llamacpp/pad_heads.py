@@ -95,8 +95,10 @@ def widen(tensors: dict, cfg: dict, wide: int) -> dict:
                        "root a power of two, so the rescales are exact)")
     up = (factor.bit_length() - 1) // 2                  # log2 sqrt(factor): 1 for 4x
     per_group = heads // cfg["o_groups"]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"layers.{i}.attn."
+    # the main layers and the MTP layers (window-only: no compressor), so the widened
+    # checkpoint's MTP computes the same function too
+    for p in ([f"layers.{i}.attn." for i in range(cfg["num_hidden_layers"])]
+              + [f"mtp.{k}.attn." for k in range(cfg.get("num_nextn_predict_layers") or 0)]):
         _fp8(tensors, p + "wq_b", dim_map(heads, hd, wide, rope), 0, up)
         _fp8(tensors, p + "wkv", dim_map(1, hd, wide, rope), 0, up)
         _fp8(tensors, p + "wo_a", dim_map(per_group, hd, wide, rope), 1)

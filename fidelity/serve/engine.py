@@ -65,6 +65,7 @@ class ServeOptions:
     prefix_cache_bytes: int | None = DEFAULT_BUDGET   # snapshot budget (None: no prefix cache)
     chunked_prefill: int = 2048          # prefill chunk: tokens per layer pass, chunk_boundary between
     driver: object = None                # fidelity.pipeline_model.Driver: arms run across torchrun ranks
+    speculation: object = None           # fidelity.serve.speculative.Speculation (None: plain decoding)
 
 
 class CachedDecoder(Decoder):
@@ -157,6 +158,12 @@ class Engine:
             raise ValueError(f"--default-arm {default_arm!r} is not served (served: "
                              f"{', '.join(self.arms)})")
         self.default_arm = default_arm or (self.first.id if len(self.arms) == 1 else None)
+        self.speculation = o.speculation
+        if o.speculation is not None:
+            if o.driver is not None:
+                raise ValueError("--speculative-tokens is not supported with --distributed")
+            for s in self.arms.values():
+                o.speculation.check(s.model)
         self.scheduler = Scheduler(o.max_jobs, o.time_slice)
         self.prefix_cache = self._prefix_cache(o)
         self.created = int(time.time())
@@ -226,10 +233,16 @@ class Engine:
         def should_stop(toks):
             return any(s in self.tok.decode(toks) for s in stop)
 
-        dec = CachedDecoder(served.model, ids, r.max_tokens, r.sampling,
-                            set(r.stop_ids) | (set() if r.ignore_eos else {self.tok.eos_id}),
-                            r.scoring, should_stop=should_stop if stop else None,
-                            capture=r.capture, cache=self.prefix_cache, arm_id=served.id)
+        args = (served.model, ids, r.max_tokens, r.sampling,
+                set(r.stop_ids) | (set() if r.ignore_eos else {self.tok.eos_id}), r.scoring)
+        kw = dict(should_stop=should_stop if stop else None, capture=r.capture,
+                  cache=self.prefix_cache, arm_id=served.id)
+        sp = self.speculation
+        if sp is not None:
+            from .speculative import CachedSpecDecoder
+            dec = CachedSpecDecoder(served.model, sp.mtp(served.model), sp.k, *args[1:], totals=sp.totals, **kw)
+        else:
+            dec = CachedDecoder(*args, **kw)
         job = Job(dec, asyncio.get_running_loop())
         self.scheduler.submit(job)
         return job
@@ -349,6 +362,8 @@ class Engine:
                 "chat_encoding": ("deepseek-recipe, DeepSeek-V4.1 encoding" if self.generation == "v41"
                                   else f"deepseek-recipe, DeepSeek-V4 generation {self.generation}"),
                 "placement": self.placement.describe() if self.placement else {"devices": ["cpu"]},
+                "speculative": (self.speculation.snapshot() if self.speculation is not None
+                                else {"enabled": False}),
                 "scheduler": self.scheduler.snapshot(),
                 "prefix_cache": ({"enabled": True, **self.prefix_cache.snapshot(),
                                   "page_snapshot_bytes": self.page_bytes} if self.prefix_cache is not None

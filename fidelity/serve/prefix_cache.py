@@ -139,11 +139,14 @@ def restore(model, stored: SequenceState) -> SequenceState:
 
 
 def paged_prefill(model, ids: torch.Tensor, state: SequenceState, cache: PrefixCache | None,
-                  keys: list[bytes], all_logits: bool):
+                  keys: list[bytes], all_logits: bool | str):
     """Prefill ids[state.pos:] from `state` in pieces that end on every page boundary (a
     snapshot there, unless already cached) and every multiple of the model's chunk size
     (`chunk_boundary` there, as the one-piece prefill does). Returns (logits, state): the
-    last position's [1, V], or with all_logits every prefilled position's rows."""
+    last position's [1, V], or with all_logits every prefilled position's rows, or with
+    all_logits="hidden" every prefilled position's residual streams (a speculative
+    decoder's MTP reads them)."""
+    mode = "hidden" if all_logits == "hidden" else ("all" if all_logits else "last")
     n, start = len(ids), state.pos
     page = cache.page if cache is not None else n
     chunk = model.chunk_tokens
@@ -156,8 +159,7 @@ def paged_prefill(model, ids: torch.Tensor, state: SequenceState, cache: PrefixC
                 state = model.chunk_boundary_state(state)
             else:
                 state.layers = [model.nx.chunk_boundary(st) for st in state.layers]
-        logits, state = model.extend(ids[pos:b], state, "all" if all_logits else "last",
-                                     phase="prefill")
+        logits, state = model.extend(ids[pos:b], state, mode, phase="prefill")
         if all_logits:
             parts.append(logits)
         pos = b

@@ -147,9 +147,10 @@ class Scheduler:
     def _step(self, job: Job) -> float:
         """One forward of the job; its seconds."""
         t0 = time.perf_counter()
+        before = len(job.decoder.out.tokens)
         try:
             with co_batched(self._mates(job)):
-                tok = job.decoder.step()
+                job.decoder.step()
         except Exception as e:              # reported to the request, the server goes on
             self.stats["failed"] += 1
             job.decoder.done = True
@@ -159,7 +160,7 @@ class Scheduler:
         job.compute += dt
         self.stats["steps"] += 1
         self.stats["step_seconds"] += dt
-        if tok is not None:
+        for tok in job.decoder.out.tokens[before:]:       # a speculative step makes several
             job.emit("token", tok)
         if job.decoder.done:
             self.stats["completed"] += 1

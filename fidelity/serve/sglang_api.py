@@ -17,6 +17,7 @@ from .engine import EXPERTS_TAP, INDEXER_TAP, Engine, GenerationRequest
 from .errors import ApiError
 from .fields import Fields, read_json, warn_unknown
 from .scheduler import wait_done
+from .speculative import meta_info as spec_meta
 from .textstream import cut_stop
 
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
@@ -107,6 +108,7 @@ class SGLangRoutes:
         meta = {"id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(ids),
                 "completion_tokens": len(out_ids), "cached_tokens": getattr(g, "cached_tokens", 0),
                 "e2e_latency": time.perf_counter() - t0, "model": served.id}
+        meta.update(spec_meta(g))
         if want_lp:
             meta.update(self._logprobs(ids, start, g, k, score_ids, text_lp))
         if capture:
