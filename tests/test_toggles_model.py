@@ -84,15 +84,17 @@ def first_difference(golden: Taps, arm: Taps):
 
 SERVING_SEAM = {"chunk_boundary", "state_restore"}
 REQUEST_SEAM = {"chat_request", "chat_render"}      # no tap: chat-check names these (v4_dsml_parser)
+SPEC_SEAM = {"spec_verify", "spec_accept", "spec_rollback"}   # speculative decoding only
 
 
 def test_every_builtin_toggle_has_an_isolation_case():
     """Serving-state toggles act only under a schedule: tests/test_schedule.py covers them;
+    speculative decoding's only when a drafter drafts: tests/test_toggles_speculative.py;
     DeepSeek-V4.1 toggles (documented for V4.1 only) are covered by tests/test_v41_toggles.py."""
     covered = {K.ToggleSet.parse(s).names[0] for s in FIRST_TAP}
     assert covered == {t.name for t in K.all_toggles()
                        if t.builtin and t.category not in ("request", "serving")
-                       and not set(t.kernels) <= SERVING_SEAM and not set(t.kernels) <= REQUEST_SEAM
+                       and not any(set(t.kernels) <= seam for seam in (SERVING_SEAM, REQUEST_SEAM, SPEC_SEAM))
                        and "v4" in t.versions}
 
 
