@@ -11,21 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from .part import ModelPart
 
-class Attention:
+
+class Attention(ModelPart):
     """The shared skeleton; subclasses (attention_v4.V4Attention, v41/attention.py) fill in
-    the version's steps. `model` gives cfg, nx, gemm, the attention budget and RoPE tables."""
-
-    def __init__(self, model):
-        self.m = model
-
-    @property
-    def cfg(self):
-        return self.m.cfg
-
-    @property
-    def nx(self):
-        return self.m.nx
+    the version's steps. The model gives cfg, nx, gemm, the attention budget and RoPE tables."""
 
     # ---- the version's steps ---------------------------------------------------------------
     def new_state(self):

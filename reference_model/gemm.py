@@ -6,16 +6,15 @@ V4.1 (`Gemm32`): every FP8 weight passes `weight_dequant` (32x32 blocks: a loade
 another grid is a toggle) and `fp8_linear32` / `expert_ffn32` quantise activations 1x32."""
 from __future__ import annotations
 
+from .part import ModelPart
 
-class Gemm128:
+
+class Gemm128(ModelPart):
     """DeepSeek-V4's GEMMs."""
-
-    def __init__(self, owner):
-        self.m = owner                          # the model (anything with `.nx`)
 
     def lin(self, x, w: dict, name: str):
         """The layer's FP8 Linear `name` (weights key `name + '.weight'`) on x."""
-        return self.m.nx.fp8_linear(x, w[name + ".weight"])
+        return self.nx.fp8_linear(x, w[name + ".weight"])
 
     def dq(self, t):
         """An FP8 weight as the GEMM sees it (V4: held dequantised, as is)."""
@@ -23,7 +22,7 @@ class Gemm128:
 
     def expert(self, x, w: dict, prefix: str, weight, limit: float, shared: bool):
         """A SwiGLU expert (routed: `weight` [n]; shared: None) of the MoE."""
-        return self.m.nx.expert_ffn(x, w[prefix + "w1.weight"], w[prefix + "w3.weight"],
+        return self.nx.expert_ffn(x, w[prefix + "w1.weight"], w[prefix + "w3.weight"],
                                     w[prefix + "w2.weight"], weight, limit)
 
 
@@ -31,14 +30,14 @@ class Gemm32(Gemm128):
     """DeepSeek-V4.1's GEMMs: 32x32 FP8 weight blocks, 1x32 activation quant."""
 
     def lin(self, x, w: dict, name: str):
-        nx = self.m.nx
+        nx = self.nx
         return nx.fp8_linear32(x, nx.weight_dequant(w[name + ".weight"]))
 
     def dq(self, t):
-        return self.m.nx.weight_dequant(t)
+        return self.nx.weight_dequant(t)
 
     def expert(self, x, w: dict, prefix: str, weight, limit: float, shared: bool):
         """Routed experts are FP4 (no weight_dequant); the shared expert is FP8 32x32."""
         dq = self.dq if shared else (lambda t: t)
-        return self.m.nx.expert_ffn32(x, dq(w[prefix + "w1.weight"]), dq(w[prefix + "w3.weight"]),
+        return self.nx.expert_ffn32(x, dq(w[prefix + "w1.weight"]), dq(w[prefix + "w3.weight"]),
                                       dq(w[prefix + "w2.weight"]), weight, limit)

@@ -10,23 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from .part import ModelPart
 from .v41 import stream
 from .v41.kernels import identity_pre_mix
 
 
-class PlainHC:
+class PlainHC(ModelPart):
     """V4's mHC: the stream is H; P (the lagged pre-mix) is always None."""
-
-    def __init__(self, model):
-        self.m = model
-
-    @property
-    def nx(self):
-        return self.m.nx
-
-    @property
-    def cfg(self):
-        return self.m.cfg
 
     def stream_in(self, H):
         return H
