@@ -85,9 +85,23 @@ for k in list(N.KERNELS) + ["hc_collapse", "rs", "r32", "c"]:
         wrap(N.Numerics, k, "Numerics." + k)
 for k in ("fp8_qdq", "fp4_qdq"):
     wrap(Q, k, "quant." + k)
-for k in ("_block", "_attention", "_attn_indices", "_compress", "_indexer", "_moe", "layer", "embed", "head"):
-    wrap(M.Model, k, "Model." + k + " (own code)")
-wrap(M, "moe_experts", "model.moe_experts (own code)")
+import importlib
+def own(module, cls, names):
+    try:
+        owner = importlib.import_module("reference_model." + module)
+    except ImportError:                  # an older tree: the code lived elsewhere
+        return
+    owner = getattr(owner, cls) if cls else owner
+    for k in names:
+        if k in vars(owner):
+            wrap(owner, k, f"{cls or module}.{k} (own code)")
+own("model", "Model", ("_block", "_attention", "_attn_indices", "_compress", "_indexer", "_moe",
+                       "block", "layer", "embed", "head"))
+own("attention", "Attention", ("__call__", "indices"))
+own("attention_v4", "V4Attention", ("_compress", "_indexer"))
+own("moe", None, ("moe", "moe_experts"))
+if getattr(M, "moe_experts", None) and M.moe_experts.__module__ == M.__name__:   # an older tree
+    wrap(M, "moe_experts", "model.moe_experts (own code)")
 cfg = tiny()
 w = random_weights(cfg, 0)
 toks = torch.randint(2, cfg.vocab_size, (L,), generator=torch.Generator().manual_seed(1))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from reference_model import primitives as P
 from reference_model import quant as Q
 
 from . import emulate as E
@@ -21,29 +20,7 @@ from .registry import Param, Provenance, toggle
 _B = dict(_builtin=True)
 
 
-# ---- RoPE ---------------------------------------------------------------------------------
-@toggle("yarn_on_swa_layers", kernel="rope_inv_freq", category="known-bug", **_B,
-        params=(Param("theta", str, "swa", "base of the window-only layers' table: their own "
-                      "rope_theta ('swa') or the compressed layers' ('compressed')",
-                      choices=("swa", "compressed")),),
-        provenance=Provenance(("sglang", "vllm", "mlx-lm"),
-                              ("sglang builds between #25144 and the fix",),
-                              ("sglang #25144", "sglang PR #34788", "vLLM PR #54815",
-                               "mlx-lm PR #1189")),
-        description="YaRN frequency re-mixing applied on window-only (compress ratio 0) "
-                    "layers too. The reference uses base rope_theta without YaRN there and "
-                    "YaRN only on compressed layers; SGLang regression #25144 made YaRN "
-                    "unconditional (fixed by PR #34788), vLLM had the same bug class (PR "
-                    "#54815), and mlx-lm used the wrong per-layer theta (collapse after ~210 "
-                    "tokens). theta='compressed' gives window-only layers the compressed "
-                    "layers' whole table.")
-def _yarn_on_swa(golden, cfg, ratio, *, theta):
-    if ratio != 0:
-        return golden.rope_inv_freq(cfg, ratio)
-    dt = golden.rope_inv_freq(cfg, ratio).dtype
-    base = cfg.rope_theta if theta == "swa" else cfg.compress_rope_theta
-    return P.rope_inv_freq(cfg.rope_head_dim, base, cfg.rope_factor, cfg.original_seq_len,
-                           cfg.beta_fast, cfg.beta_slow, dtype=dt)
+from . import rope as _rope  # noqa: E402,F401  (RoPE toggles: registered here, in forward order)
 
 
 # ---- KV cache ---------------------------------------------------------------------------

@@ -3,21 +3,15 @@ DeepSeek's two config dialects (HF `config.json`, `inference/config.json` = `Mod
 validated field by field so a bad checkpoint config names the bad field."""
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from .config_base import (ConfigError, ConfigSurface, common_checks, hf_rope, missing_fields,
+                          positive_int_errors)
 from .v41.markers import declared_v41, v41_markers
 
 
-class ConfigError(ValueError):
-    """A configuration value is missing, malformed or inconsistent."""
-
-
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(ConfigSurface):
     vocab_size: int
     dim: int
     n_layers: int
@@ -58,10 +52,6 @@ class ModelConfig:
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     # ---- derived ---------------------------------------------------------------------
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.rope_head_dim
-
     def layer_kind(self, i: int) -> str:
         """'swa' (window only), 'csa' (ratio 4 + indexer) or 'hca' (other ratio, dense)."""
         r = self.compress_ratios[i]
@@ -83,23 +73,6 @@ class ModelConfig:
             for i in range(self.n_layers)
         ]
 
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("extra")
-        d["compress_ratios"] = list(self.compress_ratios)
-        return d
-
-    def differences(self, other: "ModelConfig") -> list[str]:
-        """The fields (name aside) in which two configs differ: another architecture."""
-        a, b = self.to_dict(), other.to_dict()
-        return [k for k in a if k != "name" and a[k] != b.get(k)]
-
-    def config_hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
-
-    def replace(self, **changes) -> "ModelConfig":
-        return validate(dataclasses.replace(self, **changes))
-
     # ---- readers ---------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: dict, name: str = "custom") -> "ModelConfig":
@@ -111,17 +84,6 @@ class ModelConfig:
             return from_model_args_dict(d, name)
         raise ConfigError("config has neither HF keys (hidden_size, num_hidden_layers) "
                           "nor ModelArgs keys (dim, n_layers)")
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
-        return cls.from_dict(d, name=path.parent.name or "custom")
 
 
 def _refuse_v41(d) -> None:
@@ -211,12 +173,7 @@ def from_hf_dict(d: dict, name: str = "custom") -> ModelConfig:
         raise ConfigError("config.json: missing field compress_ratios (or layer_types)")
     kw["compress_ratios"] = _main_layer_ratios(d["compress_ratios"], d.get("num_hidden_layers", 0),
                                                "config.json")
-    rs = d.get("rope_scaling") or (d.get("rope_parameters") or {}).get("compress") or {}
-    kw["rope_factor"] = rs.get("factor", 1.0)
-    kw["original_seq_len"] = rs.get("original_max_position_embeddings", 0)
-    kw["beta_fast"] = rs.get("beta_fast", 32)
-    kw["beta_slow"] = rs.get("beta_slow", 1)
-    kw["max_seq_len"] = d.get("max_position_embeddings", 4096)
+    hf_rope(kw, d, parameters=True)
     if isinstance(kw.get("eos_token_id"), list):
         kw["eos_token_id"] = kw["eos_token_id"][0]
     kw.setdefault("n_mtp_layers", 0)
@@ -241,27 +198,15 @@ def from_model_args_dict(d: dict, name: str = "custom") -> ModelConfig:
 
 
 def _build(kw: dict, where: str, name: str, raw: dict) -> ModelConfig:
-    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"extra", "name"}
-    missing = sorted(n for n in names if n not in kw
-                     and ModelConfig.__dataclass_fields__[n].default is dataclasses.MISSING)
+    missing = missing_fields(ModelConfig, kw)
     if missing:
         raise ConfigError(f"{where}: missing field(s) {', '.join(missing)}")
     return validate(ModelConfig(name=name, extra={"source": where}, **kw))
 
 
 # ---- validation ------------------------------------------------------------------------
-_POSITIVE_INT = ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "rope_head_dim",
-                 "q_lora_rank", "o_groups", "o_lora_rank", "window_size", "n_routed_experts",
-                 "n_activated_experts", "moe_inter_dim", "index_n_heads", "index_head_dim",
-                 "index_topk", "hc_mult", "hc_sinkhorn_iters", "max_seq_len")
-
-
 def validate(c: ModelConfig) -> ModelConfig:
-    errs = []
-    for f in _POSITIVE_INT:
-        v = getattr(c, f)
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            errs.append(f"{f} must be a positive int, got {v!r}")
+    errs = positive_int_errors(c)
     if errs:
         raise ConfigError("invalid config: " + "; ".join(errs))
     checks = [
@@ -275,27 +220,19 @@ def validate(c: ModelConfig) -> ModelConfig:
         (c.nope_head_dim % 64 == 0, f"head_dim - rope_head_dim ({c.nope_head_dim}) must be a multiple of 64 (FP8 KV blocks)"),
         ((c.n_heads * c.head_dim) % c.o_groups == 0 and c.n_heads % c.o_groups == 0,
          f"n_heads ({c.n_heads}) must be divisible by o_groups ({c.o_groups})"),
-        (len(c.compress_ratios) == c.n_layers,
-         f"compress_ratios has {len(c.compress_ratios)} entries for n_layers={c.n_layers}"),
         (all(r == 0 or r >= 2 for r in c.compress_ratios),
          f"compress_ratios entries must be 0 or >= 2, got {list(c.compress_ratios)}"),
         (0 <= c.n_hash_layers <= c.n_layers, f"n_hash_layers ({c.n_hash_layers}) out of range 0..{c.n_layers}"),
-        (c.n_activated_experts <= c.n_routed_experts,
-         f"n_activated_experts ({c.n_activated_experts}) > n_routed_experts ({c.n_routed_experts})"),
-        (c.n_shared_experts in (0, 1), f"n_shared_experts must be 0 or 1, got {c.n_shared_experts}"),
         (c.score_func in ("sqrtsoftplus", "softmax", "sigmoid"),
          f"score_func must be sqrtsoftplus, softmax or sigmoid, got {c.score_func!r}"),
-        (c.norm_eps > 0 and c.hc_eps > 0, f"norm_eps ({c.norm_eps}) and hc_eps ({c.hc_eps}) must be > 0"),
-        (c.rope_factor >= 1, f"rope_factor must be >= 1, got {c.rope_factor}"),
-        (c.original_seq_len >= 0, f"original_seq_len must be >= 0, got {c.original_seq_len}"),
-        (c.swiglu_limit >= 0, f"swiglu_limit must be >= 0, got {c.swiglu_limit}"),
-        (0 <= c.bos_token_id < c.vocab_size and 0 <= c.eos_token_id < c.vocab_size,
-         f"bos/eos token ids must be in [0, vocab_size={c.vocab_size})"),
-    ]
+    ] + common_checks(c)
     errs = [msg for ok, msg in checks if not ok]
     if errs:
         raise ConfigError("invalid config: " + "; ".join(errs))
     return c
+
+
+ModelConfig._validate = staticmethod(validate)
 
 
 # ---- presets ---------------------------------------------------------------------------

@@ -33,7 +33,9 @@ def _linear(name, out, inp, fmt=FP8):
     return TensorSpec(name + ".weight", (out, inp), fmt)
 
 
-def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
+def attention_block_specs(cfg, i: int, fp8: str = FP8) -> list[TensorSpec]:
+    """What every layer of both versions has: norms, the two mHC sites, attention sink and
+    projections (FP8 weights in the version's format `fp8`)."""
     p = f"layers.{i}."
     hc, d = cfg.hc_mult, cfg.dim
     mix = (2 + hc) * hc
@@ -46,16 +48,23 @@ def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
               TensorSpec(p + f"hc_{sub}_base", (mix,), F32),
               TensorSpec(p + f"hc_{sub}_scale", (3,), F32)]
     a = p + "attn."
-    s += [
+    return s + [
         TensorSpec(a + "attn_sink", (cfg.n_heads,), F32),
-        _linear(a + "wq_a", cfg.q_lora_rank, d),
+        _linear(a + "wq_a", cfg.q_lora_rank, d, fp8),
         TensorSpec(a + "q_norm.weight", (cfg.q_lora_rank,), BF16),
-        _linear(a + "wq_b", cfg.n_heads * cfg.head_dim, cfg.q_lora_rank),
-        _linear(a + "wkv", cfg.head_dim, d),
+        _linear(a + "wq_b", cfg.n_heads * cfg.head_dim, cfg.q_lora_rank, fp8),
+        _linear(a + "wkv", cfg.head_dim, d, fp8),
         TensorSpec(a + "kv_norm.weight", (cfg.head_dim,), BF16),
-        _linear(a + "wo_a", cfg.o_groups * cfg.o_lora_rank, cfg.n_heads * cfg.head_dim // cfg.o_groups),
-        _linear(a + "wo_b", d, cfg.o_groups * cfg.o_lora_rank),
+        _linear(a + "wo_a", cfg.o_groups * cfg.o_lora_rank, cfg.n_heads * cfg.head_dim // cfg.o_groups, fp8),
+        _linear(a + "wo_b", d, cfg.o_groups * cfg.o_lora_rank, fp8),
     ]
+
+
+def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
+    p = f"layers.{i}."
+    a = p + "attn."
+    d = cfg.dim
+    s = attention_block_specs(cfg, i)
     ratio = cfg.compress_ratios[i]
     if ratio:
         s += compressor_specs(a + "compressor.", ratio, cfg.head_dim, d)
@@ -73,9 +82,9 @@ def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
     else:
         s.append(TensorSpec(f + "gate.bias", (cfg.n_routed_experts,), F32))
     if cfg.n_shared_experts:
-        s += _expert(f + "shared_experts.", cfg, FP8)
+        s += expert_specs(f + "shared_experts.", cfg, FP8)
     for e in range(cfg.n_routed_experts):
-        s += _expert(f + f"experts.{e}.", cfg, FP4)
+        s += expert_specs(f + f"experts.{e}.", cfg, FP4)
     return s
 
 
@@ -89,18 +98,24 @@ def compressor_specs(prefix: str, ratio: int, head_dim: int, dim: int) -> list[T
     ]
 
 
-def _expert(prefix: str, cfg: ModelConfig, fmt: str) -> list[TensorSpec]:
+def expert_specs(prefix: str, cfg, fmt: str) -> list[TensorSpec]:
+    """One SwiGLU expert's w1 / w3 / w2 in format `fmt`."""
     return [_linear(prefix + "w1", cfg.moe_inter_dim, cfg.dim, fmt),
             _linear(prefix + "w3", cfg.moe_inter_dim, cfg.dim, fmt),
             _linear(prefix + "w2", cfg.dim, cfg.moe_inter_dim, fmt)]
 
 
+def embed_head_specs(cfg) -> list[TensorSpec]:
+    """Embedding, head and final norm (both versions)."""
+    d = cfg.dim
+    return [TensorSpec("embed.weight", (cfg.vocab_size, d), BF16),
+            TensorSpec("head.weight", (cfg.vocab_size, d), BF16),
+            TensorSpec("norm.weight", (d,), BF16)]
+
+
 def global_specs(cfg: ModelConfig) -> list[TensorSpec]:
     hc, d = cfg.hc_mult, cfg.dim
-    return [
-        TensorSpec("embed.weight", (cfg.vocab_size, d), BF16),
-        TensorSpec("head.weight", (cfg.vocab_size, d), BF16),
-        TensorSpec("norm.weight", (d,), BF16),
+    return embed_head_specs(cfg) + [
         TensorSpec("hc_head_fn", (hc, hc * d), F32),
         TensorSpec("hc_head_base", (hc,), F32),
         TensorSpec("hc_head_scale", (1,), F32),

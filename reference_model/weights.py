@@ -12,7 +12,10 @@ import torch
 
 from . import quant as Q
 from .config import ModelConfig
-from .specs import BF16, F32, FP4, FP8, I64, all_specs, global_specs, layer_specs
+from .specs import BF16, F32, FP4, FP8, I64
+from .tables import all_specs, global_specs, layer_specs
+from .v41.engram_table import encode_rows
+from .v41.specs import ENGRAM_TABLE, FP8_32
 
 
 class WeightSource(Protocol):
@@ -24,7 +27,7 @@ class WeightSource(Protocol):
 
 
 class InMemoryWeights:
-    """All weights in one dict of full native names."""
+    """All weights in one dict of full native names (either version: the config's table)."""
 
     resident = True        # models may keep converted copies (see Model._weights)
 
@@ -47,13 +50,13 @@ class InMemoryWeights:
         return InMemoryWeights(self.cfg, {k: v.to(device) for k, v in self.tensors.items()})
 
 
-def _init_value(spec, g: torch.Generator, cfg: ModelConfig) -> torch.Tensor:
+def _init_value(spec, g: torch.Generator, cfg) -> torch.Tensor:
     """Random values with a sane scale per tensor kind (so activations stay O(1))."""
     name, shape = spec.name, spec.shape
     if spec.fmt == I64:                                     # tid2eid: distinct experts per token
         rows = [torch.randperm(cfg.n_routed_experts, generator=g)[: shape[1]] for _ in range(shape[0])]
         return torch.stack(rows).to(torch.int64)
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "q_weight", "k_weight")):   # V4.1 Engram gates: q/k_weight
         return 1.0 + 0.1 * torch.randn(shape, generator=g)
     if name.endswith("_scale"):
         return 0.5 + torch.rand(shape, generator=g)
@@ -65,32 +68,40 @@ def _init_value(spec, g: torch.Generator, cfg: ModelConfig) -> torch.Tensor:
         return torch.randn(shape, generator=g)
     if name.endswith("ape"):
         return 0.5 * torch.randn(shape, generator=g)
-    if name.endswith("gate.bias"):
+    if name.endswith(("gate.bias", "gate.bias_vl")):
         return 0.1 * torch.randn(shape, generator=g)
-    if name == "embed.weight":
+    if name == "embed.weight" or spec.fmt == ENGRAM_TABLE:
         return torch.randn(shape, generator=g)
     return torch.randn(shape, generator=g) / shape[-1] ** 0.5     # linear [out, in]
 
 
-def to_grid(spec, w: torch.Tensor) -> torch.Tensor:
-    """Put a float tensor onto its checkpoint format's grid, as held in memory."""
-    if spec.fmt == FP8:
-        q, s = Q.quantize_fp8_weight(w)
-        return Q.dequant_fp8_weight(q, s).to(torch.bfloat16)
+def to_grid(spec, w: torch.Tensor, block: int = 32):
+    """Put a float tensor onto its checkpoint format's grid, as held in memory (FP8: V4's
+    128x128 blocks; FP8_32: V4.1's `block`; Engram tables stay in checkpoint form)."""
+    if spec.fmt in (FP8, FP8_32):
+        b = 128 if spec.fmt == FP8 else block
+        q, s = Q.quantize_fp8_weight(w, b)
+        return Q.dequant_fp8_weight(q, s, b).to(torch.bfloat16)
     if spec.fmt == FP4:
         q, s = Q.quantize_fp4_weight(w)
         return (q * s.repeat_interleave(32, -1)).to(torch.bfloat16)
+    if spec.fmt == ENGRAM_TABLE:
+        return encode_rows(w)
     if spec.fmt == BF16:
         return w.to(torch.bfloat16)
     if spec.fmt == F32:
         return w.to(torch.float32)
-    return w
+    if spec.fmt == I64:
+        return w
+    raise ValueError(f"{spec.name}: unknown format {spec.fmt!r}")
 
 
-def random_weights(cfg: ModelConfig, seed: int = 0) -> InMemoryWeights:
-    """Deterministic random weights for any config, already on the checkpoint grids."""
+def random_weights(cfg, seed: int = 0) -> InMemoryWeights:
+    """Deterministic random weights for any config of either version, already on the
+    checkpoint grids (same seed, same bits; a written and re-read checkpoint is identical)."""
     g = torch.Generator().manual_seed(seed)
-    tensors = {s.name: to_grid(s, _init_value(s, g, cfg)) for s in all_specs(cfg)}
+    block = getattr(cfg, "weight_block_size", 128)
+    tensors = {s.name: to_grid(s, _init_value(s, g, cfg), block) for s in all_specs(cfg)}
     return InMemoryWeights(cfg, tensors)
 
 

@@ -237,12 +237,7 @@ def test_auto_chat_version_follows_a_served_v41_checkpoint(tmp_path):
     """serve --chat-version auto (the default) renders a V4.1 checkpoint's chats in V4.1's
     encoding and reports its architecture; chat-check --chat-version auto (the default)
     reads that and checks against V4.1's reference."""
-    from reference_model.v41.checkpoint_write import save_checkpoint
-    from reference_model.v41.config import tiny_v41
-    from reference_model.v41.weights import random_weights
-    ck = tmp_path / "tiny-v41"
-    save_checkpoint(random_weights(tiny_v41(), 0), ck)
-    with served("golden", extra=("--checkpoint", str(ck), "--no-prefix-cache")) as (url,):
+    with served("golden", extra=("--checkpoint", "tiny-v41", "--no-prefix-cache")) as (url,):
         rc, df, rep = _run(tmp_path, url, "auto", "--no-behaviour")
     m = json.loads((rep / "manifest.json").read_text())
     assert rc == 0 and set(df.status) == {"identical"} and len(df) == len(CASES)

@@ -371,7 +371,7 @@ def test_flash_header_only_checkpoint_scans(flash_sparse):
 
 def test_inspect_prints_config_schedule_and_dtype_table(flash_sparse, monkeypatch, capsys):
     from fidelity import cli
-    import reference_model.checkpoint_read as R
+    import reference_model.checkpoint_shards as R             # where shards are opened
     assert cli.COMMANDS["inspect"] == "inspect"
     monkeypatch.setattr(cli, "COMMANDS", {"inspect": "inspect"})   # isolate from other subcommands
     monkeypatch.setattr(R, "safe_open", None)                       # proves no tensor is loaded

@@ -24,12 +24,9 @@ from test_distributed_commands import KLD_TABLES, _same_files  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from reference_model.v41.checkpoint_write import save_checkpoint
-    from reference_model.v41.weights import random_weights
-    path = tmp_path_factory.mktemp("dist41") / "ck"
-    save_checkpoint(random_weights(tiny_v41(), 0), path)
-    return path
+def checkpoint():
+    from fidelity.weights.source import resolve_checkpoint
+    return resolve_checkpoint("tiny-v41")          # the embedded tiny V4.1 checkpoint
 
 
 def test_stages_are_cut_only_where_no_layer_reads_an_earlier_stage():

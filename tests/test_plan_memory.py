@@ -252,7 +252,7 @@ def test_parse_size():
 # ---- fidelity inspect on a config-only folder -----------------------------------------------
 def test_inspect_config_only_folder(tmp_path, monkeypatch, capsys):
     from fidelity import cli
-    import reference_model.checkpoint_read as R
+    import reference_model.checkpoint_shards as R             # where shards are opened
     monkeypatch.setattr(cli, "COMMANDS", {"inspect": "inspect"})
     monkeypatch.setattr(R, "safe_open", None)                  # nothing is loaded
     root = tmp_path / "DeepSeek-V4-Flash"

@@ -39,41 +39,6 @@ def bf(x):
     return torch.as_tensor(x, dtype=F64).to(BF).to(F64)
 
 
-# ---- RoPE -------------------------------------------------------------------------------
-def yarn_by_hand(dim, base, factor, orig, beta_fast, beta_slow):
-    """research §4.6, in plain Python floats."""
-    freqs = [base ** (-(2 * i) / dim) for i in range(dim // 2)]
-
-    def cd(r):
-        return dim * math.log(orig / (r * 2 * math.pi)) / (2 * math.log(base))
-    low = max(math.floor(cd(beta_fast)), 0)
-    high = min(math.ceil(cd(beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001
-    out = []
-    for i, f in enumerate(freqs):
-        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
-        smooth = 1 - ramp
-        out.append(f / factor * (1 - smooth) + f * smooth)
-    return torch.tensor(out, dtype=F64)
-
-
-def test_yarn_on_swa_layers_table():
-    cfg = tiny()
-    g, a = gold(), arm("yarn_on_swa_layers")
-    got = a.rope_inv_freq(cfg, 0).to(F64)
-    want = yarn_by_hand(cfg.rope_head_dim, cfg.rope_theta, cfg.rope_factor, cfg.original_seq_len,
-                        cfg.beta_fast, cfg.beta_slow)
-    assert torch.allclose(got, want, rtol=1e-12, atol=0)
-    plain = torch.tensor([cfg.rope_theta ** (-(2 * i) / cfg.rope_head_dim)
-                          for i in range(cfg.rope_head_dim // 2)], dtype=F64)
-    assert torch.allclose(g.rope_inv_freq(cfg, 0).to(F64), plain, rtol=1e-12, atol=0)
-    assert not torch.allclose(got, plain)
-    assert torch.equal(a.rope_inv_freq(cfg, 4), g.rope_inv_freq(cfg, 4))   # compressed untouched
-    c = arm("yarn_on_swa_layers(theta=compressed)")
-    assert torch.equal(c.rope_inv_freq(cfg, 0), g.rope_inv_freq(cfg, 4))
-
-
 # ---- KV cache ---------------------------------------------------------------------------
 def kv_block():
     """64 values: amax 384 -> ue8m0 scale exactly 1; x1 = 1.0625 + 2^-12 sits just above the

@@ -15,6 +15,7 @@ N_TOKENS = 128          # 32 compressed entries per CSA layer > index_topk 16: t
 FIRST_TAP = {
     "yarn_on_swa_layers": "layers.0.attn.q",                 # layer 0 is window-only
     "yarn_on_swa_layers(theta=compressed)": "layers.0.attn.q",
+    "rope_table_bf16": "layers.0.attn.q",
     "kv_fp8_from_fp32": "layers.0.attn.kv",
     "kv_bf16": "layers.0.attn.kv",
     # (its f16 type holds the reference's bf16 and FP8 values exactly: tests/test_toggles_llamacpp.py)

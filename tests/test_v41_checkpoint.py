@@ -308,3 +308,23 @@ def test_plan_memory_v41_state_matches_the_layout():
     assert e[2]["comp"] == 2 * 128 and e[6]["comp"] == 0 and e[1]["engram"] == n and e[4]["engram"] == 0
     dt = StateDtypes(kv=2, compressor=4, index_keys=2, stream=2, compute=4)
     assert sequence_state_bytes(c, 2, n, dt) == (15 * 128 + 500 * 128) * 2 + 2 * 128 * 4 + 500 * 128 * 2
+
+
+# ---- the embedded tiny V4.1 checkpoint (models/tiny-v41) ----------------------------------
+def test_embedded_tiny_v41_is_the_tests_random_weights_by_name():
+    """`--checkpoint tiny-v41` resolves to models/tiny-v41, whose tensors are, bit for bit,
+    random_weights(tiny_v41(), 0): the in-memory goldens of the V4.1 tests are its logits."""
+    from fidelity.weights.source import checkpoint_config, load_tokenizer_for, resolve_checkpoint
+    from training.make_tiny_v41 import SEED
+    path = resolve_checkpoint("tiny-v41")
+    assert path.name == "tiny-v41" and resolve_checkpoint("embedded:tiny-v41") == path
+    assert checkpoint_config("tiny-v41") == tiny_v41() and load_tokenizer_for("tiny-v41") is None
+    got, want = load_checkpoint(path), random_weights(tiny_v41(), SEED)
+    assert set(got.tensors) == set(want.tensors)
+    for k, v in want.tensors.items():
+        g = got.tensors[k]
+        if isinstance(v, EngramTable):
+            assert torch.equal(g.codes.view(torch.uint8), v.codes.view(torch.uint8))
+            assert torch.equal(g.scale.view(torch.uint8), v.scale.view(torch.uint8))
+        else:
+            assert g.dtype == v.dtype and torch.equal(g, v), k

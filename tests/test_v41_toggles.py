@@ -125,7 +125,7 @@ def test_v41_toggles_compose_and_record_their_kernels():
         K.ToggleSet.parse("v41_no_such_reading")
 
 
-def test_fidelity_ab_names_planted_v41_bugs(tmp_path):
+def test_fidelity_ab_names_planted_v41_bugs():
     """The whole ab pipeline on a DeepSeek-V4.1 checkpoint (random weights): the planted
     readings are named by outcome (answer/final-logit KLD) or by mechanism (indexer picks,
     expert sets). v41_stale_index_keys acts on decode steps only, where the verdict has no
@@ -134,9 +134,7 @@ def test_fidelity_ab_names_planted_v41_bugs(tmp_path):
     from fidelity.ab.design import ABSettings
     from fidelity.ab.run import run_ab
     from fidelity.weights.source import load_weights
-    from reference_model.v41.checkpoint_write import save_checkpoint
-    save_checkpoint(random_weights(CFG, 0), tmp_path / "tiny-v41")
-    w, label = load_weights(str(tmp_path / "tiny-v41"))
+    w, label = load_weights("tiny-v41")            # the embedded one: random_weights(CFG, 0)
     s = ABSettings.of(arms=list(FIRST_TAP), lengths=(48, 64), prompts_per_length=2,
                       decode_steps=2, shapley_top=0, n_boot=200, checkpoint=label)
     res = run_ab(w, s, None, progress=lambda m: None)
@@ -162,16 +160,14 @@ def test_ab_arms_on_v41_use_v41s_engine_arm():
     assert arm_sets(s)[0]["engine"] == K.engine()
 
 
-def test_fidelity_ab_on_v41_names_a_planted_bug_beside_v41s_engine_arm(tmp_path):
+def test_fidelity_ab_on_v41_names_a_planted_bug_beside_v41s_engine_arm():
     """`fidelity ab` on a tiny V4.1 checkpoint: the report's `engine` arm holds V4.1's
     engine toggles, and a planted V4.1 bug is named (here by mechanism: indexer picks and
     expert sets; its KLD stays within this untrained model's QAT floor)."""
     from fidelity.ab.design import ABSettings
     from fidelity.ab.run import run_ab
     from fidelity.weights.source import load_weights
-    from reference_model.v41.checkpoint_write import save_checkpoint
-    save_checkpoint(random_weights(CFG, 0), tmp_path / "tiny-v41")
-    w, label = load_weights(str(tmp_path / "tiny-v41"))
+    w, label = load_weights("tiny-v41")            # the embedded one: random_weights(CFG, 0)
     s = ABSettings.of(arms=["engine", "v41_q_head_norm"], lengths=(48, 64), prompts_per_length=2,
                       decode_steps=1, shapley_top=0, n_boot=200, checkpoint=label)
     res = run_ab(w, s, None, progress=lambda m: None)

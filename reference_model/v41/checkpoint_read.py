@@ -17,8 +17,9 @@ import torch
 
 from .. import quant as Q
 from ..checkpoint_format import CheckpointError, natural_key
-from ..checkpoint_read import (CheckpointInfo, _check_index, _config, _find_config, _hints, _read_headers,
-                               _shard_files, _ShardReader)
+from ..checkpoint_read import _config, _hints
+from ..checkpoint_shards import (CheckpointInfo, LayerStream, _check_index, _find_config, _read_headers,
+                                 _shard_files, _ShardReader)
 from ..specs import BF16, F32
 from .checkpoint_format import (block128_scale, disk_entries, expected_entries, v4_signatures,
                                 v41_signatures)
@@ -215,43 +216,14 @@ def _load(info: CheckpointInfo, specs, device, strip: str = "", chunk_bytes: int
     return out
 
 
-class StreamingWeights:
+class StreamingWeights(LayerStream):
     """WeightSource over a V4.1 checkpoint: globals loaded once, one layer at a time (asking
     for layer j drops layer i first), as V4's StreamingWeights. `loads` counts layer loads."""
 
-    resident = False          # the model must not keep converted copies of streamed layers
+    scan = staticmethod(scan_checkpoint)
 
-    def __init__(self, path, device="cpu", cfg: V41Config | None = None):
-        self.info = path if isinstance(path, CheckpointInfo) else scan_checkpoint(path, cfg)
-        self.cfg = self.info.cfg
-        self.device = torch.device(device)
-        self._globals: dict | None = None
-        self._layer_i: int | None = None
-        self._layer: dict | None = None
-        self.loads = 0
-
-    @property
-    def notes(self) -> list[str]:
-        return self.info.notes
-
-    def global_weights(self) -> dict:
-        if self._globals is None:
-            self._globals = _load(self.info, global_specs(self.cfg), self.device)
-        return self._globals
-
-    def layer_weights(self, i: int) -> dict:
-        if not 0 <= i < self.cfg.n_layers:
-            raise IndexError(f"layer {i} out of range 0..{self.cfg.n_layers - 1}")
-        if self._layer_i != i:
-            self._layer_i, self._layer = None, None          # free before loading the next
-            self._layer = _load(self.info, layer_specs(self.cfg, i), self.device, f"layers.{i}.")
-            self._layer_i = i
-            self.loads += 1
-        return self._layer
-
-    def release(self):
-        """Drop the cached layer (the globals stay)."""
-        self._layer_i, self._layer = None, None
+    def load(self, specs, strip: str = "") -> dict:
+        return _load(self.info, specs, self.device, strip)
 
 
 def load_checkpoint(path, device="cpu", cfg: V41Config | None = None) -> V41Weights:

@@ -9,22 +9,16 @@ Field names follow ModelArgs (as V4's ModelConfig does); the surface V4 tools us
 plan-memory read a V41Config like a ModelConfig. `version = "v4.1"` tells them apart."""
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ..config import ConfigError, ModelConfig
-from .engram import check_rows
+from ..config import ModelConfig
+from ..config_base import ConfigError, ConfigSurface, hf_rope, missing_fields, read_json
+from .config_checks import RATIOS, WEIGHT_BLOCK, validate
 from .markers import V41_ONLY_KEYS, declared_v41, text_part, v41_markers
-
-WEIGHT_BLOCK = 32                 # FP8 weight blocks 32x32, activation quant 1x32 (doc §4)
-RATIOS = (0, 1, 2)
 
 
 @dataclass(frozen=True)
-class V41Config:
+class V41Config(ConfigSurface):
     vocab_size: int
     dim: int
     n_layers: int                              # backbone layers (draft layers not modelled)
@@ -84,10 +78,6 @@ class V41Config:
     n_hash_layers = 0                          # V4.1 has no hash-routed layers (doc §5.5)
 
     # ---- derived ---------------------------------------------------------------------
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.rope_head_dim
-
     def is_hash_layer(self, i: int) -> bool:
         return False
 
@@ -136,33 +126,11 @@ class V41Config:
             for i, r in enumerate(self.compress_ratios)
         ]
 
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("extra")
-        for k, v in d.items():
-            if isinstance(v, tuple):
-                d[k] = list(v)
-        return d
-
-    def differences(self, other) -> list[str]:
-        a, b = self.to_dict(), other.to_dict()
-        return [k for k in a if k != "name" and a[k] != b.get(k)]
-
-    def config_hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
-
-    def replace(self, **changes) -> "V41Config":
-        return validate(dataclasses.replace(self, **changes))
-
     # ---- readers ---------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: dict, name: str = "custom") -> "V41Config":
         return from_dict(d, name)
 
-    @classmethod
-    def from_file(cls, path) -> "V41Config":
-        d, name = _read_json(path)
-        return from_dict(d, name)
 
 
 # ---- detection (the markers live in .markers so V4's config can read them) -----------
@@ -250,19 +218,6 @@ _MODEL_ARGS_DEFAULTS = {"max_seq_len": 4096, "norm_eps": 1e-20, "gate_temp": 1.0
                         "score_func": "sqrtsoftplus", "bos_token_id": 0, "eos_token_id": 1}
 
 
-def _read_json(path) -> tuple[dict, str]:
-    path = Path(path)
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"config file {path} is not a JSON object")
-    return d, path.parent.name or "custom"
-
-
 def from_dict(d: dict, name: str = "custom") -> V41Config:
     """A V4.1 config from the root HF config.json (text fields under `text_config`), a flat
     HF text config, or inference/config.json (ModelArgs keys)."""
@@ -288,12 +243,7 @@ def from_dict(d: dict, name: str = "custom") -> V41Config:
     if hf:
         if "image_token_id" in d and "image_token_id" not in kw:
             kw["image_token_id"] = d["image_token_id"]
-        rs = t.get("rope_scaling") or {}
-        kw["rope_factor"] = rs.get("factor", 1.0)
-        kw["original_seq_len"] = rs.get("original_max_position_embeddings", 0)
-        kw["beta_fast"] = rs.get("beta_fast", 32)
-        kw["beta_slow"] = rs.get("beta_slow", 1)
-        kw["max_seq_len"] = t.get("max_position_embeddings", 4096)
+        hf_rope(kw, t)
         kw.setdefault("n_mtp_layers", 0)
         kw.setdefault("norm_eps", 1e-20)
     else:
@@ -318,9 +268,7 @@ def from_dict(d: dict, name: str = "custom") -> V41Config:
             if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
                 raise ConfigError(f"{where}: {k} must be a list of ints, got {v!r}")
             kw[k] = tuple(v)
-    names = {f.name for f in dataclasses.fields(V41Config)} - {"extra", "name"}
-    missing = sorted(n for n in names if n not in kw
-                     and V41Config.__dataclass_fields__[n].default is dataclasses.MISSING)
+    missing = missing_fields(V41Config, kw)
     if missing:
         raise ConfigError(f"{where}: missing field(s) {', '.join(missing)}")
     extra = {"source": where}
@@ -394,135 +342,7 @@ def _engram_defaults(kw: dict, where: str) -> None:
         kw.setdefault(k, v)
 
 
-# ---- validation ------------------------------------------------------------------------
-_POSITIVE_INT = ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "rope_head_dim",
-                 "q_lora_rank", "o_groups", "o_lora_rank", "window_size", "n_routed_experts",
-                 "n_activated_experts", "moe_inter_dim", "index_n_heads", "index_head_dim",
-                 "index_topk", "hc_mult", "hc_sinkhorn_iters", "max_seq_len")
-
-
-def validate(c: V41Config) -> V41Config:
-    errs = [f"{f} must be a positive int, got {getattr(c, f)!r}" for f in _POSITIVE_INT
-            if not isinstance(getattr(c, f), int) or isinstance(getattr(c, f), bool)
-            or getattr(c, f) <= 0]
-    if errs:
-        raise ConfigError("invalid V4.1 config: " + "; ".join(errs))
-    bs = c.weight_block_size
-    checks = [
-        (len(c.compress_ratios) == c.n_layers,
-         f"compress_ratios has {len(c.compress_ratios)} entries for n_layers={c.n_layers}"),
-        (bs == WEIGHT_BLOCK, f"weight_block_size must be 32 (DeepSeek-V4.1), got {bs}"),
-        (c.rope_head_dim % 2 == 0 and c.rope_head_dim < min(c.head_dim, c.index_head_dim),
-         f"rope_head_dim ({c.rope_head_dim}) must be even and below head_dim ({c.head_dim}) "
-         f"and index_head_dim ({c.index_head_dim})"),
-        (c.head_dim % 32 == 0, f"head_dim ({c.head_dim}) must be a multiple of 32 (window KV "
-                               "FP8 blocks; compressed KV FP4 blocks of 16)"),
-        (c.index_head_dim % 32 == 0,
-         f"index_head_dim ({c.index_head_dim}) must be a multiple of 32 (FP4 blocks)"),
-        (c.n_heads % c.o_groups == 0, f"n_heads ({c.n_heads}) must be divisible by o_groups ({c.o_groups})"),
-        (c.dim % 32 == 0 and c.moe_inter_dim % 32 == 0,
-         f"dim ({c.dim}) and moe_inter_dim ({c.moe_inter_dim}) must be multiples of 32 "
-         "(activation quantisation and FP4 expert blocks)"),
-        (c.n_activated_experts <= c.n_routed_experts,
-         f"n_activated_experts ({c.n_activated_experts}) > n_routed_experts ({c.n_routed_experts})"),
-        (c.n_shared_experts in (0, 1), f"n_shared_experts must be 0 or 1, got {c.n_shared_experts}"),
-        (c.score_func == "sqrtsoftplus", f"score_func must be sqrtsoftplus, got {c.score_func!r}"),
-        (c.norm_eps > 0 and c.hc_eps > 0, f"norm_eps ({c.norm_eps}) and hc_eps ({c.hc_eps}) must be > 0"),
-        (c.gate_temp > 0, f"gate_temp must be > 0, got {c.gate_temp}"),
-        (c.rope_factor >= 1, f"rope_factor must be >= 1, got {c.rope_factor}"),
-        (c.original_seq_len >= 0, f"original_seq_len must be >= 0, got {c.original_seq_len}"),
-        (c.swiglu_limit >= 0, f"swiglu_limit must be >= 0, got {c.swiglu_limit}"),
-        (all(r == 0 for r in c.draft_ratios) and len(c.draft_ratios) in (0, c.n_mtp_layers),
-         f"draft_ratios {list(c.draft_ratios)} must be {c.n_mtp_layers} zeros (or absent)"),
-        (0 <= c.bos_token_id < c.vocab_size and 0 <= c.eos_token_id < c.vocab_size,
-         f"bos/eos token ids must be in [0, vocab_size={c.vocab_size})"),
-    ]
-    errs = [msg for ok, msg in checks if not ok]
-    bad = [f"compress_ratios[{i}] = {r}: DeepSeek-V4.1 supports 0, 1, 2"
-           for i, r in enumerate(c.compress_ratios) if r not in RATIOS]
-    errs += bad
-    if not bad and len(c.compress_ratios) == c.n_layers:
-        errs += source_problems(c)
-    errs += engram_problems(c)
-    if errs:
-        raise ConfigError("invalid V4.1 config: " + "; ".join(errs))
-    return c
-
-
-def source_problems(c: V41Config) -> list[str]:
-    """Doc §11: every layer with ratio > 0 must find a KV source and an index source of its
-    ratio at or before it; sources are backbone layers with ratio > 0; a KV source is also
-    an index source (its indexer builds the keys later index sources score against); the
-    candidate source is an index source."""
-    errs, n, r = [], c.n_layers, c.compress_ratios
-    for name, ids in (("kv_source_layer_ids", c.kv_source_layers),
-                      ("index_source_layer_ids", c.index_source_layers)):
-        if list(ids) != sorted(set(ids)):
-            errs.append(f"{name} {list(ids)} must be strictly increasing")
-        for s in ids:
-            if not 0 <= s < n:
-                errs.append(f"{name} has layer {s}, outside the backbone 0..{n - 1}")
-            elif r[s] == 0:
-                errs.append(f"{name} has layer {s}, whose compress ratio is 0")
-    if errs:
-        return errs
-    for s in c.kv_source_layers:
-        if s not in c.index_source_layers:
-            errs.append(f"KV source layer {s} is not an index source (its indexer owns the "
-                        "keys later index sources score against)")
-    for s in c.index_source_layers:
-        kv = c.kv_source(s)
-        if kv is None:
-            errs.append(f"index source layer {s} has no KV source at or before it")
-    for i in range(n):
-        if r[i] == 0:
-            continue
-        kv = c.kv_source(i)
-        if kv is None:
-            errs.append(f"layer {i} (ratio {r[i]}) has no KV source at or before it")
-        elif r[kv] != r[i]:
-            errs.append(f"layer {i} has ratio {r[i]} but reads KV source layer {kv} of ratio "
-                        f"{r[kv]}")
-        if c.index_source(i) is None and kv is not None:
-            errs.append(f"layer {i} (ratio {r[i]}) has no index source at or before it")
-    cs = c.candidate_source_layer
-    if cs >= 0:
-        if cs not in c.index_source_layers:
-            errs.append(f"candidate_source_layer_id {cs} is not an index source")
-        if c.candidate_topk_blocks <= 0 or c.candidate_block_size <= 0:
-            errs.append(f"candidate_topk_blocks ({c.candidate_topk_blocks}) and "
-                        f"candidate_block_size ({c.candidate_block_size}) must be positive")
-    return errs
-
-
-def engram_problems(c: V41Config) -> list[str]:
-    """Engram constants: layers in range, one row count per layer, shapes on the 32-grid,
-    and each layer's bucket primes summing to its row count (doc §5.2)."""
-    if not c.engram_layer_ids:
-        return []
-    errs = []
-    ids = list(c.engram_layer_ids)
-    if ids != sorted(set(ids)) or not all(0 <= i < c.n_layers for i in ids):
-        errs.append(f"engram_layer_ids {ids} must be increasing backbone layers 0..{c.n_layers - 1}")
-    if len(c.engram_num_embeddings) != len(ids):
-        errs.append(f"engram_num_embeddings has {len(c.engram_num_embeddings)} entries for "
-                    f"{len(ids)} Engram layers")
-    for f in ("engram_vocab_size", "engram_max_ngram_size", "engram_n_heads", "engram_head_dim",
-              "engram_compressed_vocab_size"):
-        v = getattr(c, f)
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            errs.append(f"{f} must be a positive int, got {v!r}")
-    if errs:
-        return errs
-    if c.engram_max_ngram_size < 2:
-        errs.append(f"engram_max_ngram_size must be >= 2, got {c.engram_max_ngram_size}")
-    if c.engram_head_dim % 32:
-        errs.append(f"engram_head_dim ({c.engram_head_dim}) must be a multiple of 32 (E8M0 row scales)")
-    if not 0 <= c.engram_pad_id < c.vocab_size:
-        errs.append(f"engram pad id {c.engram_pad_id} outside the vocabulary 0..{c.vocab_size - 1}")
-    if not errs:
-        errs += check_rows(c)
-    return errs
+V41Config._validate = staticmethod(validate)
 
 
 # ---- presets ---------------------------------------------------------------------------
@@ -588,5 +408,5 @@ def any_config_from_dict(d: dict, name: str = "custom"):
 
 def any_config_from_file(path):
     """Read a config.json of either version (ConfigError names what is wrong)."""
-    d, name = _read_json(path)
+    d, name = read_json(path)
     return any_config_from_dict(d, name)

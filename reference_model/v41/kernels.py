@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from .. import primitives as P
 from .. import quant as Q
 from ..primitives import sinkhorn_split, topk_lowest_index_ties
-from .weights import EngramTable
+from .engram_table import EngramTable
 
 DEAD = -1                       # Engram history entry of an image-span token
 ACT_BLOCK = 32                  # activation quant before FP8/FP4 GEMMs, window KV, index q/k

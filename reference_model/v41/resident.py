@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..resident import QuantisedResidentWeights
 from . import checkpoint_read as R
-from .model import v41_placement
+from .sizes import v41_placement
 from .specs import ENGRAM_TABLE, global_specs, layer_specs
 
 

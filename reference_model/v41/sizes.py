@@ -8,9 +8,10 @@ host, and only the rows gathered (24 per token per layer) move to the layer's de
 checkpoint bytes in every mode."""
 from __future__ import annotations
 
+from ..placement import place_layers
 from ..specs import BF16, F32, FP4
 from .checkpoint_format import disk_entries
-from .specs import ENGRAM_TABLE, FP8_32, QUANTISED, layer_specs
+from .specs import ENGRAM_TABLE, FP8_32, QUANTISED, global_specs, layer_specs
 
 _MEM = {FP8_32: 2, FP4: 2, BF16: 2, F32: 4}          # held dequantised (bf16) or as stored
 ENGRAM_HISTORY_BYTES = 8                              # one int64 compressed id per position
@@ -66,3 +67,16 @@ def sequence_state_bytes(cfg, i: int, length: int, dt) -> int:
     e = sequence_state_elements(cfg, i, length)
     return ((e["window"] + e["comp_kv"]) * dt.kv + e["comp"] * dt.compressor
             + e["index_keys"] * dt.index_keys + e["engram"] * ENGRAM_HISTORY_BYTES)
+
+
+def v41_placement(cfg, n_devices: int) -> list[int]:
+    """Each layer's device: contiguous ranges balanced on in-memory weight bytes (V4's rule,
+    V4.1's tensor table; Engram tables stay on the host, so they do not count)."""
+    lb = [layer_row(cfg, i)["bf16"] for i in range(cfg.n_layers)]
+    first = sum(spec_bytes(s, "bf16") for s in global_specs(cfg) if s.name.startswith("embed"))
+    last = sum(spec_bytes(s, "bf16") for s in global_specs(cfg)) - first
+    owner = [0] * cfg.n_layers
+    for k, r in enumerate(place_layers(lb, n_devices, first, last)):
+        for i in r:
+            owner[i] = k
+    return owner

@@ -8,7 +8,7 @@ are FP8 rows with one E8M0 scale per 32 channels (`ENGRAM_TABLE`, gathered row b
 dequantised whole). Routed experts are V4's packed FP4 unchanged."""
 from __future__ import annotations
 
-from ..specs import BF16, F32, FP4, TensorSpec
+from ..specs import BF16, F32, FP4, TensorSpec, attention_block_specs, embed_head_specs, expert_specs
 from .config import V41Config
 
 FP8_32 = "fp8-32"              # F8_E4M3 [out,in] + `.scale` F8_E8M0 [ceil(out/32), ceil(in/32)]
@@ -30,25 +30,8 @@ def _linear(name, out, inp, fmt=FP8_32):
 
 def layer_specs(cfg: V41Config, i: int) -> list[TensorSpec]:
     p = f"layers.{i}."
-    hc, d = cfg.hc_mult, cfg.dim
-    mix = (2 + hc) * hc
-    s = [TensorSpec(p + "attn_norm.weight", (d,), BF16),
-         TensorSpec(p + "ffn_norm.weight", (d,), BF16)]
-    for sub in ("attn", "ffn"):
-        s += [TensorSpec(p + f"hc_{sub}_fn", (mix, hc * d), F32),
-              TensorSpec(p + f"hc_{sub}_base", (mix,), F32),
-              TensorSpec(p + f"hc_{sub}_scale", (3,), F32)]
-    a = p + "attn."
-    s += [
-        TensorSpec(a + "attn_sink", (cfg.n_heads,), F32),
-        _linear(a + "wq_a", cfg.q_lora_rank, d),
-        TensorSpec(a + "q_norm.weight", (cfg.q_lora_rank,), BF16),
-        _linear(a + "wq_b", cfg.n_heads * cfg.head_dim, cfg.q_lora_rank),
-        _linear(a + "wkv", cfg.head_dim, d),
-        TensorSpec(a + "kv_norm.weight", (cfg.head_dim,), BF16),
-        _linear(a + "wo_a", cfg.o_groups * cfg.o_lora_rank, cfg.n_heads * cfg.head_dim // cfg.o_groups),
-        _linear(a + "wo_b", d, cfg.o_groups * cfg.o_lora_rank),
-    ]
+    d = cfg.dim
+    s = attention_block_specs(cfg, i, FP8_32)
     s += compressor_specs(cfg, i) + indexer_specs(cfg, i)
     if i in cfg.engram_layer_ids:
         s += engram_specs(cfg, i)
@@ -57,9 +40,9 @@ def layer_specs(cfg: V41Config, i: int) -> list[TensorSpec]:
           TensorSpec(f + "gate.bias", (cfg.n_routed_experts,), F32),
           TensorSpec(f + "gate.bias_vl", (cfg.n_routed_experts,), F32)]   # image tokens only
     if cfg.n_shared_experts:
-        s += _expert(f + "shared_experts.", cfg, FP8_32)
+        s += expert_specs(f + "shared_experts.", cfg, FP8_32)
     for e in range(cfg.n_routed_experts):
-        s += _expert(f + f"experts.{e}.", cfg, FP4)
+        s += expert_specs(f + f"experts.{e}.", cfg, FP4)
     return s
 
 
@@ -105,19 +88,10 @@ def engram_specs(cfg: V41Config, i: int) -> list[TensorSpec]:
             TensorSpec(e + "k_weight", (cfg.hc_mult, cfg.dim), BF16)]
 
 
-def _expert(prefix: str, cfg: V41Config, fmt: str) -> list[TensorSpec]:
-    return [_linear(prefix + "w1", cfg.moe_inter_dim, cfg.dim, fmt),
-            _linear(prefix + "w3", cfg.moe_inter_dim, cfg.dim, fmt),
-            _linear(prefix + "w2", cfg.dim, cfg.moe_inter_dim, fmt)]
-
-
 def global_specs(cfg: V41Config) -> list[TensorSpec]:
     """Embedding, final norm, head: no `hc_head_*` (the head collapses with the last FFN's
     pre-mix, doc §5.6)."""
-    d = cfg.dim
-    return [TensorSpec("embed.weight", (cfg.vocab_size, d), BF16),
-            TensorSpec("head.weight", (cfg.vocab_size, d), BF16),
-            TensorSpec("norm.weight", (d,), BF16)]
+    return embed_head_specs(cfg)
 
 
 def all_specs(cfg: V41Config) -> list[TensorSpec]:

@@ -1,0 +1,43 @@
+"""DeepSeek-V4's sequence state between calls: per layer, the window rows, the compressors'
+open groups and the compressed entries / indexer keys built so far. Explicit, so decode
+equals prefill and chunked equals one-shot by construction (V4.1's: v41/state.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class CompressorState:
+    """Partial-window state of a compressor: rows of the unfinished group (score already
+    has `ape` added) and, for the overlapping ratio-4 compressor, the last complete group."""
+    pending_kv: torch.Tensor | None = None
+    pending_score: torch.Tensor | None = None
+    prev_kv: torch.Tensor | None = None
+    prev_score: torch.Tensor | None = None
+    n_groups: int = 0
+
+
+@dataclass
+class LayerState:
+    window_kv: torch.Tensor | None = None          # last (window-1) KV rows, oldest first
+    comp_kv: torch.Tensor | None = None            # compressed entries [n, head_dim]
+    comp: CompressorState = field(default_factory=CompressorState)
+    index_keys: torch.Tensor | None = None         # indexer keys [n, index_head_dim]
+    index_comp: CompressorState = field(default_factory=CompressorState)
+
+
+@dataclass
+class SequenceState:
+    layers: list[LayerState]
+    pos: int = 0                                   # tokens already processed
+
+    @classmethod
+    def empty(cls, cfg) -> "SequenceState":
+        return cls([LayerState() for _ in range(cfg.n_layers)])
+
+
+def cat(a, b):
+    """b appended to a (a may be None: nothing yet)."""
+    return b if a is None else torch.cat([a, b], 0)
