@@ -23,10 +23,9 @@ from .registry import Provenance, toggle
                     "a non-exact verifier produced corrupt rows; an exact one made draft "
                     "1/2/4 bit-identical).")
 def _verify_not_batch_exact(golden, model, tokens, state, taps=None):
-    m = copy.copy(model)
-    m.nx = copy.copy(model.nx)
-    m.nx.cd = torch.float32
-    return m.extend(tokens, state, "hidden", taps, phase="decode")[0]
+    nx = copy.copy(model.nx)
+    nx.cd = torch.float32
+    return model.with_numerics(nx).extend(tokens, state, "hidden", taps, phase="decode")[0]
 
 
 @toggle("rollback_keeps_rejected_compressor_rows", kernel="spec_rollback", category="known-bug",

@@ -13,6 +13,8 @@ Layer-major API for lockstep runners: `embed`, then `layer(i, ...)`, then `head`
 is one layer's computation on explicit weights (an MTP stage reuses it and `head`)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .errors import InputError
@@ -55,6 +57,19 @@ class Model:
         self.attention = self.parts.attention(self)
         self.engram = (self.parts.engram(self, token_map, tokenizer)
                        if self.parts.engram and getattr(self.cfg, "engram_layer_ids", ()) else None)
+
+    def with_numerics(self, nx: Numerics) -> "Model":
+        """The same model (weights and their cache, placement, schedule) computing with `nx`:
+        a shallow copy whose version parts (ModelPart: they read `.m.nx`) belong to the copy."""
+        m = copy.copy(self)
+        m.nx = nx
+        for name in ("mhc", "gemm", "attention", "engram"):
+            part = getattr(self, name)
+            if hasattr(part, "m"):
+                part = copy.copy(part)
+                part.m = m
+                setattr(m, name, part)
+        return m
 
     def device_of(self, i: int | None, head: bool = False) -> torch.device | None:
         """Where layer i runs (None = the globals: embedding on the first device, head on
