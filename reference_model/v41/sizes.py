@@ -1,4 +1,4 @@
-"""Bytes of a V4.1 model for `fidelity plan-memory` (fidelity/weights/plan.py asks here for
+"""Bytes of a V4.1 model for `fidelity plan-memory` (fidelity/weights/plan_layers.py asks here for
 V4.1 configs): per-layer weights in checkpoint and in-memory form, the dequantisation
 buffer parts, and one sequence's state per layer.
 
@@ -25,7 +25,7 @@ def spec_bytes(spec, mode: str) -> int:
 
 
 def layer_row(cfg, i: int) -> dict:
-    """plan.py's per-layer row: device weight bytes both ways, the largest GEMM weight
+    """plan_layers.py's per-layer row: device weight bytes both ways, the largest GEMM weight
     (numel), the dequant buffer parts (all quantised tensors / all but routed experts / one
     routed expert) and the Engram table bytes kept memory-mapped on the host."""
     specs = layer_specs(cfg, i)
