@@ -29,6 +29,7 @@ def ckpt(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow           # a minute or more on a busy 2-core machine: CI runs it in make test-slow
 def test_spec_family_names_each_bug_and_never_the_golden(ckpt, tmp_path):
     base = ("--checkpoint", str(ckpt), "--page-size", "16")
     arms = ("--arm", "golden=golden") + tuple(a for b in BUGS for a in ("--arm", f"{b}={b}"))

@@ -52,6 +52,7 @@ def _table(out: Path) -> pd.DataFrame:
     return pd.read_csv(next(out.glob("*/residues.csv")))
 
 
+@pytest.mark.slow           # a minute or more on a busy 2-core machine: CI runs it in make test-slow
 def test_ab_boundary_grid_places_the_bug_at_residue_3(plugin, capsys, tmp_path):
     """`fidelity ab --lengths boundaries` on the embedded model: lengths 255..258 (the
     haystack needs ~170 tokens; 256 = 2 x 128), and the residue table breaks at 3 mod 4
@@ -71,6 +72,7 @@ def test_ab_boundary_grid_places_the_bug_at_residue_3(plugin, capsys, tmp_path):
     assert "By length residue" in page and "2x128-1" in page
 
 
+@pytest.mark.slow           # a minute or more on a busy 2-core machine: CI runs it in make test-slow
 def test_boundary_grid_vs_default_grid(plugin):
     """Both grids with the residue-3 bug and its residue-1 twin. Boundary grid: each is
     placed at its residue. Default grid (250, 511): the residue-3 bug breaks at 511 only
@@ -104,6 +106,7 @@ def test_boundary_grid_vs_default_grid(plugin):
     assert LEN1 not in named
 
 
+@pytest.mark.slow           # a minute or more on a busy 2-core machine: CI runs it in make test-slow
 def test_kld_boundary_grid_places_the_bug_at_residue_3(plugin, capsys, tmp_path):
     """`fidelity kld --lengths boundaries`: the same grid, the residue table in the report
     and on stdout, breaking at 3 mod 4 only."""
