@@ -70,3 +70,15 @@ def set_byte(root, name: str, index: tuple, value: int):
     d[name] = raw.view(d[name].dtype)
     save_file(d, str(shard))
     return shard
+
+
+def tiny_mtp_checkpoint(root):
+    """The tiny random V4 checkpoint (seed 0) with a random MTP layer (seed 3) added as its
+    own shard: what the speculative-decoding tests serve."""
+    from reference_model import random_weights, tiny
+    from reference_model.checkpoint_write import save_checkpoint
+    from reference_model.mtp import random_mtp_weights
+    from reference_model.mtp_write import add_mtp_layer
+    save_checkpoint(random_weights(tiny(), 0), root)
+    add_mtp_layer(root, random_mtp_weights(tiny(), 0, seed=3))
+    return root

@@ -9,12 +9,9 @@ import subprocess
 import pandas as pd
 import pytest
 
+from checkpoint_util import tiny_mtp_checkpoint
 from needle_util import ROOT, fidelity_cmd, served
 from test_report_pages import REPR, _cells, check_command, suggested
-from reference_model import random_weights, tiny
-from reference_model.checkpoint_write import save_checkpoint
-from reference_model.mtp import random_mtp_weights
-from reference_model.mtp_write import add_mtp_layer
 from fidelity.consistency.spec import first_diff, injected
 from fidelity.consistency.spec_judge import agreement, permutation_p
 
@@ -23,10 +20,7 @@ BUGS = ("verify_not_batch_exact", "rollback_keeps_rejected_compressor_rows", "ve
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("spec") / "tiny-mtp"
-    save_checkpoint(random_weights(tiny(), 0), d)
-    add_mtp_layer(d, random_mtp_weights(tiny(), 0, seed=3))
-    return d
+    return tiny_mtp_checkpoint(tmp_path_factory.mktemp("spec") / "tiny-mtp")
 
 
 @pytest.mark.slow           # a minute or more on a busy 2-core machine: CI runs it in make test-slow

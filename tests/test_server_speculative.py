@@ -7,19 +7,15 @@ import subprocess
 import httpx
 import pytest
 
+from checkpoint_util import tiny_mtp_checkpoint
 from needle_util import ROOT, fidelity_cmd, ok, served
 from reference_model import random_weights, tiny
 from reference_model.checkpoint_write import save_checkpoint
-from reference_model.mtp import random_mtp_weights
-from reference_model.mtp_write import add_mtp_layer
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("spec") / "tiny-mtp"
-    save_checkpoint(random_weights(tiny(), 0), d)
-    add_mtp_layer(d, random_mtp_weights(tiny(), 0, seed=3))
-    return d
+    return tiny_mtp_checkpoint(tmp_path_factory.mktemp("spec") / "tiny-mtp")
 
 
 def _complete(url, prompt, **kw):
