@@ -8,6 +8,8 @@ import copy
 
 import torch
 
+from reference_model.sampling import pick
+
 from .registry import Provenance, toggle
 
 
@@ -67,4 +69,24 @@ def _verify_ignores_temperature(golden, rows, draft, sampling, gen):
         out.append(t)
         if i >= len(draft) or t != int(draft[i]):
             break
+    return out
+
+
+@toggle("correction_row_not_snapshotted", kernel="spec_accept", category="known-bug", wraps=True,
+        _builtin=True,
+        provenance=Provenance(("ds4",), ("MTP draft >= 2", "rollback without snapshot"),
+                              ("antirez/ds4 #750",),
+                              "planted: the report's stats (drafted=2 committed=1 target_next=0) "
+                              "and its BOS mid-text; a zeroed row is our reading of 'corrupt'"),
+        description="With two or more drafts, a verify that accepts some drafts and rejects a "
+                    "later one reads its correction token from a logits row the rollback "
+                    "overwrote without a snapshot (zeros here): a greedy request emits token 0, "
+                    "BOS, mid-text, a sampled one a uniformly random token (antirez/ds4 #750: "
+                    "`drafted=2 committed=1 target_next=0`, BOS injected; never with one draft, "
+                    "nor when every draft is accepted or the first is rejected).")
+def _correction_row_not_snapshotted(golden, rows, draft, sampling, gen):
+    out = golden.spec_accept(rows, draft, sampling, gen)
+    rejected_late = len(draft) >= 2 and 2 <= len(out) <= len(draft)
+    if rejected_late:
+        out[-1] = pick(torch.zeros_like(rows[len(out) - 1]), sampling, gen)
     return out

@@ -225,7 +225,7 @@ def test_consistency_table_sets_the_plans(tmp_path):
 
 @pytest.mark.parametrize("table,frag", [
     ('families = ["bacth"]', "run.consistency.families: unknown family 'bacth'"),
-    ('families = ["spec"]', "the spec family compares an arm with a baseline endpoint live at the same time"),
+    ('families = ["spec"]', r"no launched arm has serving = \{ mtp = K \}"),
     ('families = ["prefix"]\nconcurrency = [1, 2]', "run.consistency: unknown key 'concurrency' for families prefix"),
     ("probez = 1", "run.consistency: unknown key 'probez'"),
     ('families = ["batch"]\nconcurrency = 4', r"run.consistency.concurrency must be a non-empty list of integers"),

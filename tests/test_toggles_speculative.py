@@ -64,3 +64,19 @@ def test_verify_ignoring_temperature_decodes_sampled_requests_greedily():
     assert toks != _decode("golden", SAMPLED)[0]
     greedy = Decoder(Model(W), IDS + toks[:1], 15).run().tokens
     assert toks[1:] == greedy
+
+
+def test_correction_row_not_snapshotted_injects_bos_after_a_partial_acceptance():
+    """ds4 #750's shape: never with one draft or when every draft is accepted; with two
+    drafts, greedy decoding parts from plain decoding exactly where a BOS (id 0) appears."""
+    bug = "correction_row_not_snapshotted"
+    plain = _decode("golden", GREEDY)
+    assert _decode(bug, GREEDY, 1) == plain
+    assert _decode(bug, GREEDY, 2, oracle=plain[0] + [0] * 4) == plain
+    # drafts right at even steps only: the first verify (steps 1-2) rejects its first draft,
+    # the second (steps 2-3) accepts one and rejects the next -> its correction is BOS
+    half = [t if i % 2 == 0 else t + 1 for i, t in enumerate(plain[0])]
+    toks, _ = _decode(bug, GREEDY, 2, oracle=half + [0] * 4)
+    i = _first_diff(toks, plain[0])
+    assert i == 3 and toks[i] == 0 and 0 not in plain[0][:i + 1]
+    assert _decode("golden", GREEDY, 2, oracle=half + [0] * 4) == plain

@@ -17,7 +17,7 @@ from .family import FamilyError
 from .judge import cache_reruns, condition_table, longgen_lines, longgen_table, rerun_lines, verdict_lines
 from .longgen import LongGenFamily, LongGenPlan
 from .prefix import PrefixFamily, PrefixPlan
-from .spec import SpecFamily, SpecPlan
+from .spec import SpecFamily, SpecPlan, compared, specials
 from .spec_judge import spec_lines, spec_table
 from .store import ProbeStore
 
@@ -59,9 +59,9 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
         arm.connect()
     runs = [[FAMILIES[name](arm, store, target.tokenizer, target.cfg, settings.plan(name), reference)
              for name in settings.families] for arm in arms]
-    by_name = {a.name: a for a in arms}
+    names = {a.name for a in arms}
     for fam in (f for fams in runs for f in fams if isinstance(f, SpecFamily)):
-        fam.baseline = by_name.get(settings.spec.baseline)        # the arm without speculation
+        fam.baseline_live = settings.spec.baseline in names        # else recorded by an earlier run
     _preflight(runs, progress)
     described = []
     for arm, fams in zip(arms, runs):
@@ -71,18 +71,21 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
             if fam.name == "prefix":
                 described[-1]["cold_by"] = fam.flush_route or "two random leading tokens (no flush route)"
         described[-1]["retries"] = dict(arm.ep.retries)
-    names = {a.name for a in arms}
-    rows = pd.DataFrame([r for r in store.rows if r.get("arm") in names and _current(r, settings)])
+    current = [r for r in store.rows if _current(r, settings)]
+    recorded = [r for r in current if r["family"] == "spec" and r["arm"] in names | {settings.spec.baseline}]
+    spec_rows = pd.DataFrame([r for r in compared(recorded, settings.spec.baseline, specials(target.tokenizer))
+                              if r["arm"] in names])
+    kept = [r for r in current if r["arm"] in names and r["family"] != "spec"]
+    rows = pd.DataFrame(kept) if kept else pd.DataFrame(columns=["key", "family", "arm", "probe", "condition"])
     for d in described:
         d["cache_reruns"] = cache_reruns(rows, d["name"])
-    spec_rows = rows[rows.family == "spec"] if len(rows) else rows
-    rows = rows[rows.family != "spec"] if len(rows) else rows
     table = condition_table(rows)
     behaviour = longgen_table(rows, table)          # the one judgement of long generations
     spec = spec_table(spec_rows)                    # the one judgement of speculation on vs off
     result = {"manifest": {"arms": described, "settings": asdict(settings), "checkpoint": target.name,
                            "reference": reference.describe() if reference is not None else None,
-                           "seconds": round(time.time() - t0, 1), "requests": _requests(rows)},
+                           "seconds": round(time.time() - t0, 1),
+                           "requests": _requests(pd.DataFrame([r for r in current if r["arm"] in names]))},
               "verdict": verdict_lines(table) + rerun_lines(rows) + longgen_lines(behaviour)
               + spec_lines(spec) + _dialect_caveats(described),
               "conditions": table,

@@ -1,11 +1,14 @@
 """The speculative-decoding family: does turning speculation on change the answer?
 
-The same requests go to the arm (speculation on) and to a baseline endpoint serving the
-same model without it (`--spec-baseline NAME`; neither SGLang nor vLLM has a per-request
-switch). A correct speculative engine is lossless: greedy replies must be the baseline's
-(on an exact engine, bit for bit: antirez/ds4 #750's fix made draft 1/2/4 identical), and
-sampled replies must follow the baseline's distribution (seeded samples may differ: the
-verifier draws differently). Per probe prompt:
+Every arm, and a baseline serving the same model without speculation (`--spec-baseline
+NAME`; neither SGLang nor vLLM has a per-request switch), is asked the same requests and
+its replies are recorded in the probe store; then each arm's are compared with the
+baseline's (`compared`). Recording first lets `fidelity engines` run its arms one at a time
+(the baseline first) and lets a rerun pair new arms with a baseline recorded earlier. A
+correct speculative engine is lossless: greedy replies must be the baseline's (on an exact
+engine, bit for bit: antirez/ds4 #750's fix made draft 1/2/4 identical), and sampled replies
+must follow the baseline's distribution (seeded samples may differ: the verifier draws
+differently). Per probe prompt:
 
 * greedy: tokens and logprobs against the baseline's, and against the baseline asked again
   (the floor); the first step where they part is the bug's first diverging step;
@@ -23,9 +26,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fidelity.kld.bounds import compare
+import numpy as np
 
-from .client import LiveArm
+from fidelity.kld.bounds import Known, compare
+
+from .client import Reply
 from .family import Cost, Family, FamilyError
 
 FAMILY = "spec"
@@ -49,11 +54,11 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
     return i if i is not None or len(a) == len(b) else min(len(a), len(b))
 
 
-def dist_profile(a, b) -> tuple[list[float], int | None]:
+def dist_profile(a: list[Known], b: list[Known]) -> tuple[list[float], int | None]:
     """(KL lower bound per step over the common steps, the first step whose reported
-    distribution is not bit-identical)."""
+    distribution is not bit-identical), of two replies' distributions."""
     kl, first = [], None
-    for i, (p, q) in enumerate(zip(a.dists, b.dists)):
+    for i, (p, q) in enumerate(zip(a, b)):
         kl.append(float(compare(q, p, None)["kl_lb"]))
         same = (len(p.ids) == len(q.ids) and (p.ids == q.ids).all() and (p.logp == q.logp).all())
         if first is None and not same:
@@ -69,89 +74,132 @@ def injected(spec: list[int], base: list[int], specials: set[int]) -> list[int]:
     return [i] if i is not None and i < len(spec) and spec[i] in specials else []
 
 
-def top1_hits(reply) -> list[bool]:
+def top1_hits(reply: Reply) -> list[bool]:
     """Per step: is the sampled token the top-1 of the distribution the engine reported?"""
     return [d.top1() == t for t, d in zip(reply.tokens, reply.dists)]
 
 
+def specials(tok) -> set[int]:
+    """The special tokens a reply must not hold where the baseline's does not (EOS aside)."""
+    return set(tok.special_ids.values()) - {tok.eos_id}
+
+
+def _dists_json(dists: list[Known]) -> list:
+    return [[d.ids.tolist(), d.logp.tolist()] for d in dists]
+
+
+def _dists(js: list) -> list[Known]:
+    return [Known(np.asarray(i, dtype=np.int64), np.asarray(v, dtype=np.float64)) for i, v in js]
+
+
 class SpecFamily(Family):
+    """Records an arm's replies (greedy, the baseline's twice; sampled over the seeds)."""
     name = FAMILY
     SALT = 7
-    baseline: LiveArm | None = None           # set by run_consistency from --spec-baseline
+    baseline_live = False       # set by run_consistency: the baseline is one of this run's arms
 
     @staticmethod
     def key_prefix(arm: str, p: SpecPlan) -> str:
-        return (f"{FAMILY}|{arm}|vs{p.baseline}|L{p.length}|n{p.max_tokens}|S{p.seeds}|T{p.temperature}"
-                f"|s{p.seed}|k{p.k}|")
+        return f"{FAMILY}|{arm}|L{p.length}|n{p.max_tokens}|S{p.seeds}|T{p.temperature}|s{p.seed}|k{p.k}|"
 
     @property
     def is_baseline(self) -> bool:
         return self.arm.name == self.plan.baseline
 
+    def baseline_stored(self) -> bool:
+        """Every probe of the baseline recorded under this plan (by an earlier run)."""
+        pre = self.key_prefix(self.plan.baseline, self.plan)
+        return all(self.store.has(f"{pre}{probe}|sampled") for probe in range(self.plan.probes))
+
     def check(self) -> None:
         if not self.plan.baseline:
             raise FamilyError("the spec family compares each arm with the same model served without "
                               "speculation: give --spec-baseline NAME (one of the --endpoint names)")
-        if self.baseline is None:
-            raise FamilyError(f"--spec-baseline {self.plan.baseline!r} names no --endpoint")
+        if not (self.is_baseline or self.baseline_live or self.baseline_stored()):
+            raise FamilyError(f"--spec-baseline {self.plan.baseline!r} names no --endpoint, and no replies "
+                              "of it are stored for these settings")
         if self.plan.seeds < 2:
             raise FamilyError("the spec family's distribution test needs --spec-seeds >= 2")
         super().check()
 
     def cost(self) -> Cost:
-        if self.is_baseline:
-            return Cost()
         p, n = self.plan.probes, self.plan.length
-        per = 3 + 2 * self.plan.seeds
+        per = (2 if self.is_baseline else 1) + self.plan.seeds
         return Cost(p * per, p * per * n, p * per * self.plan.max_tokens)
 
-    def _specials(self) -> set[int]:
-        return set(self.tok.special_ids.values()) - {self.tok.eos_id}
-
     def run(self, progress=lambda m: None) -> None:
-        if self.is_baseline:
-            return
         self.check()
+        greedy = ("greedy", "greedy-again") if self.is_baseline else ("greedy",)
         for probe in range(self.plan.probes):
             if self.store.has(self._key(probe, "sampled")):
                 continue
             ids = self.probe_ids(probe)
-            rows = [self._greedy(probe, ids), self._sampled(probe, ids)]
-            for r in rows:                          # `sampled` last: it marks the probe done
-                if not self.store.has(r["key"]):
-                    self.store.add(r)
-            progress(f"{self.arm.name}: spec probe {probe + 1}/{self.plan.probes} done")
+            for cond in greedy:
+                if not self.store.has(self._key(probe, cond)):
+                    self.store.add(self._greedy(probe, ids, cond))
+            self.store.add(self._sampled(probe, ids))          # last: it marks the probe done
+            progress(f"{self.arm.name}: spec probe {probe + 1}/{self.plan.probes} recorded")
 
-    def _gen(self, arm: LiveArm, ids, temperature=0.0, seed=None):
-        return arm.generate(ids, self.plan.max_tokens, self.plan.k, ignore_eos=True,
-                            temperature=temperature, seed=seed)
+    def _gen(self, ids, temperature=0.0, seed=None) -> Reply:
+        return self.arm.generate(ids, self.plan.max_tokens, self.plan.k, ignore_eos=True,
+                                 temperature=temperature, seed=seed)
 
-    def _greedy(self, probe: int, ids) -> dict:
-        spec, base, again = self._gen(self.arm, ids), self._gen(self.baseline, ids), self._gen(self.baseline, ids)
-        kl, lp_first = dist_profile(spec, base)
-        floor_kl, floor_lp = dist_profile(again, base)
-        inj = injected(spec.tokens, base.tokens, self._specials())
-        return {"key": self._key(probe, "greedy"), "family": FAMILY, "arm": self.arm.name, "probe": probe,
-                "condition": "greedy", "baseline": self.baseline.name, "requests": 3,
-                "tokens": spec.tokens, "base_tokens": base.tokens,
-                "first_diff": first_diff(spec.tokens, base.tokens), "first_lp_diff": lp_first,
-                "floor_first_diff": first_diff(again.tokens, base.tokens), "floor_first_lp_diff": floor_lp,
-                "kl": kl, "kl_max": max(kl, default=0.0), "floor_kl_max": max(floor_kl, default=0.0),
-                "injected": inj, "spec_meta": spec.spec, "base_meta": base.spec}
+    def _row(self, probe: int, condition: str, requests: int) -> dict:
+        return {"key": self._key(probe, condition), "family": FAMILY, "arm": self.arm.name, "probe": probe,
+                "condition": condition, "requests": requests}
+
+    def _greedy(self, probe: int, ids, condition: str) -> dict:
+        r = self._gen(ids)
+        return {**self._row(probe, condition, 1), "tokens": r.tokens, "dists": _dists_json(r.dists),
+                "spec_meta": r.spec}
 
     def _sampled(self, probe: int, ids) -> dict:
         p = self.plan
         seeds = [p.seed * 1000 + probe * 100 + s for s in range(p.seeds)]
-        spec = [self._gen(self.arm, ids, p.temperature, s) for s in seeds]
-        base = [self._gen(self.baseline, ids, p.temperature, s) for s in seeds]
-        diffs = [first_diff(a.tokens, b.tokens) for a, b in zip(spec, base)]
-        specials = self._specials()
-        return {"key": self._key(probe, "sampled"), "family": FAMILY, "arm": self.arm.name, "probe": probe,
-                "condition": "sampled", "baseline": self.baseline.name, "requests": 2 * len(seeds),
-                "temperature": p.temperature, "seeds": seeds,
-                "samples": [a.tokens for a in spec], "base_samples": [b.tokens for b in base],
-                "top1": [top1_hits(a) for a in spec], "base_top1": [top1_hits(b) for b in base],
-                "seed_identical": sum(d is None for d in diffs),
-                "first_diff": min((d for d in diffs if d is not None), default=None),
-                "injected": sum(len(injected(a.tokens, b.tokens, specials)) for a, b in zip(spec, base)),
-                "spec_meta": [a.spec for a in spec]}
+        replies = [self._gen(ids, p.temperature, s) for s in seeds]
+        return {**self._row(probe, "sampled", len(seeds)), "temperature": p.temperature, "seeds": seeds,
+                "samples": [r.tokens for r in replies], "top1": [top1_hits(r) for r in replies],
+                "spec_meta": [r.spec for r in replies]}
+
+
+def compared(recorded: list[dict], baseline: str, specials: set[int]) -> list[dict]:
+    """Each arm's recorded replies against the baseline's, probe by probe (arms in the order
+    recorded; a probe the baseline or the arm has not finished is left out): a greedy row
+    and a sampled row per probe, as spec_table judges them."""
+    by = {(r["arm"], int(r["probe"]), r["condition"]): r for r in recorded}
+    arms = list(dict.fromkeys(r["arm"] for r in recorded if r["arm"] != baseline))
+    probes = sorted({p for (a, p, c) in by if a == baseline and c == "sampled"})
+    out = []
+    for arm in arms:
+        for probe in probes:
+            base = [by.get((baseline, probe, c)) for c in ("greedy", "greedy-again", "sampled")]
+            mine = [by.get((arm, probe, c)) for c in ("greedy", "sampled")]
+            if all(base) and all(mine):
+                out += [_greedy_vs(mine[0], *base[:2], specials), _sampled_vs(mine[1], base[2], specials)]
+    return out
+
+
+def _greedy_vs(spec: dict, base: dict, again: dict, specials: set[int]) -> dict:
+    sd, bd = _dists(spec["dists"]), _dists(base["dists"])
+    kl, lp_first = dist_profile(sd, bd)
+    floor_kl, floor_lp = dist_profile(_dists(again["dists"]), bd)
+    return {"family": FAMILY, "arm": spec["arm"], "probe": spec["probe"], "condition": "greedy",
+            "baseline": base["arm"], "requests": spec["requests"],
+            "tokens": spec["tokens"], "base_tokens": base["tokens"],
+            "first_diff": first_diff(spec["tokens"], base["tokens"]), "first_lp_diff": lp_first,
+            "floor_first_diff": first_diff(again["tokens"], base["tokens"]), "floor_first_lp_diff": floor_lp,
+            "kl": kl, "kl_max": max(kl, default=0.0), "floor_kl_max": max(floor_kl, default=0.0),
+            "injected": injected(spec["tokens"], base["tokens"], specials),
+            "spec_meta": spec["spec_meta"], "base_meta": base["spec_meta"]}
+
+
+def _sampled_vs(spec: dict, base: dict, specials: set[int]) -> dict:
+    diffs = [first_diff(a, b) for a, b in zip(spec["samples"], base["samples"])]
+    return {"family": FAMILY, "arm": spec["arm"], "probe": spec["probe"], "condition": "sampled",
+            "baseline": base["arm"], "requests": spec["requests"], "temperature": spec["temperature"],
+            "seeds": spec["seeds"], "samples": spec["samples"], "base_samples": base["samples"],
+            "top1": spec["top1"], "base_top1": base["top1"],
+            "seed_identical": sum(d is None for d in diffs),
+            "first_diff": min((d for d in diffs if d is not None), default=None),
+            "injected": sum(len(injected(a, b, specials)) for a, b in zip(spec["samples"], base["samples"])),
+            "spec_meta": spec["spec_meta"]}

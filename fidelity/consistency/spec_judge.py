@@ -74,20 +74,23 @@ def _accept(greedy: pd.DataFrame) -> tuple[float | None, list[float] | None]:
 
 
 def _looks_like(greedy_flag: bool, sampled_flag: bool, first_lp_step, injected: int) -> str:
-    """The signature in words. Step 0 comes from the prefill; step 1 from the first verify's
-    first row, computed on the prefill's state: a difference there is the verify's own
-    arithmetic (nothing was rolled back yet). A first difference later is state carried
-    across a verify -- or a verify whose first rows happened to round alike."""
-    inj = " with a special token injected where the replies part (antirez/ds4 #750)" if injected else ""
+    """The signature in words. A special token where the replies part is a row read wrongly
+    after a verify, whatever the numerics did before. Otherwise: step 0 comes from the
+    prefill; step 1 from the first verify's first row, computed on the prefill's state: a
+    difference there is the verify's own arithmetic (nothing was rolled back yet). A first
+    difference later is state carried across a verify -- or a verify whose first rows
+    happened to round alike."""
+    if injected:
+        return ("a special token injected where the replies part: a logits row read corrupt after a "
+                "verify (antirez/ds4 #750 class: with draft >= 2, a rollback without snapshot emitted BOS)")
     if greedy_flag:
         if first_lp_step is not None and first_lp_step <= 1:
-            return ("a verify step whose numerics differ from a decode step's: not batch-exact "
-                    f"(antirez/ds4 #750 class){inj}")
-        return ("state carried wrongly across a verify: the rollback of the window / compressor "
-                f"(GDzhu01/vllm-ascend-deepseekv4 #131 class){inj}")
+            return "a verify step whose numerics differ from a decode step's: not batch-exact (antirez/ds4 #750 class)"
+        return "state carried wrongly across a verify: the rollback of the window / compressor " \
+               "(GDzhu01/vllm-ascend-deepseekv4 #131 class)"
     if sampled_flag:
         return "a verifier that does not sample as the request asks (sglang #39253 class)"
-    return "special tokens injected (antirez/ds4 #750)" if injected else ""
+    return ""
 
 
 def spec_table(rows: pd.DataFrame) -> pd.DataFrame:

@@ -33,6 +33,7 @@ from . import golden
 from .launch import EngineProcess, LaunchPlan, ReadinessLog, describe_exit, plan_arm
 from .page import engines_page, write_index
 from .spec import Spec, SpecError
+from .speculation import launch_order, settings_for, spec_baseline
 
 KLD_KEYS = {"lengths", "depths", "reps", "seed", "top_k", "steps", "exact", "exact_k", "captures",
             "n_boot", "tokenizer", "prompts", "dialect"}
@@ -116,11 +117,6 @@ def consistency_settings(spec: Spec):
     bad = [f for f in fams if f not in FAMILIES]
     if bad:
         raise SpecError(f"run.consistency.families: unknown family {bad[0]!r} (families: {', '.join(FAMILIES)})")
-    if "spec" in fams:          # it needs its baseline live beside the arm; engines runs one at a time
-        raise SpecError("run.consistency.families: the spec family compares an arm with a baseline "
-                        "endpoint live at the same time, and fidelity engines runs its arms one at a "
-                        "time: launch both (e.g. fidelity serve --speculative-tokens K, and without) and "
-                        "run fidelity consistency --spec-baseline NAME --families spec (docs/consistency.md)")
     need = [f for f in fams if f in NEEDS_REFERENCE]
     if need and ref is None:
         raise SpecError(f"run.consistency: family {need[0]} compares with a reference computed here in one "
@@ -152,8 +148,11 @@ def consistency_settings(spec: Spec):
             raise SpecError(f"run.consistency.{fam}: unknown key {unknown[0]!r} "
                             f"(allowed: {', '.join(sorted(names))})")
         given.update(own)
+        baseline = given.pop("baseline", None) if fam == "spec" else None
         plans[fam] = replace(plan, **{k: _plan_value(f"run.consistency.{k}", getattr(plan, k), v)
                                       for k, v in given.items()})
+        if fam == "spec" and fam in fams:
+            plans[fam] = replace(plans[fam], baseline=spec_baseline(spec, baseline))
     return replace(base, families=tuple(fams), **plans)
 
 
@@ -219,8 +218,10 @@ def _consistency(spec: Spec, name: str, url: str, root: Path, target, cs, refere
     behaviour = res.get("behaviour")                   # long generations, when that family ran
     behaviour = [] if behaviour is None else behaviour.to_dict("records")
     flagged += [f"longgen/{r['mode']}" for r in behaviour if r.get("flagged")]
+    spec_rows = [r for r in res["spec"].to_dict("records") if r["arm"] == name]
+    flagged += ["spec" for r in spec_rows if r["flagged"]]
     return {"verdict": list(res["verdict"]), "path": str(Path(res["path"]).relative_to(root)),
-            "conditions": len(rows) + len(behaviour), "flagged": flagged}
+            "conditions": len(rows) + len(behaviour) + len(spec_rows), "flagged": flagged}
 
 
 def _needle(spec: Spec, name: str, url: str, results: Path, quiet: bool) -> list[dict]:
@@ -291,14 +292,14 @@ def run_engines(spec: Spec, run_id: str, progress: Progress, fresh: bool = False
         reference = golden.run_inprocess(spec, root, state, prompts, s, store, target, cs, done, progress)
     else:                               # held while the engines run (they have the devices)
         reference = consistency_reference(spec, target) if cs is not None else None
-    for arm in golden.launched(spec):
+    for arm in launch_order(spec, cs):
         st = state.arm(arm.name)
         if arm.name in done:
             progress.log(f"{arm.name}: tasks done earlier; not launched")
             state.event("not launched", arm=arm.name, reason="tasks done earlier")
             continue
-        _run_arm(spec, arm, ps[arm.name], st, state, root, prompts, s, store, base.name, target, (cs, reference),
-                 progress)
+        _run_arm(spec, arm, ps[arm.name], st, state, root, prompts, s, store, base.name, target,
+                 (cs and settings_for(arm, cs), reference), progress)
     return report(spec, root, run_id, state, prompts, s, store, progress)
 
 
