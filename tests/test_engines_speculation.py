@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from needle_util import ROOT, fidelity_cmd
-from test_engines import HANG, free_port
+from needle_util import ROOT, fidelity_cmd, free_port
+from test_engines import HANG
 from fidelity.engines.run import consistency_settings
 from fidelity.engines.spec import SpecError, load_spec
 from fidelity.engines.speculation import launch_order, settings_for
