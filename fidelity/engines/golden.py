@@ -9,8 +9,7 @@ and only then are the engines launched, one at a time. A rerun computes only wha
 stored, and does not load the golden at all when nothing is missing."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from fidelity.kld.dialects import Request
 from fidelity.kld.inprocess import InProcessScorer, capture_shape
@@ -21,6 +20,7 @@ from fidelity.weights.target import load_target
 from reference_model.schedule import ONESHOT
 
 from . import memory
+from .context import EngineRun
 from .spec import EngineSpec, Spec, SpecError
 
 REF_PROMPT = "ref"                 # the score store's prompt name for reference answers
@@ -172,12 +172,13 @@ def baseline_inprocess(spec: Spec) -> bool:
     return spec.engines[spec.arms[0].engine].kind == "inprocess"
 
 
-def run_inprocess(spec: Spec, root: Path, state, prompts, s, store: ScoreStore, target, cs, done_arms,
-                  progress) -> StoredReference | None:
+def run_inprocess(run: EngineRun, cs, done_arms) -> StoredReference | None:
     """Score and store everything that needs the golden, then release it (module docstring).
-    `done_arms`: launched arms whose tasks finished (no reference is computed for them).
-    Returns the consistency reference the launched arms read, or None."""
+    `cs`: the consistency settings (or None); `done_arms`: launched arms whose tasks
+    finished (no reference is computed for them). Returns the consistency reference the
+    launched arms read, or None."""
     from fidelity.devices import DeviceError, Placement, accumulate_dtype, parse_devices
+    spec, state, prompts, s, store, progress = run.spec, run.state, run.prompts, run.settings, run.store, run.progress
     e = engine_of(spec)
     try:
         devices = parse_devices(list(e.devices))
@@ -191,39 +192,40 @@ def run_inprocess(spec: Spec, root: Path, state, prompts, s, store: ScoreStore, 
         check_identity(store, j.entry)          # another checkpoint under an old name: before loading
     todo = {j.entry.name: sum(not store.path(j.entry.name, p.id, score_key(s, j.entry, p.tokens.tolist())).exists()
                               for p in prompts) for j in jobs}       # in-process scores are never partial
-    ref, ref_arm, ref_todo = _reference(spec, e, place, cs, root, target.tokenizer, done_arms)
-    where = (f"{e.model or 'the embedded model'} on {','.join(place.devices)}, "
-             f"accumulate {str(cd).replace('torch.', '')}")
+    ref = _reference(run, e, place, cs, done_arms)
     for a in spec.arms:
         if a.engine == e.name:
             st = state.arm(a.name)
             st["engine"] = {"inprocess": {"engine": e.name, "checkpoint": e.model or "embedded",
                                           **place.describe()}}
-            st["shape"] = capture_shape(target.cfg)
+            st["shape"] = capture_shape(run.target.cfg)
     if any(a.engine == e.name for a in spec.arms) and {"needle", "consistency"} & set(spec.tasks):
         progress.log(f"{tag}: its arms take part in kld (and give the consistency reference); needle and "
                      "consistency probe the launched arms only")
-    if not jobs and ref is None:
+    if not jobs and ref.stored is None:
         progress.log(f"{tag}: nothing to compute for tasks {', '.join(spec.tasks)}; the golden is not loaded")
         state.event("golden not loaded", engine=e.name, reason="nothing to compute")
-    elif not sum(todo.values()) and not ref_todo:
+    elif not sum(todo.values()) and not ref.todo:
         progress.log(f"{tag}: everything it computes is stored ({len(jobs)} arms x {len(prompts)} prompts"
-                     + (", the consistency reference" if ref else "") + "); the golden is not loaded")
+                     + (", the consistency reference" if ref.stored else "") + "); the golden is not loaded")
         state.event("golden not loaded", engine=e.name, reason="everything stored")
     else:
-        _compute(spec, e, place, jobs, todo, prompts, s, store, ref, ref_arm, ref_todo, tag, where, state,
-                 progress)
+        _compute(run, e, place, jobs, todo, ref)
     for a in spec.arms:
         if a.engine == e.name and "kld" in spec.tasks and "kld" not in state.arm(a.name)["done"]:
             state.arm(a.name)["done"].append("kld")
     state.save()
-    return ref
+    return ref.stored
 
 
-def _compute(spec, e, place, jobs, todo, prompts, s, store, ref, ref_arm, ref_todo, tag, where, state,
-             progress) -> None:
-    """Load the golden, score what is missing, log what was scored, release it (also when
-    scoring fails: the error is the run's, the devices are the engines')."""
+def _compute(run: EngineRun, e: EngineSpec, place, jobs: list, todo: dict, ref: "ReferenceWork") -> None:
+    """Load the golden, score what is missing (`todo`: prompts per job's arm; `ref`: the
+    consistency reference), log what was scored, release it (also when scoring fails: the
+    error is the run's, the devices are the engines')."""
+    spec, state, prompts, progress = run.spec, run.state, run.prompts, run.progress
+    tag = f"in-process engine {e.name}"
+    where = (f"{e.model or 'the embedded model'} on {','.join(place.devices)}, "
+             f"accumulate {str(place.compute_dtype).replace('torch.', '')}")
     progress.log(f"{tag}: loading the golden ({where}) before any engine is launched")
     state.event("golden loaded", engine=e.name, checkpoint=e.model or "embedded", **place.describe())
     holder = {"weights": load_target(e.model, spec.kld.get("tokenizer"), e.weights_mode,
@@ -239,15 +241,16 @@ def _compute(spec, e, place, jobs, todo, prompts, s, store, ref, ref_arm, ref_to
             j.entry.scorer.scorer = holder[f"arm {j.entry.name}"] = InProcessScorer(
                 j.entry.name, j.numerics, holder["weights"], j.label, place.model_devices, j.schedule,
                 holder["weight_cache"])
-            n = score_entry(j.entry, prompts, s, store, base, progress)
+            n = score_entry(j.entry, prompts, run.settings, run.store, base, progress)
             scored[j.entry.name] = {"prompts": n, "stored_earlier": len(prompts) - n}
-        if ref_todo:
-            holder["reference"] = InProcessScorer(ref.name, ref_arm.numerics(compute_dtype=place.compute_dtype),
-                                                  holder["weights"], ref_arm.name, place.model_devices,
-                                                  ref_arm.schedule, holder["weight_cache"])
-            for ids, req in ref_todo:
-                ref.store.put(ref.name, REF_PROMPT, _ref_key(ids, req), holder["reference"].score(ids, req))
-            scored[f"consistency reference {ref.name}"] = {"prompts": len(ref_todo), "family": "chunk"}
+        if ref.todo:
+            stored, arm = ref.stored, ref.arm
+            holder["reference"] = InProcessScorer(stored.name, arm.numerics(compute_dtype=place.compute_dtype),
+                                                  holder["weights"], arm.name, place.model_devices,
+                                                  arm.schedule, holder["weight_cache"])
+            for ids, req in ref.todo:
+                stored.store.put(stored.name, REF_PROMPT, _ref_key(ids, req), holder["reference"].score(ids, req))
+            scored[f"consistency reference {stored.name}"] = {"prompts": len(ref.todo), "family": "chunk"}
         progress.log(f"{tag}: golden scored: " + "; ".join(
             f"{k}: {v['prompts']} prompts" + (f" ({v['stored_earlier']} stored earlier)" if "stored_earlier" in v else
                                               f" ({v['family']} family)") for k, v in scored.items()))
@@ -260,11 +263,21 @@ def _compute(spec, e, place, jobs, todo, prompts, s, store, ref, ref_arm, ref_to
         state.event("memory released", engine=e.name, **r)
 
 
-def _reference(spec, e, place, cs, root, tok, done_arms):
-    """The stored consistency reference, its arm, and the (ids, request) still to compute."""
+@dataclass
+class ReferenceWork:
+    """The consistency reference of an in-process engine: where it is stored (None: the
+    run has none), the arm it is computed with, and the (ids, request) still to compute."""
+    stored: StoredReference | None = None
+    arm: object = None
+    todo: list = field(default_factory=list)
+
+
+def _reference(run: EngineRun, e: EngineSpec, place, cs, done_arms) -> ReferenceWork:
+    """What the run's consistency reference needs computed (module docstring)."""
+    spec, root, tok = run.spec, run.root, run.target.tokenizer
     text = spec.consistency.get("reference")
     if cs is None or text is None:
-        return None, None, []
+        return ReferenceWork()
     from fidelity.arms import parse_arm
     arm = parse_arm(text)
     ident = _identity(arm.name, arm.name, e, place.compute_dtype)
@@ -278,4 +291,4 @@ def _reference(spec, e, place, cs, root, tok, done_arms):
             for ids in chunk_prompts(tok, cs.chunk, c):
                 want[_ref_key(ids, req)] = ids
     todo = [(ids, req) for k, ids in want.items() if not rstore.path(arm.name, REF_PROMPT, k).exists()]
-    return ref, arm, todo
+    return ReferenceWork(ref, arm, todo)

@@ -32,6 +32,7 @@ from needle.tables import by_arm
 from . import golden
 from .launch import EngineProcess, LaunchPlan, ReadinessLog, describe_exit, plan_arm
 from .page import engines_page, write_index
+from .context import EngineRun, State
 from .spec import Spec, SpecError
 from .speculation import launch_order, settings_for, spec_baseline
 
@@ -202,15 +203,16 @@ def _policy(spec: Spec):
     return RetryPolicy(retries=r, timeout=float(t))
 
 
-def _consistency(spec: Spec, name: str, url: str, root: Path, target, cs, reference, progress) -> dict:
+def _consistency(run: EngineRun, name: str, url: str, cs, reference) -> dict:
     """fidelity consistency on one live arm: probes into <root>/consistency/probes.jsonl
     (finished ones kept across reruns), the arm's report in <root>/consistency/<arm>/."""
     from fidelity.consistency.client import LiveArm
     from fidelity.consistency.judge import is_floor
     from fidelity.consistency.run import run_consistency
-    ep = Endpoint(name, url, spec.consistency.get("dialect"), None, _policy(spec), target.tokenizer,
+    spec, root, progress = run.spec, run.root, run.progress
+    ep = Endpoint(name, url, spec.consistency.get("dialect"), None, _policy(spec), run.target.tokenizer,
                   on_retry=progress.log)
-    res = run_consistency([LiveArm(ep)], target, cs, root, name, progress, reference)
+    res = run_consistency([LiveArm(ep)], run.target, cs, root, name, progress, reference)
     # long generations are counted by their one judgement per run (res["behaviour"]), not by stretch
     rows = [r for r in res["conditions"].to_dict("records")
             if not is_floor(r["family"], r["condition"]) and r["family"] != "longgen"]
@@ -240,37 +242,6 @@ def _needle(spec: Spec, name: str, url: str, results: Path, quiet: bool) -> list
     return run_sweep(cfg, [runner], results, quiet=quiet)
 
 
-RUN_LOG = "run log"          # state.json's list of runs (a key no arm name can be: it has a space)
-
-
-class State:
-    """Per arm: tasks finished, the engine's own view, start-up seconds (state.json); and
-    per run (RUN_LOG), what happened in which order: the golden scored, its memory released,
-    each engine launched and stopped."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.data = json.loads(path.read_text()) if path.exists() else {}
-
-    def arm(self, name: str) -> dict:
-        return self.data.setdefault(name, {"done": []})
-
-    def begin(self) -> None:
-        self.data.setdefault(RUN_LOG, []).append({"started": time.time(), "events": []})
-
-    def event(self, what: str, **details) -> None:
-        """One step of this run, in order, saved at once (a run that dies keeps its log)."""
-        if not self.data.get(RUN_LOG):
-            self.begin()
-        self.data[RUN_LOG][-1]["events"].append({"event": what, "at": time.time(), **details})
-        self.save()
-
-    def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str))
-        tmp.replace(self.path)
-
-
 def run_engines(spec: Spec, run_id: str, progress: Progress, fresh: bool = False) -> dict:
     root = Path(spec.out) / "engines" / run_id
     if fresh and root.exists():
@@ -280,27 +251,23 @@ def run_engines(spec: Spec, run_id: str, progress: Progress, fresh: bool = False
     write_script(spec, list(ps.values()), root / "launch.sh")
     state = State(root / "state.json")
     state.begin()
-    s = _settings(spec)
     cs = consistency_settings(spec) if "consistency" in spec.tasks else None
     target = run_target(spec)
-    tok = target.tokenizer
-    prompts = _kld_prompts(spec, tok, target.cfg.vocab_size) if "kld" in spec.tasks else []
-    store = ScoreStore(root / "kld" / "scores")
-    base = spec.arms[0]
+    prompts = _kld_prompts(spec, target.tokenizer, target.cfg.vocab_size) if "kld" in spec.tasks else []
+    run = EngineRun(spec, root, state, prompts, _settings(spec), ScoreStore(root / "kld" / "scores"), target,
+                    progress)
     done = {a.name for a in golden.launched(spec) if set(spec.tasks) <= set(state.arm(a.name)["done"])}
     if golden.engine_of(spec):          # computed, stored and released before any launch
-        reference = golden.run_inprocess(spec, root, state, prompts, s, store, target, cs, done, progress)
+        reference = golden.run_inprocess(run, cs, done)
     else:                               # held while the engines run (they have the devices)
         reference = consistency_reference(spec, target) if cs is not None else None
     for arm in launch_order(spec, cs):
-        st = state.arm(arm.name)
         if arm.name in done:
             progress.log(f"{arm.name}: tasks done earlier; not launched")
             state.event("not launched", arm=arm.name, reason="tasks done earlier")
             continue
-        _run_arm(spec, arm, ps[arm.name], st, state, root, prompts, s, store, base.name, target,
-                 (cs and settings_for(arm, cs), reference), progress)
-    return report(spec, root, run_id, state, prompts, s, store, progress)
+        _run_arm(run, arm, ps[arm.name], (cs and settings_for(arm, cs), reference))
+    return report(run, run_id)
 
 
 def run_target(spec: Spec):
@@ -312,8 +279,11 @@ def run_target(spec: Spec):
     return load_target(None, spec.kld.get("tokenizer"))
 
 
-def _run_arm(spec, arm, plan, st, state, root, prompts, s, store, base, target, consistency, progress):
-    tok = target.tokenizer
+def _run_arm(run: EngineRun, arm, plan, consistency) -> None:
+    """Launch one arm, give it its tasks (each recorded as done when finished), stop it.
+    `consistency`: (its consistency settings or None, the reference)."""
+    spec, state, root, progress = run.spec, run.state, run.root, run.progress
+    st, tok = state.arm(arm.name), run.target.tokenizer
     proc = EngineProcess(plan, root / "logs" / f"{arm.name}.log") if plan.cmd else None
     if proc:
         proc.check_port()                       # a busy port: say so before launching anything
@@ -339,7 +309,7 @@ def _run_arm(spec, arm, plan, st, state, root, prompts, s, store, base, target, 
             if arm.role == "baseline":
                 entries.append(repeat_floor(entries[0]))
             for e in entries:
-                score_entry(e, prompts, s, store, base, progress)
+                score_entry(e, run.prompts, run.settings, run.store, spec.arms[0].name, progress)
             st["done"].append("kld")
             state.save()
         if "needle" in spec.tasks and "needle" not in st["done"]:
@@ -347,7 +317,7 @@ def _run_arm(spec, arm, plan, st, state, root, prompts, s, store, base, target, 
             st["done"].append("needle")
             state.save()
         if "consistency" in spec.tasks and "consistency" not in st["done"]:
-            st["consistency"] = _consistency(spec, arm.name, plan.url, root, target, *consistency, progress)
+            st["consistency"] = _consistency(run, arm.name, plan.url, *consistency)
             st["done"].append("consistency")
             state.save()
     finally:
@@ -364,9 +334,9 @@ def _reading(st: dict) -> dict:
     return {"reading": READING} if st.get("dialect") == "llamacpp" else {}
 
 
-def report(spec: Spec, root: Path, run_id: str, state: State, prompts, s: KldSettings,
-           store: ScoreStore, progress: Progress) -> dict:
+def report(run: EngineRun, run_id: str) -> dict:
     """The KLD report (verdict over the arms), the needle report, and a summary tying them."""
+    spec, root, state, prompts, s = run.spec, run.root, run.state, run.prompts, run.settings
     out = {"root": root}
     arms = spec.arms
     if "kld" in spec.tasks:
@@ -384,7 +354,7 @@ def report(spec: Spec, root: Path, run_id: str, state: State, prompts, s: KldSet
                               "factors": sorted(a.factors), **_reading(state.arm(a.name))} for a in arms],
                     "servers": {a.name: state.arm(a.name).get("engine") for a in arms},
                     "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in prompts]}
-        res = evaluate(entries, prompts, s, store, shape if s.captures else None, root, "kld-report",
+        res = evaluate(entries, prompts, s, run.store, shape if s.captures else None, root, "kld-report",
                        manifest, coverage=False)
         out["kld"], out["verdict"] = res["path"], res["verdict"]
     if "needle" in spec.tasks:
