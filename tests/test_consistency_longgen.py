@@ -11,7 +11,7 @@ import pytest
 
 from fidelity.consistency.client import Reply
 from fidelity.consistency.judge import condition_table, longgen_lines, longgen_table, verdict_lines
-from fidelity.consistency.longgen import LongGenFamily, LongGenPlan, stretches
+from fidelity.consistency.longgen import Along, LongGenFamily, LongGenPlan, stretches
 from fidelity.weights.target import load_target
 
 TOK = load_target(None).tokenizer
@@ -47,7 +47,7 @@ def _generation(arm, probe, mode, kl, floor, leak=False, loop=False, plan=PLAN) 
     tokens = _tokens(len(kl), 7 * probe + len(arm), leak) if not loop else [11, 12, 13, 14] * (len(kl) // 4)
     reply = Reply(tokens, [], None, "length")
     return fam._rows(probe, mode, list(kl), list(floor)) + [
-        fam._behaviour(probe, mode, 300, reply, list(kl), list(floor), [1] * len(kl))]
+        fam._behaviour(probe, mode, 300, reply, Along(list(kl), list(floor), [1] * len(kl)))]
 
 
 def _judge(rows):

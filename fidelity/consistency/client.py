@@ -37,11 +37,23 @@ class Reply:
     spec: dict | None = None     # the engine's speculative-decoding counts (SGLang meta_info spec_*)
 
 
-def _sglang_body(ids, max_tokens, k, model, ignore_eos, temperature=0.0, seed=None):
-    sp = {"max_new_tokens": max_tokens, "temperature": temperature, "ignore_eos": ignore_eos}
-    if seed is not None:
-        sp["sampling_seed"] = seed
-    body = {"input_ids": list(ids), "return_logprob": True, "top_logprobs_num": k, "sampling_params": sp}
+@dataclass(frozen=True)
+class Generation:
+    """What a probe asks an engine to generate: how many tokens, the top-k reported before
+    each, past EOS or not (where the dialect has the field), greedy unless `temperature`,
+    and a seed where the engine takes one."""
+    max_tokens: int
+    k: int = 5
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    seed: int | None = None
+
+
+def _sglang_body(ids, g: Generation, model):
+    sp = {"max_new_tokens": g.max_tokens, "temperature": g.temperature, "ignore_eos": g.ignore_eos}
+    if g.seed is not None:
+        sp["sampling_seed"] = g.seed
+    body = {"input_ids": list(ids), "return_logprob": True, "top_logprobs_num": g.k, "sampling_params": sp}
     return "/generate", {**body, **({"model": model} if model else {})}
 
 
@@ -58,12 +70,12 @@ def _sglang_reply(d: dict) -> Reply:
     return Reply([int(e[1]) for e in out], dists, m.get("cached_tokens"), finish, spec)
 
 
-def _completions_body(ids, max_tokens, k, model, vllm: bool, ignore_eos, temperature=0.0, seed=None):
-    body = {"prompt": list(ids), "max_tokens": max_tokens, "temperature": temperature, "logprobs": k}
-    if seed is not None:
-        body["seed"] = seed
+def _completions_body(ids, g: Generation, model, vllm: bool):
+    body = {"prompt": list(ids), "max_tokens": g.max_tokens, "temperature": g.temperature, "logprobs": g.k}
+    if g.seed is not None:
+        body["seed"] = g.seed
     if vllm:
-        body.update(ignore_eos=ignore_eos, return_tokens_as_token_ids=True)
+        body.update(ignore_eos=g.ignore_eos, return_tokens_as_token_ids=True)
     return "/v1/completions", {**body, **({"model": model} if model else {})}
 
 
@@ -118,24 +130,20 @@ class LiveArm:
         self.ep.connect()
         return self
 
-    def generate(self, ids: list[int], max_tokens: int, k: int = 5, ignore_eos: bool = True,
-                 temperature: float = 0.0, seed: int | None = None) -> Reply:
-        """Continuation of `ids` (greedy unless `temperature`; `seed` where the engine takes
-        one) with the top-k before each new token, logprobs raw as the engines report them
-        (`ignore_eos`: always max_tokens of them, where the dialect has the field: SGLang, vLLM,
-        llama.cpp)."""
+    def generate(self, ids: list[int], g: Generation) -> Reply:
+        """Continuation of `ids` as `g` asks, with the top-k before each new token, logprobs
+        raw as the engines report them."""
         ep = self.ep
         self.sent += 1
         if ep.dialect == "sglang":
-            path, body = _sglang_body(ids, max_tokens, k, ep.model, ignore_eos, temperature, seed)
+            path, body = _sglang_body(ids, g, ep.model)
             parse = _sglang_reply
         elif ep.dialect == "llamacpp":            # no pinned slot: batch probes run side by side
             path, parse = "/completion", _llamacpp_reply
-            body = L.body([list(ids)], k, max_tokens, ep.model, temperature=temperature, seed=seed,
-                          ignore_eos=ignore_eos, slot=None)
+            body = L.body([list(ids)], g.k, g.max_tokens, ep.model, temperature=g.temperature, seed=g.seed,
+                          ignore_eos=g.ignore_eos, slot=None)
         else:
-            path, body = _completions_body(ids, max_tokens, k, ep.model, ep.dialect == "vllm", ignore_eos,
-                                           temperature, seed)
+            path, body = _completions_body(ids, g, ep.model, ep.dialect == "vllm")
             pieces = ep.piece_ids() if ep.dialect == "openai" else None
             parse = lambda d: _completions_reply(d, pieces)       # noqa: E731
         return ep.call("POST", path, body, parse=parse)

@@ -19,6 +19,7 @@ step where it starts. Long outputs corrupting while short ones never do is sglan
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ import torch
 from fidelity.kld.bounds import Known, compare
 from fidelity.kld.dialects import Request
 
-from .client import Reply
+from .client import Generation, Reply
 from .family import Cost, Family, FamilyError
 
 FAMILY = "longgen"
@@ -71,8 +72,15 @@ def stretches(n: int, first: int) -> list[tuple[int, int]]:
     return out
 
 
-def teacher_forced(model, prompt: list[int], reply: Reply,
-                   reread: list[Known]) -> tuple[list[float], list[float], list[int]]:
+class Along(NamedTuple):
+    """Per generated token: KL from the reference generating it, re-reading it, and the
+    rank of the engine's token under the reference."""
+    kl: list[float]
+    floor: list[float]
+    rank: list[int]
+
+
+def teacher_forced(model, prompt: list[int], reply: Reply, reread: list[Known]) -> Along:
     """Per generated token: KL(reference || what the engine reported generating it),
     KL(reference || what it reported re-reading it in one prefill), and the rank of the
     engine's token under the reference (1 = its top choice) -- from one prefill of the
@@ -92,7 +100,7 @@ def teacher_forced(model, prompt: list[int], reply: Reply,
             kl.append(compare(ref, reply.dists[t], None)["kl_lb"])
             floor.append(compare(ref, reread[t], None)["kl_lb"])
             rank.append(1 + int((row > row[reply.tokens[t]]).sum()))
-    return kl, floor, rank
+    return Along(kl, floor, rank)
 
 
 def reread_dists(scores, prompt: list[int], reply: Reply) -> list[Known]:
@@ -164,21 +172,21 @@ class LongGenFamily(Family):
             for mode, temperature in plan.modes():
                 if self.store.has(self._key(probe, f"{mode}:behaviour")):
                     continue
-                reply = self.arm.generate(ids, plan.max_tokens, plan.k, ignore_eos=plan.ignore_eos,
-                                          temperature=temperature, seed=plan.seed + probe)
-                kl, floor, rank = self._score(ids, reply)
-                for row in self._rows(probe, mode, kl, floor):
+                reply = self.arm.generate(ids, Generation(plan.max_tokens, plan.k, plan.ignore_eos,
+                                                          temperature, plan.seed + probe))
+                along = self._score(ids, reply)
+                for row in self._rows(probe, mode, along.kl, along.floor):
                     if not self.store.has(row["key"]):
                         self.store.add(row)
-                self.store.add(self._behaviour(probe, mode, len(ids), reply, kl, floor, rank))
+                self.store.add(self._behaviour(probe, mode, len(ids), reply, along))
                 progress(f"{self.arm.name}: long generation {probe + 1}/{plan.probes} ({mode}) done "
                          f"({len(reply.tokens)} tokens)")
 
-    def _score(self, ids: list[int], reply: Reply) -> tuple[list[float], list[float], list[int]]:
+    def _score(self, ids: list[int], reply: Reply) -> Along:
         """The generation's KL, its re-read's KL (the engine asked again, prompt + output in
         one prefill) and the ranks, against the reference here."""
         if not reply.tokens:
-            return [], [], []
+            return Along([], [], [])
         scores = self.arm.score(ids + reply.tokens, Request(k=self.plan.k, steps=1))
         return teacher_forced(self.reference.model, ids, reply, reread_dists(scores, ids, reply))
 
@@ -198,8 +206,7 @@ class LongGenFamily(Family):
                          "first_diff": None, "kl_first": x[0], "kl_max": max(x), "same_top1_first": None})
         return rows
 
-    def _behaviour(self, probe: int, mode: str, prompt_tokens: int, reply: Reply, kl: list[float],
-                   floor: list[float], rank: list[int]) -> dict:
+    def _behaviour(self, probe: int, mode: str, prompt_tokens: int, reply: Reply, along: Along) -> dict:
         tok = self.tok
         closed = tok.end_think_id in reply.tokens
         # the reasoning ends at </think>: the content after it must carry no special tags
@@ -214,4 +221,4 @@ class LongGenFamily(Family):
                                            and len(reply.tokens) >= self.plan.max_tokens),
                 "leaks": [t for t in LEAKS if t in content],
                 "early_eos": bool(not self.plan.ignore_eos and len(reply.tokens) < 16),
-                "kl": kl, "kl_floor": floor, "rank": rank}
+                "kl": along.kl, "kl_floor": along.floor, "rank": along.rank}

@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .client import LiveArm, Reply
+from .client import Generation, LiveArm, Reply
 from .compare import compare_replies
 from .family import Cost, Family
 from .serial import known_list, known_rows
@@ -122,7 +122,7 @@ class PrefixFamily(Family):
         return [self._rng.randrange(2, self.cfg.vocab_size) for _ in range(2)]
 
     def _ask(self, ids: list[int]) -> Reply:
-        return self.arm.generate(ids, self.plan.max_tokens, self.plan.k)
+        return self.arm.generate(ids, Generation(self.plan.max_tokens, self.plan.k))
 
     def _within(self, once, most: int) -> Reply:
         """once()'s reply, asked again (each once() starts with a flush) while the engine

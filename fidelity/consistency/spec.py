@@ -30,7 +30,7 @@ import numpy as np
 
 from fidelity.kld.bounds import Known, compare
 
-from .client import Reply
+from .client import Generation, Reply
 from .family import Cost, Family, FamilyError
 
 FAMILY = "spec"
@@ -141,8 +141,7 @@ class SpecFamily(Family):
             progress(f"{self.arm.name}: spec probe {probe + 1}/{self.plan.probes} recorded")
 
     def _gen(self, ids, temperature=0.0, seed=None) -> Reply:
-        return self.arm.generate(ids, self.plan.max_tokens, self.plan.k, ignore_eos=True,
-                                 temperature=temperature, seed=seed)
+        return self.arm.generate(ids, Generation(self.plan.max_tokens, self.plan.k, True, temperature, seed))
 
     def _row(self, probe: int, condition: str, requests: int) -> dict:
         return {"key": self._key(probe, condition), "family": FAMILY, "arm": self.arm.name, "probe": probe,
