@@ -216,8 +216,10 @@ class LockstepRunner:
         if len(set(ids)) != len(ids):
             raise ValueError(f"prompt ids must be unique, got {ids}")
         if self.stage is not None and prompts:
-            self.stage.check_memory(self.cfg, max(p.length for p in prompts) + self.decode_steps,
-                                    len(prompts), len(self.arms), self.weights)
+            from fidelity.pipeline import weights_mode
+            from fidelity.weights.plan import PassSpec
+            self.stage.check_memory(self.cfg, PassSpec(max(p.length for p in prompts) + self.decode_steps,
+                                                       len(prompts), len(self.arms), weights_mode(self.weights)))
         from fidelity.pipeline import stage_state
         runs = [_PromptRun(p, {a.name: stage_state(self.models[a.name], self.stage) for a in self.arms},
                            [a.name for a in self.arms]) for p in prompts]
