@@ -123,7 +123,7 @@ def test_floors_as_arms_are_not_named(bugs, model):
     floors = S.floor_levels(res["signal_summary"], [FLOOR, FLOOR_ORDER, FLOOR_TIES])
     for fl in (FLOOR, FLOOR_ORDER, FLOOR_TIES):
         sets = {fl: frozenset({"as_arm"})}
-        attr = S.attribute_signals(sig, sets, ["as_arm"], "golden", 500, 0)
+        attr = S.attribute_signals(sig, S.Design("golden", sets, ["as_arm"], []), S.Bootstrap(500, 0))
         verdict, _ = J.verdict(attr, floors)
         assert verdict["culprit"] is None, (fl, verdict["sentence"])
 

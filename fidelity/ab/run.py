@@ -18,7 +18,7 @@ from reference_model.schedule import Schedule
 from ..arms import check_schedules
 from ..prompts import Prompt, all_token_ids, builtin_prompts, describe, file_prompts
 from ..verdict.attribution import attribute, bootstrap_mean_ci, outcome_matrix, prompt_outcomes
-from ..verdict.judge import Design, judge
+from ..verdict.judge import Bootstrap, Design, judge
 from ..verdict.findings import DEPARTURE_X, with_departures
 from ..verdict.signals import SCHEDULE_FACTOR, direct_effects, prompt_signals, with_longest
 from .design import (FLOOR, FLOOR_ORDER, GOLDEN, WEIGHTS_PREFIX, ABSettings, RunnerSettings,
@@ -134,7 +134,7 @@ def _judged_tables(cfg, settings, prompts, longest, st: _Stages) -> tuple[dict, 
         direct = direct_effects(pair_sig, st.sets, frozenset(st.label_sets[settings.design.vs].names),
                                 stats.n_boot, stats.seed)
     judged = judge(sig, Design(GOLDEN, st.sets, st.toggles, st.floors, base_toggles(settings, version_of(cfg))),
-                   stats.n_boot, stats.seed, len(prompts), direct, describe(prompts))
+                   Bootstrap(stats.n_boot, stats.seed), len(prompts), direct, describe(prompts))
     tables = {"drift": drift, "kld": kld, "attribution": _attribution(st.toggles, st.top, st.table, stats),
               "attribution_by_length": _per_length_attr(kld, st.sets, st.toggles, stats),
               "summary": _summary_table(drift, kld, judged["summary"], st.sets, st.floors), "signals": sig,
