@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from fidelity.ab.design import ABSettings, FLOOR, FLOOR_ORDER, FLOOR_TIES
-from fidelity.ab.run import run_ab
+from fidelity.ab.run import ReportTarget, RunSite, run_ab
 from fidelity.verdict import judge as J
 from fidelity.verdict import signals as S
 from fidelity.weights.source import load_tokenizer_for, load_weights
@@ -69,7 +69,7 @@ def _run(model, arms, **kw):
     w, tok = model
     s = ABSettings.of(arms=arms, lengths=(250, 511), prompts_per_length=2, decode_steps=2,
                       shapley_top=0, n_boot=500, **kw)
-    return run_ab(w, s, None, progress=lambda m: None, tokenizer=tok)
+    return run_ab(w, s, ReportTarget(None), RunSite(), tokenizer=tok)
 
 
 def _score(res, expected, names, vs="golden"):
