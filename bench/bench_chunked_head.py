@@ -26,7 +26,7 @@ CHILD = r"""
 import json, sys, time, torch
 sys.path.insert(0, sys.argv[1])
 torch.set_num_threads(1)
-from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt
+from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt, RunnerSettings
 from kernel_toggles import ToggleSet
 from reference_model import Numerics, random_weights, tiny
 L, vocab = int(sys.argv[2]), int(sys.argv[3])
@@ -55,7 +55,7 @@ for spec in ("engine", "index_keys_fp8", "engine,routed_scaling_double"):
 toks = torch.randint(2, 500, (L,), generator=torch.Generator().manual_seed(1))
 base = hwm()
 t0 = time.perf_counter()
-res = LockstepRunner(w, arms, decode_steps=1).run([Prompt("p", toks)])
+res = LockstepRunner(w, arms, RunnerSettings(decode_steps=1)).run([Prompt("p", toks)])
 dt = time.perf_counter() - t0
 kld = {a.name: sum(r["kld"] for r in res.kld if r["arm"] == a.name and r["phase"] == "prefill")
        for a in arms[1:]}

@@ -12,7 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt  # noqa: E402
+from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt, RunnerSettings  # noqa: E402
 from reference_model import Model, Numerics, random_weights, tiny  # noqa: E402
 
 
@@ -32,7 +32,7 @@ def main(length=1024, n_arms=4, decode_steps=4, repeats=2):
             nxt = int(lg[-1].argmax())
 
     def lockstep():
-        LockstepRunner(w, arms, decode_steps=decode_steps).run([prompt])
+        LockstepRunner(w, arms, RunnerSettings(decode_steps=decode_steps)).run([prompt])
 
     single()
     t_single = min(_time(single) for _ in range(repeats))

@@ -29,7 +29,7 @@ def score(root: Path) -> tuple[dict, float]:
     """{bug: (outcome named, mechanism named or None, first divergence ok)} and seconds."""
     sys.path.insert(0, str(root))
     from fidelity.ab.design import ABSettings
-    from fidelity.ab.run import run_ab
+    from fidelity.ab.run import ReportTarget, RunSite, run_ab
     from fidelity.weights.source import load_tokenizer_for, load_weights
     from kernel_toggles.plugins import load_plugins
     load_plugins([str(HERE / "tests" / "mutations" / "bugs.py")])
@@ -40,7 +40,7 @@ def score(root: Path) -> tuple[dict, float]:
     s = ABSettings.of(arms=arms, lengths=(250, 511), prompts_per_length=2, decode_steps=2,
                       shapley_top=0, n_boot=500)
     t0 = time.perf_counter()
-    res = run_ab(w, s, None, progress=lambda m: None, tokenizer=load_tokenizer_for(None))
+    res = run_ab(w, s, ReportTarget(None), RunSite(), tokenizer=load_tokenizer_for(None))
     seconds = time.perf_counter() - t0
     v = res["verdict"]
     outcome = {n["toggle"] for n in v["named"]}

@@ -29,7 +29,7 @@ CHILD = r"""
 import json, sys, time, torch
 torch.set_num_threads(1)
 from fidelity.arms import parse_arm
-from fidelity.needle_runner import InProcessRunner
+from fidelity.needle_runner import InProcessOptions, InProcessRunner
 from fidelity.weights.target import Target, load_target
 from needle.sweep import SweepConfig, run_sweep
 from reference_model.checkpoint_read import StreamingWeights
@@ -37,7 +37,8 @@ ckpt, batch, lengths, depths, out = sys.argv[1:6]
 target = load_target()
 if ckpt != "-":
     target = Target("tiny-needle-streamed", StreamingWeights(ckpt), target.tokenizer, "streamed")
-runner = InProcessRunner("golden", target, parse_arm("golden"), batch=int(batch) or None)
+runner = InProcessRunner("golden", target, parse_arm("golden"),
+                         options=InProcessOptions(batch=int(batch) or None))
 cfg = SweepConfig(lengths=[int(x) for x in lengths.split(",")],
                   depths=[float(x) for x in depths.split(",")])
 t, c = time.perf_counter(), time.process_time()

@@ -12,7 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fidelity.weights.plan import GiB, per_sequence_line, plan_memory, render  # noqa: E402
+from fidelity.weights.plan import (GiB, PassSpec, PlanDevices, per_sequence_line,  # noqa: E402
+                                   plan_memory, render)
 from reference_model.config import flash  # noqa: E402
 
 SETUPS = [("8 x 96 GB", [f"cuda:{i}" for i in range(8)], "96GB"),
@@ -23,7 +24,7 @@ PROMPTS, ARMS, WEIGHTS = 6, 2, "resident-quantised"
 
 def main() -> int:
     cfg = flash()
-    plans = [(label, n, plan_memory(cfg, devs, n, PROMPTS, ARMS, WEIGHTS, mem))
+    plans = [(label, n, plan_memory(cfg, PlanDevices(devs, mem), PassSpec(n, PROMPTS, ARMS, WEIGHTS)))
              for label, devs, mem in SETUPS for n in LENGTHS]
     by_len = {p.length: p for _, _, p in plans}
     L = ["# Memory plans for DeepSeek-V4-Flash", "",

@@ -84,7 +84,7 @@ def part_a(weights, lengths, reps):
 
 def part_b(weights, tokenizer, reps):
     from fidelity.ab.design import ABSettings
-    from fidelity.ab.run import run_ab
+    from fidelity.ab.run import ReportTarget, RunSite, run_ab
     wall = {i: [] for i in range(len(AB_ARMS))}
     cpu = {i: [] for i in range(len(AB_ARMS))}
     arms_seen, n_arms = {}, {}
@@ -96,7 +96,7 @@ def part_b(weights, tokenizer, reps):
                 dw, dc, res = timed(lambda: run_ab(
                     weights, ABSettings.of(arms=AB_ARMS[i], lengths=(512,), prompts_per_length=3,
                                            decode_steps=1, shapley_top=0, n_boot=300),
-                    d, run_id="bench", progress=msgs.append, tokenizer=tokenizer))
+                    ReportTarget(d, "bench"), RunSite(msgs.append), tokenizer=tokenizer))
             wall[i].append(dw)
             cpu[i].append(dc)
             arms_seen[i] = list(res["summary"]["arm"])           # every arm but golden itself

@@ -29,7 +29,7 @@ BEFORE = "14e7892"
 CHILD = r"""
 import json, sys, time, torch
 torch.set_num_threads(1)
-from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt
+from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt, RunnerSettings
 from kernel_toggles import ToggleSet
 from reference_model import Numerics
 from reference_model.checkpoint import StreamingWeights
@@ -40,7 +40,7 @@ arms = [LockstepArm("golden", Numerics("reference"), role="golden"),
 g = torch.Generator().manual_seed(0)
 prompts = [Prompt(f"p{j}", torch.randint(2, w.cfg.vocab_size, (n,), generator=g)) for j in range(P)]
 t = time.perf_counter()
-res = LockstepRunner(w, arms, decode_steps=0).run(prompts)
+res = LockstepRunner(w, arms, RunnerSettings(decode_steps=0)).run(prompts)
 print(json.dumps({"seconds": time.perf_counter() - t, "loads": w.loads,
                   "kld_rows": len(res.kld), "kld_sum": sum(r["kld"] for r in res.kld)}))
 """

@@ -40,11 +40,11 @@ CASES = {
 
 def run_case(settings: dict) -> dict:
     from fidelity.ab.design import ABSettings
-    from fidelity.ab.run import run_ab
+    from fidelity.ab.run import ReportTarget, RunSite, run_ab
     from fidelity.weights.source import load_tokenizer_for, load_weights
     w, _ = load_weights(None)
     t0 = time.perf_counter()
-    res = run_ab(w, ABSettings.of(shapley_top=0, n_boot=500, **settings), None, progress=lambda m: None,
+    res = run_ab(w, ABSettings.of(shapley_top=0, n_boot=500, **settings), ReportTarget(None), RunSite(),
                  tokenizer=load_tokenizer_for(None))
     v = res["verdict"]
     named = [f"{n['toggle']} ({n['method']}{', under ' + n['schedule'] if n.get('schedule') else ''})"

@@ -136,9 +136,9 @@ def distributed_check() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from distributed.cases import arms, prompts, tables
 
-    from fidelity.ab.lockstep import LockstepRunner
-    one = tables(LockstepRunner(random_weights(tiny(), seed=0), arms(), decode_steps=2, pairs={"bug": "engine"},
-                                devices=["cuda:0"]).run(prompts()))
+    from fidelity.ab.lockstep import LockstepRunner, RunnerSettings
+    one = tables(LockstepRunner(random_weights(tiny(), seed=0), arms(),
+                                RunnerSettings(decode_steps=2, devices=("cuda:0",)), {"bug": "engine"}).run(prompts()))
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "got.pkl"
         t0 = time.perf_counter()

@@ -54,8 +54,21 @@ def plan_batches(sizes: list[int], max_trials: int | None = None,
     return out
 
 
+@dataclass(frozen=True)
+class InProcessOptions:
+    """How an in-process needle arm runs besides its sampling, one value per runner."""
+    profile: str = "reference"            # the arm's numerics profile
+    mechanism: bool = True                # record why a trial hit or missed (the indexer's picks)
+    placement: object = None              # fidelity.devices placement (None: one device)
+    batch: int | None = None              # trials per layer-major batch (None: no bound)
+    batch_tokens: int | None = DEFAULT_BATCH_TOKENS   # prompt tokens per batch
+    driver: object = None                 # fidelity.pipeline_model.Driver under --distributed
+
+
 @dataclass
-class _Trial:
+class InProcessTrial:
+    """One in-process needle trial: its tokenized prompt, its taps and index scores, and,
+    in a batch, its decoder and streams between layers (run() makes one without them)."""
     index: int
     prompt: Prompt
     ids: list[int]
@@ -79,7 +92,7 @@ def run_layer_major(runner, items: list[tuple[Prompt, int]], on_done) -> None:
     trials = []
     for k, (prompt, seed) in enumerate(items):
         ids, offsets = tok.encode_with_offsets(prompt.text)
-        tr = _Trial(k, prompt, ids, offsets, Taps(["layers.*.attn.index.topk"]))
+        tr = InProcessTrial(k, prompt, ids, offsets, Taps(["layers.*.attn.index.topk"]))
         try:
             tr.dec = Decoder(runner.model, ids, runner._budget(prompt),
                              Sampling(runner.temperature, runner.top_p, seed=seed % (2**63)),
@@ -91,8 +104,7 @@ def run_layer_major(runner, items: list[tuple[Prompt, int]], on_done) -> None:
         trials.append(tr)
 
     def finish(tr):
-        on_done(tr.index, {**runner._row(tr.prompt, tr.ids, tr.offsets, tr.dec.out, tr.scores,
-                                         tr.taps, t0), "batch_trials": len(items)})
+        on_done(tr.index, {**runner._row(tr, tr.dec.out, t0), "batch_trials": len(items)})
 
     def fail(tr, e):
         trials.remove(tr)
@@ -133,7 +145,7 @@ def _taps(runner, tr):
     return tr.taps if runner.mechanism else None
 
 
-def _start(runner, tr: _Trial) -> None:
+def _start(runner, tr: InProcessTrial) -> None:
     """Check and embed the prompt as the one-at-a-time prefill does: tokens[:-1] from an
     empty state through the model, then the last token at position n-1 through the
     recording model."""
@@ -158,7 +170,7 @@ def _layers(runner, trials, fail, one) -> None:
                 fail(tr, e)
 
 
-def _prefill_layer(runner, tr: _Trial, i: int) -> None:
+def _prefill_layer(runner, tr: InProcessTrial, i: int) -> None:
     """Layer i of the prefill: the head of the prompt at positions 0.., then the last token
     at position n-1 on the state the head left in layer i (Model.layer reads `state.pos`)."""
     n = 0 if tr.head is None else tr.head.numel()
@@ -170,10 +182,10 @@ def _prefill_layer(runner, tr: _Trial, i: int) -> None:
     tr.h_last = runner.model_rec.layer(i, tr.h_last, tr.last, tr.state, _taps(runner, tr), "prefill")
 
 
-def _decode_layer(runner, tr: _Trial, i: int) -> None:
+def _decode_layer(runner, tr: InProcessTrial, i: int) -> None:
     tr.h_last = runner.model.layer(i, tr.h_last, tr.last, tr.state, None, "decode")
 
 
-def _error(tr: _Trial, e: Exception, t0: float, size: int) -> dict:
+def _error(tr: InProcessTrial, e: Exception, t0: float, size: int) -> dict:
     return {"error": f"{type(e).__name__}: {e}", "attempts": 1, "latency_s": time.perf_counter() - t0,
             "prompt_tokens": len(tr.ids), "batch_trials": size}

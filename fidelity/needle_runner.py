@@ -31,10 +31,10 @@ import torch
 from fidelity.ab.margins import entry_margin
 from fidelity.arms import as_arm
 from fidelity.errors import CommandError
-from fidelity.needle_batch import DEFAULT_BATCH_TOKENS, plan_batches, run_layer_major
+from fidelity.needle_batch import InProcessOptions, InProcessTrial, plan_batches, run_layer_major
 from needle.haystack import LocalCounter, Prompt, needle_entries, value_token_positions
 from reference_model import Taps, build_model
-from reference_model.generate import generate
+from reference_model.generate import Generation, Sampling, generate
 
 _COMPUTE = threading.Lock()          # one model computation at a time on this machine
 
@@ -43,12 +43,16 @@ class InProcessRunner:
     kind = "inprocess"
     concurrency = 1
 
-    def __init__(self, name: str, target, arm, temperature: float = 0.0, top_p: float = 1.0,
-                 max_tokens: int | None = None, profile: str = "reference",
-                 mechanism: bool = True, placement=None, batch: int | None = None,
-                 batch_tokens: int | None = DEFAULT_BATCH_TOKENS, driver=None):
-        """`driver` (fidelity.pipeline_model.Driver, rank 0 under --distributed): the arm
-        runs across the pipeline, one trial at a time (no layer-major batches)."""
+    def __init__(self, name: str, target, arm, sampling: Sampling | None = None,
+                 max_tokens: int | None = None, options: InProcessOptions = InProcessOptions()):
+        """`sampling`: its temperature and top_p (greedy by default; the seed is each
+        trial's). `options.driver` (fidelity.pipeline_model.Driver, rank 0 under
+        --distributed): the arm runs across the pipeline, one trial at a time (no
+        layer-major batches)."""
+        sampling = sampling or Sampling()
+        temperature, top_p = sampling.temperature, sampling.top_p
+        profile, mechanism, placement = options.profile, options.mechanism, options.placement
+        batch, batch_tokens, driver = options.batch, options.batch_tokens, options.driver
         from kernel_toggles.arms import version_of
         version = version_of(target.cfg)
         self.name, self.target, self.arm = name, target, as_arm(arm, version)
@@ -124,17 +128,19 @@ class InProcessRunner:
 
         t0 = time.perf_counter()
         try:
-            gen = generate(self.model, ids, self._budget(prompt), self.temperature, self.top_p,
-                           seed=seed % (2**63), stop_ids={tok.eos_id}, prefill=prefill)
+            gen = generate(self.model, ids, self._budget(prompt),
+                           Sampling(self.temperature, self.top_p, seed=seed % (2**63)),
+                           stop_ids={tok.eos_id}, prefill=prefill)
         except (ValueError, RuntimeError) as e:
             if isinstance(e, CommandError):        # a pipeline rank lost (--distributed): the run ends
                 raise
             return {"error": f"{type(e).__name__}: {e}", "attempts": 1,
                     "latency_s": time.perf_counter() - t0, "prompt_tokens": len(ids)}
-        return self._row(prompt, ids, offsets, gen, self._scores, taps, t0)
+        return self._row(InProcessTrial(0, prompt, ids, offsets, taps, scores=self._scores), gen, t0)
 
-    def _row(self, prompt: Prompt, ids, offsets, gen, scores, taps: Taps, t0: float) -> dict:
+    def _row(self, trial: InProcessTrial, gen: Generation, t0: float) -> dict:
         """A finished trial's result (also fidelity.needle_batch's, so the two agree)."""
+        prompt, ids, offsets, scores, taps = trial.prompt, trial.ids, trial.offsets, trial.scores, trial.taps
         tok, cfg = self.target.tokenizer, self.target.cfg
         value_tok = value_token_positions(offsets, prompt.value_spans)
         reasoning, content = tok.split_reasoning(gen.tokens, prompt.fmt.thinking)

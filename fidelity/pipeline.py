@@ -57,29 +57,31 @@ class Stage:
         r = self.ranges[k]
         return f"rank {k} (layers {r.start}-{r.stop - 1})" if len(r) else f"rank {k} (no layers)"
 
-    def check_memory(self, cfg, length: int, prompts: int, arms: int, weights, *, logits: str = "all",
-                     head_first: bool = False, cached_state: int = 0) -> None:
+    def check_memory(self, cfg, spec) -> None:
         """Every stage against its budget, from the config alone (fidelity plan-memory's
         plan of this pipeline); the same DistributedError on every rank when one does not
-        fit, naming it with the plan's numbers, before anything is computed. `weights`: a
-        weight source or its plan-memory mode; `head_first`, `cached_state`: plan_memory's
-        (the per-prompt commands run the head on rank 0; serve keeps prefix-cache snapshots)."""
+        fit, naming it with the plan's numbers, before anything is computed. `spec`: the
+        pass, a fidelity.weights.plan.PassSpec (its devices, budgets and pipeline are this
+        pipeline's; the per-prompt commands run the head on rank 0, serve keeps prefix-cache
+        snapshots in `cached_state`)."""
         if not self.budgets or None in self.budgets:
             return
-        from fidelity.weights.plan import GiB, plan_memory
+        from dataclasses import replace
+
+        from fidelity.weights.plan import GiB, PlanDevices, plan_memory
         labels = [str(self.device) if self.device.type == "cpu" else f"cuda:{k}" for k in range(self.world)]
-        mode = weights if isinstance(weights, str) else weights_mode(weights)
-        plan = plan_memory(cfg, labels, length, prompts, arms, mode, list(self.budgets), logits=logits,
-                           advise=False, head_first=head_first, cached_state=cached_state, pipeline=True)
+        plan = plan_memory(cfg, PlanDevices(labels, list(self.budgets)), replace(spec, pipeline=True),
+                           advise=False)
         for k, d in enumerate(plan.devices):
             if d.total > d.budget:
                 g = lambda b: f"{b / GiB:.2f} GiB"        # noqa: E731
-                cached = f", besides {g(cached_state)} of held state over all ranks" if cached_state else ""
+                cached = f", besides {g(spec.cached_state)} of held state over all ranks" if spec.cached_state else ""
                 raise DistributedError(
                     f"{self.describe(k)} does not fit: it needs {g(d.total)} of {g(d.budget)} (weights "
                     f"{g(d.weights)}, dequant {g(d.dequant)}, state {g(d.state)}, streams {g(d.streams)}, "
-                    f"logits {g(d.logits)}, workspace {g(d.workspace)}) for {prompts} prompt(s) x {arms} "
-                    f"arm(s) of {length} tokens{cached}; `fidelity plan-memory --nodes` says what would fit")
+                    f"logits {g(d.logits)}, workspace {g(d.workspace)}) for {spec.prompts} prompt(s) x "
+                    f"{spec.arms} arm(s) of {spec.length} tokens{cached}; `fidelity plan-memory --nodes` "
+                    "says what would fit")
 
     # ---- exchanges ------------------------------------------------------------------
     def send_streams(self, meta: dict, tensors: list[torch.Tensor], what: str, peer: int | None = None) -> None:

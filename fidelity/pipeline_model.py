@@ -68,9 +68,10 @@ def run_ranks(args, on_rank0, need=None) -> int:
             from fidelity.weights.source import checkpoint_config
             cfg = checkpoint_config(args.checkpoint)
             n = need(cfg)
-            stage.check_memory(cfg, min(n.length, cfg.max_seq_len), 1, n.sequences,
-                               stage_weights_mode(args.weights_mode), logits=n.logits, head_first=True,
-                               cached_state=n.cached_state)
+            from fidelity.weights.plan import PassSpec
+            stage.check_memory(cfg, PassSpec(min(n.length, cfg.max_seq_len), 1, n.sequences,
+                                             stage_weights_mode(args.weights_mode), logits_mode=n.logits,
+                                             head_first=True, cached_state=n.cached_state))
         if not stage.first:
             work(stage, stage_weights(args.checkpoint, args.weights_mode, stage))
             return 0

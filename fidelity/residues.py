@@ -15,11 +15,13 @@ COLUMNS = ["arm", "residue", "lengths", "prompts", "breaks", "mean", "max", "flo
 
 
 def residue_table(sig: pd.DataFrame, prompt_length: dict[str, int], arms: list[str],
-                  floors: list[str], b: Boundaries, signal: str = "answer_kld",
-                  where: str = "final logits") -> pd.DataFrame:
+                  floors: list[str], b: Boundaries,
+                  place: tuple[str, str] = ("answer_kld", "final logits")) -> pd.DataFrame:
     """Per arm and residue: the lengths there, prompts, how many break (above every
     floor on that prompt), the signal's mean and max, and the floors' max. `sig`: tidy
-    signals (arm, prompt, signal, where, value), as fidelity.verdict.signals makes them."""
+    signals (arm, prompt, signal, where, value), as fidelity.verdict.signals makes them;
+    `place`: the (signal, where) the table reads."""
+    signal, where = place
     s = sig[(sig.signal == signal) & (sig["where"] == where)]
     if s.empty:
         return pd.DataFrame(columns=COLUMNS)

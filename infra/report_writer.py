@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -14,6 +15,13 @@ import pandas as pd
 from infra.report_page import FigureStore, Page, render_html, render_markdown
 
 SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ReportTarget:
+    """Where a run's report goes, one value through the run: <out_dir>/<run_id>."""
+    out_dir: str | Path | None = "reports"   # None: no report is written
+    run_id: str | None = None                # None: the run names it (from the time)
 
 
 class ReportWriter:

@@ -12,6 +12,7 @@ import math
 import re
 import shlex
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +43,22 @@ def _axes(cells):
     return sorted({c["length"] for c in cells}), sorted({c["depth"] for c in cells})
 
 
-def _heatmap(plt, Ls, Ds, m, title, cmap, vmin, vmax, marks=None, fmt="{:.2f}"):
+@dataclass(frozen=True)
+class HeatScale:
+    """How a heatmap colours and prints its cells, one per kind of map (recall, difference)."""
+    cmap: str
+    vmin: float
+    vmax: float
+    fmt: str = "{:.2f}"
+
+
+RECALL_SCALE = HeatScale("RdYlGn", 0, 1)
+DELTA_SCALE = HeatScale("RdBu_r", -1, 1, "{:+.2f}")
+
+
+def _heatmap(plt, axes: tuple[list, list], m, title, scale: HeatScale, marks=None):
+    """`axes`: (lengths, depths), as _axes gives them."""
+    (Ls, Ds), cmap, vmin, vmax, fmt = axes, scale.cmap, scale.vmin, scale.vmax, scale.fmt
     fig, ax = plt.subplots(figsize=(1.1 + 0.85 * len(Ls), 1.0 + 0.55 * len(Ds)))
     cmap = plt.get_cmap(cmap).with_extremes(bad="#cfcfcf")   # no scored trial: grey, never a recall
     im = ax.imshow(np.ma.masked_invalid(np.array(m, dtype=float)), cmap=cmap, vmin=vmin, vmax=vmax,
@@ -84,7 +100,7 @@ def _heatmaps(plt, t: dict, arms: list[str]):
         for c in t["cells"]:
             if c["arm"] == a and c["recall"] is not None:
                 m[Ds.index(c["depth"])][Ls.index(c["length"])] = c["recall"]
-        yield (_heatmap(plt, Ls, Ds, m, f"recall: {a}", "RdYlGn", 0, 1), f"heatmap_{_slug(a)}",
+        yield (_heatmap(plt, (Ls, Ds), m, f"recall: {a}", RECALL_SCALE), f"heatmap_{_slug(a)}",
                f"Recall, {a}", "Depth x context length; mean recall over the cell's scored trials "
                "(n/a: none scored, e.g. all truncated).")
     for b in arms[1:]:
@@ -94,8 +110,8 @@ def _heatmaps(plt, t: dict, arms: list[str]):
             if p["scope"] == "cell" and p["arm_b"] == b:
                 i, j = Ds.index(p["depth"]), Ls.index(p["length"])
                 m[i][j], marks[i][j] = p["delta"], p["significant"]
-        yield (_heatmap(plt, Ls, Ds, m, f"recall {arms[0]} - {b}  (* McNemar p<{ALPHA})", "RdBu_r",
-                        -1, 1, marks, fmt="{:+.2f}"), f"delta_{_slug(arms[0])}_vs_{_slug(b)}",
+        yield (_heatmap(plt, (Ls, Ds), m, f"recall {arms[0]} - {b}  (* McNemar p<{ALPHA})", DELTA_SCALE,
+                        marks), f"delta_{_slug(arms[0])}_vs_{_slug(b)}",
                f"{arms[0]} − {b}", "Paired recall difference per cell (trials both arms scored); "
                f"* = McNemar p < {ALPHA}, per cell, uncorrected.")
 

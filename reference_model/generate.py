@@ -84,6 +84,12 @@ class Scoring:
     prompt_from: int = 1
     ids: tuple[int, ...] = ()
 
+    @classmethod
+    def of_logprobs(cls, k: int | None, echo: bool = False) -> Scoring:
+        """OpenAI's `logprobs=k` (each token's raw logprob and the top k) and `echo` (the
+        prompt's too, from position 0)."""
+        return cls(top=k, prompt_top=(k or 0) if echo else None, prompt_from=0)
+
 
 Prefill = Callable[[Model, torch.Tensor, bool], tuple[torch.Tensor, SequenceState]]
 ROWS_PER_CHUNK = 256                        # prompt rows turned into log-probs at a time
@@ -215,13 +221,10 @@ class Decoder:
         return self.out
 
 
-def generate(model: Model, prompt_ids, max_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int | None = None, stop_ids=(), logprobs: int | None = None,
-             echo_logprobs: bool = False, prefill: Prefill = default_prefill,
-             should_stop: Callable[[list[int]], bool] | None = None) -> Generation:
-    """Generate up to `max_tokens` tokens after `prompt_ids`. `logprobs=k` returns each
-    token's logprob (raw, before temperature) and the top-k; `echo_logprobs` also scores
-    the prompt. `should_stop(tokens)` ends early (stop strings)."""
-    scoring = Scoring(top=logprobs, prompt_top=(logprobs or 0) if echo_logprobs else None, prompt_from=0)
-    return Decoder(model, prompt_ids, max_tokens, Sampling(temperature, top_p, seed=seed), stop_ids,
-                   scoring, prefill, should_stop).run()
+def generate(model: Model, prompt_ids, max_tokens: int, sampling: Sampling | None = None,
+             scoring: Scoring | None = None, **decoder) -> Generation:
+    """Generate up to `max_tokens` tokens after `prompt_ids`: a Decoder run to its end.
+    `scoring=Scoring.of_logprobs(k, echo)` returns each token's logprob (raw, before
+    temperature) and the top-k, and with `echo` scores the prompt too. `decoder`: the
+    Decoder's other keywords (stop_ids, prefill, should_stop(tokens) to end early, capture)."""
+    return Decoder(model, prompt_ids, max_tokens, sampling, scoring=scoring, **decoder).run()

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fidelity.ab.design import ABSettings
-from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt
-from fidelity.ab.run import run_ab
+from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt, RunnerSettings
+from fidelity.ab.run import ReportTarget, RunSite, run_ab
 from reference_model import Numerics, random_weights, tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,8 +41,8 @@ def _engine_plus(bug):
 def small_report(weights, tmp_path_factory):
     out = tmp_path_factory.mktemp("reports")
     arms, base = _engine_plus("routed_scaling_double")
-    res = run_ab(weights, _settings(arms=arms, base=base, lengths=(160,)), out, "run1",
-                 progress=lambda m: None)
+    res = run_ab(weights, _settings(arms=arms, base=base, lengths=(160,)), ReportTarget(out, "run1"),
+                 RunSite())
     return out, res
 
 
@@ -65,7 +65,7 @@ def test_planted_q_only_hadamard_is_ranked_first(weights):
     """engine + index_hadamard_q_only (ROCm/ATOM #1507): ranked first with a CI above zero.
     On the random-weight model its KLD stays below the QAT floor, so no verdict is asserted."""
     arms, base = _engine_plus("index_hadamard_q_only")
-    res = run_ab(weights, _settings(arms=arms, base=base, lengths=(160,)), None, progress=lambda m: None)
+    res = run_ab(weights, _settings(arms=arms, base=base, lengths=(160,)), ReportTarget(None), RunSite())
     loo = res["attribution"][res["attribution"].method == "leave_one_out"].sort_values("value", ascending=False)
     assert loo.iloc[0].toggle == "index_hadamard_q_only" and loo.iloc[0].lo > 0
     from fidelity.ab.drift import first_divergence
@@ -75,7 +75,7 @@ def test_planted_q_only_hadamard_is_ranked_first(weights):
 
 def test_null_golden_vs_golden_names_no_culprit(weights, tmp_path):
     res = run_ab(weights, _settings(arms=["lm_head_bf16"], base="lm_head_bf16", seed=7),
-                 None, progress=lambda m: None)
+                 ReportTarget(None), RunSite())
     assert res["verdict"]["culprit"] is None
     assert "No toggle stands out" in res["verdict"]["sentence"]
 
@@ -111,7 +111,7 @@ def test_nan_arm_is_reported_not_fatal(weights):
         return y * float("nan") if o.shape[0] > 1 else y
     arms = [LockstepArm("golden", Numerics(), role="golden"),
             LockstepArm("nan", Numerics().with_kernels("nan", wo_a=nan_wo_a))]
-    res = LockstepRunner(weights, arms, decode_steps=1).run([Prompt("p", torch.arange(2, 66))])
+    res = LockstepRunner(weights, arms, RunnerSettings(decode_steps=1)).run([Prompt("p", torch.arange(2, 66))])
     ev = [e for e in res.events if e["arm"] == "nan"]
     assert ev and ev[0]["event"] == "non-finite" and "layers.0.attn.out" in ev[0]["detail"]
     df = pd.DataFrame(res.drift)
@@ -120,7 +120,7 @@ def test_nan_arm_is_reported_not_fatal(weights):
 
 def test_unknown_arm_is_an_error_listing_valid_names(weights):
     with pytest.raises(ValueError, match="valid"):
-        run_ab(weights, _settings(arms=["no_such_toggle"]), None, progress=lambda m: None)
+        run_ab(weights, _settings(arms=["no_such_toggle"]), ReportTarget(None), RunSite())
 
 
 def test_interrupted_report_leaves_nothing(weights, tmp_path, monkeypatch):
@@ -130,8 +130,8 @@ def test_interrupted_report_leaves_nothing(weights, tmp_path, monkeypatch):
         raise KeyboardInterrupt
     monkeypatch.setattr(report.plots, "decode_drift", boom)
     with pytest.raises(KeyboardInterrupt):
-        run_ab(weights, _settings(arms=["lm_head_bf16"], base="lm_head_bf16"), tmp_path, "r",
-               progress=lambda m: None)
+        run_ab(weights, _settings(arms=["lm_head_bf16"], base="lm_head_bf16"), ReportTarget(tmp_path, "r"),
+               RunSite())
     assert list(tmp_path.iterdir()) == []
 
 
@@ -167,7 +167,7 @@ def test_lockstep_propagated_equals_standalone_and_isolated_feeds_golden(weights
     f32 = Numerics("reference", torch.float32)
     arms = [LockstepArm("golden", Numerics(), role="golden"), LockstepArm("fp32", f32)]
     keep = ("layers.4.out",)
-    res = LockstepRunner(weights, arms, "propagated", 2, keep=keep).run([Prompt("p", toks)])
+    res = LockstepRunner(weights, arms, RunnerSettings("propagated", 2, keep=tuple(keep))).run([Prompt("p", toks)])
     from reference_model import Model, Taps
     from fidelity.ab.metrics import kld_per_position
     t = Taps(list(keep))
@@ -190,7 +190,7 @@ def test_lockstep_propagated_equals_standalone_and_isolated_feeds_golden(weights
     def lm_bf16(golden, x, w):
         return golden.rs(golden.lm_head(x, w))
     arms = [LockstepArm("golden", Numerics(), role="golden"), LockstepArm("lm", Numerics().with_kernels("lm", lm_head=lm_bf16))]
-    iso = pd.DataFrame(LockstepRunner(weights, arms, "isolated", 1).run([Prompt("p", toks)]).drift)
+    iso = pd.DataFrame(LockstepRunner(weights, arms, RunnerSettings("isolated", 1)).run([Prompt("p", toks)]).drift)
     layers = iso[(iso.arm == "lm") & (iso.tap == "out")]
     assert (layers.rel_l2 == 0).all()
     assert (iso[(iso.arm == "lm") & (iso.tap == "logits")].kld_mean > 0).all()

@@ -10,7 +10,7 @@ import torch
 
 from fidelity.ab import head as HD
 from fidelity.ab import metrics as M
-from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt
+from fidelity.ab.lockstep import Chunking, LockstepArm, LockstepRunner, Prompt, RunnerSettings
 from kernel_toggles import ToggleSet
 from reference_model import Model, Numerics, tiny
 from reference_model.weights import random_weights
@@ -37,11 +37,11 @@ def _tables(res):
 
 
 def test_chunked_head_tables_equal_one_chunk(weights):
-    whole = LockstepRunner(weights, _arms(), decode_steps=2, pairs={"bug": "engine"},
-                           head_chunk=10**6).run(_prompts())
+    whole = LockstepRunner(weights, _arms(), RunnerSettings(decode_steps=2), {"bug": "engine"},
+                           chunking=Chunking(head=10**6)).run(_prompts())
     for chunk in (7, 64):
-        part = LockstepRunner(weights, _arms(), decode_steps=2, pairs={"bug": "engine"},
-                              head_chunk=chunk).run(_prompts())
+        part = LockstepRunner(weights, _arms(), RunnerSettings(decode_steps=2), {"bug": "engine"},
+                              chunking=Chunking(head=chunk)).run(_prompts())
         a, b = _tables(whole), _tables(part)
         assert (a["drift"].tap == "logits").sum() > 0 and len(a["pair_kld"]) > 0
         for k in a:
@@ -57,14 +57,14 @@ def test_no_head_call_sees_more_than_a_chunk(weights, monkeypatch):
         return real(self, H, taps)
 
     monkeypatch.setattr(Model, "head", spy)
-    LockstepRunner(weights, _arms(), decode_steps=1, head_chunk=32).run(_prompts())
+    LockstepRunner(weights, _arms(), RunnerSettings(decode_steps=1), chunking=Chunking(head=32)).run(_prompts())
     assert max(seen) == 32 and sum(seen) == 3 * (150 + 37 + 2)      # 3 arms, prefill + 1 step
 
 
 def test_kld_rows_equal_whole_prompt_logits(weights):
     """Outside computation: each arm's whole-prompt logits from Model.prefill_logits."""
     p = _prompts()[0]
-    res = LockstepRunner(weights, _arms()[:2], decode_steps=0, head_chunk=16).run([p])
+    res = LockstepRunner(weights, _arms()[:2], RunnerSettings(decode_steps=0), chunking=Chunking(head=16)).run([p])
     g = Model(weights, Numerics("reference")).prefill_logits(p.tokens).double()
     e = Model(weights, ToggleSet.parse("engine").numerics()).prefill_logits(p.tokens).double()
     lg, le = torch.log_softmax(g, -1), torch.log_softmax(e, -1)

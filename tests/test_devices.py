@@ -7,7 +7,7 @@ import torch
 
 from fidelity.cli import main
 from fidelity.devices import DeviceError, accumulate_dtype, default_threads, parse_devices
-from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt
+from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt, RunnerSettings
 from kernel_toggles import ToggleSet
 from reference_model import Model, Numerics, tiny
 from reference_model.weights import random_weights
@@ -40,8 +40,8 @@ def test_placement_over_two_devices_is_bit_identical():
     arms = [LockstepArm("golden", Numerics("reference"), role="golden"),
             LockstepArm("engine", ToggleSet.parse("engine").numerics())]
     ps = [Prompt("p", t)]
-    x = pd.DataFrame(LockstepRunner(w, arms, decode_steps=1).run(ps).drift)
-    y = pd.DataFrame(LockstepRunner(w, arms, decode_steps=1, devices=["cpu", "cpu"]).run(ps).drift)
+    x = pd.DataFrame(LockstepRunner(w, arms, RunnerSettings(decode_steps=1)).run(ps).drift)
+    y = pd.DataFrame(LockstepRunner(w, arms, RunnerSettings(decode_steps=1, devices=("cpu", "cpu"))).run(ps).drift)
     pd.testing.assert_frame_equal(x, y, check_exact=True)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from fidelity.ab.lockstep import LockstepRunner
+from fidelity.ab.lockstep import LockstepRunner, RunnerSettings
 from fidelity.cli import main
 from fidelity.pipeline import stage_ranges
 from fidelity.weights.source import load_weights
@@ -59,7 +59,7 @@ def test_three_ranks_equal_one_process_streamed_and_resident(checkpoint, tmp_pat
     assert r.returncode == 0, r.stderr[-3000:]
     got = pickle.loads(out.read_bytes())
     w, _ = load_weights(str(checkpoint), mode="streamed")
-    want = tables(LockstepRunner(w, arms(), decode_steps=2, pairs={"bug": "engine"}).run(prompts()))
+    want = tables(LockstepRunner(w, arms(), RunnerSettings(decode_steps=2), {"bug": "engine"}).run(prompts()))
     assert len(want["drift"]) > 100 and len(want["needle"]) and len(want["pair_kld"])
     for mode in ("streamed", "resident-quantised"):
         for k, v in want.items():

@@ -201,12 +201,14 @@ def test_kld_a_stage_without_enough_memory_is_named_with_the_plan(tmp_path):
 
 
 def test_the_per_prompt_commands_plan_the_head_on_rank_0():
-    from fidelity.weights.plan import plan_memory
+    from fidelity.weights.plan import PassSpec, PlanDevices, plan_memory
     from reference_model import tiny
-    last, first = (plan_memory(tiny(), "cpu,cpu", 200, 1, 2, "streamed", "1GB", head_first=h, advise=False)
+    last, first = (plan_memory(tiny(), PlanDevices("cpu,cpu", "1GB"), PassSpec(200, 1, 2, "streamed", head_first=h),
+                               advise=False)
                    for h in (False, True))
     assert [d.layers for d in first.devices] == [d.layers for d in last.devices]     # the same split
     assert "head.weight" in first.devices[0].globals and "head.weight" not in first.devices[1].globals
     assert first.devices[0].logits == last.devices[1].logits > 0 == first.devices[1].logits
-    cached = plan_memory(tiny(), "cpu,cpu", 200, 1, 2, "streamed", "1GB", cached_state=10**6, advise=False)
+    cached = plan_memory(tiny(), PlanDevices("cpu,cpu", "1GB"), PassSpec(200, 1, 2, "streamed", cached_state=10**6),
+                         advise=False)
     assert sum(d.state for d in cached.devices) - sum(d.state for d in last.devices) in range(10**6 - 2, 10**6 + 1)

@@ -14,7 +14,7 @@ import pytest
 from fidelity.cli import main
 from fidelity.pipeline import StageStateError, carried, carry_in, stage_state
 from fidelity.stages import segments, stage_ranges
-from fidelity.weights.plan import PlanError, plan_memory
+from fidelity.weights.plan import PassSpec, PlanDevices, PlanError, plan_memory
 from reference_model import flash
 from reference_model.v41.config import tiny_v41, v41_flash
 
@@ -40,11 +40,11 @@ def test_stages_are_cut_only_where_no_layer_reads_an_earlier_stage():
 
 def test_plan_memory_nodes_plans_the_stages_that_run():
     for cfg, n in ((v41_flash(), 3), (flash(), 8)):
-        plan = plan_memory(cfg, "cuda:0,cuda:1", 4096, weights_mode="resident-quantised",
-                           device_memory="1000GB", nodes=n // 2 or 1, advise=False)
+        plan = plan_memory(cfg, PlanDevices("cuda:0,cuda:1", "1000GB", n // 2 or 1),
+                           PassSpec(4096, weights_mode="resident-quantised"), advise=False)
         assert [d.layers for d in plan.devices] == [list(r) for r in stage_ranges(cfg, len(plan.devices))]
     with pytest.raises(PlanError, match="at most 6 ranks"):
-        plan_memory(v41_flash(), "cuda:0,cuda:1,cuda:2,cuda:3", 4096, device_memory="96GB", nodes=2)
+        plan_memory(v41_flash(), PlanDevices("cuda:0,cuda:1,cuda:2,cuda:3", "96GB", 2), PassSpec(4096))
 
 
 def test_a_read_across_the_cuts_is_an_error_naming_the_layer():

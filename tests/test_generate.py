@@ -54,7 +54,7 @@ def test_pick_top_k_and_logit_bias():
 
 def test_decoder_steps_equal_generate(target_model):
     model, ids = target_model
-    ref = generate(model, ids, 5, temperature=0.7, seed=11, logprobs=2, echo_logprobs=True)
+    ref = generate(model, ids, 5, Sampling(0.7, seed=11), Scoring.of_logprobs(2, echo=True))
     d = Decoder(model, ids, 5, Sampling(0.7, seed=11), (), Scoring(top=2, prompt_top=2, prompt_from=0))
     seen = []
     while not d.done:

@@ -13,7 +13,7 @@ import torch
 
 from fidelity.ab.design import ABSettings, PromptPlan
 from fidelity.ab.report import residues
-from fidelity.ab.run import run_ab
+from fidelity.ab.run import ReportTarget, RunSite, run_ab
 from fidelity.cli import main
 from fidelity.lengths import parse_lengths, resolve, shortest_haystack
 from fidelity.residues import broken_residues
@@ -86,7 +86,7 @@ def test_boundary_grid_vs_default_grid(plugin):
     def run(lengths):
         s = ABSettings.of(arms=[LEN3, LEN1], lengths=tuple(lengths), prompts_per_length=2,
                           decode_steps=2, shapley_top=0, n_boot=300)
-        res = run_ab(w, s, None, progress=lambda m: None, tokenizer=tok)
+        res = run_ab(w, s, ReportTarget(None), RunSite(), tokenizer=tok)
         return res, residues(res["signals"], res["manifest"])[0]
 
     _, t = run(grid)

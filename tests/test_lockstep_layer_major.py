@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt, StreamStore
+from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt, RunnerSettings, StreamStore
 from kernel_toggles import ToggleSet
 from reference_model import Numerics, tiny
 from reference_model.checkpoint import StreamingWeights, save_checkpoint
@@ -36,10 +36,10 @@ def weights():
 
 def test_layer_major_equals_one_prompt_at_a_time(weights):
     pairs = {"bug": "engine"}
-    together = LockstepRunner(weights, _arms(), decode_steps=2, pairs=pairs).run(_prompts())
+    together = LockstepRunner(weights, _arms(), RunnerSettings(decode_steps=2), pairs).run(_prompts())
     alone = None
     for p in _prompts():
-        r = LockstepRunner(weights, _arms(), decode_steps=2, pairs=pairs).run([p])
+        r = LockstepRunner(weights, _arms(), RunnerSettings(decode_steps=2), pairs).run([p])
         if alone is None:
             alone = r
         else:
@@ -51,8 +51,8 @@ def test_layer_major_equals_one_prompt_at_a_time(weights):
 
 
 def test_spilling_streams_to_disk_changes_nothing(weights):
-    ref = LockstepRunner(weights, _arms(), decode_steps=1).run(_prompts())
-    runner = LockstepRunner(weights, _arms(), decode_steps=1, activation_budget=0)
+    ref = LockstepRunner(weights, _arms(), RunnerSettings(decode_steps=1)).run(_prompts())
+    runner = LockstepRunner(weights, _arms(), RunnerSettings(decode_steps=1, activation_budget=0))
     spilled = runner.run(_prompts())
     assert runner.streams.spilled > 0 and runner.streams.dir is None        # used, then removed
     for k, v in _tables(ref).items():
@@ -71,6 +71,6 @@ def test_stream_store_budget():
 def test_streamed_checkpoint_layers_fetched_once_per_pass(tmp_path, weights):
     save_checkpoint(weights, tmp_path / "ck")
     w = StreamingWeights(tmp_path / "ck")
-    LockstepRunner(w, _arms(), decode_steps=1).run(_prompts())
+    LockstepRunner(w, _arms(), RunnerSettings(decode_steps=1)).run(_prompts())
     n = weights.cfg.n_layers
     assert w.loads == 2 * n                       # prefill + 1 decode step, for all 3 prompts

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from fidelity.ab.design import ABSettings, FLOOR, FLOOR_ORDER, FLOOR_TIES
-from fidelity.ab.run import run_ab
+from fidelity.ab.run import ReportTarget, RunSite, run_ab
 from fidelity.verdict import judge as J
 from fidelity.verdict import signals as S
 from fidelity.weights.source import load_tokenizer_for, load_weights
@@ -69,7 +69,7 @@ def _run(model, arms, **kw):
     w, tok = model
     s = ABSettings.of(arms=arms, lengths=(250, 511), prompts_per_length=2, decode_steps=2,
                       shapley_top=0, n_boot=500, **kw)
-    return run_ab(w, s, None, progress=lambda m: None, tokenizer=tok)
+    return run_ab(w, s, ReportTarget(None), RunSite(), tokenizer=tok)
 
 
 def _score(res, expected, names, vs="golden"):
@@ -123,7 +123,7 @@ def test_floors_as_arms_are_not_named(bugs, model):
     floors = S.floor_levels(res["signal_summary"], [FLOOR, FLOOR_ORDER, FLOOR_TIES])
     for fl in (FLOOR, FLOOR_ORDER, FLOOR_TIES):
         sets = {fl: frozenset({"as_arm"})}
-        attr = S.attribute_signals(sig, sets, ["as_arm"], "golden", 500, 0)
+        attr = S.attribute_signals(sig, S.Design("golden", sets, ["as_arm"], []), S.Bootstrap(500, 0))
         verdict, _ = J.verdict(attr, floors)
         assert verdict["culprit"] is None, (fl, verdict["sentence"])
 

@@ -10,12 +10,13 @@ import pytest
 from fidelity.arms import parse_arm
 from fidelity.cli import main
 from fidelity.needle_batch import plan_batches
-from fidelity.needle_runner import InProcessRunner
+from fidelity.needle_runner import InProcessOptions, InProcessRunner
 from fidelity.weights.target import Target, load_target
 from needle.haystack import HaystackSpec, PromptFormat, build_prompt
 from needle.sweep import SweepConfig, run_sweep
 from reference_model.checkpoint_read import StreamingWeights
 from reference_model.checkpoint_write import save_checkpoint
+from reference_model.generate import Sampling
 
 LENGTHS, DEPTHS = [200, 259], [0, 50, 100]
 TIMING = {"latency_s", "batch_trials"}
@@ -47,7 +48,7 @@ def _forwards(row) -> int:
 
 def test_batched_sweep_equals_one_at_a_time_resident(target, tmp_path):
     cfg = SweepConfig(lengths=LENGTHS, depths=DEPTHS)
-    one = run_sweep(cfg, [InProcessRunner("golden", target, parse_arm("golden"), batch=1)],
+    one = run_sweep(cfg, [InProcessRunner("golden", target, parse_arm("golden"), options=InProcessOptions(batch=1))],
                     tmp_path / "one.jsonl", quiet=True)
     # batched, and resumed: a first run of two depths, then the rest of the grid
     path = tmp_path / "batched.jsonl"
@@ -70,8 +71,8 @@ def test_batched_sampled_streamed_reads_each_layer_once_per_pass(target, checkpo
         w = StreamingWeights(checkpoint)
         streamed = Target("tiny-streamed", w, target.tokenizer, "streamed")
         # hot sampling: trials end at different steps, so finished ones drop out mid-batch
-        r = InProcessRunner("engine", streamed, parse_arm("engine"), temperature=3.0, top_p=0.95,
-                            max_tokens=5, batch=batch)
+        r = InProcessRunner("engine", streamed, parse_arm("engine"), Sampling(3.0, 0.95), 5,
+                            InProcessOptions(batch=batch))
         rows[batch] = run_sweep(SweepConfig(lengths=LENGTHS, depths=[0, 100], seed=3), [r],
                                 tmp_path / f"{batch}.jsonl", quiet=True)
         loads[batch] = w.loads

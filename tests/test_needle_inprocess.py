@@ -13,7 +13,7 @@ from needle.haystack import HaystackSpec, PromptFormat, build_prompt
 from needle.report import write_report
 from needle.sweep import SweepConfig, run_sweep
 from reference_model import Model, Numerics, Taps
-from reference_model.generate import generate
+from reference_model.generate import Sampling, Scoring, generate
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +57,10 @@ def test_mechanism_against_full_prefill(target, golden):
 def test_sampled_decoding_is_seeded(target):
     m = Model(target.weights, Numerics("reference"))
     ids = target.tokenizer.encode("The river keeps talking through the night.")
-    a = generate(m, ids, 2, temperature=1.0, seed=42)
-    b = generate(m, ids, 2, temperature=1.0, seed=42)
+    a = generate(m, ids, 2, Sampling(1.0, seed=42))
+    b = generate(m, ids, 2, Sampling(1.0, seed=42))
     assert a.tokens == b.tokens and len(a.tokens) == 2 and a.finish_reason == "length"
-    g = generate(m, ids, 1, temperature=0.0, logprobs=3)
+    g = generate(m, ids, 1, Sampling(0.0), Scoring.of_logprobs(3))
     assert g.top_logprobs[0][0][0] == g.tokens[0]                  # greedy = top-1
 
 

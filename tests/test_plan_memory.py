@@ -28,7 +28,7 @@ def _cli(argv):
 @pytest.mark.parametrize("n_dev", [1, 8])
 def test_flash_resident_quantised_weights_equal_the_on_disk_table(n_dev):
     cfg = flash()
-    plan = PM.plan_memory(cfg, ["cpu"] * n_dev, 1, 1, 1, "resident-quantised", BIG)
+    plan = PM.plan_memory(cfg, PM.PlanDevices(["cpu"] * n_dev, BIG), PM.PassSpec(1, 1, 1, "resident-quantised"))
     disk = sum(e.nbytes for e in expected_entries(cfg).values())
     assert sum(d.weights for d in plan.devices) == disk == plan.totals["weights_quantised"]
     assert disk == 156_015_698_140            # the real index's total_size minus the MTP layer
@@ -38,7 +38,7 @@ def test_flash_resident_bf16_weights_equal_numel_times_dtype_size():
     cfg = flash()
     size = {"fp8": 2, "fp4": 2, "bf16": 2, "f32": 4, "i64": 8}     # in-memory bytes per element
     want = sum(math.prod(s.shape) * size[s.fmt] for s in all_specs(cfg))
-    plan = PM.plan_memory(cfg, ["cpu"] * 3, 1, 1, 1, "resident-bf16", BIG)
+    plan = PM.plan_memory(cfg, PM.PlanDevices(["cpu"] * 3, BIG), PM.PassSpec(1, 1, 1, "resident-bf16"))
     assert sum(d.weights for d in plan.devices) == want == plan.totals["weights_bf16"]
     assert all(d.dequant == 0 for d in plan.devices)
     from reference_model.weights import meta_weights           # the meta tensors agree
@@ -47,7 +47,7 @@ def test_flash_resident_bf16_weights_equal_numel_times_dtype_size():
 
 def test_streamed_weights_are_globals_plus_the_largest_layer():
     cfg = flash()
-    plan = PM.plan_memory(cfg, "cpu", 1, 1, 1, "streamed", BIG)
+    plan = PM.plan_memory(cfg, PM.PlanDevices("cpu", BIG), PM.PassSpec(1, 1, 1, "streamed"))
     g = sum(math.prod(s.shape) * (4 if s.fmt == "f32" else 2) for s in global_specs(cfg))
     assert plan.devices[0].weights == g + plan.totals["largest_layer_bf16"]
     assert plan.totals["largest_layer_bf16"] == max(PM.layer_weight_bytes(cfg, i, "bf16")
@@ -56,15 +56,17 @@ def test_streamed_weights_are_globals_plus_the_largest_layer():
 
 def test_dequant_buffers_full_and_expert_sparse():
     cfg = flash()
-    full = PM.plan_memory(cfg, "cpu", 1, 1, 1, "resident-quantised", BIG)
-    sparse = PM.plan_memory(cfg, "cpu", 1, 1, 1, "resident-quantised", BIG, dequant="expert-sparse")
+    full = PM.plan_memory(cfg, PM.PlanDevices("cpu", BIG), PM.PassSpec(1, 1, 1, "resident-quantised"))
+    sparse = PM.plan_memory(cfg, PM.PlanDevices("cpu", BIG),
+                              PM.PassSpec(1, 1, 1, "resident-quantised", "expert-sparse"))
     # full: every FP8/FP4 tensor of the largest layer as bf16
     assert full.devices[0].dequant == max(PM.dequant_buffer_bytes(cfg, i) for i in range(43))
     # one token: the non-expert FP8 tensors, the shared expert and 6 routed experts
     expert = 3 * cfg.dim * cfg.moe_inter_dim * 2
     base = full.devices[0].dequant - cfg.n_routed_experts * expert
     assert sparse.devices[0].dequant == base + cfg.n_activated_experts * expert
-    long = PM.plan_memory(cfg, "cpu", 4096, 1, 1, "resident-quantised", BIG, dequant="expert-sparse")
+    long = PM.plan_memory(cfg, PM.PlanDevices("cpu", BIG),
+                            PM.PassSpec(4096, 1, 1, "resident-quantised", "expert-sparse"))
     assert long.devices[0].dequant == full.devices[0].dequant      # bounded by n_routed_experts
 
 
@@ -100,7 +102,8 @@ def test_state_formula_matches_a_model_run(profile, chunks):
     dt = PM.state_dtypes(profile)
     for i, ls in enumerate(st.layers):
         assert _state_bytes(ls) == PM.sequence_state_bytes(cfg, i, L, dt), (profile, i)
-    plan = PM.plan_memory(cfg, "cpu", L, 3, 2, "resident-bf16", BIG, profile=profile)
+    plan = PM.plan_memory(cfg, PM.PlanDevices("cpu", BIG), PM.PassSpec(L, 3, 2, "resident-bf16"),
+                          PM.PlanNumerics.of(profile))
     assert plan.devices[0].state == 6 * sum(_state_bytes(ls) for ls in st.layers)
     assert plan.per_sequence["state"] == sum(_state_bytes(ls) for ls in st.layers)
 
@@ -114,20 +117,21 @@ def test_state_dtypes_follow_the_profile():
 
 def test_streams_and_logits():
     cfg = flash()
-    plan = PM.plan_memory(cfg, ["cpu", "cpu"], 8192, 6, 2, "resident-quantised", BIG)
+    plan = PM.plan_memory(cfg, PM.PlanDevices(["cpu", "cpu"], BIG), PM.PassSpec(8192, 6, 2, "resident-quantised"))
     stream = 8192 * cfg.hc_mult * cfg.dim * 2                    # bf16 [tokens, hc, dim]
     assert all(d.streams == (12 + 2) * stream for d in plan.devices)
     assert plan.devices[0].logits == 0
     # one head chunk of logits per arm (the layers' 2048 tokens), per-position stats for all
     assert plan.devices[-1].logits == 2 * (2048 * cfg.vocab_size * 4 + 8192 * POSITION_STAT_BYTES)
-    last = PM.plan_memory(cfg, ["cpu", "cpu"], 8192, 6, 2, "resident-quantised", BIG, logits="last")
+    last = PM.plan_memory(cfg, PM.PlanDevices(["cpu", "cpu"], BIG),
+                          PM.PassSpec(8192, 6, 2, "resident-quantised", logits_mode="last"))
     assert last.devices[-1].logits == 2 * (cfg.vocab_size * 4 + POSITION_STAT_BYTES)
 
 
 # ---- placement -------------------------------------------------------------------------------
 def test_placement_over_two_cpus_splits_the_layers():
     cfg = flash()
-    plan = PM.plan_memory(cfg, ["cpu", "cpu"], 1024, 1, 1, "resident-quantised", BIG)
+    plan = PM.plan_memory(cfg, PM.PlanDevices(["cpu", "cpu"], BIG), PM.PassSpec(1024, 1, 1, "resident-quantised"))
     a, b = plan.devices
     assert a.layers and b.layers and a.layers + b.layers == list(range(cfg.n_layers))
     assert a.globals == ["embed.weight"] and "head.weight" in b.globals
@@ -156,7 +160,7 @@ def test_a_plan_that_fits_exits_0(capsys):
 
 def test_a_plan_that_does_not_fit_reports_numbers(capsys):
     cfg = flash()
-    plan = PM.plan_memory(cfg, "cuda:0", 8192, 6, 2, "resident-quantised", "141GB")
+    plan = PM.plan_memory(cfg, PM.PlanDevices("cuda:0", "141GB"), PM.PassSpec(8192, 6, 2, "resident-quantised"))
     assert not plan.fits and plan.devices[0].budget == 141 * 10 ** 9
     d = plan.devices[0]
     assert d.total - d.budget == -d.free > 0
@@ -168,21 +172,21 @@ def test_a_plan_that_does_not_fit_reports_numbers(capsys):
     assert "streamed weights (--weights streamed): fits" in out
     assert "more devices: 2 x 131.32 GiB (141 GB) fit" in out
     # the suggestions hold: streamed weights fit, 2 devices fit
-    assert PM.plan_memory(cfg, "cuda:0", 8192, 6, 2, "streamed", "141GB").fits
-    assert PM.plan_memory(cfg, "cuda:0,cuda:1", 8192, 6, 2, device_memory="141GB").fits
+    assert PM.plan_memory(cfg, PM.PlanDevices("cuda:0", "141GB"), PM.PassSpec(8192, 6, 2, "streamed")).fits
+    assert PM.plan_memory(cfg, PM.PlanDevices("cuda:0,cuda:1", "141GB"), PM.PassSpec(8192, 6, 2)).fits
 
 
 def test_advice_numbers_are_the_largest_that_fit():
     cfg = flash()
     devs = [f"cuda:{i}" for i in range(8)]
     # the logits are never held whole (a head chunk at a time): 64K fits (193 GiB before)
-    assert PM.plan_memory(cfg, devs, 65536, 6, 2, "resident-quantised", "96GB").fits
-    plan = PM.plan_memory(cfg, devs, 131072, 6, 2, "resident-quantised", "96GB")
+    assert PM.plan_memory(cfg, PM.PlanDevices(devs, "96GB"), PM.PassSpec(65536, 6, 2, "resident-quantised")).fits
+    plan = PM.plan_memory(cfg, PM.PlanDevices(devs, "96GB"), PM.PassSpec(131072, 6, 2, "resident-quantised"))
     assert not plan.fits
     line = next(a for a in plan.advice if a.startswith("shorter length"))
     n = int(line.split("up to ")[1].split()[0])
-    assert PM.plan_memory(cfg, devs, n, 6, 2, device_memory="96GB").fits
-    assert not PM.plan_memory(cfg, devs, n + 1, 6, 2, device_memory="96GB").fits
+    assert PM.plan_memory(cfg, PM.PlanDevices(devs, "96GB"), PM.PassSpec(n, 6, 2)).fits
+    assert not PM.plan_memory(cfg, PM.PlanDevices(devs, "96GB"), PM.PassSpec(n + 1, 6, 2)).fits
     assert any(a.startswith("logits of the last position only") and a.endswith("not enough on its own")
                for a in plan.advice)
 
@@ -301,7 +305,7 @@ def test_cuda_memory_is_read_from_torch_or_asked_for(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
-    plan = PM.plan_memory(tiny(), "cuda:0,cuda:1", 10)
+    plan = PM.plan_memory(tiny(), PM.PlanDevices("cuda:0,cuda:1"), PM.PassSpec(10))
     assert [d.budget for d in plan.devices] == [80 * 2 ** 30] * 2 and plan.fits
 
 
@@ -309,14 +313,14 @@ def test_nodes_plan_one_pipeline_over_every_nodes_devices():
     """--nodes 2: the devices are one node's, repeated; one pipeline over all 16."""
     cfg = flash()
     devs = [f"cuda:{i}" for i in range(8)]
-    one = PM.plan_memory(cfg, devs, 8192, 6, 2, "resident-quantised", "96GB")
-    two = PM.plan_memory(cfg, devs, 8192, 6, 2, "resident-quantised", "96GB", nodes=2)
+    one = PM.plan_memory(cfg, PM.PlanDevices(devs, "96GB"), PM.PassSpec(8192, 6, 2, "resident-quantised"))
+    two = PM.plan_memory(cfg, PM.PlanDevices(devs, "96GB", 2), PM.PassSpec(8192, 6, 2, "resident-quantised"))
     assert [d.device for d in two.devices] == [f"cuda:{i}@node{k}" for k in range(2) for i in range(8)]
     assert sum((d.layers for d in two.devices), []) == list(range(cfg.n_layers))
     assert two.fits and max(d.weights for d in two.devices) < max(d.weights for d in one.devices)
     assert sum(d.weights for d in two.devices) == sum(d.weights for d in one.devices)
     with pytest.raises(PM.PlanError, match="nodes must be a positive integer"):
-        PM.plan_memory(cfg, devs, 8192, nodes=0, device_memory="96GB")
+        PM.plan_memory(cfg, PM.PlanDevices(devs, "96GB", 0), PM.PassSpec(8192))
 
 
 def test_arms_is_refused_as_a_count(capsys):

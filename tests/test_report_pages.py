@@ -31,7 +31,7 @@ import pytest  # noqa: E402
 from fidelity.ab import plots  # noqa: E402
 from fidelity.ab.design import ABSettings, arm_sets, vs_pairs  # noqa: E402
 from fidelity.ab.report import plotted_arms, rerender  # noqa: E402
-from fidelity.ab.run import run_ab  # noqa: E402
+from fidelity.ab.run import ReportTarget, RunSite, run_ab  # noqa: E402
 from fidelity.arms import parse_arm  # noqa: E402
 from fidelity.cli import build_parser, main, name_value_pairs  # noqa: E402
 from fidelity.commands.needle import _named  # noqa: E402
@@ -48,7 +48,7 @@ Q = ["--quiet", "--threads", "1"]
 # ---- building the pages -------------------------------------------------------------------
 def _ab(weights, out, run_id, **kw):
     s = ABSettings.of(lengths=(160,), prompts_per_length=3, decode_steps=2, n_boot=200, shapley_top=0, **kw)
-    return run_ab(weights, s, out, run_id, progress=lambda m: None)
+    return run_ab(weights, s, ReportTarget(out, run_id), RunSite())
 
 
 ENGINES_SPEC = """

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt
+from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt, RunnerSettings
 from kernel_toggles import ToggleSet
 from reference_model import Model, Numerics, tiny
 from reference_model.checkpoint import CheckpointError, StreamingWeights, load_checkpoint, save_checkpoint
@@ -61,9 +61,9 @@ def test_lockstep_decodes_each_layer_once_per_pass(ckpt):
     arms = [LockstepArm("golden", Numerics("reference"), role="golden"),
             LockstepArm("engine", ToggleSet.parse("engine").numerics())]
     ps = [Prompt("a", _tokens(90, 1)), Prompt("b", _tokens(60, 2))]
-    a = LockstepRunner(rq, arms, decode_steps=1).run(ps)
+    a = LockstepRunner(rq, arms, RunnerSettings(decode_steps=1)).run(ps)
     assert rq.loads == 2 * rq.cfg.n_layers
-    b = LockstepRunner(load_checkpoint(ckpt), arms, decode_steps=1).run(ps)
+    b = LockstepRunner(load_checkpoint(ckpt), arms, RunnerSettings(decode_steps=1)).run(ps)
     pd.testing.assert_frame_equal(pd.DataFrame(a.kld), pd.DataFrame(b.kld), check_exact=True)
 
 

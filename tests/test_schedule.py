@@ -101,15 +101,15 @@ def test_ab_names_serving_bugs_under_their_schedule_only(tmp_path):
     off first diverges at layer 0's attention. One-shot, the same bug names nothing; the
     report says where each arm under its schedule departs."""
     from fidelity.ab.design import ABSettings
-    from fidelity.ab.run import run_ab
+    from fidelity.ab.run import ReportTarget, RunSite, run_ab
     from fidelity.weights.source import load_tokenizer_for, load_weights
     w, _ = load_weights(None)
     arms = ["chunk_stale_index_keys@chunked(64)", "restore_drops_compressor_pending@prefix_hit(130)",
             "restore_window_one_off@prefix_hit(130)", "restore_saved_one_token_later@prefix_hit(130)",
             "restore_drops_compressor_pending", "restore_window_one_off"]
     res = run_ab(w, ABSettings.of(arms=arms, lengths=(200,), prompts_per_length=3, decode_steps=1,
-                                  shapley_top=0, n_boot=300), tmp_path, run_id="sched",
-                 progress=lambda m: None, tokenizer=load_tokenizer_for(None))
+                                  shapley_top=0, n_boot=300), ReportTarget(tmp_path, "sched"),
+                 RunSite(), tokenizer=load_tokenizer_for(None))
     m, v = res["manifest"], res["verdict"]
     assert {"floor:schedule@chunked(64)", "floor:schedule@prefix_hit(130)"} <= set(m["floors"])
     s = res["summary"].set_index("arm")
@@ -143,15 +143,15 @@ def test_an_effect_equal_to_its_one_shot_effect_is_the_toggles_not_the_schedules
     it one-shot and never "under prefix_hit"; no schedule is a suspect; under decode_from
     the first-divergence phase says the tokens went through the decode path."""
     from fidelity.ab.design import ABSettings
-    from fidelity.ab.run import run_ab
+    from fidelity.ab.run import ReportTarget, RunSite, run_ab
     from fidelity.verdict.board import suspects
     from fidelity.weights.source import load_tokenizer_for, load_weights
     w, _ = load_weights(None)
     arms = ["routed_scaling_double", "routed_scaling_double@prefix_hit(130)",
             "routed_scaling_double@decode_from(150)"]
     res = run_ab(w, ABSettings.of(arms=arms, lengths=(200,), prompts_per_length=3, decode_steps=1,
-                                  shapley_top=0, n_boot=300), tmp_path, run_id="same",
-                 progress=lambda m: None, tokenizer=load_tokenizer_for(None))
+                                  shapley_top=0, n_boot=300), ReportTarget(tmp_path, "same"),
+                 RunSite(), tokenizer=load_tokenizer_for(None))
     v, t = res["verdict"], res["signal_attribution"]
     assert [n["toggle"] for n in v["named"]] == ["routed_scaling_double"]
     assert v["method"] != "under_schedule" and " under " not in v["outcome_sentence"]

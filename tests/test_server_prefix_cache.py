@@ -12,7 +12,7 @@ import torch
 
 from fidelity.weights.target import load_target
 from reference_model import Model
-from reference_model.generate import generate
+from reference_model.generate import Scoring, generate
 
 from needle_util import ROOT, fidelity_cmd, ok, served
 
@@ -46,7 +46,7 @@ def _flush(url):
 
 
 def _inprocess(ids, n=4):
-    g = generate(Model(DEFAULT.weights), ids, n, logprobs=2)
+    g = generate(Model(DEFAULT.weights), ids, n, scoring=Scoring.of_logprobs(2))
     return [DEFAULT.tokenizer.token_strs([t])[0] for t in g.output_ids], g.logprobs
 
 

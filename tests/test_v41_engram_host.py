@@ -84,15 +84,15 @@ def test_nan_codes_are_named_when_their_row_is_gathered(ckpt, tmp_path):
 def test_plan_memory_v41_flash_keeps_the_tables_off_the_devices():
     """The published V4.1-Flash config on 4 x 141 GB: the two Engram tables (94.4 GiB each)
     are host memory; with them the first, third and fourth device did not fit."""
-    from fidelity.weights.plan import plan_memory, render
+    from fidelity.weights.plan import PassSpec, PlanDevices, plan_memory, render
     cfg = v41_flash()
     entries = expected_entries(cfg)
     tables = sum(e.nbytes for n, e in entries.items() if ".engram.embed." in n)
-    plan = plan_memory(cfg, "cuda:0,cuda:1,cuda:2,cuda:3", 8192, device_memory="141GB")
+    plan = plan_memory(cfg, PlanDevices("cuda:0,cuda:1,cuda:2,cuda:3", "141GB"), PassSpec(8192))
     assert plan.totals["host_mapped"] == tables and round(tables / 2**30, 2) == 188.83
     assert plan.totals["weights_quantised"] + tables == sum(e.nbytes for e in entries.values())
     assert sum(d.weights for d in plan.devices) == plan.totals["weights_quantised"]
     assert plan.fits and max(d.total for d in plan.devices) < 110 * 2**30
     assert "Host, memory-mapped: Engram tables 188.83 GiB" in render(plan)
-    assert "Host, memory-mapped" not in render(plan_memory(flash(), "cuda:0", 8192,
-                                                          device_memory="2000GB"))
+    assert "Host, memory-mapped" not in render(plan_memory(flash(), PlanDevices("cuda:0", "2000GB"),
+                                                          PassSpec(8192)))

@@ -117,12 +117,12 @@ def test_streamed_and_dense_checkpoints_equal_in_memory(weights, toks, golden, t
 
 # ---- the lockstep drives it -----------------------------------------------------------------
 def test_lockstep_runs_v41(weights, toks):
-    from fidelity.ab.lockstep import LockstepArm, LockstepRunner
+    from fidelity.ab.lockstep import LockstepArm, LockstepRunner, RunnerSettings
     from fidelity.prompts import Prompt
     arms = [LockstepArm("golden", Numerics("reference"), role="golden"),
             LockstepArm("copy", Numerics("reference")),
             LockstepArm("exact", Numerics("exact"), role="floor")]
-    res = LockstepRunner(weights, arms, decode_steps=2).run([Prompt("p0", toks[:40])])
+    res = LockstepRunner(weights, arms, RunnerSettings(decode_steps=2)).run([Prompt("p0", toks[:40])])
     assert not res.events
     copy_rows = [r for r in res.drift if r["arm"] == "copy"]
     assert copy_rows and all(r.get("rel_l2", 0) == 0 for r in copy_rows if "rel_l2" in r)

@@ -13,7 +13,7 @@ import torch
 from fidelity.arms import parse_arm
 from fidelity.cli import main
 from fidelity.kld.inprocess import capture_shape
-from fidelity.needle_runner import InProcessRunner
+from fidelity.needle_runner import InProcessOptions, InProcessRunner
 from fidelity.serve.prefix_cache import PrefixCache, page_keys, paged_prefill, restore
 from fidelity.weights.target import load_target
 from kernel_toggles import ToggleSet
@@ -66,7 +66,7 @@ def test_prefix_cache_hit_equals_cold_on_v41(model):
 def test_needle_mechanism_rows_are_v41_index_sources(checkpoint, tmp_path):
     target = load_target(checkpoint)
     cfg = SweepConfig(lengths=[200], depths=[0, 50])
-    one = run_sweep(cfg, [InProcessRunner("golden", target, parse_arm("golden"), batch=1)],
+    one = run_sweep(cfg, [InProcessRunner("golden", target, parse_arm("golden"), options=InProcessOptions(batch=1))],
                     tmp_path / "one.jsonl", quiet=True)
     batched = run_sweep(cfg, [InProcessRunner("golden", target, parse_arm("golden"))],
                         tmp_path / "batched.jsonl", quiet=True)

@@ -132,12 +132,12 @@ def test_fidelity_ab_names_planted_v41_bugs():
     mechanism signal and this untrained model's QAT floor hides its KLD: it moves the
     decode rows but is not named here (docs/v41-architecture.md §8)."""
     from fidelity.ab.design import ABSettings
-    from fidelity.ab.run import run_ab
+    from fidelity.ab.run import ReportTarget, RunSite, run_ab
     from fidelity.weights.source import load_weights
     w, label = load_weights("tiny-v41")            # the embedded one: random_weights(CFG, 0)
     s = ABSettings.of(arms=list(FIRST_TAP), lengths=(48, 64), prompts_per_length=2,
                       decode_steps=2, shapley_top=0, n_boot=200, checkpoint=label)
-    res = run_ab(w, s, None, progress=lambda m: None)
+    res = run_ab(w, s, ReportTarget(None), RunSite())
     v = res["verdict"]
     named = {n["toggle"] for n in v["named"]} | {f["toggle"] for f in v["mechanism"]}
     assert named == set(FIRST_TAP) - {"v41_stale_index_keys"}, v["sentence"]
@@ -165,12 +165,12 @@ def test_fidelity_ab_on_v41_names_a_planted_bug_beside_v41s_engine_arm():
     engine toggles, and a planted V4.1 bug is named (here by mechanism: indexer picks and
     expert sets; its KLD stays within this untrained model's QAT floor)."""
     from fidelity.ab.design import ABSettings
-    from fidelity.ab.run import run_ab
+    from fidelity.ab.run import ReportTarget, RunSite, run_ab
     from fidelity.weights.source import load_weights
     w, label = load_weights("tiny-v41")            # the embedded one: random_weights(CFG, 0)
     s = ABSettings.of(arms=["engine", "v41_q_head_norm"], lengths=(48, 64), prompts_per_length=2,
                       decode_steps=1, shapley_top=0, n_boot=200, checkpoint=label)
-    res = run_ab(w, s, None, progress=lambda m: None)
+    res = run_ab(w, s, ReportTarget(None), RunSite())
     assert res["manifest"]["arms"]["engine"] == sorted(K.engine(model="v41").names)
     v = res["verdict"]
     named = {n["toggle"] for n in v["named"]} | {f["toggle"] for f in v["mechanism"]}

@@ -6,7 +6,7 @@ import pytest
 
 from fidelity.verdict import binary as B
 from fidelity.verdict.findings import mechanism_sentence
-from fidelity.verdict.judge import Design, judge
+from fidelity.verdict.judge import Bootstrap, Design, judge
 from fidelity.verdict.signals import floor_levels
 
 
@@ -103,7 +103,7 @@ def test_judge_reports_mechanism_apart_from_outcome():
                        + _signals("floor:ties", 0.015, 1e-6) + _signals("null", 0.0, 1e-7))
     d = Design("golden", {"t": frozenset({"t"}), "null": frozenset({"null"})}, ["t", "null"],
                ["floor:exact", "floor:ties"])             # mechanism: all floors but the QAT one
-    v = judge(sig, d, 200, 0)["verdict"]
+    v = judge(sig, d, Bootstrap(200, 0))["verdict"]
     assert v["culprit"] is None and v["named"] == []
     assert [f["toggle"] for f in v["mechanism"]] == ["t"]
     s = v["mechanism"][0]["signals"][0]
@@ -113,7 +113,7 @@ def test_judge_reports_mechanism_apart_from_outcome():
             "outcome within floors at these lengths.") in v["sentence"]
     # with every floor (the old rule), the QAT floor hides it
     v_old = judge(sig, Design("golden", d.arms, d.factors, d.floors, mechanism_floors=d.floors),
-                  200, 0)["verdict"]
+                  Bootstrap(200, 0))["verdict"]
     assert v_old["mechanism"] == [] and "No toggle stands out" in v_old["sentence"]
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import pandas as pd
 
-from fidelity.verdict.judge import Design, judge
+from fidelity.verdict.judge import Bootstrap, Design, judge
 from fidelity.verdict.tail import BROKEN, p_value, tail_tests
 
 FLOORS = ["floor:a", "floor:b", "floor:c"]
@@ -59,7 +59,7 @@ def test_a_toggle_that_breaks_two_of_eighteen_prompts_is_named_with_them():
     sig = _signals({"bug": _two_bad(), "null": np.full(18, np.nan)})
     describe = {f"p{i:02d}": f"{250 + i} tokens, needle at 70%" for i in range(18)}
     d = Design("golden", {"bug": frozenset({"bug"}), "null": frozenset({"null"})}, ["bug", "null"], FLOORS)
-    res = judge(sig, d, n_boot=300, seed=0, describe=describe)
+    res = judge(sig, d, Bootstrap(300, 0), describe=describe)
     v, t = res["verdict"], res["attribution"]
     mean_row = t[(t.toggle == "bug") & (t.method == "one_at_a_time")].iloc[0]
     assert not mean_row.clears                     # the bootstrap over prompts misses it
@@ -104,13 +104,13 @@ def test_ab_names_a_bug_that_breaks_two_of_its_eighteen_prompts(tmp_path):
     from pathlib import Path
 
     from fidelity.ab.design import ABSettings
-    from fidelity.ab.run import run_ab
+    from fidelity.ab.run import ReportTarget, RunSite, run_ab
     from fidelity.weights.source import load_tokenizer_for, load_weights
     from kernel_toggles.plugins import load_plugins
     load_plugins([str(Path(__file__).parent / "mutations" / "rare_bugs.py")])
     w, _ = load_weights(None)
     res = run_ab(w, ABSettings.of(arms=["rare_index_page_7"], shapley_top=0,
-                                  n_boot=500), tmp_path, run_id="rare", progress=lambda m: None,
+                                  n_boot=500), ReportTarget(tmp_path, "rare"), RunSite(),
                  tokenizer=load_tokenizer_for(None))
     v, t = res["verdict"], res["signal_attribution"]
     assert [n["toggle"] for n in v["named"]] == ["rare_index_page_7"]

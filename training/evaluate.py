@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fidelity.arms import NumericsArm
-from fidelity.needle_runner import InProcessRunner
+from fidelity.needle_runner import InProcessOptions, InProcessRunner
 from fidelity.weights.target import Target
 from needle.haystack import HaystackSpec, PromptFormat
 from needle.sweep import SweepConfig, run_sweep
@@ -62,7 +62,8 @@ def sweep_config(grid: Grid, spec: HaystackSpec | None = None) -> SweepConfig:
 def sweep(target, grid: Grid, results, *, spec: HaystackSpec | None = None, profile="reference",
           compute_dtype=None, quiet=True, fresh=False) -> list[dict]:
     """The golden arm's rows for every trial of `grid` (default spec: single needle)."""
-    runner = InProcessRunner("golden", target, golden_arm(compute_dtype), profile=profile)
+    runner = InProcessRunner("golden", target, golden_arm(compute_dtype),
+                             options=InProcessOptions(profile=profile))
     return run_sweep(sweep_config(grid, spec), [runner], results, fresh=fresh, quiet=quiet)
 
 

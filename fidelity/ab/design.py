@@ -20,7 +20,8 @@ from reference_model.schedule import ONESHOT, Schedule
 from ..arms import split_schedule
 
 from ..verdict.signals import QAT_FLOOR, SCHEDULE_FACTOR
-from .lockstep import DEFAULT_TAPS, LockstepArm
+from .lockstep import LockstepArm
+from .runner_settings import RunnerSettings
 
 GOLDEN = "golden"
 FLOOR = QAT_FLOOR                  # reference vs exact: the QAT noise floor (verdict, attribution)
@@ -52,18 +53,6 @@ class PromptPlan:
     prompts_per_length: int = 9
     seed: int = 0
     prompts_file: str | None = None        # the user's prompts (JSONL) instead of the built-in ones
-
-
-@dataclass(frozen=True)
-class RunnerSettings:
-    """How the lockstep runs: mode, decode steps, taps kept, placement, accumulation."""
-    mode: str = "propagated"
-    decode_steps: int = 4
-    taps: tuple[str, ...] = DEFAULT_TAPS
-    keep: tuple[str, ...] = ()
-    devices: tuple[str, ...] = ("cpu",)    # layers placed across these (fidelity.devices)
-    accumulate: str = "float64"            # golden's accumulation dtype (torch dtype name)
-    activation_budget: int | None = None   # bytes of residual streams kept in memory per pass
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -31,14 +30,11 @@ from ..prompts import Prompt
 from . import metrics as M
 from .head import ChunkedHead, run_head
 from .margins import margin_fields
+from .runner_settings import DEFAULT_TAPS, Chunking, RunnerSettings, RunSite  # noqa: F401 (DEFAULT_TAPS: its API)
 
 MODES = ("propagated", "isolated")
 LAST_SCORES = "attn.index.last_scores"   # selection margins only (margins.py), never compared
 
-# Taps compared by default: cheap enough for long contexts on a real checkpoint.
-DEFAULT_TAPS = ("layers.*.attn.kv", "layers.*.attn.index.topk", "layers.*.attn.out",
-                "layers.*.hc_attn.comb", "layers.*.ffn.router.experts", "layers.*.ffn.out",
-                "layers.*.out")
 
 
 @dataclass(frozen=True)
@@ -163,11 +159,13 @@ class StreamStore:
 
 
 class LockstepRunner:
-    def __init__(self, weights, arms: list[LockstepArm], mode: str = "propagated", decode_steps: int = 4,
-                 taps=DEFAULT_TAPS, keep=(), progress: Callable[[str], None] | None = None,
-                 chunk_tokens: int = 2048, pairs: dict[str, str] | None = None,
-                 activation_budget: int | None = None, devices: list | None = None,
-                 head_chunk: int | None = None, stage=None):
+    def __init__(self, weights, arms: list[LockstepArm], settings: RunnerSettings = RunnerSettings(),
+                 pairs: dict[str, str] | None = None, site: RunSite = RunSite(),
+                 chunking: Chunking = Chunking()):
+        """`settings`' devices ("cpu",) mean no placement (build_model's default)."""
+        mode, decode_steps, keep, stage = settings.mode, settings.decode_steps, settings.keep, site.stage
+        chunk_tokens, head_chunk = chunking.tokens, chunking.head
+        devices = list(settings.devices) if settings.devices != ("cpu",) else None
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
         if not arms or arms[0].role != "golden":
@@ -186,9 +184,9 @@ class LockstepRunner:
         self.arms = arms
         self.mode = mode
         self.decode_steps = decode_steps
-        self.patterns = list(taps) + list(keep) + [f"layers.*.{LAST_SCORES}"]
+        self.patterns = list(settings.taps) + list(keep) + [f"layers.*.{LAST_SCORES}"]
         self.keep = list(keep)
-        self.progress = progress or (lambda msg: None)
+        self.progress = site.progress or (lambda msg: None)
         for a in arms:
             diff = weights.cfg.differences(a.weights.cfg) if a.weights is not None else []
             if diff:
@@ -198,7 +196,7 @@ class LockstepRunner:
         self.models = {a.name: build_model(a.weights or weights, a.numerics, chunk_tokens=chunk_tokens,
                                            weight_cache=caches.setdefault(id(a.weights or weights), {}),
                                            devices=devices, schedule=a.schedule) for a in arms}
-        self.streams = StreamStore(activation_budget)
+        self.streams = StreamStore(settings.activation_budget)
         # positions per head call (fidelity.ab.head): the layers' chunk by default, so an
         # fp32 arm's head sees the row blocks its layers saw
         self.head_chunk = head_chunk or chunk_tokens
@@ -216,8 +214,10 @@ class LockstepRunner:
         if len(set(ids)) != len(ids):
             raise ValueError(f"prompt ids must be unique, got {ids}")
         if self.stage is not None and prompts:
-            self.stage.check_memory(self.cfg, max(p.length for p in prompts) + self.decode_steps,
-                                    len(prompts), len(self.arms), self.weights)
+            from fidelity.pipeline import weights_mode
+            from fidelity.weights.plan import PassSpec
+            self.stage.check_memory(self.cfg, PassSpec(max(p.length for p in prompts) + self.decode_steps,
+                                                       len(prompts), len(self.arms), weights_mode(self.weights)))
         from fidelity.pipeline import stage_state
         runs = [_PromptRun(p, {a.name: stage_state(self.models[a.name], self.stage) for a in self.arms},
                            [a.name for a in self.arms]) for p in prompts]
@@ -330,7 +330,7 @@ class LockstepRunner:
                                    "layer": i, "event": "error", "detail": f"{type(e).__name__}: {e}"})
                 r.alive.remove(a)
                 H.pop(a, None)
-        self._tap_rows(prompt, taps, r.alive, phase, step, res, r.bad)
+        self._tap_rows(r, taps, phase, step, res)
         self._pair_rows(prompt, taps, r.alive, phase, step, res)
         if phase == "prefill" and prompt.needle_tokens:
             self._needle_rows(prompt, i, taps, r.alive, res)
@@ -343,7 +343,8 @@ class LockstepRunner:
         return run_head(self.models, rows, self.arms[0].name, pairs, self.head_chunk,
                         self.cfg.vocab_size)
 
-    def _tap_rows(self, prompt, taps, alive, phase, step, res, bad):
+    def _tap_rows(self, r: _PromptRun, taps, phase, step, res):
+        prompt, alive, bad = r.prompt, r.alive, r.bad
         golden = self.arms[0].name
         gt = taps[golden]
         for a in alive:

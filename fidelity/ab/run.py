@@ -12,13 +12,14 @@ import numpy as np
 import pandas as pd
 import torch
 
+from infra.report_writer import ReportTarget
 from kernel_toggles.arms import version_of
 from reference_model.schedule import Schedule
 
 from ..arms import check_schedules
 from ..prompts import Prompt, all_token_ids, builtin_prompts, describe, file_prompts
 from ..verdict.attribution import attribute, bootstrap_mean_ci, outcome_matrix, prompt_outcomes
-from ..verdict.judge import Design, judge
+from ..verdict.judge import Bootstrap, Design, judge
 from ..verdict.findings import DEPARTURE_X, with_departures
 from ..verdict.signals import SCHEDULE_FACTOR, direct_effects, prompt_signals, with_longest
 from .design import (FLOOR, FLOOR_ORDER, GOLDEN, WEIGHTS_PREFIX, ABSettings, RunnerSettings,
@@ -26,12 +27,14 @@ from .design import (FLOOR, FLOOR_ORDER, GOLDEN, WEIGHTS_PREFIX, ABSettings, Run
                      golden_arm, schedule_arms, toggle_arms, top_toggles, vs_pairs, weight_arms)
 from .drift import DISCRETE_TAPS, departure_at, first_divergence, with_floor_multiple
 from .lockstep import LockstepResult, LockstepRunner
+from .runner_settings import RunSite
 from .report import write_report
 
 
 @dataclass
 class _Stages:
     """What the lockstep stages ran and measured."""
+    prompts: list           # what they ran on (fidelity.prompts.Prompt)
     res: LockstepResult
     sets: dict              # candidate arm -> its toggles (factors)
     toggles: list           # what attribution ranges over
@@ -43,22 +46,23 @@ class _Stages:
     floors: list            # floor arms run: the three noise floors, then golden per schedule
 
 
-def run_ab(weights, settings: ABSettings, out_dir="reports", run_id: str | None = None,
-           progress=print, tokenizer=None, variants: dict | None = None, stage=None) -> dict:
+def run_ab(weights, settings: ABSettings, report: ReportTarget = ReportTarget(),
+           site: RunSite = RunSite(print), tokenizer=None, variants: dict | None = None) -> dict:
     """`variants`: {name: WeightSource} of other checkpoints of the same architecture; each
     becomes an arm `weights:<name>` (golden numerics on those weights), so drift and KLD
-    are attributed to the checkpoint as well as to the numerics toggles. `stage`: this
+    are attributed to the checkpoint as well as to the numerics toggles. `site.stage`: this
     rank's fidelity.pipeline.Stage when the golden runs across processes (every rank
     gets the whole run's tables, so all take the same decisions)."""
-    progress = progress or (lambda msg: None)
+    site = RunSite(site.progress or (lambda msg: None), site.stage)
+    out_dir, run_id = report.out_dir, report.run_id
     t_start = time.time()
     cfg = weights.cfg
     prompts, longest = _prompts(cfg, settings, tokenizer)
-    st = _stage_one(weights, settings, prompts, longest, progress, variants, stage)
-    _stage_two(weights, settings, prompts, longest, progress, st, stage)
+    st = _stage_one(weights, settings, prompts, longest, site, variants)
+    _stage_two(weights, settings, prompts, longest, site, st)
     tables, judged = _judged_tables(cfg, settings, prompts, longest, st)
     with_departures(judged["verdict"], _departures(tables["drift"], st.sets))
-    result = {"manifest": _manifest(cfg, settings, st, prompts, run_id, t_start, stage),
+    result = {"manifest": _manifest(cfg, settings, st, run_id, t_start, site.stage),
               "verdict": judged["verdict"], "noise_floor": _noise_floor(st.outcomes, settings),
               "floors": judged["floors"].to_dict("records"),
               "first_divergence": _first_divergences(tables["drift"], tables["pairs"], st.sets, st.pairs,
@@ -83,7 +87,7 @@ def _prompts(cfg, settings: ABSettings, tokenizer) -> tuple[list[Prompt], str]:
             f"L{max(p.lengths)}")
 
 
-def _stage_one(weights, settings, prompts, longest, progress, variants, stage=None) -> _Stages:
+def _stage_one(weights, settings, prompts, longest, site: RunSite, variants) -> _Stages:
     """Golden, the floors, the design's toggle arms and the weight variants."""
     label_sets, toggles, schedules = arm_sets(settings, version_of(weights.cfg))
     check_schedules(schedules, [p.length for p in prompts])
@@ -93,25 +97,24 @@ def _stage_one(weights, settings, prompts, longest, progress, variants, stage=No
     toggles = toggles + [a.name for a in w_arms]
     arms = ([golden_arm(cd)] + floor_arms(cd) + schedule_arms(schedules, cd)
             + toggle_arms(label_sets, cd, schedules) + w_arms)
-    progress(f"stage 1: {len(arms)} arms × {len(prompts)} prompts, mode {settings.runner.mode}")
-    res = _run(weights, arms, prompts, settings.runner, progress, pairs, stage)
+    site.progress(f"stage 1: {len(arms)} arms × {len(prompts)} prompts, mode {settings.runner.mode}")
+    res = _run(weights, arms, prompts, settings.runner, site, pairs)
     sets = {a.name: a.toggles for a in arms if a.role == "arm"}
     outcomes = prompt_outcomes(pd.DataFrame(res.kld), group=longest)
-    return _Stages(res, sets, toggles, label_sets, pairs, outcomes,
+    return _Stages(prompts, res, sets, toggles, label_sets, pairs, outcomes,
                    outcome_matrix(outcomes, sets, GOLDEN), [], [a.name for a in arms if a.role == "floor"])
 
 
-def _stage_two(weights, settings, prompts, longest, progress, st: _Stages, stage=None) -> None:
+def _stage_two(weights, settings, prompts, longest, site: RunSite, st: _Stages) -> None:
     """Full factorial over the toggles with the largest single or leave-one-out effect."""
     st.top = top_toggles([t for t in st.toggles if not t.startswith(WEIGHTS_PREFIX)], st.table,
                          settings.design.shapley_top)
     new = factorial_arms(st.top, st.table, st.sets) if len(st.top) >= 2 else {}
     if not new:
         return
-    progress(f"stage 2: factorial over {', '.join(st.top)} ({len(new)} more arms)")
+    site.progress(f"stage 2: factorial over {', '.join(st.top)} ({len(new)} more arms)")
     cd = getattr(torch, settings.runner.accumulate)
-    extra = _run(weights, [golden_arm(cd)] + toggle_arms(new, cd), prompts, settings.runner, progress,
-                 stage=stage)
+    extra = _run(weights, [golden_arm(cd)] + toggle_arms(new, cd), prompts, settings.runner, site)
     extra.needle = [r for r in extra.needle if r["arm"] != GOLDEN]   # already in stage 1
     st.res.extend(extra)
     st.sets.update({k: frozenset(v.names) for k, v in new.items()})
@@ -134,7 +137,7 @@ def _judged_tables(cfg, settings, prompts, longest, st: _Stages) -> tuple[dict, 
         direct = direct_effects(pair_sig, st.sets, frozenset(st.label_sets[settings.design.vs].names),
                                 stats.n_boot, stats.seed)
     judged = judge(sig, Design(GOLDEN, st.sets, st.toggles, st.floors, base_toggles(settings, version_of(cfg))),
-                   stats.n_boot, stats.seed, len(prompts), direct, describe(prompts))
+                   Bootstrap(stats.n_boot, stats.seed), len(prompts), direct, describe(prompts))
     tables = {"drift": drift, "kld": kld, "attribution": _attribution(st.toggles, st.top, st.table, stats),
               "attribution_by_length": _per_length_attr(kld, st.sets, st.toggles, stats),
               "summary": _summary_table(drift, kld, judged["summary"], st.sets, st.floors), "signals": sig,
@@ -150,13 +153,13 @@ def _noise_floor(outcomes: pd.DataFrame, settings) -> dict:
     return {"mean": fmean, "lo": flo, "hi": fhi}
 
 
-def _manifest(cfg, settings, st: _Stages, prompts, run_id, t_start, stage=None) -> dict:
+def _manifest(cfg, settings, st: _Stages, run_id, t_start, stage=None) -> dict:
     return {
         "run_id": run_id, "config": cfg.to_dict(), "config_hash": cfg.config_hash(),
         "checkpoint": settings.checkpoint, "settings": asdict(settings),
         "arms": {k: sorted(v) for k, v in st.sets.items()}, "golden": GOLDEN, "floor": FLOOR,
         "floors": st.floors, "vs": settings.design.vs,
-        "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in prompts],
+        "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in st.prompts],
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "numpy": np.__version__, "pandas": pd.__version__},
         "seconds": round(time.time() - t_start, 1),
@@ -165,11 +168,8 @@ def _manifest(cfg, settings, st: _Stages, prompts, run_id, t_start, stage=None) 
     }
 
 
-def _run(weights, arms, prompts, r: RunnerSettings, progress, pairs=None, stage=None) -> LockstepResult:
-    return LockstepRunner(weights, arms, r.mode, r.decode_steps, r.taps, r.keep, progress=progress,
-                          pairs=pairs, activation_budget=r.activation_budget,
-                          devices=list(r.devices) if r.devices != ("cpu",) else None,
-                          stage=stage).run(prompts)
+def _run(weights, arms, prompts, r: RunnerSettings, site: RunSite, pairs=None) -> LockstepResult:
+    return LockstepRunner(weights, arms, r, pairs, site).run(prompts)
 
 
 def _first_divergences(drift, pair_df, sets, pairs, k) -> list[dict]:

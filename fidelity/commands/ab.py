@@ -86,7 +86,7 @@ def add_arguments(p):
 
 def run(args) -> int:
     from fidelity.ab.design import LONG_LENGTHS, ABSettings, PromptPlan
-    from fidelity.ab.run import run_ab
+    from fidelity.ab.run import ReportTarget, RunSite, run_ab
     from fidelity.weights.source import load_tokenizer_for, load_weights
 
     from fidelity.devices import DeviceError, from_args
@@ -134,9 +134,9 @@ def run(args) -> int:
                              schedule=args.schedule)
     writer = stage is None or stage.first           # rank 0 alone prints and writes
     try:
-        res = run_ab(weights, settings, args.out if writer else None, args.run_id,
-                     progress=(lambda m: print(m, file=sys.stderr, flush=True)) if writer else None,
-                     tokenizer=tokenizer, variants=others, stage=stage)
+        res = run_ab(weights, settings, ReportTarget(args.out if writer else None, args.run_id),
+                     RunSite((lambda m: print(m, file=sys.stderr, flush=True)) if writer else None, stage),
+                     tokenizer=tokenizer, variants=others)
     except ValueError as e:              # unknown arm/toggle, bad parameters
         raise CommandError(str(e)) from None
     finally:

@@ -152,7 +152,8 @@ def _runners(args, driver=None):
             place = from_args(args)
         except DeviceError as e:
             raise CommandError(str(e)) from None
-        from fidelity.needle_runner import InProcessRunner
+        from fidelity.needle_runner import InProcessOptions, InProcessRunner
+        from reference_model.generate import Sampling
         from fidelity.pipeline_model import command_target
         target = command_target(args, place, driver)
         if driver is not None:
@@ -166,10 +167,9 @@ def _runners(args, driver=None):
                 arm = parse_arm(text, version_of(target.cfg))
             except ArmError as e:
                 raise CommandError(f"--arm {s!r}: {e}") from None
-            runners.append(InProcessRunner(name, target, arm,
-                                           temperature=temp, top_p=args.top_p,
-                                           max_tokens=args.max_tokens, placement=place,
-                                           batch=args.batch, batch_tokens=batch_tokens, driver=driver))
+            runners.append(InProcessRunner(name, target, arm, Sampling(temp, args.top_p), args.max_tokens,
+                                           InProcessOptions(placement=place, batch=args.batch,
+                                                            batch_tokens=batch_tokens, driver=driver)))
     kw = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
     endpoints = [_named(s, "") for s in args.endpoint]    # URLs checked when parsed (endpoint_pair)
     for (name, _), s in zip(endpoints, args.endpoint):

@@ -87,7 +87,8 @@ def load_config(args):
 
 
 def run(args) -> int:
-    from fidelity.weights.plan import PlanError, plan_memory, render
+    from fidelity.weights.plan import (PassSpec, PlanDevices, PlanError, PlanNumerics, plan_memory,
+                                       render)
     from reference_model.config import ConfigError
     if args.arms is not None:
         raise CommandError(f"plan-memory counts arms: use --n-arms {args.arms} (--arms names arms "
@@ -95,9 +96,10 @@ def run(args) -> int:
     try:
         cfg = load_config(args)
         mem = args.device_memory.split(",") if args.device_memory else None
-        plan = plan_memory(cfg, args.devices, args.length, args.prompts, args.n_arms, args.weights,
-                           mem, profile=args.profile, dequant=args.dequant, logits=args.logits,
-                           nodes=args.nodes, head_first=args.head_on_rank_0)
+        plan = plan_memory(cfg, PlanDevices(args.devices, mem, args.nodes),
+                           PassSpec(args.length, args.prompts, args.n_arms, args.weights, args.dequant,
+                                    args.logits, head_first=args.head_on_rank_0),
+                           PlanNumerics.of(args.profile))
     except (PlanError, ConfigError) as e:
         raise CommandError(str(e)) from None
     print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))

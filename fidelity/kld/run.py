@@ -20,7 +20,7 @@ import pandas as pd
 
 from fidelity.progress import Progress
 from fidelity.prompts import describe
-from fidelity.verdict.judge import Design, judge
+from fidelity.verdict.judge import Bootstrap, Design, judge
 from fidelity.verdict.signals import http_signals
 
 from . import health as H
@@ -155,7 +155,7 @@ def judge_arms(entries: list[ScoredArm], sig: pd.DataFrame, s: KldSettings, prom
     sets = {e.name: e.factors for e in entries if e.role == "arm"}
     factors = sorted(set().union(*sets.values())) if sets else []
     floors = [e.name for e in entries if e.role == "floor"]
-    return judge(sig, Design(base.name, sets, factors, floors), s.n_boot, s.seed,
+    return judge(sig, Design(base.name, sets, factors, floors), Bootstrap(s.n_boot, s.seed),
                  describe=describe(prompts))
 
 

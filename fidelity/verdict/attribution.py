@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import numpy as np
@@ -16,6 +17,13 @@ import pandas as pd
 from scipy import stats
 
 Subset = frozenset
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """The bootstrap over prompts every interval of one judgement uses: resamples and seed."""
+    n_boot: int = 1000
+    seed: int = 0
 
 
 def shapley_exact(names: list[str], value: Callable[[frozenset], float]) -> dict[str, float]:

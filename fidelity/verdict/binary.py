@@ -9,6 +9,8 @@ chance (one-sided binomial, p = 1/2)? An arm one factor away from the baseline i
 compared with each mechanism floor instead, and must beat every one of them."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pandas as pd
 from scipy import stats
 
@@ -50,30 +52,39 @@ def _compare_all(signal, place, trials, arms, floors) -> list[dict]:
         if arm not in by_arm:
             continue
         if len(factors) == 1:
-            tests = [paired(by_arm[arm], by_arm[f]) + (f,) for f in floors if f in by_arm]
+            tests = [(paired(by_arm[arm], by_arm[f]), f) for f in floors if f in by_arm]
             if tests:
-                worst = max(tests, key=lambda t: t[4])          # must beat every floor
+                worst = max(tests, key=lambda t: t[1])          # must beat every floor
                 rows.append(_row(signal, place, next(iter(factors)), "exact_vs_floors", *worst))
         for other, fewer in arms.items():
             if other in by_arm and fewer < factors and len(factors - fewer) == 1:
                 t = next(iter(factors - fewer))
                 rows.append(_row(signal, place, t, f"exact_vs_{other}",
-                                 *paired(by_arm[arm], by_arm[other]), other))
+                                 paired(by_arm[arm], by_arm[other]), other))
     return rows
 
 
-def paired(x: pd.Series, y: pd.Series) -> tuple[int, int, int, float]:
+class PairedTest(NamedTuple):
+    """One exact paired test's counts and p-value, kept together from paired() to its row."""
+    b: int          # trials where x only
+    c: int          # trials where y only
+    n: int          # trials both have
+    p: float        # exact one-sided McNemar p-value
+
+
+def paired(x: pd.Series, y: pd.Series) -> PairedTest:
     """(b, c, n, p): on the trials both have, b = x only, c = y only; p = exact one-sided
     McNemar P(B >= b | b + c discordant, p = 1/2)."""
     x, y = x.align(y, join="inner")
     b, c = int((x & ~y).sum()), int((~x & y).sum())
     p = float(stats.binom.sf(b - 1, b + c, 0.5)) if b + c else 1.0
-    return b, c, len(x), p
+    return PairedTest(b, c, len(x), p)
 
 
-def _row(signal, place, toggle, method, b, c, n, p, vs) -> dict:
+def _row(signal, place, toggle, method, test: PairedTest, vs) -> dict:
     """The difference in rate (b - c) / n with an exact interval conditional on the b + c
     discordant trials (Clopper-Pearson on b / (b + c))."""
+    b, c, n, p = test
     d = b + c
     if d:
         ci = stats.binomtest(b, d).proportion_ci(0.95, method="exact")

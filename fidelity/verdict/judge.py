@@ -4,49 +4,30 @@ signal's highest floor -> attribution of every signal to the factors -> the verd
 which names every factor whose interval clears its signal's floor."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pandas as pd
 
 from .binary import clears as exact_clears
 from .binary import exact_tests
 from .findings import mechanism_findings, mechanism_sentence, schedule_of
-from .signals import (FLOOR_EPS, SCHEDULE_FACTOR, SIGNALS, attribute_signals, floor_levels, kind,
-                      mechanism_floors, signal_summary)
+from .attribution import Bootstrap
+from .signals import (FLOOR_EPS, SCHEDULE_FACTOR, SIGNALS, Design, attribute_signals,  # noqa: F401
+                      floor_levels, kind, signal_summary)
 from .tail import METHOD as TAIL
 from .tail import clears as tail_clears
 from .tail import tail_tests, tail_words
 
 
-@dataclass(frozen=True)
-class Design:
-    """What the arms are, as the verdict sees them."""
-    baseline: str                        # the arm every signal is measured against (outcome 0)
-    arms: dict[str, frozenset]           # candidate arm -> the factors (toggles, patches) it holds
-    factors: list[str]                   # what attribution ranges over
-    floors: list[str]                    # arms that are noise floors, not candidates
-    added_to: frozenset | None = None    # base: every base + t arm gives t an added_to_base effect
-    mechanism_floors: list[str] | None = None   # floors that are noise for mechanism signals
-
-    def noise_for_mechanism(self) -> list[str]:
-        """The floors mechanism signals are judged against: given, or signals.mechanism_floors."""
-        if self.mechanism_floors is not None:
-            return self.mechanism_floors
-        return mechanism_floors(self.floors)
-
-
-def judge(sig: pd.DataFrame, design: Design, n_boot: int, seed: int, n_prompts: int | None = None,
+def judge(sig: pd.DataFrame, design: Design, boot: Bootstrap, n_prompts: int | None = None,
           direct: pd.DataFrame | None = None, describe: dict[str, str] | None = None) -> dict:
     """Summary, floors, attribution and verdict of the signals `sig` (signals.COLUMNS).
     `direct`: attribution rows measured directly between arms (signals.direct_effects),
     judged with the rest. `n_prompts` defaults to the prompts in `sig`. `describe`: prompt
     -> words for the verdict ("511 tokens, needle at 70%") where the tail names prompts."""
-    summary = signal_summary(sig, n_boot, seed)
+    summary = signal_summary(sig, boot.n_boot, boot.seed)
     floors = floor_levels(summary, design.floors, design.noise_for_mechanism())
     serving = floor_levels(summary, design.noise_for_mechanism(), design.noise_for_mechanism())
-    attr = attribute_signals(sig[sig.arm.isin(list(design.arms))], design.arms, design.factors,
-                             design.baseline, n_boot, seed, design.added_to)
+    attr = attribute_signals(sig[sig.arm.isin(list(design.arms))], design, boot)
     if direct is not None:
         attr = pd.concat([attr, direct], ignore_index=True)
     exact = exact_tests(sig, design.arms, design.noise_for_mechanism())

@@ -14,9 +14,11 @@ FLOOR_EPS, and its extraction in prompt_signals (from `fidelity ab`'s lockstep t
 and/or http_signals (from `fidelity kld`'s comparisons over HTTP)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pandas as pd
 
-from .attribution import attribute, bootstrap_mean_ci, outcome_matrix
+from .attribution import Bootstrap, attribute, bootstrap_mean_ci, outcome_matrix
 
 # signal -> what it measures (larger = worse for every signal)
 SIGNALS = {
@@ -160,25 +162,40 @@ def floor_levels(summary: pd.DataFrame, floors: list[str],
     return out.rename(columns={"hi": "floor_hi", "arm": "floor_arm"}).reset_index(drop=True)
 
 
-def attribute_signals(sig: pd.DataFrame, arm_sets: dict[str, frozenset], toggles: list[str],
-                      golden: str, n_boot: int, seed: int,
-                      base: frozenset | None = None) -> pd.DataFrame:
+@dataclass(frozen=True)
+class Design:
+    """What the arms are, as the verdict sees them."""
+    baseline: str                        # the arm every signal is measured against (outcome 0)
+    arms: dict[str, frozenset]           # candidate arm -> the factors (toggles, patches) it holds
+    factors: list[str]                   # what attribution ranges over
+    floors: list[str]                    # arms that are noise floors, not candidates
+    added_to: frozenset | None = None    # base: every base + t arm gives t an added_to_base effect
+    mechanism_floors: list[str] | None = None   # floors that are noise for mechanism signals
+
+    def noise_for_mechanism(self) -> list[str]:
+        """The floors mechanism signals are judged against: given, or signals.mechanism_floors."""
+        if self.mechanism_floors is not None:
+            return self.mechanism_floors
+        return mechanism_floors(self.floors)
+
+
+def attribute_signals(sig: pd.DataFrame, design: Design, boot: Bootstrap) -> pd.DataFrame:
     """Attribution (one-at-a-time, leave-one-out, Shapley where the design allows) of
-    every signal at every place, with paired bootstrap CIs over prompts. With `base` (e.g.
-    the engine arm's toggles), every arm that is base plus one toggle t also gives t an
+    every signal at every place, with paired bootstrap CIs over prompts. With `base` =
+    design.added_to (e.g. the engine arm's toggles), every arm that is base plus one toggle t also gives t an
     `added_to_base` effect: signal(base + t) - signal(base); likewise every arm under a
     schedule S that is another arm under S plus t (golden@S + t) an `under_schedule` one."""
-    rows = []
+    rows, base = [], design.added_to
     for (s, w), grp in sig.groupby(["signal", "where"], sort=False):
-        table = outcome_matrix(grp.rename(columns={"value": "kld"}), arm_sets, golden)
+        table = outcome_matrix(grp.rename(columns={"value": "kld"}), design.arms, design.baseline)
         if len(table) < 2:
             continue
-        for r in attribute(toggles, table, n_boot, seed):
+        for r in attribute(design.factors, table, boot.n_boot, boot.seed):
             rows.append({"signal": s, "where": w, **r})
         if base and base in table:
-            rows += _added(table, base, s, w, "added_to_base", n_boot, seed)
+            rows += _added(table, base, (s, w), "added_to_base", boot)
         for ctx in [k for k in table if any(f.startswith(SCHEDULE_FACTOR) for f in k) and k != base]:
-            rows += _added(table, ctx, s, w, "under_schedule", n_boot, seed)
+            rows += _added(table, ctx, (s, w), "under_schedule", boot)
     return pd.DataFrame(rows, columns=ATTRIBUTION_COLUMNS)
 
 
@@ -192,11 +209,12 @@ ATTRIBUTION_COLUMNS = ["signal", "where", "toggle", "method", "value", "lo", "hi
 SCHEDULE_FACTOR = "@"
 
 
-def _added(table, ctx: frozenset, s, w, method, n_boot, seed) -> list[dict]:
+def _added(table, ctx: frozenset, place: tuple[str, str], method, boot: Bootstrap) -> list[dict]:
     """Effect of t added to the arm `ctx`: signal(ctx + t) - signal(ctx), per t present.
     Under a schedule, also how it differs from the same effect one-shot (ctx without its
     schedule), paired over prompts: `vs_oneshot` with its interval, NaN when the one-shot
-    arms were not run."""
+    arms were not run. `place`: (signal, where)."""
+    (s, w), n_boot, seed = place, boot.n_boot, boot.seed
     rows = []
     context = ", ".join(sorted(f[len(SCHEDULE_FACTOR):] for f in ctx if f.startswith(SCHEDULE_FACTOR)))
     plain = frozenset(f for f in ctx if not f.startswith(SCHEDULE_FACTOR))

@@ -19,6 +19,8 @@ a prompt". An arm whose every prompt sits inside the floors has no broken prompt
 never named; a single prompt must reach about n/ALPHA times its floor to be named alone."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
 from scipy import stats
@@ -56,7 +58,7 @@ def tail_tests(sig: pd.DataFrame, arms: dict[str, frozenset], floors: list[str],
                 continue
             v = wide[arm].dropna()
             f = floor.reindex(v.index)
-            rows.append(_row(signal, toggles[0], _schedule(factors), v, f, floor_arm, describe))
+            rows.append(_row(signal, toggles[0], _schedule(factors), v, PromptFloors(f, floor_arm), describe))
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -73,8 +75,15 @@ def p_value(ratios: np.ndarray, n: int) -> float:
     return float(min(1.0, min(ps) * len(r)))
 
 
-def _row(signal, toggle, schedule, v: pd.Series, floor: pd.Series, floor_arm: pd.Series,
-         describe: dict) -> dict:
+@dataclass(frozen=True)
+class PromptFloors:
+    """Each prompt's floor and the floor arm it came from, set beside an arm's values."""
+    value: pd.Series                    # per prompt: the largest floor (clipped at FLOOR_EPS)
+    arm: pd.Series                      # per prompt: the floor arm holding it
+
+
+def _row(signal, toggle, schedule, v: pd.Series, floors: PromptFloors, describe: dict) -> dict:
+    floor, floor_arm = floors.value, floors.arm
     ratio = (v / floor).to_numpy(float)
     broken = v.index[ratio >= BROKEN]
     order = sorted(broken, key=lambda p: -float(v[p] / floor[p]))

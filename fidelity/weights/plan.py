@@ -1,9 +1,10 @@
 """Memory plan for a lockstep run of the golden model on a set of devices, from the config
 alone (shape arithmetic over the tensor table; nothing is loaded or allocated).
 
-`plan_memory(cfg, devices, length, prompts, arms, weights_mode, device_memory)` places the
-layers contiguously over the devices (pipeline placement, weight bytes balanced; embed on
-the first device, the head on the last) and returns a `MemoryPlan`: bytes per device for
+`plan_memory(cfg, PlanDevices(devices, memory), PassSpec(length, prompts, arms, ...))`
+places the layers contiguously over the devices (pipeline placement, weight bytes balanced;
+embed on the first device, the head on the last) and returns a `MemoryPlan`: bytes per
+device for
 
   weights    resident weights: `resident-quantised` = checkpoint-format bytes (FP8 e4m3 +
              E8M0 128x128 scales, FP4 e2m1 two per byte + E8M0 per 32, bf16, f32, i64);
@@ -47,6 +48,8 @@ fit), plan_render (the plan as text). This module is the entry, `plan_memory`, a
 their public names importable from here."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fidelity.devices import DeviceError, parse_devices
 from fidelity.stages import too_many_ranks
 from reference_model.config import ModelConfig
@@ -54,63 +57,59 @@ from reference_model.config import ModelConfig
 from .plan_advice import advice
 from .plan_devices import (DevicePlan, MemoryPlan, PassSpec, PlanNumerics, most_stages,
                            plan_pass)
-from .plan_inputs import (DEQUANT_MODES, LOGITS_MODES, PROFILES, WEIGHT_MODES, PlanError,
-                          check_modes, device_budgets, parse_size)
+from .plan_inputs import (DEQUANT_MODES, LOGITS_MODES, PROFILES, WEIGHT_MODES, PlanDevices,
+                          PlanError, check_modes, device_budgets, parse_size)
 from .plan_layers import (StateDtypes, dequant_buffer_bytes, layer_weight_bytes,
                           sequence_state_bytes, sequence_state_elements, spec_bytes,
                           state_dtypes)
 from .plan_render import GiB, describe, host_mapped_line, per_sequence_line, render, verdict
 
 __all__ = ["DEQUANT_MODES", "LOGITS_MODES", "PROFILES", "WEIGHT_MODES", "GiB", "DevicePlan",
-           "MemoryPlan", "PassSpec", "PlanError", "PlanNumerics", "StateDtypes",
+           "MemoryPlan", "PassSpec", "PlanDevices", "PlanError", "PlanNumerics", "StateDtypes",
            "dequant_buffer_bytes", "describe", "device_budgets", "host_mapped_line",
            "layer_weight_bytes", "parse_size", "per_sequence_line", "plan_memory", "render",
            "sequence_state_bytes", "sequence_state_elements", "spec_bytes", "state_dtypes",
            "verdict"]
 
 
-def plan_memory(cfg: ModelConfig, devices, length: int, prompts: int = 1, arms: int = 1,
-                weights_mode: str = "resident-quantised", device_memory=None, *,
-                profile="reference", dequant: str = "full", logits: str = "all",
-                chunk_tokens: int = 2048,
-                attn_budget: int = 1 << 25, advise: bool = True, nodes: int = 1,
-                head_first: bool = False, cached_state: int = 0, pipeline: bool | None = None) -> MemoryPlan:
-    """Bytes per device for a pass of `prompts` x `arms` sequences of `length` tokens (see the
-    module docstring for each term). `devices`: list or comma string of cpu / cuda:N;
-    `device_memory`: bytes or a size string ('96GB') per device, a list of them, or None to
-    read CUDA devices' total memory. Raises PlanError on bad input. When the plan does not
-    fit and `advise`, `advice` says what would: fewer prompts per pass, a shorter length,
-    more devices, streamed weights, last-position logits. `nodes`: the devices are one
-    node's, repeated on each of `nodes` nodes (a torchrun pipeline, fidelity.pipeline: one
-    rank per device, labelled DEV@nodeK). `head_first`: the head runs on the first device
-    (the per-prompt commands' pipeline, fidelity.pipeline_model: rank 0 runs it), the
-    layer split unchanged; `cached_state`: bytes of state snapshots held besides the pass
-    (serve's prefix cache), each device counting its layers' share of a sequence's state;
-    `pipeline` (default: nodes > 1): the devices are torchrun ranks, holding the layers
-    fidelity.stages.stage_ranges gives them (V4.1: cut only where no layer reads another
-    stage's state)."""
-    # the public entry keeps one parameter per `plan-memory` option (keyword-only past
-    # device_memory); inside, they travel as PassSpec + PlanNumerics
+def plan_memory(cfg: ModelConfig, where: PlanDevices, spec: PassSpec,
+                numerics: PlanNumerics | None = None, advise: bool = True) -> MemoryPlan:
+    """Bytes per device for a pass of `spec.prompts` x `spec.arms` sequences of `spec.length`
+    tokens (see the module docstring for each term) on `where`: its devices (list or comma
+    string of cpu / cuda:N), their memory (bytes or a size string ('96GB') per device, a
+    list of them, or None to read CUDA devices' total memory) and `nodes`: the devices are
+    one node's, repeated on each of `nodes` nodes (a torchrun pipeline, fidelity.pipeline:
+    one rank per device, labelled DEV@nodeK). `spec.devices` and `spec.budgets` are filled
+    in from `where`. Raises PlanError on bad input. When the plan does not fit and `advise`,
+    `advice` says what would: fewer prompts per pass, a shorter length, more devices,
+    streamed weights, last-position logits. `spec.head_first`: the head runs on the first
+    device (the per-prompt commands' pipeline, fidelity.pipeline_model: rank 0 runs it),
+    the layer split unchanged; `spec.cached_state`: bytes of state snapshots held besides
+    the pass (serve's prefix cache), each device counting its layers' share of a sequence's
+    state; `spec.pipeline` (None: nodes > 1): the devices are torchrun ranks, holding the
+    layers fidelity.stages.stage_ranges gives them (V4.1: cut only where no layer reads
+    another stage's state). `numerics`: PlanNumerics.of(profile) (default: reference)."""
     try:
-        devices = parse_devices(devices, on_this_machine=False)
+        devices = parse_devices(where.devices, on_this_machine=False)
     except DeviceError as e:
         raise PlanError(str(e)) from None
-    check_modes(weights_mode, dequant, logits)
-    for name, v in (("length", length), ("prompts", prompts), ("arms", arms), ("nodes", nodes)):
+    check_modes(spec.weights_mode, spec.dequant, spec.logits_mode)
+    nodes = where.nodes
+    for name, v in (("length", spec.length), ("prompts", spec.prompts), ("arms", spec.arms),
+                    ("nodes", nodes)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise PlanError(f"{name} must be a positive integer, got {v!r}")
-    if length > cfg.max_seq_len:
-        raise PlanError(f"length {length} exceeds the config's max_seq_len {cfg.max_seq_len} "
-                        f"(by {length - cfg.max_seq_len} tokens)")
-    budgets = device_budgets(list(devices), device_memory) * nodes
+    if spec.length > cfg.max_seq_len:
+        raise PlanError(f"length {spec.length} exceeds the config's max_seq_len {cfg.max_seq_len} "
+                        f"(by {spec.length - cfg.max_seq_len} tokens)")
+    budgets = device_budgets(list(devices), where.memory) * nodes
     if nodes > 1:
         devices = tuple(f"{d}@node{k}" for k in range(nodes) for d in devices)
-    spec = PassSpec(devices, tuple(budgets), length, prompts, arms, weights_mode, dequant, logits,
-                    head_first, cached_state, nodes > 1 if pipeline is None else pipeline)
+    spec = replace(spec, devices=tuple(devices), budgets=tuple(budgets),
+                   pipeline=nodes > 1 if spec.pipeline is None else spec.pipeline)
     if spec.pipeline and len(devices) > most_stages(cfg):
         raise PlanError(too_many_ranks(cfg, len(devices), most_stages(cfg)))
-    nx = PlanNumerics(profile if isinstance(profile, StateDtypes) else state_dtypes(profile),
-                      profile if isinstance(profile, str) else "custom", chunk_tokens, attn_budget)
+    nx = numerics or PlanNumerics.of()
     plan = plan_pass(cfg, spec, nx)
     if advise and not plan.fits:
         plan.advice = advice(cfg, spec, nx, plan)

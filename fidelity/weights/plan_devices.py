@@ -13,7 +13,7 @@ from reference_model.config import ModelConfig
 from reference_model.placement import place_layers
 
 from .plan_layers import (StateDtypes, dequant_bytes, layer_table, sequence_state_bytes,
-                          spec_bytes, version_global_specs)
+                          spec_bytes, state_dtypes, version_global_specs)
 
 FIRST_GLOBALS = ("embed.weight",)               # the rest of the globals go with the head
 METRIC_COPIES = 6             # fp64 [rows, vocab] copies alive while a chunk is reduced (5.2 measured)
@@ -86,18 +86,19 @@ class MemoryPlan:
 @dataclass(frozen=True)
 class PassSpec:
     """One pass to plan: `prompts` x `arms` sequences of `length` tokens on `devices`, each
-    with its memory budget in bytes. plan_advice varies these fields to find what would fit."""
-    devices: tuple[str, ...]
-    budgets: tuple[int, ...]
+    with its memory budget in bytes (plan_memory fills both in from its PlanDevices).
+    plan_advice varies these fields to find what would fit."""
     length: int
-    prompts: int
-    arms: int
+    prompts: int = 1
+    arms: int = 1
     weights_mode: str = "resident-quantised"
     dequant: str = "full"
     logits_mode: str = "all"
     head_first: bool = False      # the head (and its logits) on the first device, not the last
     cached_state: int = 0         # state snapshots kept besides the pass (serve's prefix cache)
-    pipeline: bool = False        # one rank per device: the stages fidelity.stages cuts
+    pipeline: bool | None = None  # one rank per device: the stages fidelity.stages cuts (None: nodes > 1)
+    devices: tuple[str, ...] = ()
+    budgets: tuple[int, ...] = ()
 
     @property
     def sequences(self) -> int:
@@ -111,6 +112,12 @@ class PlanNumerics:
     profile: str                  # its name in the plan ("custom" for a Numerics)
     chunk_tokens: int = 2048
     attn_budget: int = 1 << 25
+
+    @classmethod
+    def of(cls, profile="reference", chunk_tokens: int = 2048, attn_budget: int = 1 << 25) -> PlanNumerics:
+        """From a profile name (plan_inputs.PROFILES) or a StateDtypes ("custom")."""
+        return cls(profile if isinstance(profile, StateDtypes) else state_dtypes(profile),
+                   profile if isinstance(profile, str) else "custom", chunk_tokens, attn_budget)
 
 
 def most_stages(cfg) -> int:

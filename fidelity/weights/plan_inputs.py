@@ -3,6 +3,8 @@ write them, each device's byte budget, and PlanError for input that is none of t
 apart so every plan module can raise it without importing the plan itself)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .sizes import parse_bytes
@@ -15,6 +17,14 @@ LOGITS_MODES = ("all", "last")
 
 class PlanError(ValueError):
     """Bad input to a memory plan (device string, length, counts, config, size)."""
+
+
+@dataclass(frozen=True)
+class PlanDevices:
+    """The devices a plan is asked for, as people write them: plan_memory parses and sizes them."""
+    devices: object               # list or comma string of cpu / cuda:N
+    memory: object = None         # bytes or a size string ('96GB') per device, a list, or None: CUDA's
+    nodes: int = 1                # the devices are one node's, repeated on each node (torchrun)
 
 
 def parse_size(text: str) -> int:

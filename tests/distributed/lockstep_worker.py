@@ -8,7 +8,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from distributed.cases import arms, prompts, tables  # noqa: E402
-from fidelity.ab.lockstep import LockstepRunner  # noqa: E402
+from fidelity.ab.lockstep import LockstepRunner, RunnerSettings, RunSite  # noqa: E402
 from fidelity.pipeline import init_stage, shutdown  # noqa: E402
 from fidelity.weights.source import checkpoint_config, load_weights  # noqa: E402
 
@@ -17,7 +17,7 @@ stage = init_stage(checkpoint_config(ckpt), timeout_s=300)
 got = {}
 for mode in ("streamed", "resident-quantised"):
     w, _ = load_weights(ckpt, mode=mode, layers=stage.layers)
-    res = LockstepRunner(w, arms(), decode_steps=2, pairs={"bug": "engine"}, stage=stage).run(prompts())
+    res = LockstepRunner(w, arms(), RunnerSettings(decode_steps=2), {"bug": "engine"}, RunSite(stage=stage)).run(prompts())
     got[mode] = tables(res)
     if mode == "resident-quantised":
         got["layers_read"] = [i for i, r in enumerate(w.raw_layers) if r is not None]
