@@ -210,3 +210,12 @@ def test_departures_are_stated_for_one_toggle_arms_whose_outcome_is_not_named():
     v = with_departures({"sentence": "Nothing.", "named": [{"toggle": "c"}]}, deps)
     assert v["sentence"] == "Nothing. " + s and v["departures"] == deps
     assert departure_sentence([dep("engine-x", None, 900.0)], set()) == ""
+
+
+def test_the_floor_to_beat_is_the_one_with_the_largest_p_whatever_its_name():
+    """The worst floor is chosen by its p-value (it once was by the floor's name: the
+    alphabetically last floor, right only when that was also the worst)."""
+    sig = pd.DataFrame(_lost("bug", 6) + _lost("floor:a", 6) + _lost("floor:b", 0))
+    t = B.exact_tests(sig, {"bug": frozenset({"bug"})}, ["floor:a", "floor:b"])
+    r = t[t.method == "exact_vs_floors"].iloc[0]
+    assert r.p_value == 1.0 and not bool(B.clears(t).iloc[0])

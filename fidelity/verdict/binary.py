@@ -54,7 +54,7 @@ def _compare_all(signal, place, trials, arms, floors) -> list[dict]:
         if len(factors) == 1:
             tests = [(paired(by_arm[arm], by_arm[f]), f) for f in floors if f in by_arm]
             if tests:
-                worst = max(tests, key=lambda t: t[1])          # must beat every floor
+                worst = max(tests, key=lambda t: t[0].p)        # must beat every floor: the largest p
                 rows.append(_row(signal, place, next(iter(factors)), "exact_vs_floors", *worst))
         for other, fewer in arms.items():
             if other in by_arm and fewer < factors and len(factors - fewer) == 1:
