@@ -40,6 +40,14 @@ def add_arguments(p):
                    help="force an endpoint's dialect: sglang, vllm, llamacpp or openai (default: detected)")
     g.add_argument("--floor", action="append", default=[], metavar="NAME",
                    help="an endpoint arm that is a noise floor, not a candidate (repeatable)")
+    g.add_argument("--twin", action="append", default=[], metavar="NAME=ARM",
+                   help="the in-process twin of endpoint NAME (the arm its settings map to), judged "
+                        "against it a second time: an arm spelling (exact:expert_act_q8_0,kv_cache_ggml), "
+                        "llama-server flags (NAME=\"-ctk q8_0\") or none (default: derived from what the "
+                        "server says of itself: llama-server's default flags, SGLang's/vLLM's engine "
+                        "profile, the arm fidelity serve serves; repeatable)")
+    g.add_argument("--no-twin", action="store_true",
+                   help="judge endpoints against the baseline only, not also against their twins")
     g.add_argument("--no-floors", action="store_true",
                    help="skip the automatic floors (in-process floor arms, or the baseline "
                         "endpoint scored twice)")
@@ -149,20 +157,87 @@ def build_entries(args, target, progress, place=None, driver=None):
     return entries
 
 
-def auto_floors(base, target, place=None, driver=None):
-    """In-process baseline: `fidelity ab`'s floor arms; endpoint baseline: itself again."""
+def build_twins(args, entries, target, progress, place=None, driver=None):
+    """(Twin, its judgement's entries) per twin of the endpoint arms, the twins also added to
+    `entries` as context arms (compared with the baseline, not judged): only when the
+    baseline runs here (the twin needs the weights) and not --no-twin."""
+    from fidelity.kld import twin as T
+    from fidelity.kld.run import ScoredArm, twin_entries
+    from kernel_toggles.arms import version_of
+    eps = [e.scorer for e in entries if e.role == "arm" and e.scorer.kind == "endpoint"]
+    given = T.parse_options(args.twin, [e.name for e in entries if e.scorer.kind == "endpoint"])
+    if args.no_twin or not eps or entries[0].scorer.kind != "inprocess":
+        if given and not args.no_twin:
+            raise ValueError("--twin needs the baseline to run in-process (--inprocess golden=golden)")
+        return []
+    from fidelity.arms import parse_arm
+    version = version_of(target.cfg)
+    twins, notes = T.twins_of(eps, given, lambda spelling: parse_arm(spelling, version).name)
+    for n in notes:
+        progress(n)
+    by_name = {e.name: e for e in entries}
+    out = []
+    for tw in twins:
+        try:
+            (_, make), *floors = _inprocess_around(tw.spelling, target, place, driver, own=tw.name,
+                                                   floors=None if args.no_floors else f"{tw.name}~")
+        except ValueError as e:
+            raise ValueError(f"twin of {', '.join(tw.engines)} ({tw.spelling}): {e}") from None
+        progress(f"twin of {', '.join(tw.engines)}: {tw.spelling} ({tw.source})")
+        entries.append(ScoredArm(tw.name, make, "twin"))
+        es = twin_entries(tw, make, floors, by_name)
+        out.append((tw, es if floors else [e for e in es if e.role != "floor"]))
+    return out
+
+
+def _inprocess_around(spelling: str, target, place=None, driver=None, own: str | None = None,
+                      floors: str | None = "") -> list:
+    """[(name, scorer)] of the in-process arm `spelling` (named `own`; left out when None)
+    and of the floors around it (fidelity.twin.floor_numerics), each named `floors` + its
+    floor name (left out when `floors` is None)."""
     import torch
-    from fidelity.ab.design import floor_arms
+    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.pipeline_model import arm_numerics
+    from fidelity.twin import floor_numerics as around
+    from kernel_toggles.arms import version_of
+    version = version_of(target.cfg)
+    cd = place.compute_dtype if place else torch.float64
+    devices = place.model_devices if place else None
+    recipes = [] if own is None else [(own, spelling, (arm_numerics, spelling, "reference", {"compute_dtype": cd},
+                                                       version))]
+    if floors is not None:
+        recipes += [(f"{floors}{f}", f"{spelling} ({f})", (_around_numerics, spelling, version, cd, k))
+                    for k, (f, _) in enumerate(around(spelling, version, cd))]
+    return [(n, InProcessScorer(n, None if driver else fn(*a), target.weights, label, devices,
+                                model=driver.model((fn, *a)) if driver else None))
+            for n, label, (fn, *a) in recipes]
+
+
+def auto_floors(base, target, place=None, driver=None):
+    """In-process baseline: the floors of a comparison against it (fidelity.twin: `fidelity
+    ab`'s three around the golden; around another arm, its own reduction- and tie-order
+    variants, and its QAT floor only on the reference profile); endpoint baseline: itself
+    again."""
+    import torch
     from fidelity.kld.inprocess import InProcessScorer
     from fidelity.kld.run import ScoredArm, repeat_floor
-    if base.scorer.kind == "inprocess":
-        cd = place.compute_dtype if place else torch.float64
-        return [ScoredArm(a.name, InProcessScorer(a.name, a.numerics, target.weights, None,
-                                                  place.model_devices if place else None,
+    if base.scorer.kind != "inprocess":
+        return [repeat_floor(base)]
+    cd = place.compute_dtype if place else torch.float64
+    devices = place.model_devices if place else None
+    if base.scorer.label == "golden":
+        from fidelity.ab.design import floor_arms
+        return [ScoredArm(a.name, InProcessScorer(a.name, a.numerics, target.weights, None, devices,
                                                   model=driver.model((floor_numerics, k, cd)) if driver else None),
                           "floor")
                 for k, a in enumerate(floor_arms(cd))]
-    return [repeat_floor(base)]
+    return [ScoredArm(n, sc, "floor") for n, sc in _inprocess_around(base.scorer.label, target, place, driver)]
+
+
+def _around_numerics(spec: str, version: str, cd, k: int):
+    """The k-th floor around the in-process arm `spec` (a recipe every pipeline rank can rebuild)."""
+    from fidelity.twin import floor_numerics as around
+    return around(spec, version, cd)[k][1]
 
 
 def run(args) -> int:
@@ -191,7 +266,8 @@ def _need(args, cfg):
     baseline_inprocess = args.baseline is None or args.baseline in {n for n, _ in
                                                                    (a.split("=", 1) for a in args.inprocess)}
     floors = 0 if args.no_floors or not baseline_inprocess else len(floor_arms())
-    return Need(longest + args.steps, len(args.inprocess) + floors)
+    twins = 0 if args.no_twin or not baseline_inprocess else len(args.endpoint) * (1 + len(floor_arms()))
+    return Need(longest + args.steps, len(args.inprocess) + floors + twins)
 
 
 def _lengths(args, cfg, tok) -> tuple[list[int], str]:
@@ -220,6 +296,7 @@ def _run(args, driver=None) -> int:
         from fidelity.pipeline_model import command_target
         target = command_target(args, place, driver)
         entries = build_entries(args, target, progress, place, driver)
+        twins = build_twins(args, entries, target, progress, place, driver)
         tok = target.tokenizer
         if args.prompts:
             prompts = file_prompts(args.prompts, tok, target.cfg.vocab_size)
@@ -249,7 +326,7 @@ def _run(args, driver=None) -> int:
                     "lengths": None if args.prompts else str(args.lengths),
                     "boundaries": asdict(Boundaries.of(target.cfg))}
         res = run_kld(entries, prompts, s, args.out, args.run_id or time.strftime("kld-%Y%m%d-%H%M%S"),
-                      manifest, progress)
+                      manifest, progress, twins)
     except (ValueError, RuntimeError, EndpointError, PromptFileError, DeviceError, LengthsError) as e:
         raise CommandError(str(e)) from None
     print(res["verdict"]["sentence"])

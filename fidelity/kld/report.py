@@ -100,7 +100,8 @@ def _ladder_plot(pos: pd.DataFrame):
     return fig
 
 
-def write(out_dir, run_id: str, tables: dict, judged: dict, manifest: dict, arms: list[str]):
+def write(out_dir, run_id: str, tables: dict, judged: dict, manifest: dict, arms: list[str],
+          latest: bool = True):
     w = ReportWriter(out_dir, run_id)
     try:
         kt = kld_table(tables["positions"], KldSettings(**manifest["settings"]))
@@ -135,7 +136,7 @@ def write(out_dir, run_id: str, tables: dict, judged: dict, manifest: dict, arms
             w.table("residues", by_res[0])
         w.page(build_page(manifest, judged, kt, lt, tables.get("coverage"), ms, by_res))
         plt.close("all")
-        return w.commit()
+        return w.commit(latest)
     except BaseException:
         w.abort()
         raise
@@ -175,7 +176,7 @@ def _next_steps(m: dict, sus: pd.DataFrame) -> list[str]:
     if base is None:
         return []
     out = []
-    others = [a for n, a in arms.items() if n != m["baseline"] and a.get("role", "arm") != "floor"]
+    others = [a for n, a in arms.items() if n != m["baseline"] and a.get("role", "arm") not in ("floor", "twin")]
     if not s.get("exact") and others:
         flags = [_arm_flag({**a, "spec": m["spec"]} if "spec" in m else a) for a in [base] + others]
         if None not in flags:
@@ -257,6 +258,15 @@ def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov,
             "needs a max-norm score change ≥ d/2: a lower bound, 0 when the picks agree) and "
             "the share of prompts whose |margin| < 2ε (fragile). Not a verdict signal; per "
             "prompt in `margins.csv`.", [Table(margins)]))
+    if judged["verdict"].get("twins"):
+        sections.insert(0, _twin_section(judged["verdict"]))
+    if m.get("twin"):
+        t = m["twin"]
+        sections.insert(0, Section("The twin", f"`{m['baseline']}` is `{t['arm']}`, the in-process arm "
+                                   f"{', '.join(t['of'])}'s settings map to ({t['source']}). Floors: the "
+                                   "twin's own reduction- and tie-order variants and each engine scored "
+                                   f"again against itself (`~repeat`). The judgement against the golden: "
+                                   f"[{t['report_of']}](../{t['report_of']}/index.html)."))
     retries = _retry_lines(m)
     sections.append(Section("Requests retried", "\n".join(retries) if retries else "None."))
     if cov is not None and len(cov):
@@ -266,6 +276,26 @@ def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov,
     sections.append(Section("Arms", "", [Table(pd.DataFrame(m["arms"]))]))
     lead = ["signals", "kld_vs_position"] if len(judged["summary"]) else ["kld_vs_position"]
     return Page("dsv4-fidelity KLD report", compared,
-                [*verdict_lines(judged["verdict"]), *_incomplete_lines(cov)],
+                [*(t["sentence"] for t in judged["verdict"].get("twins", [])),
+                 *(t["by_design"] for t in judged["verdict"].get("twins", [])),
+                 *verdict_lines(judged["verdict"]), *_incomplete_lines(cov)],
                 lead, Table(sus, ratio=sus[["x_floor"]], fold=False, caption=SUSPECTS_CAPTION) if len(sus) else None,
-                _next_steps(m, sus), sections, m, headline=headline(judged["verdict"]))
+                _next_steps(m, sus), sections, m, headline=_headline(judged["verdict"]))
+
+
+def _headline(v: dict) -> str:
+    from .twin import headline as twin_headline
+    return twin_headline(v, headline(v))
+
+
+def _twin_section(v: dict) -> Section:
+    """Each engine judged against its twin: the unexplained finding or the match, the gap
+    the twin explains, and its own report."""
+    rows = pd.DataFrame([{"engines": ", ".join(t["engines"]), "twin": t["twin"], "derived from": t["source"],
+                          "unexplained": t["unexplained"], "report": t["report"]} for t in v["twins"]])
+    text = "\n".join(f"- {t['sentence']} {t['by_design']} [Its report]({'../' + t['report'] + '/index.html'})."
+                     for t in v["twins"])
+    return Section("Against the twin: unexplained vs by design",
+                   "Each engine judged a second time against its twin, the in-process arm its "
+                   "settings map to, with floors that are noise on both sides (no QAT floor):\n" + text,
+                   [Table(rows, fold=False)])

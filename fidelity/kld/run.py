@@ -41,8 +41,10 @@ class ScoredArm:
     (toggles, patches; its own name by default)."""
     name: str
     scorer: object
-    role: str = "arm"               # baseline | arm | floor
+    role: str = "arm"               # baseline | arm | floor | twin (compared, not judged)
     factors: frozenset = field(default_factory=frozenset)
+    against: str | None = None      # compared with this arm's scores, not the baseline's (an
+                                    # engine scored again and compared with itself: its own noise)
 
 
 def repeat_floor(base: ScoredArm) -> ScoredArm:
@@ -50,9 +52,14 @@ def repeat_floor(base: ScoredArm) -> ScoredArm:
     return ScoredArm(f"{base.name}{REPEAT_SUFFIX}", base.scorer, "floor")
 
 
+# roles whose scores are read as a baseline's (no exact-mode extra ids): a twin is the
+# baseline of its own judgement and context in the golden's, stored once under one key
+BASE_ROLES = ("baseline", "twin")
+
+
 def _request(s: KldSettings, entry: ScoredArm, base: PromptScores | None) -> Request:
     r = Request(k=s.k, steps=s.steps, captures=s.captures)
-    if s.exact and base is not None and entry.role != "baseline":
+    if s.exact and base is not None and entry.role not in BASE_ROLES:
         if getattr(entry.scorer, "dialect", None) == "sglang":
             top = set()
             for kn in base.known + base.ladder:
@@ -64,7 +71,7 @@ def _request(s: KldSettings, entry: ScoredArm, base: PromptScores | None) -> Req
 
 
 def _key(s: KldSettings, entry: ScoredArm, ids: list[int]) -> str:
-    return request_key(s.k, s.steps, s.exact and entry.role != "baseline", s.captures, ids)
+    return request_key(s.k, s.steps, s.exact and entry.role not in BASE_ROLES, s.captures, ids)
 
 
 def score_arm(entry: ScoredArm, prompts, s: KldSettings, store: ScoreStore, baseline: str | None,
@@ -95,7 +102,7 @@ def _score_one(entry: ScoredArm, p, s: KldSettings, store: ScoreStore, baseline:
     ids = p.tokens.tolist()
     key = _key(s, entry, ids)
     base = None
-    if s.exact and entry.role != "baseline" and baseline is not None:
+    if s.exact and entry.role not in BASE_ROLES and baseline is not None:
         base = store.get(baseline, p.id, request_key(s.k, s.steps, False, s.captures, ids))
         if base is None:
             raise RuntimeError(f"exact mode: the baseline {baseline} has not scored {p.id} yet")
@@ -117,12 +124,15 @@ def compare_all(entries: list[ScoredArm], prompts, s: KldSettings, store: ScoreS
     capture coverage (prompts each capture signal could be computed on)."""
     base_e = next(e for e in entries if e.role == "baseline")
     pos, ladder, caps, margins, cov = [], [], [], [], []
-    bases = [load(base_e, p, s, store) for p in prompts]
+    base_bases = [load(base_e, p, s, store) for p in prompts]
     if s.captures:
-        cov += H.coverage_rows(base_e.name, "baseline", bases, bases, H.offers_captures(base_e.scorer, bases))
+        cov += H.coverage_rows(base_e.name, "baseline", base_bases, base_bases,
+                               H.offers_captures(base_e.scorer, base_bases))
+    named = {e.name: e for e in entries}
     for e in entries:
         if e is base_e:
             continue
+        bases = base_bases if e.against is None else [load(named[e.against], p, s, store) for p in prompts]
         arms = []
         for p, base in zip(prompts, bases):
             a = load(e, p, s, store)
@@ -146,6 +156,18 @@ def compare_all(entries: list[ScoredArm], prompts, s: KldSettings, store: ScoreS
                 r["prompts"], r["missing_because"] = 0, "the capture shape is unknown (/get_model_info)"
     return {"positions": pd.DataFrame(pos), "ladder": pd.DataFrame(ladder), "captures": pd.DataFrame(caps),
             "margins": pd.DataFrame(margins), "coverage": pd.DataFrame(cov)}
+
+
+def twin_entries(twin, scorer, floors: list, engines: dict[str, ScoredArm]) -> list[ScoredArm]:
+    """The second judgement's arms (fidelity.kld.twin): the twin (its in-process `scorer`) as
+    baseline, its engines, the floors around the twin ((name, scorer) each, named
+    `<twin>~<floor>`) and each engine
+    scored again and compared with itself (its own run-to-run noise)."""
+    out = [ScoredArm(twin.name, scorer, "baseline")]
+    out += [ScoredArm(e, engines[e].scorer, "arm", frozenset({e})) for e in twin.engines]
+    out += [ScoredArm(n, s, "floor") for n, s in floors]
+    out += [ScoredArm(f"{e}{REPEAT_SUFFIX}", engines[e].scorer, "floor", against=e) for e in twin.engines]
+    return out
 
 
 def judge_arms(entries: list[ScoredArm], sig: pd.DataFrame, s: KldSettings, prompts=()) -> dict:
@@ -199,13 +221,18 @@ def score_entry(e: ScoredArm, prompts, s: KldSettings, store: ScoreStore, baseli
 
 
 def run_kld(entries: list[ScoredArm], prompts, s: KldSettings, out_dir, run_id: str,
-            manifest: dict, progress: Progress) -> dict:
-    """Score (resuming), compare, judge, report. Entries: the baseline first. Retries
-    (per arm and route) and capture coverage go to the console, manifest and summary."""
+            manifest: dict, progress: Progress, twins=()) -> dict:
+    """Score (resuming), compare, judge, report. Entries: the baseline first. `twins`:
+    (fidelity.kld.twin.Twin, its judgement's entries) per twin, scored too and judged a
+    second time (the twin the baseline). Retries (per arm and route) and capture coverage
+    go to the console, manifest and summary."""
     store = ScoreStore(Path(out_dir) / "kld" / "scores")
     base = next(e for e in entries if e.role == "baseline")
-    retries, counted = {}, set()
-    for e in [base] + [e for e in entries if e is not base]:
+    retries, counted, seen = {}, set(), set()
+    for e in [base] + [e for e in entries if e is not base] + [e for _, es in twins for e in es]:
+        if e.name in seen:
+            continue
+        seen.add(e.name)
         sc = e.scorer
         first = id(sc) not in counted          # start-up retries (connect, tokenize) go to the first
         before = {} if first else dict(getattr(sc, "retries", {}))
@@ -218,22 +245,37 @@ def run_kld(entries: list[ScoredArm], prompts, s: KldSettings, out_dir, run_id: 
         progress.log(f"{e.name}: {n} prompts scored, {len(prompts) - n} reused{note}")
     shape = capture_shape_of(entries, prompts, s, store) if s.captures else None
     manifest["retries"] = H.retry_summary(retries)
-    res = evaluate(entries, prompts, s, store, shape, Path(out_dir) / "kld", run_id, manifest)
+    res = evaluate(entries, prompts, s, store, shape, Path(out_dir) / "kld", run_id, manifest, twins=twins)
     return {**res, "retries": manifest["retries"]}
 
 
 def evaluate(entries: list[ScoredArm], prompts, s: KldSettings, store: ScoreStore, shape: dict | None,
-             out_dir, run_id: str, manifest: dict, coverage: bool = True) -> dict:
+             out_dir, run_id: str, manifest: dict, coverage: bool = True, twins=(),
+             latest: bool = True) -> dict:
     """From stored scores to the report: compare every arm with the baseline, the verdict's
     signals, judge, write <out_dir>/<run_id>. `coverage`: record the capture coverage in
-    the manifest."""
+    the manifest. `twins`: each judged again against its engines in <run_id>-vs-<twin>
+    (written first), and the verdict leads with what the twins leave unexplained."""
+    from . import twin as T
     tables = compare_all(entries, prompts, s, store, shape)
     tables["signals"] = http_signals(tables)
     judged = judge_arms(entries, tables["signals"], s, prompts)
     if coverage:
         manifest["capture_coverage"] = tables["coverage"].to_dict("records")
+    if twins:
+        results = []
+        for tw, es in twins:
+            m = {**manifest, "baseline": tw.name, "twin": {"of": tw.engines, "arm": tw.spelling,
+                                                          "source": tw.source, "report_of": run_id},
+                 "arms": [{"name": e.name, "role": e.role, **({"against": e.against} if e.against else {}),
+                           **e.scorer.describe()} for e in es]}
+            r = evaluate(es, prompts, s, store, shape, out_dir, f"{run_id}-vs-{tw.name}", m, coverage, latest=False)
+            results.append({"twin": tw, "judged": r, "path": r["path"]})
+        judged["verdict"] = T.combine(judged, results, entries[0].name)
+        manifest["twins"] = [{k: v for k, v in t.items() if k not in ("named", "mechanism")}
+                             for t in judged["verdict"]["twins"]]
     path = report.write(out_dir, run_id, tables, judged, manifest,
-                        [e.name for e in entries if e.role != "baseline"])
+                        [e.name for e in entries if e.role != "baseline"], latest=latest)
     return {"path": path, **tables, **judged}
 
 

@@ -153,8 +153,8 @@ def _words(n: dict) -> str:
     if n["method"] == TAIL:
         return f"it {n['tail']['words']}; broken prompts: {n['tail']['prompts']}"
     words = (f"its {n['method'].replace('_', '-')} effect on {n['signal']} ({SIGNALS[n['signal']]}) at "
-             f"{n['where']} is {n['value']:.3g} (95% CI [{n['lo']:.3g}, {n['hi']:.3g}]), above the "
-             f"highest floor's {n['floor_hi']:.3g} ({n['floor_arm']})")
+             f"{n['where']} is {n['value']:.3g} (95% CI [{n['lo']:.3g}, {n['hi']:.3g}]), "
+             + floor_words(n["floor_hi"], n.get("floor_arm")))
     if "tail" in n and n["tail"]["b"] < n["tail"]["n"]:
         words += f"; it {n['tail']['words']}"
     return words
@@ -172,4 +172,12 @@ def _nothing(t: pd.DataFrame, mechanism: bool) -> str:
     lead = "No toggle changes the outcome beyond its floors" if mechanism else "No toggle stands out"
     return (f"{lead}: for no outcome signal does a toggle's interval clear its floor, and no toggle "
             f"breaks a prompt beyond its floors (largest mean-KLD effect: {top.toggle}, {top.value:.3g} "
-            f"[{top.lo:.3g}, {top.hi:.3g}] vs floor {top.floor_hi:.3g}).")
+            f"[{top.lo:.3g}, {top.hi:.3g}] vs {floor_words(top.floor_hi, top.get('floor_arm'), 'floor')}).")
+
+
+def floor_words(value: float, arm, lead: str = "above the highest floor's") -> str:
+    """A floor in words; a comparison that had no floor arm says so instead of printing
+    0 (nan)."""
+    if arm is None or (isinstance(arm, float) and np.isnan(arm)):
+        return "with no floor measured (no floor arm in this comparison)"
+    return f"{lead} {value:.3g} ({arm})"
