@@ -99,18 +99,24 @@ def _replay(args, ck: Path, model: Path) -> int:
     ids = _text_ids(args, tok, args.tokens)
     out = Path(args.out or "reports") / "llamacpp-replay"
     out.mkdir(parents=True, exist_ok=True)
-    table, first, moe = R.replay(model, w, ids, arms, out, args.path, args.cache_type)
+    table, _, moe, attn = R.replay(model, w, ids, arms, out, args.path, args.cache_type)
+    found = R.findings(table, moe, args.path, args.cache_type, attn)
     tag = f"{args.path}-{args.cache_type}"
     table.to_csv(out / f"replay-{tag}.csv", index=False)
     moe.to_csv(out / f"isolated-moe-{tag}.csv", index=False)
-    (out / f"first-departure-{tag}.json").write_text(json.dumps(first, indent=1))
+    attn.to_csv(out / f"isolated-attention-{tag}.csv", index=False)
+    (out / f"findings-{tag}.json").write_text(json.dumps(found, indent=1))
     fmt = lambda v: f"{v:.3g}"  # noqa: E731
     print(table.to_string(index=False, float_format=fmt))
-    print(R.sentence(first, args.path))
+    if len(attn):
+        print("\nEach layer's attention fed llama.cpp's own input and indexer picks "
+              "(relative error to its attn_out):")
+        print(attn.to_string(index=False, float_format=fmt))
     if len(moe):
         print("\nEach layer's MoE fed llama.cpp's own input, experts and routing weights "
               "(relative error to its ffn_out):")
         print(moe.to_string(index=False, float_format=fmt))
+    print("\n" + "\n".join(R.headline(found)))
     return 0
 
 

@@ -25,9 +25,13 @@ from . import tensor_dump as D
 
 # (golden tap under layers.{i}., llama.cpp tensor name before -{i}), in graph order
 PAIRS = [("attn.q", "q"), ("attn.kv", "kv"), ("attn.out", "attn_out"), ("ffn.out", "ffn_out")]
-PATTERN = r"^(embd|(q|kv|attn_out|ffn_out|ffn_norm|ffn_moe_topk|ffn_moe_weights_scaled)-\d+)$"
+PATTERN = (r"^(embd|(q|kv|attn_norm|attn_out|lid_top_k|ffn_out|ffn_norm|ffn_moe_topk|ffn_moe_weights_scaled)"
+           r"-\d+)$")
 FACTOR = 10.0
 GOLDEN, FLOOR = "golden", "floor:fp32-accum"
+TWIN_FLOOR = "twin:fp64-accum"         # the twin accumulating in fp64: its reduction-order floor
+FLOORS = (FLOOR, TWIN_FLOOR)
+F32_ROUNDING = 1e-6                    # the smallest floor a relative error is judged against
 # llama.cpp's CPU arithmetic as in-process arms: the reference's math without its QAT
 # simulation, with the routed experts' activations read as Q8_0, then also its cache in
 # llama-server's -ctk type (f16 by default; Q8_0 rotated) (docs/real-engines.md)
@@ -40,15 +44,22 @@ def llama_cpu_arms(cache_type: str = "f16") -> tuple[str, ...]:
     return (cpu, cache if cache_type == "f16" else f"{cache}(type={cache_type})")
 
 
+def twin_of(cache_type: str = "f16") -> str:
+    """llama.cpp's twin under -ctk `cache_type`: the in-process arm its flags map to."""
+    return llama_cpu_arms(cache_type)[1]
+
+
 def replay_arms(extra=(), cache_type: str = "f16") -> dict:
     """The in-process arms a replay compares: golden, the fp32-accumulation floor, the exact
-    profile, llama_cpu_arms(cache_type) and each of `extra`, spelled PROFILE:ARM
+    profile, llama_cpu_arms(cache_type) (the last is the twin), the twin accumulating in
+    fp64 (its reduction-order floor) and each of `extra`, spelled PROFILE:ARM
     (reference|exact and an arm spelling). A bad spelling is a ValueError naming it."""
     from fidelity.arms import pinned_profile
     from fidelity.pipeline_model import arm_numerics
     from reference_model.numerics import Numerics
     arms = {GOLDEN: arm_numerics("golden", "reference", {}, "v4"),
-            FLOOR: Numerics("reference", torch.float32), "exact": Numerics("exact")}
+            FLOOR: Numerics("reference", torch.float32), "exact": Numerics("exact"),
+            TWIN_FLOOR: arm_numerics(twin_of(cache_type), "reference", {"compute_dtype": torch.float64}, "v4")}
     for spec in dict.fromkeys([*llama_cpu_arms(cache_type), *extra]):
         profile, arm = pinned_profile(spec)
         if profile is None or not arm:
@@ -79,8 +90,10 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
-def compare(engine: dict[str, np.ndarray], arms: dict[str, Taps], n_layers: int) -> pd.DataFrame:
-    """One row per (layer, tensor): the engine's error against every arm, and the floor."""
+def compare(engine: dict[str, np.ndarray], arms: dict[str, Taps], n_layers: int,
+            twin: str | None = None) -> pd.DataFrame:
+    """One row per (layer, tensor): the engine's error against every arm, the golden's
+    reduction-order floor and (given the `twin`'s name) the twin's."""
     rows = []
     for i in range(n_layers):
         for gname, lname in PAIRS:
@@ -94,8 +107,56 @@ def compare(engine: dict[str, np.ndarray], arms: dict[str, Taps], n_layers: int)
             for name, taps in arms.items():
                 row[f"vs {name}"] = rel(got, taps[f"layers.{i}.{gname}"].double().numpy())
             row["floor"] = rel(arms[FLOOR][f"layers.{i}.{gname}"].double().numpy(), ref)
+            if twin in arms and TWIN_FLOOR in arms:
+                row["twin floor"] = rel(arms[TWIN_FLOOR][f"layers.{i}.{gname}"].double().numpy(),
+                                        arms[twin][f"layers.{i}.{gname}"].double().numpy())
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+def modelled(table: pd.DataFrame) -> list[str]:
+    """The columns of the arms that model an engine (every compared arm but the floors)."""
+    return [c for c in table.columns if c.startswith("vs ") and c[3:] not in FLOORS]
+
+
+def _departing(df: pd.DataFrame, floor_col: str) -> tuple[list[int], dict] | None:
+    """Rows where the engine is further than FACTOR x the floor column (floored at float32
+    rounding) from *every* modelled arm, and the first such row's error, closest arm,
+    floor and multiple; None when no row departs."""
+    cols = modelled(df)
+    floor = np.maximum(df[floor_col].to_numpy(), F32_ROUNDING)
+    best = df[cols].min(axis=1).to_numpy()
+    off = [int(j) for j in np.flatnonzero(best > FACTOR * floor)]
+    if not off:
+        return None
+    k, r = off[0], df.iloc[off[0]]
+    return off, {"layer": int(r.layer), "error": float(best[k]), "closest": min(cols, key=lambda c: r[c])[3:],
+                 "floor": float(floor[k]), "x_floor": float(best[k] / floor[k])}
+
+
+def first_unexplained(table: pd.DataFrame, twin: str) -> dict | None:
+    """The first tap (graph order) where the engine is further than FACTOR x the twin's
+    reduction-order floor from every modelled arm: what no toggle explains. With how far
+    the engine matched a modelled arm before, and the twin's own error there."""
+    found = _departing(table, "twin floor")
+    if found is None:
+        return None
+    (k, *_), first = found
+    r, within = table.iloc[k], table.iloc[:k]
+    return {**first, "tensor": r.tensor, "engine_tensor": r.engine_tensor, "twin_error": float(r[f"vs {twin}"]),
+            "matched_to": (None if within.empty else {"layer": int(within.iloc[-1].layer),
+                                                       "tensor": within.iloc[-1].tensor})}
+
+
+def block_unexplained(iso: pd.DataFrame, block: str) -> dict | None:
+    """The first layer whose `block` (attention or MoE), fed llama.cpp's own inputs, is
+    further than FACTOR x the twin's floor there from every modelled arm: upstream
+    differences drop out, so this places a departure at its block."""
+    found = None if iso.empty or "floor" not in iso else _departing(iso, "floor")
+    if found is None:
+        return None
+    off, first = found
+    return {"block": block, **first, "layers": [int(iso.iloc[j].layer) for j in off]}
 
 
 def first_departure(table: pd.DataFrame) -> dict | None:
@@ -107,17 +168,18 @@ def first_departure(table: pd.DataFrame) -> dict | None:
         return None
     r = off.iloc[0]
     tol = max(float(r.floor), 1e-6)
-    arms = [c[3:] for c in table.columns if c.startswith("vs ") and c != f"vs {GOLDEN}" and r[c] <= tol]
+    arms = [c[3:] for c in modelled(table) if c != f"vs {GOLDEN}" and r[c] <= tol]
     return {"layer": int(r.layer), "tensor": r.tensor, "engine_tensor": r.engine_tensor,
             "error": float(r[f"vs {GOLDEN}"]), "floor": float(r.floor),
             "x_floor": float(r[f"vs {GOLDEN}"] / max(r.floor, 1e-300)), "reproduced_by": arms}
 
 
-def isolated_moe(engine: dict[str, np.ndarray], weights, arms: dict) -> pd.DataFrame:
+def isolated_moe(engine: dict[str, np.ndarray], weights, arms: dict, twin: str | None = None) -> pd.DataFrame:
     """Each layer's MoE fed llama.cpp's own input, expert choice and routing weights
     (ffn_norm, ffn_moe_topk, ffn_moe_weights_scaled), once per in-process arm: the arm's
     relative error to llama.cpp's ffn_out there. Upstream differences drop out, so an arm
-    that matches to float32 rounding computes the experts as llama.cpp does."""
+    that matches to float32 rounding computes the experts as llama.cpp does. `floor`: the
+    `twin` in fp64 against the twin on the same inputs."""
     from reference_model.model import moe_experts
     rows = []
     for i in range(weights.cfg.n_layers):
@@ -127,30 +189,90 @@ def isolated_moe(engine: dict[str, np.ndarray], weights, arms: dict) -> pd.DataF
         x, idx, wt, out = (np.asarray(engine[k]) for k in need)
         k = idx.size // x.shape[0]
         lw = weights.layer_weights(i)
-        row = {"layer": i}
+        row, ys = {"layer": i}, {}
         for name, nx in arms.items():
-            y = moe_experts(nx, weights.cfg, lw, torch.tensor(x).to(nx.cd),
-                            torch.tensor(idx.reshape(-1, k)).long(),
-                            torch.tensor(wt.reshape(-1, k)).to(nx.cd))
-            row[f"vs {name}"] = rel(out, y.double().numpy())
+            ys[name] = moe_experts(nx, weights.cfg, lw, torch.tensor(x).to(nx.cd),
+                                   torch.tensor(idx.reshape(-1, k)).long(),
+                                   torch.tensor(wt.reshape(-1, k)).to(nx.cd)).double().numpy()
+            row[f"vs {name}"] = rel(out, ys[name])
+        if twin in ys and TWIN_FLOOR in ys:
+            row["floor"] = rel(ys[TWIN_FLOOR], ys[twin])
         rows.append(row)
     return pd.DataFrame(rows)
 
 
+def _engine_picks(picks: np.ndarray):
+    """An index_topk kernel returning llama.cpp's own picks (rows x k) where an entry is
+    visible to the in-process arm, -1 elsewhere (llama.cpp fills rows with fewer visible
+    entries than k with indices its mask hides)."""
+    def topk(golden, scores, k):
+        idx = torch.tensor(np.array(picks[:, :k]), dtype=torch.long, device=scores.device)
+        seen = torch.gather(torch.isfinite(scores), 1, idx.clamp(0, scores.shape[1] - 1)) & (idx < scores.shape[1])
+        return torch.where(seen, idx, torch.full_like(idx, -1)).sort(1).values
+    return topk
+
+
+def isolated_attention(engine: dict[str, np.ndarray], weights, arms: dict, twin: str | None = None) -> pd.DataFrame:
+    """Each layer's attention fed llama.cpp's own input (attn_norm) from an empty cache and,
+    at CSA layers, its own indexer picks (lid_top_k), once per in-process arm: the arm's
+    relative error to llama.cpp's attn_out. Upstream differences and near-tie selection
+    flips drop out, so what remains is the attention's own arithmetic. Also per CSA layer
+    the rows whose picks differ from the arm's own (`picks_differ` of `rows`, rows with all
+    k entries visible). `floor`: the `twin` in fp64 against the twin (prefill only)."""
+    from reference_model import build_model
+    rows = []
+    models = {name: build_model(weights, nx) for name, nx in arms.items()}
+    for i in range(weights.cfg.n_layers):
+        if f"attn_norm-{i}" not in engine or f"attn_out-{i}" not in engine:
+            continue
+        x, out = np.asarray(engine[f"attn_norm-{i}"]), np.asarray(engine[f"attn_out-{i}"])
+        x = x.reshape(-1, weights.cfg.dim)
+        picks = engine.get(f"lid_top_k-{i}")
+        picks = None if picks is None else np.asarray(picks).reshape(x.shape[0], -1)
+        row, ys = {"layer": i}, {}
+        for name, m in models.items():
+            mi = m if picks is None else m.with_numerics(m.nx.with_kernels("engine picks", index_topk=_engine_picks(picks)))
+            ys[name] = mi.attention(i, mi._weights(i), torch.tensor(x).to(mi.nx.cd), mi.new_state(), 0, None,
+                                    "prefill").double().numpy()
+            row[f"vs {name}"] = rel(out.reshape(ys[name].shape), ys[name])
+        if twin in ys and TWIN_FLOOR in ys:
+            row["floor"] = rel(ys[TWIN_FLOOR], ys[twin])
+        if picks is not None and twin in models:
+            row.update(_picks_differ(models[twin], i, x, picks))
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _picks_differ(model, i: int, x: np.ndarray, picks: np.ndarray) -> dict:
+    """Rows (all k entries visible to `model`) whose indexer picks at layer i, fed llama.cpp's
+    input, are not llama.cpp's."""
+    from reference_model.taps import Taps
+    taps = Taps([f"layers.{i}.attn.index.topk"])
+    model.attention(i, model._weights(i), torch.tensor(x).to(model.nx.cd), model.new_state(), 0,
+                    lambda name, v: taps.put(f"layers.{i}.{name}", v), "prefill")
+    own = taps[f"layers.{i}.attn.index.topk"].numpy()
+    full = (own >= 0).all(1)
+    differ = [j for j in np.flatnonzero(full) if set(own[j]) != set(picks[j, :own.shape[1]])]
+    return {"rows": int(full.sum()), "picks_differ": len(differ)}
+
+
 def replay(gguf: Path, weights, ids: list[int], arms: dict, workdir: Path, path: str = "prefill",
            cache: str = "f16"):
-    """(table, first departure, isolated MoE table) for llama.cpp on `gguf` with its KV
-    cache in `cache` vs in-process `arms` (name -> Numerics; must hold GOLDEN and FLOOR)
-    over `ids` by `path`."""
+    """(table, first departure, isolated MoE table, isolated attention table) for llama.cpp on
+    `gguf` with its KV cache in `cache` vs in-process `arms` (name -> Numerics; must hold
+    GOLDEN and FLOOR) over `ids` by `path` (the isolated attention on the prefill path only:
+    empty otherwise)."""
     dump = D.run(gguf, ids, Path(workdir) / f"dump-{path}-{cache}.bin", path, PATTERN, cache)
     engine = D.read(dump)
     taps = {name: taps_of(weights, nx, ids, path) for name, nx in arms.items()}
-    table = compare(engine, taps, weights.cfg.n_layers)
-    return table, first_departure(table), isolated_moe(engine, weights, arms)
+    twin = twin_of(cache)
+    table = compare(engine, taps, weights.cfg.n_layers, twin)
+    attn = isolated_attention(engine, weights, arms, twin) if path == "prefill" else pd.DataFrame()
+    return table, first_departure(table), isolated_moe(engine, weights, arms, twin), attn
 
 
 def sentence(first: dict | None, path: str) -> str:
-    """The finding in words."""
+    """The departure from the golden in words (by design when an arm reproduces it)."""
     if first is None:
         return f"llama.cpp ({path}) stays within {FACTOR:g}x the floor of the golden at every tensor compared."
     who = (f"reproduced in-process by {', '.join(first['reproduced_by'])}" if first["reproduced_by"]
@@ -158,3 +280,51 @@ def sentence(first: dict | None, path: str) -> str:
     return (f"llama.cpp ({path}) first departs from the golden at layer {first['layer']} {first['tensor']} "
             f"({first['engine_tensor']}): relative error {first['error']:.3g}, {first['x_floor']:.0f}x the "
             f"floor {first['floor']:.2g}; {who}.")
+
+
+def findings(table: pd.DataFrame, moe: pd.DataFrame, path: str, cache: str = "f16",
+             attn: pd.DataFrame | None = None) -> dict:
+    """The replay's judgement: what no modelled arm explains -- each attention and MoE block
+    fed llama.cpp's own inputs (the first such block in graph order leads), the propagated
+    stream, the indexer picks that differ -- and the departure from the golden."""
+    attn = pd.DataFrame() if attn is None else attn
+    blocks = [b for b in (block_unexplained(attn, "attention"), block_unexplained(moe, "MoE")) if b]
+    first = min(blocks, key=lambda b: (b["layer"], b["block"] == "MoE")) if blocks else None
+    picks = ([{"layer": int(r.layer), "differ": int(r.picks_differ), "rows": int(r.rows)}
+              for _, r in attn.iterrows() if "picks_differ" in attn and pd.notna(r.picks_differ)])
+    return {"twin": twin_of(cache), "path": path, "block": first, "blocks": blocks,
+            "isolated": {"attention": not attn.empty, "MoE": not moe.empty}, "picks": picks,
+            "unexplained": first_unexplained(table, twin_of(cache)), "by_design": first_departure(table)}
+
+
+def headline(f: dict) -> list[str]:
+    """The replay in words: the first block that departs from every modelled arm when fed
+    llama.cpp's own inputs (else that every block matches the twin), the propagated stream
+    and the indexer picks as context, what differs by design last."""
+    b, u, twin, path = f["block"], f["unexplained"], f["twin"], f["path"]
+    fed = " and ".join(k for k, v in f["isolated"].items() if v) or "no"
+    lines = []
+    if b is not None:
+        more = [x for x in f["blocks"] if x is not b]
+        also = "".join(f"; the {x['block']} at layer {x['layer']} too ({x['x_floor']:.0f}x)" for x in more)
+        lines.append(f"llama.cpp ({path}) departs from its twin ({twin}) at layer {b['layer']} {b['block']}, fed "
+                     f"its own inputs: relative error {b['error']:.3g} to the closest ({b['closest']}), "
+                     f"{b['x_floor']:.0f}x the twin's floor {b['floor']:.2g}{also}.")
+    elif fed != "no":
+        lines.append(f"Fed llama.cpp's own inputs, every {fed} block of llama.cpp ({path}) matches its twin "
+                     f"({twin}) within {FACTOR:g}x the twin's floor.")
+    flips = [p for p in f["picks"] if p["differ"]]
+    if flips:
+        lines.append("Its indexer picks differ from the twin's on " + ", ".join(
+            f"{p['differ']} of {p['rows']} rows at layer {p['layer']}" for p in flips)
+            + " (fed the same inputs; the isolated attention above uses llama.cpp's own picks).")
+    if u is None:
+        lines.append(f"Propagated, it stays within {FACTOR:g}x the twin's floor of a modelled arm at every tensor.")
+    else:
+        upto = (f"to layer {u['matched_to']['layer']} {u['matched_to']['tensor']}" if u["matched_to"]
+                else "at no tensor")
+        lines.append(f"Propagated, it matches a modelled arm {upto}, then departs from every one at layer "
+                     f"{u['layer']} {u['tensor']} ({u['engine_tensor']}): relative error {u['error']:.3g} to the "
+                     f"closest ({u['closest']}), {u['x_floor']:.0f}x the twin's floor {u['floor']:.2g}.")
+    lines.append("By design: " + sentence(f["by_design"], path))
+    return lines

@@ -1,0 +1,53 @@
+"""The replay's judgement against the twin, on hand-made tables (no llama.cpp needed):
+a block fed llama.cpp's own inputs is unexplained only when it is further than 10x the
+twin's floor from *every* modelled arm (the floors are not models), the first such block
+in graph order leads (attention before the MoE of the same layer), and the by-design
+departure from the golden comes last."""
+import pandas as pd
+
+from fidelity.llamacpp import replay as R
+
+TWIN = R.twin_of("f16")
+
+
+def _iso(errors: dict[str, list[float]], floor: list[float]) -> pd.DataFrame:
+    n = len(floor)
+    return pd.DataFrame({"layer": range(n), **{f"vs {k}": v for k, v in errors.items()}, "floor": floor})
+
+
+def test_a_block_is_unexplained_only_beyond_every_modelled_arm():
+    moe = _iso({"golden": [0.02, 0.02, 0.4], R.TWIN_FLOOR: [1e-9] * 3, TWIN: [1e-7, 0.35, 0.35],
+                "exact": [4e-3, 1e-7, 0.5]}, [1e-7] * 3)
+    b = R.block_unexplained(moe, "MoE")
+    # layer 1: the twin is far but `exact` reproduces it; the floor arm is no model
+    assert (b["layer"], b["layers"], b["closest"]) == (2, [2], TWIN)
+    assert b["x_floor"] == 0.35 / 1e-6                     # the floor is floored at float32 rounding
+    assert R.block_unexplained(_iso({TWIN: [1e-6] * 2}, [1e-6] * 2), "MoE") is None
+
+
+def test_the_first_block_in_graph_order_leads_and_by_design_comes_last():
+    attn = _iso({"golden": [0.03] * 3, TWIN: [1e-5, 1e-5, 0.2]}, [1e-5] * 3).assign(rows=[None, 200, 200],
+                                                                                    picks_differ=[None, 3, 0])
+    moe = _iso({"golden": [0.02] * 3, TWIN: [1e-7, 1e-7, 0.5]}, [1e-7] * 3)
+    table = pd.DataFrame({"layer": [0, 0], "tensor": ["attn.q", "attn.out"], "engine_tensor": ["q-0", "attn_out-0"],
+                          "vs golden": [0.03, 0.03], f"vs {R.FLOOR}": [0.03, 0.03], f"vs {TWIN}": [1e-6, 0.1],
+                          "floor": [4e-5, 5e-4], "twin floor": [1e-6, 1e-6]})
+    f = R.findings(table, moe, "prefill", "f16", attn)
+    assert (f["block"]["block"], f["block"]["layer"]) == ("attention", 2)
+    lines = R.headline(f)
+    assert lines[0].startswith(f"llama.cpp (prefill) departs from its twin ({TWIN}) at layer 2 attention")
+    assert "the MoE at layer 2 too" in lines[0]
+    assert "3 of 200 rows at layer 1" in lines[1]
+    assert "to layer 0 attn.q, then departs from every one at layer 0 attn.out" in lines[2]
+    assert lines[-1].startswith("By design: llama.cpp (prefill) first departs from the golden at layer 0 attn.q")
+
+
+def test_every_block_matching_is_said_so():
+    ok = _iso({TWIN: [1e-6] * 2}, [1e-6] * 2)
+    table = pd.DataFrame({"layer": [0], "tensor": ["attn.q"], "engine_tensor": ["q-0"], "vs golden": [1e-7],
+                          f"vs {TWIN}": [1e-7], "floor": [4e-5], "twin floor": [1e-7]})
+    lines = R.headline(R.findings(table, ok, "prefill", "f16", ok))
+    assert lines[0] == (f"Fed llama.cpp's own inputs, every attention and MoE block of llama.cpp (prefill) "
+                        f"matches its twin ({TWIN}) within 10x the twin's floor.")
+    assert lines[1].startswith("Propagated, it stays within 10x")
+    assert lines[2] == "By design: llama.cpp (prefill) stays within 10x the floor of the golden at every tensor compared."
