@@ -107,3 +107,15 @@ def test_served_engines_judged_against_golden_and_twin(tmp_path, url):
     assert km["clean"] == 0.0 and km["clean~repeat"] == 0.0 and km["bug"] > 0
     page = (out / "kld" / "r" / "index.html").read_text()
     assert "Against the twin" in page and tw["report"] in page
+
+
+def test_a_baseline_that_is_the_twin_is_judged_once(tmp_path, url):
+    """--baseline twin when the endpoint's twin is that very arm: one judgement, no second
+    arm under the same name."""
+    out = tmp_path / "out"
+    rc = main(["kld", "--inprocess", f"twin={SAME}", "--endpoint", f"clean={url}", "--baseline", "twin",
+               "--lengths", "250", "--depths", "50", "--steps", "2", "--no-floors", "--no-captures",
+               "--out", str(out), "--run-id", "r", "--quiet"])
+    assert rc == 0
+    m = json.loads((out / "kld" / "r" / "manifest.json").read_text())
+    assert "twins" not in m["verdict"] and [a["name"] for a in m["manifest"]["arms"]] == ["twin", "clean"]

@@ -172,12 +172,19 @@ def build_twins(args, entries, target, progress, place=None, driver=None):
         return []
     from fidelity.arms import parse_arm
     version = version_of(target.cfg)
-    twins, notes = T.twins_of(eps, given, lambda spelling: parse_arm(spelling, version).name)
+    canonical = lambda spelling: parse_arm(spelling, version).name  # noqa: E731
+    twins, notes = T.twins_of(eps, given, canonical)
     for n in notes:
         progress(n)
     by_name = {e.name: e for e in entries}
+    base = canonical(entries[0].scorer.label)
     out = []
     for tw in twins:
+        if tw.spelling == base:                   # the baseline is this twin: one judgement says it all
+            progress(f"twin of {', '.join(tw.engines)}: {tw.spelling}, the baseline {entries[0].name} itself")
+            continue
+        while tw.name in by_name:
+            tw.name += "~twin"
         try:
             (_, make), *floors = _inprocess_around(tw.spelling, target, place, driver, own=tw.name,
                                                    floors=None if args.no_floors else f"{tw.name}~")
