@@ -41,7 +41,14 @@ def _xlogy_ratio(a: float, b: float) -> float:
 def compare(p: Known, q: Known, actual: int | None) -> dict:
     """One position: kl_lb (KL(P‖Q) lower bound), rkl_lb (KL(Q‖P) lower bound),
     uncovered_p (T_P), tv_lo / tv_hi, same_top1 (None when a side's top-1 is unknown),
-    dp (q(actual) - p(actual), None when unknown), n_common (|S|)."""
+    dp (q(actual) - p(actual), None when unknown), n_common (|S|), nonfinite (a side
+    reported NaN or infinite log-probs, or nothing: then every bound is NaN)."""
+    if not (len(p.ids) and len(q.ids) and np.isfinite(p.logp).all() and np.isfinite(q.logp).all()):
+        # a side reported NaN or infinite log-probs, or none at all (a server that wrote its
+        # non-finite logits as null, read by a parser that skips nulls): no KL bound holds;
+        # said, never read as 0
+        return {"kl_lb": np.nan, "rkl_lb": np.nan, "uncovered_p": np.nan, "tv_lo": np.nan, "tv_hi": np.nan,
+                "n_common": 0, "same_top1": False, "dp": None, "nonfinite": True}
     common, ip, iq = np.intersect1d(p.ids, q.ids, assume_unique=True, return_indices=True)
     lp, lq = p.logp[ip].astype(np.float64), q.logp[iq].astype(np.float64)
     pp, qq = np.exp(lp), np.exp(lq)
@@ -51,7 +58,7 @@ def compare(p: Known, q: Known, actual: int | None) -> dict:
     d = float(np.abs(pp - qq).sum())
     out = {"kl_lb": max(kl, 0.0), "rkl_lb": max(rkl, 0.0), "uncovered_p": tp,
            "tv_lo": 0.5 * (d + abs(tp - tq)), "tv_hi": min(1.0, 0.5 * (d + tp + tq)),
-           "n_common": len(common), "same_top1": None, "dp": None}
+           "n_common": len(common), "same_top1": None, "dp": None, "nonfinite": False}
     # a side's top-1 is known when it reported its own top entries (always the case here:
     # every dialect returns each side's top-k, k >= 1)
     if len(p.ids) and len(q.ids):

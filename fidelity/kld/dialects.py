@@ -59,13 +59,16 @@ class Request:
     model: str | None = None
 
 
-def known_from_pairs(pairs) -> Known:
+def known_from_pairs(pairs, null_is_nan: bool = False) -> Known:
     """Known from (id, logprob) pairs; duplicate ids (the actual token also in the top-k)
-    kept once."""
+    kept once. A null log-prob is left out (a first prompt token has none), or kept as NaN
+    with `null_is_nan` (a server that writes non-finite logits as JSON null)."""
     d: dict[int, float] = {}
     for i, v in pairs:
         if v is not None:
             d.setdefault(int(i), float(v))
+        elif null_is_nan:
+            d.setdefault(int(i), float("nan"))
     ids = np.fromiter(d.keys(), dtype=np.int64, count=len(d))
     return Known(ids, np.fromiter(d.values(), dtype=np.float64, count=len(d)))
 

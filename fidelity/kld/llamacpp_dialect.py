@@ -50,7 +50,9 @@ def entry_known(entry: dict) -> tuple[int, Known]:
     except (KeyError, TypeError):
         raise ScoringError("completion_probabilities entries lack id/logprob/top_logprobs "
                            "(needs n_probs > 0 and post_sampling_probs false)") from None
-    return int(entry["id"]), known_from_pairs(pairs)
+    # llama-server writes a NaN or infinite log-prob as null: kept as NaN, so a broken
+    # position reads as non-finite, never as an empty (and so KL-0) distribution
+    return int(entry["id"]), known_from_pairs(pairs, null_is_nan=True)
 
 
 def results(data, n: int) -> list[dict]:

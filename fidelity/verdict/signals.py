@@ -32,6 +32,8 @@ SIGNALS = {
     "expert_disagree": "1 - fraction of tokens with golden's expert set (per MoE layer)",
     "top1_disagree": "1 - fraction of prompt positions whose most likely next token is the "
                      "baseline's (HTTP arms)",
+    "nonfinite": "fraction of prompt positions where a side reported NaN or infinite "
+                 "log-probabilities (HTTP arms; no KL is defined there)",
 }
 # Mechanism signals say what an arm changes inside the model (which entries the indexer
 # picks, which experts run); outcome signals say what reaches the output. A mechanism
@@ -59,7 +61,8 @@ def mechanism_floors(floors: list[str]) -> list[str]:
 
 # smallest floor a ratio is taken against (a floor of exactly 0 would make any change infinite)
 FLOOR_EPS = {"kld_mean": 1e-6, "kld_p99": 1e-6, "answer_kld": 1e-6, "late_kld_excess": 1e-6,
-              "topk_loss": 1e-3, "needle_lost": 1e-3, "expert_disagree": 1e-3, "top1_disagree": 1e-3}
+              "topk_loss": 1e-3, "needle_lost": 1e-3, "expert_disagree": 1e-3, "top1_disagree": 1e-3,
+              "nonfinite": 1e-3}
 COLUMNS = ["arm", "prompt", "signal", "where", "value"]
 
 
@@ -123,6 +126,8 @@ def http_signals(t: dict[str, pd.DataFrame]) -> pd.DataFrame:
     g = pre.groupby(["arm", "prompt"])
     parts = [g.kl_lb.mean().rename("kld_mean"), g.kl_lb.quantile(0.99).rename("kld_p99"),
              (1 - g.same_top1.mean()).rename("top1_disagree")]
+    if "nonfinite" in pre:
+        parts.append(g.nonfinite.mean().rename("nonfinite"))
     last = pre.groupby(["arm", "prompt"]).position.transform("max") == pre.position
     ans = pd.concat([pre[last], pos[pos.phase == "decode"]]).groupby(["arm", "prompt"]).kl_lb.mean()
     parts.append(ans.rename("answer_kld"))
