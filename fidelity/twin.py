@@ -5,8 +5,9 @@ its twin (what no modelled arithmetic explains).
 Also the floors of a comparison against any in-process arm: what is noise on *both* sides
 of it. Against the golden those are `fidelity ab`'s three (QAT, reduction order, tie
 order); against another arm they are that arm's own reduction-order and tie-order variants,
-and its QAT floor only when it computes on the reference profile (an arm on the `exact`
-profile has no QAT simulation to vary, so a QAT floor would be one only the golden has)."""
+and its QAT floor only when it computes on the reference profile and stands in for the
+golden (an in-process `--baseline`); against an engine's twin never (both sides compute
+with the same QAT choice, so its gap would be a floor neither side has)."""
 from __future__ import annotations
 
 import torch
@@ -29,10 +30,13 @@ def _width(cd: torch.dtype) -> str:
     return str(cd).replace("torch.float", "fp")
 
 
-def floor_numerics(spec: str, model: str = "v4", cd: torch.dtype = torch.float64) -> list[tuple[str, Numerics]]:
+def floor_numerics(spec: str, model: str = "v4", cd: torch.dtype = torch.float64,
+                   qat: bool = True) -> list[tuple[str, Numerics]]:
     """(name, Numerics) of the floors of a comparison against the in-process arm `spec`
     computed with accumulation `cd`: its toggles in the other float width, its toggles with
-    the other tie order, and (reference profile only) its toggles on the exact profile."""
+    the other tie order, and (reference profile and `qat` only) its toggles on the exact
+    profile. An engine against its twin passes qat=False: both sides compute with (or both
+    without) the QAT simulation, so its gap is a floor neither side has."""
     from fidelity.arms import parse_arm, pinned_profile
     arm = parse_arm(spec, model)
     profile = pinned_profile(spec.partition("@")[0].strip())[0] or "reference"
@@ -41,7 +45,7 @@ def floor_numerics(spec: str, model: str = "v4", cd: torch.dtype = torch.float64
     ties = Numerics(profile, cd).with_kernels(
         "tie-order", index_topk=lambda golden, scores, k: topk_highest_index_ties(scores, k))
     out = []
-    if profile == "reference":
+    if profile == "reference" and qat:
         out.append((QAT_FLOOR_NAME, ts.numerics("exact", compute_dtype=cd)))
     out.append((REDUCTION_FLOOR.format(_width(other_width(cd))), ts.numerics(profile, compute_dtype=other_width(cd))))
     out.append((TIES_FLOOR, ts.numerics(profile, base=ties)))

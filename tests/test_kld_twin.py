@@ -30,7 +30,9 @@ def test_floors_around_an_arm_are_noise_on_both_sides():
     assert red == "floor:fp64-accum" and nx.cd == torch.float64 and nx.profile == "exact"
     assert nx.replaced and set(ties.replaced) == set(nx.replaced) | {"index_topk"}   # the twin's toggles on both
     ref = [n for n, _ in floor_numerics("kv_bf16", "v4", torch.float64)]
-    assert ref == ["floor:exact", "floor:fp32-accum", "floor:tie-order"]
+    assert ref == ["floor:exact", "floor:fp32-accum", "floor:tie-order"]          # an in-process baseline
+    twin = [n for n, _ in floor_numerics("kv_bf16", "v4", torch.float64, qat=False)]
+    assert twin == ["floor:fp32-accum", "floor:tie-order"]                          # an engine's twin
 
 
 def test_inprocess_bug_named_against_the_twin_with_finite_floors(tmp_path):

@@ -187,7 +187,7 @@ def build_twins(args, entries, target, progress, place=None, driver=None):
             tw.name += "~twin"
         try:
             (_, make), *floors = _inprocess_around(tw.spelling, target, place, driver, own=tw.name,
-                                                   floors=None if args.no_floors else f"{tw.name}~")
+                                                   floors=None if args.no_floors else f"{tw.name}~", qat=False)
         except ValueError as e:
             raise ValueError(f"twin of {', '.join(tw.engines)} ({tw.spelling}): {e}") from None
         progress(f"twin of {', '.join(tw.engines)}: {tw.spelling} ({tw.source})")
@@ -198,10 +198,10 @@ def build_twins(args, entries, target, progress, place=None, driver=None):
 
 
 def _inprocess_around(spelling: str, target, place=None, driver=None, own: str | None = None,
-                      floors: str | None = "") -> list:
+                      floors: str | None = "", qat: bool = True) -> list:
     """[(name, scorer)] of the in-process arm `spelling` (named `own`; left out when None)
-    and of the floors around it (fidelity.twin.floor_numerics), each named `floors` + its
-    floor name (left out when `floors` is None)."""
+    and of the floors around it (fidelity.twin.floor_numerics, with its QAT floor when
+    `qat`), each named `floors` + its floor name (left out when `floors` is None)."""
     import torch
     from fidelity.kld.inprocess import InProcessScorer
     from fidelity.pipeline_model import arm_numerics
@@ -213,8 +213,8 @@ def _inprocess_around(spelling: str, target, place=None, driver=None, own: str |
     recipes = [] if own is None else [(own, spelling, (arm_numerics, spelling, "reference", {"compute_dtype": cd},
                                                        version))]
     if floors is not None:
-        recipes += [(f"{floors}{f}", f"{spelling} ({f})", (_around_numerics, spelling, version, cd, k))
-                    for k, (f, _) in enumerate(around(spelling, version, cd))]
+        recipes += [(f"{floors}{f}", f"{spelling} ({f})", (_around_numerics, spelling, version, cd, k, qat))
+                    for k, (f, _) in enumerate(around(spelling, version, cd, qat))]
     return [(n, InProcessScorer(n, None if driver else fn(*a), target.weights, label, devices,
                                 model=driver.model((fn, *a)) if driver else None))
             for n, label, (fn, *a) in recipes]
@@ -241,10 +241,10 @@ def auto_floors(base, target, place=None, driver=None):
     return [ScoredArm(n, sc, "floor") for n, sc in _inprocess_around(base.scorer.label, target, place, driver)]
 
 
-def _around_numerics(spec: str, version: str, cd, k: int):
+def _around_numerics(spec: str, version: str, cd, k: int, qat: bool = True):
     """The k-th floor around the in-process arm `spec` (a recipe every pipeline rank can rebuild)."""
     from fidelity.twin import floor_numerics as around
-    return around(spec, version, cd)[k][1]
+    return around(spec, version, cd, qat)[k][1]
 
 
 def run(args) -> int:

@@ -9,7 +9,13 @@ every arm, and the floor -- the fp32-accumulation arm's own error against the go
 that tap (what a correct implementation with another reduction order differs by). The
 first departure is the first tap where the engine's error against the golden exceeds
 FACTOR x that floor; an arm reproduces the engine there when its own error to the engine
-stays within the floor's."""
+stays within the floor's. That departure is by design (llama.cpp skips the QAT simulation).
+
+What is not: llama.cpp judged against its twin (the arm its flags map to), each block fed
+llama.cpp's *own* inputs -- the attention its `attn_norm` and indexer picks, the MoE its
+`ffn_norm`, experts and weights -- so upstream differences and near-tie selection flips
+drop out, against the twin's own reduction-order floor (the twin in fp64). The first block
+further than FACTOR x that floor from every modelled arm leads the headline."""
 from __future__ import annotations
 
 from pathlib import Path
