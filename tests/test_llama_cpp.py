@@ -219,7 +219,8 @@ def test_replay_places_the_departure_and_names_what_reproduces_it(f32, tmp_path)
     w, _ = load_weights(str(ck))
     ids, _ = haystack_ids(_tokenizer(ck), 200, 50, 3)
     cpu, cache = R.LLAMA_CPU_ARMS
-    table, first, moe, attn = R.replay(model, w, list(ids), R.replay_arms(), tmp_path, "prefill")
+    table, first, iso = R.replay(model, w, list(ids), R.replay_arms(), tmp_path, "prefill")
+    moe, attn = iso["MoE"], iso["attention"]
     assert (first["layer"], first["tensor"]) == (0, "attn.q"), first
     assert set(first["reproduced_by"]) == {"exact", *R.LLAMA_CPU_ARMS}
     assert first["x_floor"] > 100
@@ -233,12 +234,15 @@ def test_replay_places_the_departure_and_names_what_reproduces_it(f32, tmp_path)
     assert len(moe) == w.cfg.n_layers
     assert (moe[f"vs {cpu}"] < 1e-5).all(), moe
     assert (moe["vs exact"] > 100 * moe[f"vs {cpu}"]).all(), moe
-    # judged against the twin: no MoE block departs (fed its own inputs, within 10x the
-    # twin's fp64 floor); the attention of the window-only and HCA layers does not either
-    found = R.findings(table, moe, "prefill", "f16", attn)
-    assert not [b for b in found["blocks"] if b["block"] == "MoE"], found
+    # judged against the twin: no MoE or mHC block departs (fed its own inputs, within 10x
+    # the twin's fp64 floor); the attention of the window-only and HCA layers does not either
+    found = R.findings(table, iso, "prefill", "f16")
+    assert not [b for b in found["blocks"] if b["block"] in ("MoE", "mHC")], found
+    assert len(iso["mHC"]) == len(iso["router"]) == w.cfg.n_layers
     hca_or_window = [i for i, r in enumerate(w.cfg.compress_ratios[:w.cfg.n_layers]) if r != 4]
-    assert not [b for b in found["blocks"] if set(b["layers"]) & set(hca_or_window)], found
+    assert not [b for b in found["blocks"] if b["block"] == "attention" and set(b["layers"]) & set(hca_or_window)], found
+    # its router's weights are f16-rounding close to every arm's (unmodelled, under 1e-3)
+    assert all(e["error"] < 1e-3 for e in found["errors"]["router"]), found["errors"]["router"]
     assert attn.picks_differ.dropna().max() <= 0.05 * attn.rows.dropna().min(), attn
     assert R.headline(found)[-1].startswith("By design: llama.cpp (prefill) first departs from the golden")
 
@@ -256,7 +260,7 @@ def test_replay_of_a_q8_0_cache_is_explained_by_its_rotation(f32, tmp_path):
     cpu, rotated = R.llama_cpu_arms("q8_0")
     unrotated = "exact:expert_act_q8_0,kv_cache_ggml(type=q8_0,rotate=false)"
     arms = R.replay_arms([unrotated, R.LLAMA_CPU_ARMS[1]], "q8_0")
-    table, _, _, _ = R.replay(model, w, list(ids), arms, tmp_path, "prefill", "q8_0")
+    table, _, _ = R.replay(model, w, list(ids), arms, tmp_path, "prefill", "q8_0")
     out = table.set_index(["layer", "tensor"]).loc[(0, "attn.out")]
     assert out[f"vs {rotated}"] * 5 < min(out[f"vs {unrotated}"], out[f"vs {R.LLAMA_CPU_ARMS[1]}"]), out
 

@@ -32,7 +32,7 @@ def test_the_first_block_in_graph_order_leads_and_by_design_comes_last():
     table = pd.DataFrame({"layer": [0, 0], "tensor": ["attn.q", "attn.out"], "engine_tensor": ["q-0", "attn_out-0"],
                           "vs golden": [0.03, 0.03], f"vs {R.FLOOR}": [0.03, 0.03], f"vs {TWIN}": [1e-6, 0.1],
                           "floor": [4e-5, 5e-4], "twin floor": [1e-6, 1e-6]})
-    f = R.findings(table, moe, "prefill", "f16", attn)
+    f = R.findings(table, {"attention": attn, "MoE": moe}, "prefill", "f16")
     assert (f["block"]["block"], f["block"]["layer"]) == ("attention", 2)
     lines = R.headline(f)
     assert lines[0].startswith(f"llama.cpp (prefill) departs from its twin ({TWIN}) at layer 2 attention")
@@ -46,8 +46,8 @@ def test_every_block_matching_is_said_so():
     ok = _iso({TWIN: [1e-6] * 2}, [1e-6] * 2)
     table = pd.DataFrame({"layer": [0], "tensor": ["attn.q"], "engine_tensor": ["q-0"], "vs golden": [1e-7],
                           f"vs {TWIN}": [1e-7], "floor": [4e-5], "twin floor": [1e-7]})
-    lines = R.headline(R.findings(table, ok, "prefill", "f16", ok))
-    assert lines[0] == (f"Fed llama.cpp's own inputs, every attention and MoE block of llama.cpp (prefill) "
-                        f"matches its twin ({TWIN}) within 10x the twin's floor.")
+    lines = R.headline(R.findings(table, {"attention": ok, "MoE": ok}, "prefill", "f16"))
+    assert lines[0] == (f"Fed llama.cpp's own inputs, every block of llama.cpp (prefill) compared (attention, "
+                        f"MoE) matches its twin ({TWIN}) within 10x the twin's floor.")
     assert lines[1].startswith("Propagated, it stays within 10x")
     assert lines[2] == "By design: llama.cpp (prefill) stays within 10x the floor of the golden at every tensor compared."

@@ -20,6 +20,11 @@ EXAMPLES = """\
     fidelity llamacpp kld-base --compare engine.kld     # a file llama-perplexity wrote
 """
 FP8 = ("f32", "q8_0")
+# what each isolated block is fed and compared on (fidelity.llamacpp.replay)
+ISOLATED = {"attention": "attn_norm, and its indexer picks; vs attn_out",
+            "mHC": "the stream after attention; vs the FFN site's collapse, post and comb",
+            "router": "ffn_norm and the token ids; vs its routing weights",
+            "MoE": "ffn_norm, its experts and routing weights; vs ffn_out"}
 
 
 def add_arguments(p):
@@ -99,23 +104,19 @@ def _replay(args, ck: Path, model: Path) -> int:
     ids = _text_ids(args, tok, args.tokens)
     out = Path(args.out or "reports") / "llamacpp-replay"
     out.mkdir(parents=True, exist_ok=True)
-    table, _, moe, attn = R.replay(model, w, ids, arms, out, args.path, args.cache_type)
-    found = R.findings(table, moe, args.path, args.cache_type, attn)
+    table, _, iso = R.replay(model, w, ids, arms, out, args.path, args.cache_type)
+    found = R.findings(table, iso, args.path, args.cache_type)
     tag = f"{args.path}-{args.cache_type}"
     table.to_csv(out / f"replay-{tag}.csv", index=False)
-    moe.to_csv(out / f"isolated-moe-{tag}.csv", index=False)
-    attn.to_csv(out / f"isolated-attention-{tag}.csv", index=False)
+    for block, t in iso.items():
+        t.to_csv(out / f"isolated-{block.lower()}-{tag}.csv", index=False)
     (out / f"findings-{tag}.json").write_text(json.dumps(found, indent=1))
     fmt = lambda v: f"{v:.3g}"  # noqa: E731
     print(table.to_string(index=False, float_format=fmt))
-    if len(attn):
-        print("\nEach layer's attention fed llama.cpp's own input and indexer picks "
-              "(relative error to its attn_out):")
-        print(attn.to_string(index=False, float_format=fmt))
-    if len(moe):
-        print("\nEach layer's MoE fed llama.cpp's own input, experts and routing weights "
-              "(relative error to its ffn_out):")
-        print(moe.to_string(index=False, float_format=fmt))
+    for block, t in iso.items():
+        if len(t):
+            print(f"\nEach layer's {block} fed llama.cpp's own inputs ({ISOLATED[block]}; relative error):")
+            print(t.to_string(index=False, float_format=fmt))
     print("\n" + "\n".join(R.headline(found)))
     return 0
 

@@ -31,8 +31,8 @@ from . import tensor_dump as D
 
 # (golden tap under layers.{i}., llama.cpp tensor name before -{i}), in graph order
 PAIRS = [("attn.q", "q"), ("attn.kv", "kv"), ("attn.out", "attn_out"), ("ffn.out", "ffn_out")]
-PATTERN = (r"^(embd|(q|kv|attn_norm|attn_out|lid_top_k|ffn_out|ffn_norm|ffn_moe_topk|ffn_moe_weights_scaled)"
-           r"-\d+)$")
+PATTERN = (r"^(embd|(q|kv|attn_norm|attn_out|lid_top_k|hc_attn_post|hc_ffn_pre|hc_post|hc_comb|ffn_out|ffn_norm|"
+           r"ffn_moe_topk|ffn_moe_weights_scaled)-\d+(#2)?)$")
 FACTOR = 10.0
 GOLDEN, FLOOR = "golden", "floor:fp32-accum"
 TWIN_FLOOR = "twin:fp64-accum"         # the twin accumulating in fp64: its reduction-order floor
@@ -262,19 +262,88 @@ def _picks_differ(model, i: int, x: np.ndarray, picks: np.ndarray) -> dict:
     return {"rows": int(full.sum()), "picks_differ": len(differ)}
 
 
+def _floored(row: dict, ys: dict, twin: str | None, err) -> dict:
+    """`row` with the twin-in-fp64 floor `err(ys[TWIN_FLOOR], ys[twin])` when both ran."""
+    if twin in ys and TWIN_FLOOR in ys:
+        row["floor"] = err(ys[TWIN_FLOOR], ys[twin])
+    return row
+
+
+def isolated_router(engine: dict[str, np.ndarray], weights, arms: dict, ids: list[int],
+                    twin: str | None = None) -> pd.DataFrame:
+    """Each layer's router fed llama.cpp's own MoE input (ffn_norm) and token ids, once per
+    arm: the relative error of its routing weights, as a dense tokens x experts matrix, to
+    llama.cpp's (ffn_moe_topk, ffn_moe_weights_scaled). The isolated MoE is fed llama.cpp's
+    scaled weights, so a routing or scaling bug shows here, not there."""
+    cfg, rows = weights.cfg, []
+    tokens = torch.tensor(ids)
+
+    def dense(idx, wt):
+        d = np.zeros((idx.shape[0], cfg.n_routed_experts))
+        np.put_along_axis(d, idx.astype(np.int64), wt.astype(np.float64), 1)
+        return d
+    for i in range(cfg.n_layers):
+        need = [f"{n}-{i}" for n in ("ffn_norm", "ffn_moe_topk", "ffn_moe_weights_scaled")]
+        if any(k not in engine for k in need):
+            continue
+        x, idx, wt = (np.asarray(engine[k]) for k in need)
+        k = idx.size // x.shape[0]
+        theirs = dense(idx.reshape(-1, k), wt.reshape(-1, k))
+        lw = weights.layer_weights(i)
+        row, ys = {"layer": i}, {}
+        for name, nx in arms.items():
+            xx = torch.tensor(np.array(x)).to(nx.cd)
+            scores = nx.moe_gate(xx, lw["ffn.gate.weight"], cfg.score_func)
+            hashed = cfg.is_hash_layer(i)
+            bias = None if hashed else lw["ffn.gate.bias"]
+            pick = nx.moe_select(scores, bias, tokens, lw.get("ffn.gate.tid2eid"), cfg.n_activated_experts, i, hashed)
+            w = nx.route_weights(scores, pick, bias, cfg.route_scale, renormalize=cfg.score_func != "softmax")
+            ys[name] = dense(pick.numpy(), w.double().numpy())
+            row[f"vs {name}"] = rel(theirs, ys[name])
+        rows.append(_floored(row, ys, twin, rel))
+    return pd.DataFrame(rows)
+
+
+def isolated_mhc(engine: dict[str, np.ndarray], weights, arms: dict, twin: str | None = None) -> pd.DataFrame:
+    """Each layer's FFN-site mHC fed llama.cpp's own stream after attention (hc_attn_post),
+    once per arm: the largest relative error of its collapse (hc_ffn_pre), post and comb
+    weights (the site's `hc_post` / `hc_comb`, the layer's second of each) to llama.cpp's."""
+    from reference_model import build_model
+    rows = []
+    cfg = weights.cfg
+    for i in range(cfg.n_layers):
+        need = [f"hc_attn_post-{i}", f"hc_ffn_pre-{i}", f"hc_post-{i}#2", f"hc_comb-{i}#2"]
+        if any(k not in engine for k in need):
+            continue
+        H, x, post, comb = (np.asarray(engine[k], np.float64) for k in need)
+        n = x.shape[0]
+        H = H.reshape(n, cfg.hc_mult, cfg.dim)
+        row, ys = {"layer": i}, {}
+        for name, nx in arms.items():
+            m = build_model(weights, nx)
+            got = m.mhc.site(torch.tensor(H).to(nx.cd), None, m._weights(i), "ffn")[:3]
+            ys[name] = [t.double().numpy() for t in got]
+            row[f"vs {name}"] = max(rel(e.reshape(o.shape), o) for e, o in zip((x, post, comb), ys[name]))
+        rows.append(_floored(row, ys, twin, lambda a, b: max(rel(u, v) for u, v in zip(a, b))))
+    return pd.DataFrame(rows)
+
+
 def replay(gguf: Path, weights, ids: list[int], arms: dict, workdir: Path, path: str = "prefill",
            cache: str = "f16"):
-    """(table, first departure, isolated MoE table, isolated attention table) for llama.cpp on
-    `gguf` with its KV cache in `cache` vs in-process `arms` (name -> Numerics; must hold
-    GOLDEN and FLOOR) over `ids` by `path` (the isolated attention on the prefill path only:
-    empty otherwise)."""
+    """(table, first departure, isolated blocks) for llama.cpp on `gguf` with its KV cache in
+    `cache` vs in-process `arms` (name -> Numerics; must hold GOLDEN and FLOOR) over `ids` by
+    `path`. The isolated blocks, in graph order within a layer: attention (prefill path
+    only: empty otherwise), the FFN site's mHC, router, MoE."""
     dump = D.run(gguf, ids, Path(workdir) / f"dump-{path}-{cache}.bin", path, PATTERN, cache)
     engine = D.read(dump)
     taps = {name: taps_of(weights, nx, ids, path) for name, nx in arms.items()}
     twin = twin_of(cache)
     table = compare(engine, taps, weights.cfg.n_layers, twin)
     attn = isolated_attention(engine, weights, arms, twin) if path == "prefill" else pd.DataFrame()
-    return table, first_departure(table), isolated_moe(engine, weights, arms, twin), attn
+    iso = {"attention": attn, "mHC": isolated_mhc(engine, weights, arms, twin),
+           "router": isolated_router(engine, weights, arms, ids, twin),
+           "MoE": isolated_moe(engine, weights, arms, twin)}
+    return table, first_departure(table), iso
 
 
 def sentence(first: dict | None, path: str) -> str:
@@ -288,18 +357,21 @@ def sentence(first: dict | None, path: str) -> str:
             f"floor {first['floor']:.2g}; {who}.")
 
 
-def findings(table: pd.DataFrame, moe: pd.DataFrame, path: str, cache: str = "f16",
-             attn: pd.DataFrame | None = None) -> dict:
-    """The replay's judgement: what no modelled arm explains -- each attention and MoE block
-    fed llama.cpp's own inputs (the first such block in graph order leads), the propagated
-    stream, the indexer picks that differ -- and the departure from the golden."""
-    attn = pd.DataFrame() if attn is None else attn
-    blocks = [b for b in (block_unexplained(attn, "attention"), block_unexplained(moe, "MoE")) if b]
-    first = min(blocks, key=lambda b: (b["layer"], b["block"] == "MoE")) if blocks else None
+def findings(table: pd.DataFrame, iso: dict[str, pd.DataFrame], path: str, cache: str = "f16") -> dict:
+    """The replay's judgement: what no modelled arm explains -- each block fed llama.cpp's
+    own inputs (`iso`: block -> table, in graph order within a layer; the first departing
+    block leads), the propagated stream, the indexer picks that differ -- and the
+    departure from the golden."""
+    order = list(iso)
+    blocks = [b for b in (block_unexplained(t, name) for name, t in iso.items()) if b]
+    first = min(blocks, key=lambda b: (b["layer"], order.index(b["block"]))) if blocks else None
+    attn = iso.get("attention", pd.DataFrame())
     picks = ([{"layer": int(r.layer), "differ": int(r.picks_differ), "rows": int(r.rows)}
               for _, r in attn.iterrows() if "picks_differ" in attn and pd.notna(r.picks_differ)])
-    return {"twin": twin_of(cache), "path": path, "block": first, "blocks": blocks,
-            "isolated": {"attention": not attn.empty, "MoE": not moe.empty}, "picks": picks,
+    errors = {name: [{"layer": int(r.layer), "error": float(r[modelled(t)].min()), "floor": float(r.floor)}
+                     for _, r in t.iterrows()] for name, t in iso.items() if not t.empty and "floor" in t}
+    return {"twin": twin_of(cache), "path": path, "block": first, "blocks": blocks, "errors": errors,
+            "isolated": {name: not t.empty for name, t in iso.items()}, "picks": picks,
             "unexplained": first_unexplained(table, twin_of(cache)), "by_design": first_departure(table)}
 
 
@@ -308,7 +380,7 @@ def headline(f: dict) -> list[str]:
     llama.cpp's own inputs (else that every block matches the twin), the propagated stream
     and the indexer picks as context, what differs by design last."""
     b, u, twin, path = f["block"], f["unexplained"], f["twin"], f["path"]
-    fed = " and ".join(k for k, v in f["isolated"].items() if v) or "no"
+    fed = ", ".join(k for k, v in f["isolated"].items() if v) or "no"
     lines = []
     if b is not None:
         more = [x for x in f["blocks"] if x is not b]
@@ -317,8 +389,8 @@ def headline(f: dict) -> list[str]:
                      f"its own inputs: relative error {b['error']:.3g} to the closest ({b['closest']}), "
                      f"{b['x_floor']:.0f}x the twin's floor {b['floor']:.2g}{also}.")
     elif fed != "no":
-        lines.append(f"Fed llama.cpp's own inputs, every {fed} block of llama.cpp ({path}) matches its twin "
-                     f"({twin}) within {FACTOR:g}x the twin's floor.")
+        lines.append(f"Fed llama.cpp's own inputs, every block of llama.cpp ({path}) compared ({fed}) matches "
+                     f"its twin ({twin}) within {FACTOR:g}x the twin's floor.")
     flips = [p for p in f["picks"] if p["differ"]]
     if flips:
         lines.append("Its indexer picks differ from the twin's on " + ", ".join(
