@@ -25,8 +25,11 @@ def test_null_logprobs_are_non_finite_not_missing():
 def test_the_verdict_names_an_arm_whose_logits_are_not_finite():
     rows = []
     for prompt in range(6):
-        for arm, bad in (("broken", True), ("fine", False), ("floor:x", False)):
+        # the floor non-finite too at some positions (an engine scored again against itself
+        # is as broken as the engine): no noise makes logits non-finite, its floor stays 0
+        for arm in ("broken", "fine", "floor:x"):
             for pos in range(20):
+                bad = arm == "broken" or (arm == "floor:x" and pos % 5 == 0)
                 rows.append({"arm": arm, "prompt": f"p{prompt}", "phase": "prefill", "position": pos,
                              "kl_lb": np.nan if bad else 1e-6 * (1 + pos % 3), "same_top1": not bad,
                              "nonfinite": bad})
@@ -35,3 +38,4 @@ def test_the_verdict_names_an_arm_whose_logits_are_not_finite():
                           ["broken", "fine"], ["floor:x"]), Bootstrap(200, 0))["verdict"]
     assert [n["toggle"] for n in v["named"]] == ["broken"]
     assert "nonfinite" in v["named"][0]["signals"] and v["sentence"].startswith("broken breaks coherence")
+    assert "above the highest floor's 0 (no noise makes logits non-finite)" in v["sentence"]

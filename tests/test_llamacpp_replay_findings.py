@@ -51,3 +51,18 @@ def test_every_block_matching_is_said_so():
                         f"MoE) matches its twin ({TWIN}) within 10x the twin's floor.")
     assert lines[1].startswith("Propagated, it stays within 10x")
     assert lines[2] == "By design: llama.cpp (prefill) stays within 10x the floor of the golden at every tensor compared."
+
+
+def test_a_non_finite_engine_tensor_departs_everywhere_it_appears():
+    """A llama.cpp tensor holding NaN is infinitely far from every arm (a planted YaRN bug
+    whose outputs were NaN read as 'matches its twin' while NaN compared as within floors)."""
+    import numpy as np
+    assert R.rel(np.array([np.nan, 1.0]), np.array([1.0, 1.0])) == float("inf")
+    iso = _iso({TWIN: [float("inf")] * 2, "exact": [float("inf")] * 2}, [1e-7] * 2)
+    table = pd.DataFrame({"layer": [0], "tensor": ["attn.q"], "engine_tensor": ["q-0"],
+                          "vs golden": [float("inf")], f"vs {TWIN}": [float("inf")], "floor": [4e-5],
+                          "twin floor": [1e-7]})
+    lines = R.headline(R.findings(table, {"MoE": iso}, "prefill", "f16"))
+    assert lines[0].startswith(f"llama.cpp (prefill) departs from its twin ({TWIN}) at layer 0 MoE, fed its own "
+                               "inputs: non-finite values (NaN or infinity)")
+    assert "non-finite values" in lines[-1]

@@ -92,8 +92,27 @@ def taps_of(weights, numerics, ids: list[int], path: str) -> Taps:
 
 
 def rel(a, b) -> float:
+    """||a - b|| / ||b||; infinite when either holds a NaN or an infinity (llama.cpp's
+    tensor broken: never a NaN that every comparison reads as 'within the floor')."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("inf")
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def _err(x: float) -> str:
+    return f"relative error {x:.3g}" if np.isfinite(x) else "non-finite values (NaN or infinity)"
+
+
+def _times(x: float) -> str:
+    return f"{x:.0f}x" if np.isfinite(x) else "non-finite"
+
+
+def _how(d: dict) -> str:
+    """How far a departing block or tap is from the closest modelled arm, in words."""
+    if not np.isfinite(d["error"]):
+        return "non-finite values (NaN or infinity) where every modelled arm is finite"
+    return f"{_err(d['error'])} against the closest ({d['closest']}), {d['x_floor']:.0f}x the twin's floor {d['floor']:.2g}"
 
 
 def compare(engine: dict[str, np.ndarray], arms: dict[str, Taps], n_layers: int,
@@ -353,7 +372,7 @@ def sentence(first: dict | None, path: str) -> str:
     who = (f"reproduced in-process by {', '.join(first['reproduced_by'])}" if first["reproduced_by"]
            else "no in-process arm compared reproduces it")
     return (f"llama.cpp ({path}) first departs from the golden at layer {first['layer']} {first['tensor']} "
-            f"({first['engine_tensor']}): relative error {first['error']:.3g}, {first['x_floor']:.0f}x the "
+            f"({first['engine_tensor']}): {_err(first['error'])}, {first['x_floor']:.0f}x the "
             f"floor {first['floor']:.2g}; {who}.")
 
 
@@ -384,10 +403,9 @@ def headline(f: dict) -> list[str]:
     lines = []
     if b is not None:
         more = [x for x in f["blocks"] if x is not b]
-        also = "".join(f"; the {x['block']} at layer {x['layer']} too ({x['x_floor']:.0f}x)" for x in more)
+        also = "".join(f"; the {x['block']} at layer {x['layer']} too ({_times(x['x_floor'])})" for x in more)
         lines.append(f"llama.cpp ({path}) departs from its twin ({twin}) at layer {b['layer']} {b['block']}, fed "
-                     f"its own inputs: relative error {b['error']:.3g} to the closest ({b['closest']}), "
-                     f"{b['x_floor']:.0f}x the twin's floor {b['floor']:.2g}{also}.")
+                     f"its own inputs: {_how(b)}{also}.")
     elif fed != "no":
         lines.append(f"Fed llama.cpp's own inputs, every block of llama.cpp ({path}) compared ({fed}) matches "
                      f"its twin ({twin}) within {FACTOR:g}x the twin's floor.")
@@ -402,7 +420,6 @@ def headline(f: dict) -> list[str]:
         upto = (f"to layer {u['matched_to']['layer']} {u['matched_to']['tensor']}" if u["matched_to"]
                 else "at no tensor")
         lines.append(f"Propagated, it matches a modelled arm {upto}, then departs from every one at layer "
-                     f"{u['layer']} {u['tensor']} ({u['engine_tensor']}): relative error {u['error']:.3g} to the "
-                     f"closest ({u['closest']}), {u['x_floor']:.0f}x the twin's floor {u['floor']:.2g}.")
+                     f"{u['layer']} {u['tensor']} ({u['engine_tensor']}): {_how(u)}.")
     lines.append("By design: " + sentence(f["by_design"], path))
     return lines

@@ -153,18 +153,28 @@ def signal_summary(sig: pd.DataFrame, n_boot: int, seed: int) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["arm", "signal", "where", "mean", "lo", "hi", "n"])
 
 
+# signals no noise can produce, judged against 0 whatever the floor arms show (an engine
+# scored again and compared with itself is as non-finite as the engine)
+NO_NOISE = {"nonfinite": "no noise makes logits non-finite"}
+
+
 def floor_levels(summary: pd.DataFrame, floors: list[str],
                  mechanism_floors: list[str] | None = None) -> pd.DataFrame:
     """Per signal and place: the highest floor's upper CI bound, and which floor it is.
-    Mechanism signals look only at `mechanism_floors` (default: all `floors`)."""
+    Mechanism signals look only at `mechanism_floors` (default: all `floors`); NO_NOISE
+    signals have a floor of 0."""
     mech = floors if mechanism_floors is None else mechanism_floors
     is_mech = summary.signal.isin(MECHANISM)
-    f = summary[(~is_mech & summary.arm.isin(floors)) | (is_mech & summary.arm.isin(mech))]
+    f = summary[((~is_mech & summary.arm.isin(floors)) | (is_mech & summary.arm.isin(mech)))
+                & ~summary.signal.isin(list(NO_NOISE)) & summary.hi.notna()]   # a NaN floor is none
+    fixed = summary[summary.signal.isin(list(NO_NOISE))][["signal", "where"]].drop_duplicates()
+    fixed = fixed.assign(floor_hi=0.0, floor_arm=fixed.signal.map(NO_NOISE))
     if f.empty:
-        return pd.DataFrame(columns=["signal", "where", "floor_hi", "floor_arm"])
+        return fixed.reset_index(drop=True) if len(fixed) else pd.DataFrame(
+            columns=["signal", "where", "floor_hi", "floor_arm"])
     idx = f.groupby(["signal", "where"])["hi"].idxmax()
-    out = f.loc[idx, ["signal", "where", "hi", "arm"]]
-    return out.rename(columns={"hi": "floor_hi", "arm": "floor_arm"}).reset_index(drop=True)
+    out = f.loc[idx, ["signal", "where", "hi", "arm"]].rename(columns={"hi": "floor_hi", "arm": "floor_arm"})
+    return pd.concat([out, fixed], ignore_index=True)
 
 
 @dataclass(frozen=True)
