@@ -42,6 +42,7 @@ def test_inprocess_bug_named_against_the_twin_with_finite_floors(tmp_path):
     assert rc == 0
     m = json.loads((out / "kld" / "r" / "manifest.json").read_text())
     v, floors = m["verdict"], pd.DataFrame(m["floors"])
+    floors = floors[floors.signal != "nonfinite"]                   # judged against 0, whatever the floors
     assert set(floors.floor_arm) <= {"floor:fp32-accum", "floor:tie-order"}
     assert floors.floor_hi.notna().all() and (floors[floors.signal == "kld_mean"].floor_hi > 0).all()
     assert [n["toggle"] for n in v["named"]] == ["bug"]
@@ -101,7 +102,10 @@ def test_served_engines_judged_against_golden_and_twin(tmp_path, url):
     # against the golden, by design, nothing is named beyond the QAT-sized floors: the bug hides there
     assert "bug" not in [n["toggle"] for n in v.get("named", [])]
     tv = json.loads((out / "kld" / tw["report"] / "manifest.json").read_text())
+    assert [a["name"] for a in tv["manifest"]["arms"]] == ["twin", "clean", "bug", "twin~floor:fp32-accum",
+                                                           "twin~floor:tie-order", "clean~repeat", "bug~repeat"]
     floors = pd.DataFrame(tv["floors"])
+    floors = floors[floors.signal != "nonfinite"]
     assert set(floors.floor_arm) <= {"twin~floor:fp32-accum", "twin~floor:tie-order", "bug~repeat", "clean~repeat"}
     assert not floors.floor_arm.str.contains("floor:exact").any()
     s = pd.read_csv(out / "kld" / tw["report"] / "signal_summary.csv")

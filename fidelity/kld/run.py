@@ -267,8 +267,8 @@ def evaluate(entries: list[ScoredArm], prompts, s: KldSettings, store: ScoreStor
         for tw, es in twins:
             m = {**manifest, "baseline": tw.name, "twin": {"of": tw.engines, "arm": tw.spelling,
                                                           "source": tw.source, "report_of": run_id},
-                 "arms": [{"name": e.name, "role": e.role, **({"against": e.against} if e.against else {}),
-                           **e.scorer.describe()} for e in es]}
+                 "arms": [{**e.scorer.describe(), "name": e.name, "role": e.role,
+                           **({"against": e.against} if e.against else {})} for e in es]}
             r = evaluate(es, prompts, s, store, shape, out_dir, f"{run_id}-vs-{tw.name}", m, coverage, latest=False)
             results.append({"twin": tw, "judged": r, "path": r["path"]})
         judged["verdict"] = T.combine(judged, results, entries[0].name)
