@@ -63,7 +63,7 @@ def q4_k_m(f32: Path) -> Path:
 
 def twin(extra: tuple) -> str:
     """llama.cpp's in-process twin under these flags (fidelity.llamacpp.flags)."""
-    return f"{LF.PROFILE}:{LF.read(list(extra)).toggles()}"
+    return LF.twin(list(extra))
 
 
 def kld(name: str, url: str, ck: Path, extra: tuple = ()) -> dict:

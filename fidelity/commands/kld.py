@@ -316,7 +316,7 @@ def _run(args, driver=None) -> int:
         from fidelity.cli import name_value_pairs
         check_schedules({n: split_schedule(s)[1] for n, s in name_value_pairs(args.inprocess, "--inprocess")},
                         [p.length for p in prompts])          # before any arm is scored
-        from fidelity.kld.run import TOKENIZER_PROBE, check_tokenizers
+        from fidelity.kld.run import TOKENIZER_PROBE, arm_record, check_tokenizers
         check_tokenizers(entries, tok, TOKENIZER_PROBE)
         if args.fresh:
             import shutil
@@ -326,8 +326,7 @@ def _run(args, driver=None) -> int:
                         captures=not args.no_captures, n_boot=args.n_boot, seed=args.seed)
         manifest = {"command": " ".join(sys.argv), "baseline": entries[0].name,
                     "settings": s.__dict__, "tokenizer": tok.name,
-                    "arms": [{**e.scorer.describe(), "name": e.name, "role": e.role,
-                              "factors": sorted(e.factors)} for e in entries],
+                    "arms": [arm_record(e) for e in entries],
                     "servers": {e.name: getattr(e.scorer, "info", None) for e in entries},
                     "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in prompts],
                     "lengths": None if args.prompts else str(args.lengths),

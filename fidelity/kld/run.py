@@ -47,6 +47,13 @@ class ScoredArm:
                                     # engine scored again and compared with itself: its own noise)
 
 
+def arm_record(e: ScoredArm) -> dict:
+    """An arm as a manifest keeps it: its scorer's own view, name, role, factors (and what
+    it is compared with when not the baseline)."""
+    return {**e.scorer.describe(), "name": e.name, "role": e.role, "factors": sorted(e.factors),
+            **({"against": e.against} if e.against else {})}
+
+
 def repeat_floor(base: ScoredArm) -> ScoredArm:
     """The baseline scored a second time by the same scorer: its run-to-run noise, a floor."""
     return ScoredArm(f"{base.name}{REPEAT_SUFFIX}", base.scorer, "floor")
@@ -267,8 +274,7 @@ def evaluate(entries: list[ScoredArm], prompts, s: KldSettings, store: ScoreStor
         for tw, es in twins:
             m = {**manifest, "baseline": tw.name, "twin": {"of": tw.engines, "arm": tw.spelling,
                                                           "source": tw.source, "report_of": run_id},
-                 "arms": [{**e.scorer.describe(), "name": e.name, "role": e.role,
-                           **({"against": e.against} if e.against else {})} for e in es]}
+                 "arms": [arm_record(e) for e in es]}
             r = evaluate(es, prompts, s, store, shape, out_dir, f"{run_id}-vs-{tw.name}", m, coverage, latest=False)
             results.append({"twin": tw, "judged": r, "path": r["path"]})
         judged["verdict"] = T.combine(judged, results, entries[0].name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fidelity.llamacpp.flags import twin as llama_twin
 from fidelity.verdict.judge import floor_words
 
 
@@ -42,16 +43,10 @@ def derived(ep) -> tuple[str, str] | None:
         return (arm if profile == "reference" or arm.startswith(f"{profile}:") else f"{profile}:{arm}",
                 "the arm fidelity serve states it serves")
     if getattr(ep, "llama_server", False) or ep.dialect == "llamacpp":
-        return from_flags([]), "llama-server's default flags (-ctk f16; /props does not state the cache type)"
+        return llama_twin([]), "llama-server's default flags (-ctk f16; /props does not state the cache type)"
     if ep.dialect in ("sglang", "vllm"):
         return f"engine:{ep.dialect}", f"{ep.dialect}'s profiled defaults (kernel_toggles/engine_profiles.json)"
     return None
-
-
-def from_flags(flags: list[str], env: dict | None = None) -> str:
-    """The twin spelling of llama-server under these flags and env."""
-    from fidelity.llamacpp import flags as F
-    return f"{F.PROFILE}:{F.read(flags, env).toggles()}"
 
 
 def parse_options(values: list[str], endpoints: list[str]) -> dict[str, str]:
@@ -66,7 +61,7 @@ def parse_options(values: list[str], endpoints: list[str]) -> dict[str, str]:
             raise ValueError(f"--twin {v!r}: expected NAME=ARM, NAME=\"-ctk q8_0\" (llama-server flags) or NAME=none")
         if name not in endpoints:
             raise ValueError(f"--twin {name}: no --endpoint is named {name!r} ({', '.join(endpoints) or 'none given'})")
-        out[name] = spec if spec == NONE or not spec.startswith("-") else from_flags(shlex.split(spec))
+        out[name] = spec if spec == NONE or not spec.startswith("-") else llama_twin(shlex.split(spec))
     return out
 
 

@@ -89,6 +89,11 @@ def read(flags: list[str], env: dict[str, str] | None = None) -> LlamaNumerics:
     return LlamaNumerics(cache, rotate, notes)
 
 
+def twin(flags: list[str], env: dict[str, str] | None = None) -> str:
+    """The spelling of llama-server's in-process twin under these flags and env."""
+    return f"{PROFILE}:{read(flags, env).toggles()}"
+
+
 def only_numerics(flags: list[str], env: dict[str, str] | None = None) -> bool:
     """Whether these flags and env set nothing but the cache type and its rotation."""
     rest, skip = [], False

@@ -220,9 +220,7 @@ def isolated_moe(engine: dict[str, np.ndarray], weights, arms: dict, twin: str |
                                    torch.tensor(idx.reshape(-1, k)).long(),
                                    torch.tensor(wt.reshape(-1, k)).to(nx.cd)).double().numpy()
             row[f"vs {name}"] = rel(out, ys[name])
-        if twin in ys and TWIN_FLOOR in ys:
-            row["floor"] = rel(ys[TWIN_FLOOR], ys[twin])
-        rows.append(row)
+        rows.append(_floored(row, ys, twin, rel))
     return pd.DataFrame(rows)
 
 
@@ -260,8 +258,7 @@ def isolated_attention(engine: dict[str, np.ndarray], weights, arms: dict, twin:
             ys[name] = mi.attention(i, mi._weights(i), torch.tensor(x).to(mi.nx.cd), mi.new_state(), 0, None,
                                     "prefill").double().numpy()
             row[f"vs {name}"] = rel(out.reshape(ys[name].shape), ys[name])
-        if twin in ys and TWIN_FLOOR in ys:
-            row["floor"] = rel(ys[TWIN_FLOOR], ys[twin])
+        _floored(row, ys, twin, rel)
         if picks is not None and twin in models:
             row.update(_picks_differ(models[twin], i, x, picks))
         rows.append(row)
@@ -330,6 +327,7 @@ def isolated_mhc(engine: dict[str, np.ndarray], weights, arms: dict, twin: str |
     from reference_model import build_model
     rows = []
     cfg = weights.cfg
+    models = {name: build_model(weights, nx) for name, nx in arms.items()}
     for i in range(cfg.n_layers):
         need = [f"hc_attn_post-{i}", f"hc_ffn_pre-{i}", f"hc_post-{i}#2", f"hc_comb-{i}#2"]
         if any(k not in engine for k in need):
@@ -338,9 +336,8 @@ def isolated_mhc(engine: dict[str, np.ndarray], weights, arms: dict, twin: str |
         n = x.shape[0]
         H = H.reshape(n, cfg.hc_mult, cfg.dim)
         row, ys = {"layer": i}, {}
-        for name, nx in arms.items():
-            m = build_model(weights, nx)
-            got = m.mhc.site(torch.tensor(H).to(nx.cd), None, m._weights(i), "ffn")[:3]
+        for name, m in models.items():
+            got = m.mhc.site(torch.tensor(H).to(m.nx.cd), None, m._weights(i), "ffn")[:3]
             ys[name] = [t.double().numpy() for t in got]
             row[f"vs {name}"] = max(rel(e.reshape(o.shape), o) for e, o in zip((x, post, comb), ys[name]))
         rows.append(_floored(row, ys, twin, lambda a, b: max(rel(u, v) for u, v in zip(a, b))))
