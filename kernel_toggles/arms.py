@@ -299,7 +299,8 @@ def version_of(cfg) -> str:
 
 
 def engine(name: str | None = None, model: str = "v4") -> ToggleSet:
-    """The optimizations documented for a `model` ('v4', 'v41') model, in canonical order:
+    """The optimizations documented for a `model` ('v4', 'v41') model (but not one engine's
+    own arithmetic, `engine_arm=False`), in canonical order:
     the first of each exclusive group, and of toggles replacing the same kernel the first
     unless the later one wraps it. With `name`, the toggles engine_profiles.json marks as
     that engine's default behaviour (those documented for `model`)."""
@@ -311,7 +312,7 @@ def engine(name: str | None = None, model: str = "v4") -> ToggleSet:
     taken: set[str] = set()
     owned: set[str] = set()
     out = []
-    opts = [t for t in R.all_toggles("optimization") if model in t.versions]
+    opts = [t for t in R.all_toggles("optimization") if model in t.versions and t.engine_arm]
     subsumed = R.subsumed_by(t.name for t in opts)
     for t in opts:
         if (t.group and t.group in taken) or t.name in subsumed or (set(t.kernels) - set(t.wraps)) & owned:

@@ -55,7 +55,7 @@ def _kv_bf16(golden, nope):
 
 
 @toggle("kv_cache_ggml", kernels=("kv_store", "rope_apply", "index_key_store", "sparse_attention"),
-        group="kv_cache", wraps=True, versions=("v4",), **_B,
+        group="kv_cache", wraps=True, versions=("v4",), engine_arm=False, **_B,
         params=(Param("type", str, "f16", "llama.cpp's -ctk/-ctv cache type", choices=("f16", "q8_0")),
                 Param("rotate", bool, True, "a quantised cache is stored Hadamard-rotated "
                       "(LLAMA_ATTN_ROT_DISABLE=1 turns it off)")),
@@ -349,7 +349,7 @@ def _moe_weight_after_w2(golden, x, w1, w3, w2, weight, limit):
     return golden.rs(acc * golden.r32(weight.to(cd)).unsqueeze(-1))
 
 
-@toggle("expert_act_q8_0", kernel="expert_ffn", group="moe_experts", **_B,
+@toggle("expert_act_q8_0", kernel="expert_ffn", group="moe_experts", engine_arm=False, **_B,
         provenance=Provenance(("llama.cpp",), ("b11434 CPU backend with MXFP4 routed experts (default "
                                                  "for V4 GGUFs)",),
                               ("ggml-cpu quants.c: quantize_row_q8_0, ggml_vec_dot_mxfp4_q8_0",
@@ -426,6 +426,57 @@ def _routed_scaling_double():
         return golden.moe_combine(routed_sum * _rsf(box), shared)
 
     return {"route_weights": _rsf_recorder(box, True), "moe_combine": moe_combine}
+
+
+@toggle("router_softplus_logf", kernel="moe_gate", engine_arm=False, **_B,
+        provenance=Provenance(("llama.cpp",), ("b11434 CPU backend (sqrtsoftplus gating)",),
+                              ("ggml-cpu unary-ops.cpp op_softplus", "llama-graph.cpp build_moe_ffn "
+                               "(ffn_moe_logits at GGML_PREC_F32)",
+                               "docs/real-engines.md: the twin's router")),
+        description="llama.cpp's router scores sqrt(softplus(logit)) with softplus computed in "
+                    "float32 as logf(1 + expf(x)) (x itself above 20) instead of the reference's "
+                    "log1p form: below a logit of about -16.6 the 1 + e^x rounds to 1 and the "
+                    "score is exactly 0, and small scores lose relative precision above that. "
+                    "An expert picked for a token (hash layers pick regardless of score) then "
+                    "gets weight 0 and the token's other experts its share.")
+def _router_softplus_logf(golden, x, w, score_func):
+    if score_func != "sqrtsoftplus":
+        return golden.moe_gate(x, w, score_func)
+    logits = (golden.c(x) @ w.to(golden.cd).T).float()
+    soft = torch.where(logits > 20.0, logits, torch.log(1.0 + torch.exp(logits)))
+    return soft.sqrt().to(golden.cd)
+
+
+# ---- GEMMs -------------------------------------------------------------------------------
+@toggle("bf16_gemm_input", kernels=("bf16_linear", "compressor_proj", "moe_gate", "lm_head"),
+        wraps=True, versions=("v4",), engine_arm=False, **_B,
+        provenance=Provenance(("llama.cpp",), ("b11434 DeepSeek-V4 GGUFs (convert_hf_to_gguf keeps "
+                                                 "these weights BF16)",),
+                              ("ggml-cpu ggml_compute_forward_mul_mat: src1 converted to the "
+                               "weight's vec_dot_type (BF16 for BF16 weights)",
+                               "docs/real-engines.md: the twin's router and CSA entries")),
+        description="llama.cpp's GEMMs whose weights the GGUF keeps in BF16 -- the indexer's "
+                    "weights_proj, the CSA and indexer compressors' kv/gate projections, the "
+                    "router and the output head -- read their fp32 activations rounded to bf16 "
+                    "(ggml converts the input to the weight's dot-product type), then accumulate "
+                    "in fp32. The reference feeds them bf16 values too, so on the reference "
+                    "profile this changes nothing; on the exact profile (llama.cpp's) it is the "
+                    "one rounding llama.cpp keeps on these paths.")
+def _bf16_gemm_input():
+    def bf16_linear(golden, x, w):
+        return golden.bf16_linear(E.bf16(x), w)
+
+    def compressor_proj(golden, x, wkv, wgate):
+        return golden.compressor_proj(E.bf16(x), wkv, wgate)
+
+    def moe_gate(golden, x, w, score_func):
+        return golden.moe_gate(E.bf16(x), w, score_func)
+
+    def lm_head(golden, x, w):
+        return golden.lm_head(E.bf16(x), w)
+
+    return {"bf16_linear": bf16_linear, "compressor_proj": compressor_proj, "moe_gate": moe_gate,
+            "lm_head": lm_head}
 
 
 # ---- head ---------------------------------------------------------------------------------

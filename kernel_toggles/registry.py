@@ -132,6 +132,7 @@ class Toggle:
     wraps: tuple[str, ...] = ()         # kernels whose replacement calls golden.<kernel>
     subsumes: tuple[str, ...] = ()      # toggles whose behaviour this one already includes
     versions: tuple[str, ...] = VERSIONS  # model versions it is documented for (engine arms)
+    engine_arm: bool = True             # False: one engine's own arithmetic, not in `engine`
     builtin: bool = False
     order: int = field(default=0, compare=False)
 
@@ -207,7 +208,8 @@ def toggle(name: str, *, kernel: str | None = None, kernels: tuple[str, ...] | N
            description: str = "", category: str | None = None,
            provenance: Provenance | None = None, params=(), group: str | None = None,
            phase: str = "all", wraps: tuple[str, ...] | bool = (), subsumes: tuple[str, ...] = (),
-           versions: tuple[str, ...] | None = None, replace: bool = False, _builtin: bool = False):
+           versions: tuple[str, ...] | None = None, engine_arm: bool = True, replace: bool = False,
+           _builtin: bool = False):
     """Register a kernel replacement as a toggle usable in arms (ToggleSet) by `name`.
 
     Single kernel: decorate `fn(golden, *kernel_args, <param>=..., **kw)`; the toggle's
@@ -223,7 +225,9 @@ def toggle(name: str, *, kernel: str | None = None, kernels: tuple[str, ...] | N
     toggle silently shadowing the other. `subsumes` names toggles whose behaviour this one
     already includes (the `engine` arm then leaves them out). `versions` ('v4', 'v41'): the
     model versions the behaviour is documented for, so the version's `engine` arm takes it
-    (default: the versions whose forward calls one of its kernels)."""
+    (default: the versions whose forward calls one of its kernels). `engine_arm=False`: the
+    arithmetic of one engine alone (llama.cpp's CPU kernels), never part of the generic
+    `engine` arm; engine_profiles.json still places it in its own engine's."""
     if (kernel is None) == (kernels is None):
         raise ToggleError("give exactly one of kernel= or kernels=")
     ks = (kernel,) if kernel else tuple(kernels)
@@ -264,7 +268,7 @@ def toggle(name: str, *, kernel: str | None = None, kernels: tuple[str, ...] | N
         _REGISTRY[name] = Toggle(name=name, kernels=ks, category=category, description=doc,
                                  provenance=prov, params=ps, factory=factory, group=group,
                                  phase=phase, wraps=wr, subsumes=tuple(subsumes), versions=vs,
-                                 builtin=_builtin,
+                                 engine_arm=engine_arm, builtin=_builtin,
                                  order=prev.order if prev else _counter[0])
         return fn
     return deco

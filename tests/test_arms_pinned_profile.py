@@ -1,5 +1,5 @@
 """An arm spelling can pin its numerics profile (`exact:...`, fidelity.arms.parse_arm):
-llama.cpp's in-process twin (`exact:expert_act_q8_0,kv_cache_ggml`) in kld, needle and
+a pinned arm such as llama.cpp's in-process twin (fidelity.llamacpp.flags.twin) in kld, needle and
 serve. The pinned arm computes on its profile whatever profile the caller asks for, and
 equals the same toggles built on that profile directly."""
 import pytest

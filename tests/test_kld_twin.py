@@ -17,8 +17,8 @@ from fidelity.kld import twin as T
 
 from needle_util import served
 
-TWIN = "exact:expert_act_q8_0,kv_cache_ggml"
-SAME = "exact:kv_cache_ggml,expert_act_q8_0"            # the twin spelled in another order
+TWIN = "exact:expert_act_q8_0,router_softplus_logf,bf16_gemm_input,kv_cache_ggml"
+SAME = "exact:kv_cache_ggml,expert_act_q8_0,router_softplus_logf,bf16_gemm_input"           # the twin spelled in another order
 BUG = f"{TWIN},yarn_on_swa_layers"
 GRID = ["--lengths", "250,511", "--depths", "10,50,90", "--steps", "4", "--n-boot", "300"]
 
@@ -53,7 +53,7 @@ def test_inprocess_bug_named_against_the_twin_with_finite_floors(tmp_path):
 
 
 def test_twin_options_are_checked():
-    assert T.parse_options(["a=-ctk q8_0"], ["a"]) == {"a": "exact:kv_cache_ggml(type=q8_0),expert_act_q8_0"}
+    assert T.parse_options(["a=-ctk q8_0"], ["a"]) == {"a": "exact:kv_cache_ggml(type=q8_0),expert_act_q8_0,router_softplus_logf,bf16_gemm_input"}
     assert T.parse_options(["a=none"], ["a"]) == {"a": "none"}
     with pytest.raises(ValueError, match="no --endpoint is named 'b'"):
         T.parse_options(["b=golden"], ["a"])

@@ -12,9 +12,9 @@ from kernel_toggles import ToggleSet
 
 
 def test_flags_read_as_the_twins_toggles():
-    assert LF.read([]).toggles() == ToggleSet.parse("expert_act_q8_0,kv_cache_ggml")
+    assert LF.read([]).toggles() == ToggleSet.parse("expert_act_q8_0,router_softplus_logf,bf16_gemm_input,kv_cache_ggml")
     q8 = LF.read(["-ctk", "q8_0", "-ctv", "q8_0", "-ub", "64"])
-    assert q8.toggles() == ToggleSet.parse("expert_act_q8_0,kv_cache_ggml(type=q8_0)")
+    assert q8.toggles() == ToggleSet.parse("expert_act_q8_0,router_softplus_logf,bf16_gemm_input,kv_cache_ggml(type=q8_0)")
     assert q8.factors() == {"kv_cache_ggml"} and LF.read(["-np", "4"]).factors() == frozenset()
     assert any(n.startswith("-ub: physical batch") for n in q8.notes)
     flat = LF.read(["--cache-type-k=q8_0"], {"LLAMA_ATTN_ROT_DISABLE": "1"})
@@ -62,7 +62,7 @@ flags = ["-ctk", "q8_0", "-ctv", "q8_0", "-ub", "64"]
 [[arms]]
 name = "twin-q8-norot"
 engine = "llama"
-toggles = "expert_act_q8_0,kv_cache_ggml(type=q8_0,rotate=false)"
+toggles = "expert_act_q8_0,router_softplus_logf,bf16_gemm_input,kv_cache_ggml(type=q8_0,rotate=false)"
 """
 
 
@@ -87,8 +87,9 @@ def test_engines_plans_llamacpp_arms_from_toggles_and_credits_their_flags(tmp_pa
 
 
 @pytest.mark.parametrize("toggles, frag", [
-    ("expert_act_q8_0,kv_bf16", "llama.cpp has no setting for kv_bf16"),
-    ("kv_cache_ggml(type=q8_0)", "always reads its routed experts' activations as Q8_0"),
+    ("expert_act_q8_0,router_softplus_logf,bf16_gemm_input,kv_bf16", "llama.cpp has no setting for kv_bf16"),
+    ("router_softplus_logf,bf16_gemm_input,kv_cache_ggml(type=q8_0)", "always computes expert_act_q8_0 "),
+    ("expert_act_q8_0,router_softplus_logf", "always computes bf16_gemm_input "),
 ])
 def test_engines_refuses_what_llamacpp_cannot_be_set_to(tmp_path, toggles, frag):
     spec = _spec(tmp_path, SPEC.split("[[arms]]")[0] + f'[[arms]]\nname = "x"\nengine = "llama"\ntoggles = "{toggles}"\n')

@@ -1,4 +1,5 @@
-"""llama.cpp's CPU numerics as toggles (kernel_toggles: expert_act_q8_0, kv_cache_ggml),
+"""llama.cpp's CPU numerics as toggles (kernel_toggles: expert_act_q8_0, kv_cache_ggml, bf16_gemm_input,
+router_softplus_logf),
 checked against hand-derived values and an independent numpy computation. The real engine
 check is tests/test_llama_cpp.py's replay (its MoE reproduced to float32 rounding)."""
 import numpy as np
@@ -144,3 +145,58 @@ def test_an_f16_cache_holds_the_references_values_exactly_and_rounds_the_exact_p
     ex, ex_cached = taps(Numerics("exact")), taps(ToggleSet.parse("kv_cache_ggml").numerics("exact"))
     first = next(n for n in ex.names() if not torch.equal(ex[n], ex_cached[n]))
     assert first == "layers.0.attn.kv"
+
+
+def _bf16_numpy(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 -> float32 by bit arithmetic: round to nearest even on the upper 16 bits."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32)
+
+
+def test_bf16_gemm_input_rounds_the_input_of_llamas_bf16_weight_gemms():
+    """The router, compressor, weights_proj and head GEMMs read bf16(x) (ggml's vec_dot type
+    for BF16 weights), accumulate wide; the weights and everything else are untouched, and on
+    the reference profile (whose inputs are bf16 already) it changes nothing."""
+    nx = ToggleSet.parse("bf16_gemm_input").numerics("exact")
+    g = torch.Generator().manual_seed(3)
+    x, w, w2 = torch.randn(4, 64, generator=g), torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)
+    xb = _bf16_numpy(x.numpy()).astype(np.float64)
+    assert not np.array_equal(xb, x.numpy().astype(np.float64))          # the input does round
+    want = xb @ w.numpy().astype(np.float64).T
+    np.testing.assert_allclose(nx.lm_head(x, w).double().numpy(), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(nx.bf16_linear(x, w).double().numpy(), want, rtol=1e-5, atol=1e-5)
+    kv, gate = nx.compressor_proj(x, w, w2)
+    np.testing.assert_allclose(kv.double().numpy(), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gate.double().numpy(), xb @ w2.numpy().astype(np.float64).T, rtol=1e-5, atol=1e-5)
+    soft = np.sqrt(np.log1p(np.exp(want)))
+    np.testing.assert_allclose(nx.moe_gate(x, w, "sqrtsoftplus").double().numpy(), soft, rtol=1e-5, atol=1e-6)
+    base = ToggleSet.parse("").numerics("exact")
+    assert not np.allclose(base.lm_head(x, w).double().numpy(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(nx.fp8_linear(x, w), base.fp8_linear(x, w))
+    ref, ref_on = ToggleSet.parse("").numerics("reference"), ToggleSet.parse("bf16_gemm_input").numerics("reference")
+    xr = x.bfloat16().float()
+    for k in ("lm_head", "bf16_linear", "moe_gate"):
+        args = (xr, w, "sqrtsoftplus") if k == "moe_gate" else (xr, w)
+        assert torch.equal(getattr(ref_on, k)(*args), getattr(ref, k)(*args)), k
+
+
+def test_router_softplus_logf_is_ggmls_float32_softplus():
+    """sqrt(logf(1 + expf(l))) in float32 (l above 20: l itself): hand-derived at -20 (1 + e^-20
+    rounds to 1: score 0, where the reference's is 4.5e-5), 0 (sqrt(ln 2)) and 25; numpy
+    float32 on random logits; other score functions untouched."""
+    nx = ToggleSet.parse("router_softplus_logf").numerics("exact")
+    base = ToggleSet.parse("").numerics("exact")
+    eye = torch.eye(3)
+    x = torch.tensor([[-20.0, 0.0, 25.0]])
+    got = nx.moe_gate(x, eye, "sqrtsoftplus")[0].tolist()
+    assert got[0] == 0.0 and got[2] == pytest.approx(5.0, abs=1e-6)
+    assert got[1] == pytest.approx(np.sqrt(np.log(2.0)), rel=1e-6)
+    assert base.moe_gate(x, eye, "sqrtsoftplus")[0, 0] == pytest.approx(np.exp(-10.0), rel=1e-3)
+    g = torch.Generator().manual_seed(4)
+    xs, w = torch.randn(6, 16, generator=g) * 6, torch.randn(8, 16, generator=g)
+    logits = (xs.numpy().astype(np.float64) @ w.numpy().T.astype(np.float64)).astype(np.float32)
+    with np.errstate(over="ignore"):
+        want = np.sqrt(np.where(logits > 20, logits, np.log(np.float32(1) + np.exp(logits))))
+    np.testing.assert_allclose(nx.moe_gate(xs, w, "sqrtsoftplus").numpy(), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(nx.moe_gate(xs, w, "sigmoid"), base.moe_gate(xs, w, "sigmoid"))

@@ -141,7 +141,8 @@ def test_engine_all_optimizations():
     """V4's engine arm: every optimization documented for V4 (V4.1's: test_v41_toggles_kernels)."""
     e = K.engine()
     assert all(s.toggle.category == "optimization" for s in e)
-    opts = [t for t in K.all_toggles("optimization") if "v4" in t.versions]
+    opts = [t for t in K.all_toggles("optimization") if "v4" in t.versions and t.engine_arm]
+    assert {"kv_cache_ggml", "expert_act_q8_0", "bf16_gemm_input"}.isdisjoint(e.names)   # llama.cpp's own
     opt_groups = {t.group for t in opts if t.group}
     subsumed = {n for t in opts for n in t.subsumes}
     ungrouped = {t.name for t in opts if not t.group} - subsumed

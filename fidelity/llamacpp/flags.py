@@ -5,7 +5,8 @@ serving conditions or resources. Both directions: an engines arm's toggles becom
 (what cannot be set is refused, naming it), and an arm's own flags become the toggles
 attribution credits.
 
-Modelled (CPU backend, b11434): the routed experts' Q8_0 activations (always on: no flag
+Modelled (CPU backend, b11434): the routed experts' Q8_0 activations, the router's float32
+softplus and the bf16 input of the GEMMs whose GGUF weights are BF16 (always on: no flag
 turns them off), the cache type `-ctk` (f16 default, q8_0; llama.cpp's V4 caches use the
 K type for every row, so `-ctv` follows it) and the attention rotation of a quantised cache
 (LLAMA_ATTN_ROT_DISABLE=1 turns it off)."""
@@ -16,7 +17,9 @@ from dataclasses import dataclass, field
 from kernel_toggles import ToggleSet
 
 PROFILE = "exact"                                   # llama.cpp computes without QAT simulation
-LLAMA_CPU = "expert_act_q8_0"                       # fixed on: its CPU MoE GEMMs
+# fixed on: its CPU MoE GEMMs, its router's float32 softplus, and its BF16-weight GEMMs
+# (router, compressors, weights_proj, head)
+LLAMA_CPU = ("expert_act_q8_0", "router_softplus_logf", "bf16_gemm_input")
 CACHE_TYPES = ("f16", "q8_0")                       # kv_cache_ggml's types
 ROT_ENV = "LLAMA_ATTN_ROT_DISABLE"
 _CACHE_K, _CACHE_V = ("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v")
@@ -48,7 +51,7 @@ class LlamaNumerics:
         """The in-process twin's toggles (on PROFILE)."""
         cache = "kv_cache_ggml" + ("" if self.cache_type == "f16" else
                                    f"(type={self.cache_type}{'' if self.rotate else ',rotate=false'})")
-        return ToggleSet.parse(f"{LLAMA_CPU},{cache}")
+        return ToggleSet.parse(",".join((*LLAMA_CPU, cache)))
 
     def factors(self) -> frozenset:
         """The toggles that differ from llama-server's defaults (what attribution credits)."""
@@ -112,13 +115,16 @@ def only_numerics(flags: list[str], env: dict[str, str] | None = None) -> bool:
 def launch_of(toggles: ToggleSet) -> tuple[list[str], dict[str, str]]:
     """Flags and env that make llama-server compute `toggles` (its twin's spelling); a
     toggle it has no setting for, or a twin without LLAMA_CPU, is a FlagError naming it."""
-    other = [n for n in toggles.names if n not in (LLAMA_CPU, "kv_cache_ggml")]
+    other = [n for n in toggles.names if n not in (*LLAMA_CPU, "kv_cache_ggml")]
+    fixed = ", ".join(LLAMA_CPU)
     if other:
         raise FlagError(f"llama.cpp has no setting for {', '.join(other)} (it computes the exact profile "
-                        f"with {LLAMA_CPU} and kv_cache_ggml; other numerics need their own GGUF or flags)")
-    if LLAMA_CPU not in toggles:
-        raise FlagError(f"llama.cpp's CPU backend always reads its routed experts' activations as Q8_0 "
-                        f"({LLAMA_CPU}); no setting turns it off")
+                        f"with {fixed} and kv_cache_ggml; other numerics need their own GGUF or flags)")
+    missing = [n for n in LLAMA_CPU if n not in toggles]
+    if missing:
+        raise FlagError(f"llama.cpp's CPU backend always computes {', '.join(missing)} (its routed experts "
+                        f"read Q8_0 activations, its router a float32 softplus, its BF16-weight GEMMs bf16 "
+                        "activations); no setting turns it off")
     if "kv_cache_ggml" not in toggles:
         return [], {}
     kw = toggles["kv_cache_ggml"].kwargs()

@@ -27,7 +27,7 @@ import torch
 from reference_model import build_model
 from reference_model.taps import Taps
 
-from . import tensor_dump as D
+from . import flags, tensor_dump as D
 
 # (golden tap under layers.{i}., llama.cpp tensor name before -{i}), in graph order
 PAIRS = [("attn.q", "q"), ("attn.kv", "kv"), ("attn.out", "attn_out"), ("ffn.out", "ffn_out")]
@@ -39,20 +39,20 @@ TWIN_FLOOR = "twin:fp64-accum"         # the twin accumulating in fp64: its redu
 FLOORS = (FLOOR, TWIN_FLOOR)
 F32_ROUNDING = 1e-6                    # the smallest floor a relative error is judged against
 # llama.cpp's CPU arithmetic as in-process arms: the reference's math without its QAT
-# simulation, with the routed experts' activations read as Q8_0, then also its cache in
-# llama-server's -ctk type (f16 by default; Q8_0 rotated) (docs/real-engines.md)
-LLAMA_CPU_ARMS = ("exact:expert_act_q8_0", "exact:expert_act_q8_0,kv_cache_ggml")
+# simulation, with the routed experts' activations read as Q8_0 and the BF16-weight GEMMs'
+# input as bf16, then also its cache in llama-server's -ctk type (f16 by default; Q8_0
+# rotated): its twin (fidelity.llamacpp.flags, docs/real-engines.md)
+LLAMA_CPU_ARMS = (f"{flags.PROFILE}:{','.join(flags.LLAMA_CPU)}", flags.twin([]))
 
 
 def llama_cpu_arms(cache_type: str = "f16") -> tuple[str, ...]:
     """LLAMA_CPU_ARMS with the cache arm of llama.cpp's -ctk `cache_type`."""
-    cpu, cache = LLAMA_CPU_ARMS
-    return (cpu, cache if cache_type == "f16" else f"{cache}(type={cache_type})")
+    return LLAMA_CPU_ARMS[0], twin_of(cache_type)
 
 
 def twin_of(cache_type: str = "f16") -> str:
     """llama.cpp's twin under -ctk `cache_type`: the in-process arm its flags map to."""
-    return llama_cpu_arms(cache_type)[1]
+    return flags.twin(["-ctk", cache_type])
 
 
 def replay_arms(extra=(), cache_type: str = "f16") -> dict:
