@@ -138,7 +138,7 @@ def measure(bug: Bug, home: Path, ck: Path, model: Path, port: int) -> dict:
     os.environ["LLAMA_CPP_HOME"] = str(home)              # serving() launches this variant's llama-server
     with serving(model, OUT / f"{bug.name}.log", ctx=4096, port=port) as url:
         fidelity(home, "kld", "--inprocess", "golden=golden", "--endpoint", f"{bug.name}={url}",
-                 "--checkpoint", str(ck), *KLD_ARGS, "--out", str(OUT), "--run-id", bug.name, "--quiet")
+                 "--checkpoint", str(ck), *KLD_ARGS, "--out", str(OUT), "--run-id", bug.name, "--fresh", "--quiet")
     m = json.loads((OUT / "kld" / bug.name / "manifest.json").read_text())
     v = m["verdict"]
     (tw,) = v["twins"]
