@@ -121,7 +121,10 @@ def test_golden_scored_then_released_then_engines_launched_and_resumed(tmp_path,
     assert rel["tensor_bytes"] > 0 and rel["all_dropped"] is True       # nothing kept the golden alive
     assert isinstance(rel["rss_before"], int) and isinstance(rel["rss_after"], int)
     assert events[1]["scored"]["golden"] == {"prompts": 2, "stored_earlier": 0}
+    # engine-bug's twin (its toggles) and the floors around it, scored with the golden
+    # (served-golden's twin is the baseline itself: no second judgement)
     assert set(events[1]["scored"]) == {"golden", "floor:exact", "floor:fp32-accum", "floor:tie-order",
+                                        "twin", "twin~floor:fp32-accum", "twin~floor:tie-order",
                                         "consistency reference golden"}
     assert st["golden"]["done"] == ["kld"] and st["golden"]["engine"]["inprocess"]["devices"] == ["cpu"]
 
@@ -142,6 +145,12 @@ def test_golden_scored_then_released_then_engines_launched_and_resumed(tmp_path,
         assert served.ladder_tokens == got.ladder_tokens
         kl = [compare(a, b, None) for a, b in zip(got.known, served.known)]
         assert max(c["kl_lb"] for c in kl) < 1e-9 and all(c["same_top1"] for c in kl)
+    # judged twice: fidelity serve computing engine,routed_scaling_double is its twin exactly
+    m = json.loads((root / "kld-report" / "manifest.json").read_text())
+    (tw,) = m["manifest"]["twins"]
+    assert tw["engines"] == ["engine-bug"] and not tw["unexplained"], tw
+    assert (root / "kld-report-vs-twin" / "index.html").is_file()
+    assert sorted((root / "kld" / "scores").glob("engine-bug~repeat/*.npz"))
     # the chunk reference stored before launch: the served golden is bit-identical to it
     assert st["served-golden"]["consistency"]["flagged"] == []
     assert st["engine-bug"]["consistency"]["conditions"] >= 1

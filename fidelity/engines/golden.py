@@ -17,11 +17,13 @@ from fidelity.kld.run import ScoredArm, check_identity, score_entry
 from fidelity.kld.run import _key as score_key          # the key score_arm stores under
 from fidelity.kld.store import ScoreStore, request_key
 from fidelity.weights.target import load_target
+from kernel_toggles.arms import version_of
 from reference_model.schedule import ONESHOT
 
 from . import memory
 from .context import EngineRun
 from .spec import EngineSpec, Spec, SpecError
+from .twins import engine_twins
 
 REF_PROMPT = "ref"                 # the score store's prompt name for reference answers
 
@@ -150,21 +152,29 @@ def _identity(name: str, label: str, e: EngineSpec, cd) -> dict:
             "accumulate": str(cd).replace("torch.", "")}
 
 
-def kld_jobs(spec: Spec, e: EngineSpec, cd) -> list[Job]:
+def kld_jobs(spec: Spec, e: EngineSpec, cd, version: str = "v4") -> list[Job]:
     """The in-process arms' KLD scoring, the baseline first; with an in-process baseline,
-    `fidelity ab`'s floor arms (as `fidelity kld --inprocess` adds them) after it."""
+    `fidelity ab`'s floor arms (as `fidelity kld --inprocess` adds them) after it, then each
+    launched arm's twin and the floors around it (fidelity.engines.twins)."""
     from fidelity.ab.design import floor_arms
     from fidelity.arms import parse_arm
+    from fidelity.twin import floor_numerics
+
+    def job(name, role, numerics, label, factors=frozenset(), schedule=ONESHOT):
+        return Job(ScoredArm(name, _Identity(_identity(name, label, e, cd)), role, factors), numerics, schedule, label)
     jobs = []
     for a in spec.arms:
         if a.engine != e.name:
             continue
         na = parse_arm(str(a.toggles) if a.toggles is not None else "golden")
-        jobs.append(Job(ScoredArm(a.name, _Identity(_identity(a.name, na.name, e, cd)), a.role, a.factors),
-                        na.numerics(compute_dtype=cd), na.schedule, na.name))
+        jobs.append(job(a.name, a.role, na.numerics(compute_dtype=cd), na.name, a.factors, na.schedule))
         if a.role == "baseline":
-            jobs += [Job(ScoredArm(f.name, _Identity(_identity(f.name, f.name, e, cd)), "floor"), f.numerics,
-                         label=f.name) for f in floor_arms(cd)]
+            jobs += [job(f.name, "floor", f.numerics, f.name) for f in floor_arms(cd)]
+    for tw in engine_twins(spec, version):
+        na = parse_arm(tw.spelling, version)
+        jobs.append(job(tw.name, "twin", na.numerics(compute_dtype=cd), na.name, schedule=na.schedule))
+        jobs += [job(f"{tw.name}~{f}", "floor", nx, f"{na.name} ({f})")
+                 for f, nx in floor_numerics(tw.spelling, version, cd, qat=False)]
     return jobs
 
 
@@ -172,22 +182,41 @@ def baseline_inprocess(spec: Spec) -> bool:
     return spec.engines[spec.arms[0].engine].kind == "inprocess"
 
 
+def placement(e: EngineSpec):
+    """Where the in-process engine computes and in which dtype it accumulates."""
+    from fidelity.devices import DeviceError, Placement, accumulate_dtype, parse_devices
+    try:
+        devices = parse_devices(list(e.devices))
+        return Placement(devices, accumulate_dtype(devices, e.accumulate))
+    except DeviceError as ex:
+        raise SpecError(f"engines.{e.name}.devices: {str(ex).removeprefix('--devices: ')}; nothing was "
+                        "launched") from None
+
+
+def twin_judgements(spec: Spec, version: str) -> list:
+    """(Twin, the names and roles of its judgement's arms) per launched arm's twin, for the
+    report (scores read from the store)."""
+    from fidelity.kld.run import twin_entries
+    e = engine_of(spec)
+    if e is None or "kld" not in spec.tasks:
+        return []
+    floors = {j.entry.name: j for j in kld_jobs(spec, e, placement(e).compute_dtype, version)
+              if j.entry.role == "floor"}
+    arms = {a.name: ScoredArm(a.name, None, a.role, a.factors) for a in spec.arms}
+    return [(tw, twin_entries(tw, None, [(n, None) for n in floors if n.startswith(f"{tw.name}~")], arms))
+            for tw in engine_twins(spec, version)]
+
+
 def run_inprocess(run: EngineRun, cs, done_arms) -> StoredReference | None:
     """Score and store everything that needs the golden, then release it (module docstring).
     `cs`: the consistency settings (or None); `done_arms`: launched arms whose tasks
     finished (no reference is computed for them). Returns the consistency reference the
     launched arms read, or None."""
-    from fidelity.devices import DeviceError, Placement, accumulate_dtype, parse_devices
     spec, state, prompts, s, store, progress = run.spec, run.state, run.prompts, run.settings, run.store, run.progress
     e = engine_of(spec)
-    try:
-        devices = parse_devices(list(e.devices))
-        place = Placement(devices, accumulate_dtype(devices, e.accumulate))
-    except DeviceError as ex:
-        raise SpecError(f"engines.{e.name}.devices: {str(ex).removeprefix('--devices: ')}; nothing was "
-                        "launched") from None
+    place = placement(e)
     cd, tag = place.compute_dtype, f"in-process engine {e.name}"
-    jobs = kld_jobs(spec, e, cd) if "kld" in spec.tasks else []
+    jobs = kld_jobs(spec, e, cd, version_of(run.target.cfg)) if "kld" in spec.tasks else []
     for j in jobs:
         check_identity(store, j.entry)          # another checkpoint under an old name: before loading
     todo = {j.entry.name: sum(not store.path(j.entry.name, p.id, score_key(s, j.entry, p.tokens.tolist())).exists()

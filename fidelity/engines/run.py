@@ -15,13 +15,14 @@ import time
 from pathlib import Path
 
 from fidelity.kld.endpoint import Endpoint
-from fidelity.kld.run import (TOKENIZER_PROBE, ScoredArm, check_tokenizers, evaluate, repeat_floor,
-                              score_entry)
+from fidelity.kld.run import (REPEAT_SUFFIX, TOKENIZER_PROBE, ScoredArm, check_tokenizers, evaluate,
+                              repeat_floor, score_entry)
 from fidelity.kld.settings import KldSettings, PromptGrid
 from fidelity.kld.store import ScoreStore
 from fidelity.prompts import file_prompts, grid_prompts
 from fidelity.progress import Progress
 from fidelity.weights.target import load_target
+from kernel_toggles.arms import version_of
 from needle.haystack import HaystackSpec, PromptFormat
 from needle.http import HttpRunner, RequestOptions
 from needle.report import write_report
@@ -33,6 +34,7 @@ from . import golden
 from .launch import EngineProcess, LaunchPlan, ReadinessLog, describe_exit, plan_arm
 from .page import engines_page, write_index
 from .context import EngineRun, State
+from .twins import with_twin
 from .spec import Spec, SpecError
 from .speculation import launch_order, settings_for, spec_baseline
 
@@ -308,6 +310,8 @@ def _run_arm(run: EngineRun, arm, plan, consistency) -> None:
             entries = [ScoredArm(arm.name, ep, arm.role, arm.factors)]
             if arm.role == "baseline":
                 entries.append(repeat_floor(entries[0]))
+            elif arm.name in with_twin(spec, version_of(run.target.cfg)):    # its noise, vs its twin
+                entries.append(ScoredArm(f"{arm.name}{REPEAT_SUFFIX}", ep, "floor", against=arm.name))
             for e in entries:
                 score_entry(e, run.prompts, run.settings, run.store, spec.arms[0].name, progress)
             st["done"].append("kld")
@@ -354,8 +358,10 @@ def report(run: EngineRun, run_id: str) -> dict:
                               "factors": sorted(a.factors), **_reading(state.arm(a.name))} for a in arms],
                     "servers": {a.name: state.arm(a.name).get("engine") for a in arms},
                     "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in prompts]}
+        twins = golden.twin_judgements(spec, version_of(run.target.cfg))
+        entries += [ScoredArm(tw.name, None, "twin") for tw, _ in twins]
         res = evaluate(entries, prompts, s, run.store, shape if s.captures else None, root, "kld-report",
-                       manifest, coverage=False)
+                       manifest, coverage=False, twins=twins)
         out["kld"], out["verdict"] = res["path"], res["verdict"]
     if "needle" in spec.tasks:
         rows, metas = [], []

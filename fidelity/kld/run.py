@@ -49,8 +49,9 @@ class ScoredArm:
 
 def arm_record(e: ScoredArm) -> dict:
     """An arm as a manifest keeps it: its scorer's own view, name, role, factors (and what
-    it is compared with when not the baseline)."""
-    return {**e.scorer.describe(), "name": e.name, "role": e.role, "factors": sorted(e.factors),
+    it is compared with when not the baseline; an arm read from stored scores alone, as
+    `fidelity engines`' report reads them, has no scorer to describe)."""
+    return {**(e.scorer.describe() if e.scorer is not None else {}), "name": e.name, "role": e.role, "factors": sorted(e.factors),
             **({"against": e.against} if e.against else {})}
 
 
