@@ -158,12 +158,13 @@ def measure(bug: Bug, home: Path, ck: Path, model: Path, port: int) -> dict:
 def replay(bug: Bug, home: Path, ck: Path, model: Path) -> dict:
     """`fidelity llamacpp replay` on the variant: its findings and headline."""
     r = fidelity(home, "llamacpp", "replay", "--checkpoint", str(ck), "--gguf", str(model), "--tokens", "240",
-                 "--out", str(OUT / bug.name))
+                 "--search", "--out", str(OUT / bug.name))
     found = json.loads((OUT / bug.name / "llamacpp-replay" / "findings-prefill-f16.json").read_text())
     lines = r.stdout.strip().splitlines()
     head = lines[next(i for i, ln in enumerate(lines) if ln.startswith(("llama.cpp (", "Fed llama.cpp"))):]
     return {"block": found["block"], "blocks": found["blocks"], "errors": found.get("errors", {}),
-            "picks": found["picks"], "propagated": found["unexplained"], "headline": head}
+            "picks": found["picks"], "propagated": found["unexplained"], "headline": head,
+            "search": {k: v for k, v in (found.get("search") or {}).items() if k != "tried"}}
 
 
 def _summary(report: Path) -> dict:
@@ -192,6 +193,16 @@ def _first(r: dict) -> str:
     return f"layer {b['layer']} {b['block']}" if b else "none"
 
 
+def _searched(r: dict) -> str:
+    s = r["replay"].get("search") or {}
+    if not s.get("from"):
+        return "-"
+    if not s["added"]:
+        return "none"
+    return " + ".join(s["added"]) + (" (reproduces it)" if s["to"] is None else
+                                     f" (to layer {s['to']['layer']} {s['to']['tensor']})")
+
+
 def _flips(r: dict) -> int:
     return sum(p["differ"] for p in r["replay"]["picks"])
 
@@ -206,7 +217,8 @@ def render(res: dict) -> str:
     rows = ["| variant | part (the edit) | vs golden: mean / p99 KLD, named? | vs twin: mean / p99 KLD, "
             "unexplained? | p99 vs twin / clean's | replay headline: first block that departs from the twin | "
             "replay: blocks fed llama.cpp's own inputs that depart (the clean build: from the twin; a variant: "
-            "10x beyond the clean build) | indexer picks differing |", "|---|---|---|---|---|---|---|---|"]
+            "10x beyond the clean build) | twin search: toggle added to the twin that reproduces the propagated "
+            "departure | indexer picks differing |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in v.items():
         g, t = r["vs_golden"], r["vs_twin"]
         nf = f", non-finite on {t['nonfinite']:.0%} of positions" if t.get("nonfinite") else ""
@@ -217,7 +229,8 @@ def render(res: dict) -> str:
         ratio = f"{t['kld_p99'] / base_p99:.3g}x" if base_p99 and finite and name != "clean" else "-"
         rows.append(f"| {name} | {r['part']} ({r['what']}) | {_num(g['kld_mean'])} / {_num(g['kld_p99'])}, "
                     f"{'yes' if g['named'] else 'no'} | {_num(t['kld_mean'])} / {_num(t['kld_p99'])}, "
-                    f"{'yes' if t['unexplained'] else 'no'}{nf} | {ratio} | {_first(r)} | {where} | {_flips(r)} |")
+                    f"{'yes' if t['unexplained'] else 'no'}{nf} | {ratio} | {_first(r)} | {where} | {_searched(r)} | "
+                    f"{_flips(r)} |")
     return "\n".join([f"`bench/bench_llama_bugs.py`, {res['build']}, F32 GGUF of tiny-needle-v2, on this "
                       "machine; raw numbers and every sentence in `bench/results/llama_bugs.json`. KLD: "
                       "decode path, 256/511/1023 tokens x 3 depths, exact (top-512 of 512). Replay: prefill, "

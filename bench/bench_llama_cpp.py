@@ -62,8 +62,8 @@ def q4_k_m(f32: Path) -> Path:
 
 
 def twin(extra: tuple) -> str:
-    """llama.cpp's in-process twin under these flags (fidelity.llamacpp.flags)."""
-    return LF.twin(list(extra))
+    """llama.cpp's in-process twin under these flags, read as its scores are (fidelity.llamacpp.flags)."""
+    return LF.scored_twin(list(extra))
 
 
 def kld(name: str, url: str, ck: Path, extra: tuple = ()) -> dict:

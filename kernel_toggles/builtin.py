@@ -75,9 +75,12 @@ def _kv_bf16(golden, nope):
                     "the query is rotated alike and the output rotated back (rotate=false: "
                     "LLAMA_ATTN_ROT_DISABLE=1), and ggml's CPU flash attention converts the "
                     "query to Q8_0 before Q.K. On the reference profile f16 holds its bf16 and "
-                    "FP8 values exactly; the exact profile's fp32 rows are rounded. Not modelled: "
-                    "with an f16 cache, ggml's one-query path (decode) also converts the query "
-                    "to f16 and accumulates P.V in an f16 buffer (prefill's tiled path is fp32).")
+                    "FP8 values exactly; the exact profile's fp32 rows are rounded. With an f16 "
+                    "cache a decode step (one query: ggml's one-query path) also converts the "
+                    "query to f16 and accumulates P.V online in an f16 buffer, keys in cache "
+                    "order, the sink last (prefill's tiled path is fp32). Not modelled: the "
+                    "split-KV variant of that path, which ggml takes once the cache view reaches "
+                    "512 cells (per-thread chunks merged in fp32).")
 def _kv_cache_ggml(type, rotate):
     rotated = type == "q8_0" and rotate
 
@@ -96,6 +99,8 @@ def _kv_cache_ggml(type, rotate):
         return cache(golden.index_key_store(k), golden.cd)
 
     def sparse_attention(golden, q, kv, sink, idx, scale, phase="prefill"):
+        if type == "f16" and phase == "decode":                 # ggml's one-query path
+            return E.ggml_one_query_attention(q, kv, sink, idx, scale).to(golden.cd)
         if type == "f16":                   # rows already stored in f16; Q.K in fp32 (tiled path)
             return golden.sparse_attention(q, kv, sink, idx, scale, phase)
         if not rotated:                     # rows already stored in Q8_0

@@ -203,3 +203,51 @@ def rotate(x: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
     n = h.shape[0]
     xf = x.float()
     return (xf.reshape(*xf.shape[:-1], xf.shape[-1] // n, n) @ h).reshape(xf.shape)
+
+
+def _fma_f16(acc: torch.Tensor, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """fp16(fma(x, v, acc)) in fp32 as ggml's F16C vec_mad_f16 does: the product and sum
+    formed exactly (fp64), rounded once to fp32, then to fp16."""
+    return (acc.double() + x.double() * v.double()).float().half()
+
+
+def ggml_one_query_attention(q, kv, sink, idx, scale) -> torch.Tensor:
+    """ggml's CPU flash attention for a batch of fewer queries than its tile (the decode
+    path; ops.cpp flash_attn_ext_f16_one_chunk) over an f16 cache, one pass in key order:
+    the query converted to f16, each score an fp32 dot product of f16 values times `scale`,
+    an online softmax whose running P.V lives in an f16 buffer (rescaled by exp(M_old - M)
+    on a new maximum, then v * exp(s - M) added, both rounded to f16), the running sum S in
+    fp32; the sink enters after the last key (fp32), and the output is VKQ * (1/S). Keys are
+    visited in ascending row order (llama.cpp's cells: the window in position order, then the
+    compressed entries). q [c,H,D], kv [N,D] (K = V, f16 values), sink [H], idx [c,k]
+    (-1 = empty) -> [c,H,D] fp32."""
+    c, H, D = q.shape
+    dev = q.device
+    out = torch.empty(c, H, D, dtype=torch.float32, device=dev)
+    k16 = kv.half()
+    sk = sink.float().to(dev)
+    one, zero = torch.ones(H, device=dev), torch.zeros(H, device=dev)
+    for r in range(c):
+        keys = torch.sort(idx[r][idx[r] >= 0]).values
+        q16 = q[r].half().double()                                        # [H,D]
+        s_all = (q16 @ k16[keys].double().T).float() * torch.tensor(scale, dtype=torch.float32)  # [H,k]
+        M = torch.full((H,), float("-inf"), device=dev)
+        S = zero.clone()
+        acc = torch.zeros(H, D, dtype=torch.float16, device=dev)
+        for j, key in enumerate(keys.tolist()):
+            s = s_all[:, j]
+            new = s > M
+            ms = torch.where(new, torch.exp(M - s), one)                  # 0 on the first key
+            vs = torch.where(new, one, torch.exp(s - M))
+            acc = torch.where(new.unsqueeze(1), (acc.float() * ms.unsqueeze(1)).half(), acc)
+            acc = _fma_f16(acc, k16[key].expand(H, D), vs.unsqueeze(1))
+            M = torch.where(new, s, M)
+            S = S * ms + vs
+        vkq = acc.float()
+        new = sk > M                                                      # the sink, after every key
+        ms = torch.where(new, torch.exp(M - sk), one)
+        vkq = vkq * ms.unsqueeze(1)
+        S = S * ms + torch.where(new, one, torch.exp(sk - M))
+        inv = torch.where(S == 0, zero, 1.0 / S)
+        out[r] = vkq * inv.unsqueeze(1)
+    return out

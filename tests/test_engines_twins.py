@@ -55,8 +55,8 @@ def _spec(tmp_path, base="ref"):
 def test_twins_of_launched_arms(tmp_path):
     twins = engine_twins(_spec(tmp_path), "v4")
     got = {t.name: (t.spelling, t.engines) for t in twins}
-    assert got == {"twin-llama": (LF.twin([]), ["llama", "llama-ub"]),      # -ub: no numerics toggle
-                   "twin-llama-q8": (LF.twin(["-ctk", "q8_0"]), ["llama-q8"]),
+    assert got == {"twin-llama": (LF.scored_twin([]), ["llama", "llama-ub"]),      # -ub: no numerics toggle
+                   "twin-llama-q8": (LF.scored_twin(["-ctk", "q8_0"]), ["llama-q8"]),
                    "twin-sglang": (parse_arm("engine:sglang").name, ["sglang"])}  # the external server: none
     assert with_twin(_spec(tmp_path), "v4") == {"llama", "llama-ub", "llama-q8", "sglang"}
 

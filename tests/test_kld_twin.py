@@ -53,7 +53,8 @@ def test_inprocess_bug_named_against_the_twin_with_finite_floors(tmp_path):
 
 
 def test_twin_options_are_checked():
-    assert T.parse_options(["a=-ctk q8_0"], ["a"]) == {"a": "exact:kv_cache_ggml(type=q8_0),expert_act_q8_0,router_softplus_logf,bf16_gemm_input"}
+    assert T.parse_options(["a=-ctk q8_0"], ["a"]) == {
+        "a": "exact:kv_cache_ggml(type=q8_0),expert_act_q8_0,router_softplus_logf,bf16_gemm_input@decode_from(1)"}
     assert T.parse_options(["a=none"], ["a"]) == {"a": "none"}
     with pytest.raises(ValueError, match="no --endpoint is named 'b'"):
         T.parse_options(["b=golden"], ["a"])

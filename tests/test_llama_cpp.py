@@ -101,7 +101,7 @@ def test_kld_report_says_how_llamacpp_was_read(server, f32, tmp_path):
     twin (the exact profile with LLAMA_CPU toggles, fidelity.llamacpp.flags) llama.cpp is
     many times closer than the golden is."""
     out = tmp_path / "out"
-    r = subprocess.run([*fidelity_cmd(), "kld", "--inprocess", f"twin={LF.twin([])}",
+    r = subprocess.run([*fidelity_cmd(), "kld", "--inprocess", f"twin={LF.scored_twin([])}",
                         "--inprocess", "golden=golden", "--endpoint", f"llama={server}",
                         "--checkpoint", str(f32[0]), "--lengths", "200", "--reps", "1", "--steps", "2",
                         "--top-k", "512", "--no-captures", "--no-floors", "--out", str(out),
@@ -111,7 +111,7 @@ def test_kld_report_says_how_llamacpp_was_read(server, f32, tmp_path):
     pos = pd.read_csv(out / "kld" / "t" / "positions.csv.gz")
     assert set(pos.arm) == {"golden", "llama"}                 # both scored against the twin
     kld = pos.groupby("arm").kl_lb.mean()                       # exact here (top-512 of 512)
-    assert kld["llama"] * 5 < kld["golden"], kld
+    assert kld["llama"] * 100 < kld["golden"], kld         # measured: 3.1e-7 vs 9.4e-5
     page = (out / "kld" / "t" / "summary.md").read_text()
     assert "Arm `llama`: teacher-forced /completion prefixes" in page
     llama = pos[(pos.arm == "llama") & (pos.phase == "prefill")]

@@ -1,5 +1,5 @@
-"""llama.cpp's CPU numerics as toggles (kernel_toggles: expert_act_q8_0, kv_cache_ggml, bf16_gemm_input,
-router_softplus_logf),
+"""llama.cpp's CPU numerics as toggles (kernel_toggles: expert_act_q8_0, kv_cache_ggml and its
+one-query decode attention, bf16_gemm_input, router_softplus_logf),
 checked against hand-derived values and an independent numpy computation. The real engine
 check is tests/test_llama_cpp.py's replay (its MoE reproduced to float32 rounding)."""
 import numpy as np
@@ -145,6 +145,62 @@ def test_an_f16_cache_holds_the_references_values_exactly_and_rounds_the_exact_p
     ex, ex_cached = taps(Numerics("exact")), taps(ToggleSet.parse("kv_cache_ggml").numerics("exact"))
     first = next(n for n in ex.names() if not torch.equal(ex[n], ex_cached[n]))
     assert first == "layers.0.attn.kv"
+
+
+def _one_query_numpy(q, kv, sink, keys, scale):
+    """ggml's one-query flash attention over an f16 cache, element by element in numpy
+    scalars: f16 query, fp32 scores, the running P.V an f16 vector (each update fp32
+    multiply-add rounded to f16), fp32 running sum, the sink after the last key."""
+    H, D = q.shape
+    out = np.zeros((H, D), np.float32)
+    for h in range(H):
+        qh = q[h].astype(np.float16).astype(np.float64)
+        M, S = -np.inf, np.float32(0.0)
+        acc = np.zeros(D, np.float16)
+        for key in sorted(keys):
+            v = kv[key].astype(np.float16)
+            sc = np.float32(np.float32(qh @ v.astype(np.float64)) * np.float32(scale))
+            if sc > M:
+                ms, vs = np.float32(np.exp(np.float32(M - sc))) if M > -np.inf else np.float32(0.0), np.float32(1.0)
+                acc = (acc.astype(np.float32) * ms).astype(np.float16)
+                M = sc
+            else:
+                ms, vs = np.float32(1.0), np.float32(np.exp(np.float32(sc - M)))
+            acc = (acc.astype(np.float64) + v.astype(np.float64) * np.float64(vs)).astype(np.float32).astype(np.float16)
+            S = np.float32(S * ms + vs)
+        o = acc.astype(np.float32)
+        sk = np.float32(sink[h])
+        if sk > M:
+            ms = np.float32(np.exp(np.float32(M - sk)))
+            o, S = o * ms, np.float32(S * ms + np.float32(1.0))
+        else:
+            S = np.float32(S + np.float32(np.exp(np.float32(sk - M))))
+        out[h] = o * np.float32(1.0 / S)
+    return out
+
+
+def test_an_f16_cache_decodes_through_ggmls_one_query_path():
+    """A decode step over an f16 cache: ggml's one-query flash attention (f16 P.V buffer,
+    keys in cache order whatever order the picks come in), against a scalar numpy loop;
+    prefill keeps the fp32 tiled path (the golden's math on f16 rows)."""
+    nx = ToggleSet.parse("kv_cache_ggml").numerics("exact")
+    base = ToggleSet.parse("").numerics("exact")
+    g = torch.Generator().manual_seed(5)
+    head = 64
+    q = torch.randn(2, 3, head, generator=g)
+    kv = torch.randn(12, head, generator=g).half().float() * 3
+    sink = torch.tensor([0.5, 9.0, -2.0])                  # one sink above every score
+    idx = torch.tensor([[0, 1, 2, 3, 4, 10, 7, -1], [5, 6, 7, 8, 9, 11, 2, 0]])
+    got = nx.sparse_attention(q, kv, sink, idx, head ** -0.5, "decode").double().numpy()
+    for r in range(2):
+        keys = [int(k) for k in idx[r] if k >= 0]
+        want = _one_query_numpy(q[r].numpy(), kv.numpy(), sink.numpy(), keys, head ** -0.5)
+        np.testing.assert_allclose(got[r], want, rtol=2e-6, atol=1e-7)
+    exact = _attention_fp64(q.double().numpy(), kv.double().numpy(), sink.double().numpy(), idx.numpy(),
+                            head ** -0.5)
+    assert 1e-5 < np.abs(got - exact).max() / np.abs(exact).max() < 1e-2    # f16-sized, not wrong
+    prefill = nx.sparse_attention(q, kv, sink, idx, head ** -0.5, "prefill")
+    assert torch.equal(prefill, base.sparse_attention(q, kv, sink, idx, head ** -0.5, "prefill"))
 
 
 def _bf16_numpy(x: np.ndarray) -> np.ndarray:

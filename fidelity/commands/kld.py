@@ -205,18 +205,20 @@ def _inprocess_around(spelling: str, target, place=None, driver=None, own: str |
     import torch
     from fidelity.kld.inprocess import InProcessScorer
     from fidelity.pipeline_model import arm_numerics
+    from fidelity.arms import parse_arm
     from fidelity.twin import floor_numerics as around
     from kernel_toggles.arms import version_of
     version = version_of(target.cfg)
     cd = place.compute_dtype if place else torch.float64
     devices = place.model_devices if place else None
+    schedule = parse_arm(spelling, version).schedule      # the floors are read as the arm is
     recipes = [] if own is None else [(own, spelling, (arm_numerics, spelling, "reference", {"compute_dtype": cd},
                                                        version))]
     if floors is not None:
         recipes += [(f"{floors}{f}", f"{spelling} ({f})", (_around_numerics, spelling, version, cd, k, qat))
                     for k, (f, _) in enumerate(around(spelling, version, cd, qat))]
-    return [(n, InProcessScorer(n, None if driver else fn(*a), target.weights, label, devices,
-                                model=driver.model((fn, *a)) if driver else None))
+    return [(n, InProcessScorer(n, None if driver else fn(*a), target.weights, label, devices, schedule,
+                                model=driver.model((fn, *a), schedule) if driver else None))
             for n, label, (fn, *a) in recipes]
 
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from fidelity.errors import CommandError
@@ -16,6 +17,7 @@ HELP = "llama.cpp against the golden: GGUF, tensor replay, llama-perplexity's KL
 EXAMPLES = """\
     fidelity llamacpp prepare --fp8 f32                 # the embedded model as GGUF (after make llama-cpp)
     fidelity llamacpp replay --fp8 f32 --tokens 240     # where llama.cpp departs, per tensor
+    fidelity llamacpp replay --fp8 f32 --search         # ... and which toggle added to its twin explains it
     fidelity llamacpp kld-base --out golden.kld --ctx 128 --chunks 4   # for llama-perplexity --kl-divergence
     fidelity llamacpp kld-base --compare engine.kld     # a file llama-perplexity wrote
 """
@@ -49,6 +51,10 @@ def add_arguments(p):
                         "arm spelling, e.g. exact:kv_cache_ggml(type=q8_0) (repeatable; golden, the "
                         "fp32-accumulation floor, exact and the llama.cpp CPU arms for --cache-type are always "
                         "compared)")
+    p.add_argument("--search", type=int, nargs="?", const=2, default=0, metavar="STEPS",
+                   help="replay: where llama.cpp departs from its twin, try each registered toggle added to the "
+                        "twin and keep the one that moves the departure furthest, up to STEPS toggles (default 2): "
+                        "names the arithmetic (or the bug's kind) behind it")
     p.add_argument("--out", default=None,
                    help="kld-base: the file written (default golden.kld); replay: the folder (default reports)")
 
@@ -104,8 +110,14 @@ def _replay(args, ck: Path, model: Path) -> int:
     ids = _text_ids(args, tok, args.tokens)
     out = Path(args.out or "reports") / "llamacpp-replay"
     out.mkdir(parents=True, exist_ok=True)
-    table, _, iso = R.replay(model, w, ids, arms, out, args.path, args.cache_type)
-    found = R.findings(table, iso, args.path, args.cache_type)
+    r = R.run(model, w, ids, arms, out, args.path, args.cache_type)
+    table, iso = r.table, r.iso
+    searched = None
+    if args.search:
+        from fidelity.llamacpp.twin_search import search
+        searched = search(r.engine, w, ids, args.path, table, r.taps[R.GOLDEN], R.twin_of(args.cache_type),
+                          args.search, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    found = R.findings(table, iso, args.path, args.cache_type, searched)
     tag = f"{args.path}-{args.cache_type}"
     table.to_csv(out / f"replay-{tag}.csv", index=False)
     for block, t in iso.items():

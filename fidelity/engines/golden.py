@@ -173,7 +173,7 @@ def kld_jobs(spec: Spec, e: EngineSpec, cd, version: str = "v4") -> list[Job]:
     for tw in engine_twins(spec, version):
         na = parse_arm(tw.spelling, version)
         jobs.append(job(tw.name, "twin", na.numerics(compute_dtype=cd), na.name, schedule=na.schedule))
-        jobs += [job(f"{tw.name}~{f}", "floor", nx, f"{na.name} ({f})")
+        jobs += [job(f"{tw.name}~{f}", "floor", nx, f"{na.name} ({f})", schedule=na.schedule)
                  for f, nx in floor_numerics(tw.spelling, version, cd, qat=False)]
     return jobs
 

@@ -21,10 +21,11 @@ def spelling_of(spec: Spec, arm) -> tuple[str, str] | None:
     """(twin spelling, where it came from) of a launched arm, or None."""
     e = spec.engines[arm.engine]
     if e.kind == "llamacpp":
-        if arm.toggles is not None:
-            return f"{LF.PROFILE}:{arm.toggles}", "the arm's toggles (on llama.cpp's exact profile)"
+        if arm.toggles is not None:             # scored position by position, as llama-server is read
+            return (f"{LF.PROFILE}:{arm.toggles}@{LF.SCORED_ON}",
+                    "the arm's toggles (on llama.cpp's exact profile, position by position)")
         try:
-            return LF.twin([*e.flags, *arm.flags], {**e.env, **arm.env}), "llama-server's flags and env"
+            return LF.scored_twin([*e.flags, *arm.flags], {**e.env, **arm.env}), "llama-server's flags and env"
         except LF.FlagError:
             return None                   # the launch plan already refuses what cannot be modelled
     if arm.toggles is not None and e.kind in ("sglang", "vllm", "fidelity"):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fidelity.llamacpp.flags import twin as llama_twin
+from fidelity.llamacpp.flags import scored_twin as llama_twin
 from fidelity.verdict.judge import floor_words
 
 
@@ -43,7 +43,8 @@ def derived(ep) -> tuple[str, str] | None:
         return (arm if profile == "reference" or arm.startswith(f"{profile}:") else f"{profile}:{arm}",
                 "the arm fidelity serve states it serves")
     if getattr(ep, "llama_server", False) or ep.dialect == "llamacpp":
-        return llama_twin([]), "llama-server's default flags (-ctk f16; /props does not state the cache type)"
+        return llama_twin([]), ("llama-server's default flags (-ctk f16; /props does not state the cache type), "
+                                "scored position by position as its scores are read")
     if ep.dialect in ("sglang", "vllm"):
         return f"engine:{ep.dialect}", f"{ep.dialect}'s profiled defaults (kernel_toggles/engine_profiles.json)"
     return None

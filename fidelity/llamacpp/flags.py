@@ -97,6 +97,17 @@ def twin(flags: list[str], env: dict[str, str] | None = None) -> str:
     return f"{PROFILE}:{read(flags, env).toggles()}"
 
 
+# llama-server's scores are read teacher-forced, every position after the first computed by
+# its decode path (one new token on a cached prefix: fidelity.kld.llamacpp_dialect), where an
+# f16 cache takes ggml's one-query attention; its twin is scored the same way
+SCORED_ON = "decode_from(1)"
+
+
+def scored_twin(flags: list[str], env: dict[str, str] | None = None) -> str:
+    """twin(flags, env) read as llama-server's scores are: position by position (SCORED_ON)."""
+    return f"{twin(flags, env)}@{SCORED_ON}"
+
+
 def only_numerics(flags: list[str], env: dict[str, str] | None = None) -> bool:
     """Whether these flags and env set nothing but the cache type and its rotation."""
     rest, skip = [], False

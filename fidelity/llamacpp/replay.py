@@ -18,6 +18,7 @@ drop out, against the twin's own reduction-order floor (the twin in fp64). The f
 further than FACTOR x that floor from every modelled arm leads the headline."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -117,8 +118,8 @@ def _how(d: dict) -> str:
 
 def compare(engine: dict[str, np.ndarray], arms: dict[str, Taps], n_layers: int,
             twin: str | None = None) -> pd.DataFrame:
-    """One row per (layer, tensor): the engine's error against every arm, the golden's
-    reduction-order floor and (given the `twin`'s name) the twin's."""
+    """One row per (layer, tensor): the engine's error against every arm (GOLDEN among them),
+    the golden's reduction-order floor (when FLOOR is) and (given the `twin`'s name) the twin's."""
     rows = []
     for i in range(n_layers):
         for gname, lname in PAIRS:
@@ -131,7 +132,8 @@ def compare(engine: dict[str, np.ndarray], arms: dict[str, Taps], n_layers: int,
             row = {"layer": i, "tensor": gname, "engine_tensor": f"{lname}-{i}"}
             for name, taps in arms.items():
                 row[f"vs {name}"] = rel(got, taps[f"layers.{i}.{gname}"].double().numpy())
-            row["floor"] = rel(arms[FLOOR][f"layers.{i}.{gname}"].double().numpy(), ref)
+            if FLOOR in arms:
+                row["floor"] = rel(arms[FLOOR][f"layers.{i}.{gname}"].double().numpy(), ref)
             if twin in arms and TWIN_FLOOR in arms:
                 row["twin floor"] = rel(arms[TWIN_FLOOR][f"layers.{i}.{gname}"].double().numpy(),
                                         arms[twin][f"layers.{i}.{gname}"].double().numpy())
@@ -344,12 +346,21 @@ def isolated_mhc(engine: dict[str, np.ndarray], weights, arms: dict, twin: str |
     return pd.DataFrame(rows)
 
 
-def replay(gguf: Path, weights, ids: list[int], arms: dict, workdir: Path, path: str = "prefill",
-           cache: str = "f16"):
-    """(table, first departure, isolated blocks) for llama.cpp on `gguf` with its KV cache in
-    `cache` vs in-process `arms` (name -> Numerics; must hold GOLDEN and FLOOR) over `ids` by
-    `path`. The isolated blocks, in graph order within a layer: attention (prefill path
-    only: empty otherwise), the FFN site's mHC, router, MoE."""
+@dataclass
+class Run:
+    """One replay: llama.cpp's tensors, every arm's taps, the propagated table and the
+    isolated blocks (in graph order within a layer)."""
+    engine: dict
+    taps: dict
+    table: pd.DataFrame
+    iso: dict
+
+
+def run(gguf: Path, weights, ids: list[int], arms: dict, workdir: Path, path: str = "prefill",
+        cache: str = "f16") -> Run:
+    """llama.cpp on `gguf` with its KV cache in `cache` vs in-process `arms` (name ->
+    Numerics; must hold GOLDEN and FLOOR) over `ids` by `path`. The isolated blocks:
+    attention (prefill path only: empty otherwise), the FFN site's mHC, router, MoE."""
     dump = D.run(gguf, ids, Path(workdir) / f"dump-{path}-{cache}.bin", path, PATTERN, cache)
     engine = D.read(dump)
     taps = {name: taps_of(weights, nx, ids, path) for name, nx in arms.items()}
@@ -359,7 +370,14 @@ def replay(gguf: Path, weights, ids: list[int], arms: dict, workdir: Path, path:
     iso = {"attention": attn, "mHC": isolated_mhc(engine, weights, arms, twin),
            "router": isolated_router(engine, weights, arms, ids, twin),
            "MoE": isolated_moe(engine, weights, arms, twin)}
-    return table, first_departure(table), iso
+    return Run(engine, taps, table, iso)
+
+
+def replay(gguf: Path, weights, ids: list[int], arms: dict, workdir: Path, path: str = "prefill",
+           cache: str = "f16"):
+    """(table, first departure from the golden, isolated blocks) of run(...)."""
+    r = run(gguf, weights, ids, arms, workdir, path, cache)
+    return r.table, first_departure(r.table), r.iso
 
 
 def sentence(first: dict | None, path: str) -> str:
@@ -373,11 +391,12 @@ def sentence(first: dict | None, path: str) -> str:
             f"floor {first['floor']:.2g}; {who}.")
 
 
-def findings(table: pd.DataFrame, iso: dict[str, pd.DataFrame], path: str, cache: str = "f16") -> dict:
+def findings(table: pd.DataFrame, iso: dict[str, pd.DataFrame], path: str, cache: str = "f16",
+             search: dict | None = None) -> dict:
     """The replay's judgement: what no modelled arm explains -- each block fed llama.cpp's
     own inputs (`iso`: block -> table, in graph order within a layer; the first departing
-    block leads), the propagated stream, the indexer picks that differ -- and the
-    departure from the golden."""
+    block leads), the propagated stream, the indexer picks that differ, the twin search's
+    result when one ran (fidelity.llamacpp.twin_search) -- and the departure from the golden."""
     order = list(iso)
     blocks = [b for b in (block_unexplained(t, name) for name, t in iso.items()) if b]
     first = min(blocks, key=lambda b: (b["layer"], order.index(b["block"]))) if blocks else None
@@ -388,7 +407,8 @@ def findings(table: pd.DataFrame, iso: dict[str, pd.DataFrame], path: str, cache
                      for _, r in t.iterrows()] for name, t in iso.items() if not t.empty and "floor" in t}
     return {"twin": twin_of(cache), "path": path, "block": first, "blocks": blocks, "errors": errors,
             "isolated": {name: not t.empty for name, t in iso.items()}, "picks": picks,
-            "unexplained": first_unexplained(table, twin_of(cache)), "by_design": first_departure(table)}
+            "unexplained": first_unexplained(table, twin_of(cache)), "by_design": first_departure(table),
+            "search": search}
 
 
 def headline(f: dict) -> list[str]:
@@ -418,5 +438,7 @@ def headline(f: dict) -> list[str]:
                 else "at no tensor")
         lines.append(f"Propagated, it matches a modelled arm {upto}, then departs from every one at layer "
                      f"{u['layer']} {u['tensor']} ({u['engine_tensor']}): {_how(u)}.")
+    if f.get("search"):
+        lines.append(f["search"]["sentence"])
     lines.append("By design: " + sentence(f["by_design"], path))
     return lines
