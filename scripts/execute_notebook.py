@@ -1,6 +1,6 @@
 """Execute notebooks/layer_drift.ipynb in a real kernel and save it with its outputs (tables
 and plots), by default on the committed example report into docs/notebook/layer_drift.ipynb,
-which GitHub and Jupyter render as a reader sees it. Run after `make demo`:
+which GitHub and Jupyter render as a reader sees it. Run after `make example`:
     .venv/bin/python scripts/execute_notebook.py
     .venv/bin/python scripts/execute_notebook.py --set 'ARMS=["engine", "wo_a_fp8"]' --set LAYER=2 --out /tmp/nb.ipynb
 `--set NAME=VALUE` (a Python literal) overrides a name of the notebook's parameters cell

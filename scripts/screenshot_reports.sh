@@ -2,7 +2,7 @@
 # The first screen of report pages as a reader opens them: headless Chromium (Debian's
 # `chromium` package) at 1400x900 -> OUT_DIR/<name>.png.
 # Usage: scripts/screenshot_reports.sh [OUT_DIR] [NAME=PAGE ...]
-#   without pages: the committed example reports (ab, needle; run after `make demo`);
+#   without pages: the committed example reports (ab, needle; run after `make example`);
 #   NAME=PAGE: any report's index.html (or its folder), e.g. engines=reports/engines/demo
 set -euo pipefail
 cd "$(dirname "$0")/.."
