@@ -114,6 +114,7 @@ def test_kld_report_says_how_llamacpp_was_read(server, f32, tmp_path):
     assert kld["llama"] * 100 < kld["golden"], kld         # measured: 3.1e-7 vs 9.4e-5
     page = (out / "kld" / "t" / "summary.md").read_text()
     assert "Arm `llama`: teacher-forced /completion prefixes" in page
+    assert "--exact" not in page                              # top-512 of 512: already exact, no rerun offered
     llama = pos[(pos.arm == "llama") & (pos.phase == "prefill")]
     assert (llama.path.iloc[1:] == "decode").all()
     assert (llama.uncovered_p < 1e-9).all()                  # top-512 of a 512 vocabulary: exact KL

@@ -24,6 +24,7 @@ from .margins import margin_summary
 from .settings import KldSettings
 
 BUCKET0 = 128                   # position buckets [0,128), [128,512), [512,2048), ...
+EXACT_BELOW = 1e-9               # baseline mass left uncovered below which a position's KL is exact
 
 
 def _bucket(pos: pd.Series) -> pd.Series:
@@ -134,7 +135,9 @@ def write(out_dir, run_id: str, tables: dict, judged: dict, manifest: dict, arms
         by_res = residues(tables["signals"], manifest)
         if by_res is not None:
             w.table("residues", by_res[0])
-        w.page(build_page(manifest, judged, kt, lt, tables.get("coverage"), ms, by_res))
+        pos = tables["positions"]
+        covered = bool(len(pos)) and bool((pos.uncovered_p.fillna(1.0) < EXACT_BELOW).all())
+        w.page(build_page(manifest, judged, kt, lt, tables.get("coverage"), ms, by_res, covered))
         plt.close("all")
         return w.commit(latest)
     except BaseException:
@@ -168,8 +171,9 @@ def _arm_flag(a: dict) -> str | None:
     return f"--inprocess {shlex.quote(a['name'] + '=' + str(spelling or a['name']))}"
 
 
-def _next_steps(m: dict, sus: pd.DataFrame) -> list[str]:
-    """Commands spelled as the CLI parses them (tests/test_report_pages.py parses each)."""
+def _next_steps(m: dict, sus: pd.DataFrame, covered: bool = False) -> list[str]:
+    """Commands spelled as the CLI parses them (tests/test_report_pages.py parses each); no
+    --exact rerun when the KL is already exact everywhere (`covered`)."""
     s = m["settings"]
     arms = {a["name"]: a for a in m["arms"]}
     base = arms.get(m["baseline"])
@@ -177,7 +181,7 @@ def _next_steps(m: dict, sus: pd.DataFrame) -> list[str]:
         return []
     out = []
     others = [a for n, a in arms.items() if n != m["baseline"] and a.get("role", "arm") not in ("floor", "twin")]
-    if not s.get("exact") and others:
+    if not s.get("exact") and not covered and others:
         flags = [_arm_flag({**a, "spec": m["spec"]} if "spec" in m else a) for a in [base] + others]
         if None not in flags:
             out.append(f"fidelity kld {' '.join(flags)} --exact   # exact KL instead of a top-{s['k']} lower bound")
@@ -220,7 +224,9 @@ def residues(signals: pd.DataFrame, m: dict) -> tuple[pd.DataFrame, pd.DataFrame
 
 
 def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov,
-               margins: pd.DataFrame | None = None, by_residue=None) -> Page:
+               margins: pd.DataFrame | None = None, by_residue=None, covered: bool = False) -> Page:
+    """The page; `covered`: every position's KL is already exact (no baseline mass uncovered,
+    e.g. top-512 of a 512-token vocabulary), so no --exact rerun is suggested."""
     s = m["settings"]
     others = [a["name"] for a in m["arms"] if a["name"] != m["baseline"]]
     compared = (f"Baseline `{m['baseline']}` vs {', '.join(f'`{a}`' for a in others)} on "
@@ -280,7 +286,7 @@ def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov,
                  *(t["by_design"] for t in judged["verdict"].get("twins", [])),
                  *verdict_lines(judged["verdict"]), *_incomplete_lines(cov)],
                 lead, Table(sus, ratio=sus[["x_floor"]], fold=False, caption=SUSPECTS_CAPTION) if len(sus) else None,
-                _next_steps(m, sus), sections, m, headline=_headline(judged["verdict"]))
+                _next_steps(m, sus, covered), sections, m, headline=_headline(judged["verdict"]))
 
 
 def _headline(v: dict) -> str:

@@ -191,17 +191,23 @@ def judge_arms(entries: list[ScoredArm], sig: pd.DataFrame, s: KldSettings, prom
 
 def check_identity(store: ScoreStore, entry: ScoredArm) -> None:
     """Scores kept under an arm's name must come from the same server/arm: a relaunched,
-    changed engine under an old name would otherwise be compared from stale files."""
+    changed engine under an old name would otherwise be compared from stale files. The URL
+    is not part of that (the server's fingerprint is): the same engine relaunched on another
+    port resumes; the stored record then holds the new URL."""
     desc = {k: v for k, v in entry.scorer.describe().items() if k != "dialect"}
     f = store.root / entry.name / "arm.json"
     if f.exists():
         old = json.loads(f.read_text())
-        if old != desc:
-            raise RuntimeError(f"scores stored for arm {entry.name!r} came from {old}, not {desc}; "
+        same = {k: v for k, v in old.items() if k != "url"} == {k: v for k, v in desc.items() if k != "url"}
+        if not same:
+            changed = sorted(k for k in set(old) | set(desc) if k != "url" and old.get(k) != desc.get(k))
+            raise RuntimeError(f"scores stored for arm {entry.name!r} came from another server or arm "
+                               f"({', '.join(f'{k}: {old.get(k)!r} then, {desc.get(k)!r} now' for k in changed)}); "
                                "use another name or --fresh")
-    else:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text(json.dumps(desc, sort_keys=True))
+        if old == desc:
+            return
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(json.dumps(desc, sort_keys=True))
 
 
 TOKENIZER_PROBE = "The quick brown fox: 12345, naïve café. "
