@@ -88,6 +88,15 @@ def split_base(url: str) -> tuple[str, str]:
     return root, root + "/v1"
 
 
+AUTH_HINT = "OPENAI_API_KEY unless given"
+
+
+def bearer(key: str | None) -> dict:
+    """The Authorization header of an API key (none without one). The key goes only here:
+    never into a message, a log, a manifest or a report."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def check_status(r: httpx.Response) -> None:
     """RequestFailed for an error status: retryable for 429 and 5xx (with Retry-After in
     seconds when given), not for other 4xx."""
@@ -98,6 +107,10 @@ def check_status(r: httpx.Response) -> None:
         except ValueError:
             ra = None
         raise RequestFailed(f"HTTP {r.status_code}: {r.text[:200]}", True, r.status_code, ra)
+    if r.status_code in (401, 403):
+        raise RequestFailed(f"HTTP {r.status_code}: the server refused the request's credentials: {r.text[:200]} "
+                            f"(an API key is sent from the variable --api-key-env names, {AUTH_HINT})",
+                            False, r.status_code)
     if r.status_code >= 400:
         raise RequestFailed(f"HTTP {r.status_code}: {r.text[:300]}", False, r.status_code)
 

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from infra.http import (RequestFailed, RetryPolicy, StartupError, aretry, check_status, check_url,
+from infra.http import (RequestFailed, RetryPolicy, StartupError, aretry, bearer, check_status, check_url,
                         pick_model, redact_url, send, split_base, transport_failure)
 
 from .haystack import Prompt
@@ -70,8 +70,7 @@ class HttpRunner:
 
     # ---- plumbing -----------------------------------------------------------------------
     def headers(self) -> dict:
-        key = os.environ.get(self.api_key_env) if self.api_key_env else None
-        return {"Authorization": f"Bearer {key}"} if key else {}
+        return bearer(os.environ.get(self.api_key_env) if self.api_key_env else None)
 
     def timeout(self) -> httpx.Timeout:
         return httpx.Timeout(self.policy.timeout, connect=self.policy.connect_timeout)

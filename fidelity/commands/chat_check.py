@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from fidelity.commands.options import chat_encoding, endpoint_url, http_options, output_options
+from fidelity.commands.options import api_key, chat_encoding, endpoint_url, http_options, output_options
 from fidelity.errors import CommandError
 
 HELP = ("Check that an engine renders chat requests (system, tools, thinking, reasoning effort, "
@@ -61,7 +61,7 @@ def run(args) -> int:
         tok = load_tokenizer(args.tokenizer) if args.tokenizer else None
         ep = Endpoint("engine", args.endpoint, "openai", args.model,
                       RetryPolicy(retries=args.retries, timeout=args.timeout),
-                      on_retry=progress.log).connect()
+                      on_retry=progress.log, api_key=api_key(args)).connect()
         version, why = (args.chat_version, "given") if args.chat_version != "auto" else served_chat_version(ep.info)
         if args.chat_version == "auto":
             print(f"chat version {version} ({why}; --chat-version overrides)")

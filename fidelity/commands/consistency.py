@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from fidelity.commands.options import endpoint_pair, http_options, output_options
+from fidelity.commands.options import api_key, endpoint_pair, http_options, output_options
 from fidelity.errors import CommandError
 
 HELP = ("Probe live endpoints under serving conditions (prefix-cache hits at each boundary "
@@ -99,8 +99,9 @@ def _arms(args, target, progress):
     dialects = dict(name_value_pairs(args.dialect, "--dialect"))
     every, per_arm = model_options(args.model, [n for n, _ in endpoints])
     policy = RetryPolicy(retries=args.retries, timeout=args.timeout)
+    key = api_key(args)
     arms = [LiveArm(Endpoint(name, url, dialects.pop(name, None), per_arm.get(name, every), policy,
-                             target.tokenizer, on_retry=progress.log)) for name, url in endpoints]
+                             target.tokenizer, on_retry=progress.log, api_key=key)) for name, url in endpoints]
     if dialects:
         raise ValueError(f"--dialect names no endpoint: {', '.join(dialects)}")
     return arms

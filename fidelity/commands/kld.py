@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
-from fidelity.commands.options import endpoint_pair, http_options, output_options
+from fidelity.commands.options import api_key, endpoint_pair, http_options, output_options
 from fidelity.errors import CommandError
 from fidelity.lengths import HELP as LENGTHS_HELP
 from fidelity.lengths import argtype as lengths_arg
@@ -132,7 +132,7 @@ def build_entries(args, target, progress, place=None, driver=None):
                                  factors=frozenset({name})))
     for name, url in endpoints:
         ep = Endpoint(name, url, dialects.pop(name, None), per_arm.get(name, every), policy,
-                      target.tokenizer, on_retry=progress.log).connect()
+                      target.tokenizer, on_retry=progress.log, api_key=api_key(args)).connect()
         ep.check_vocab(target.cfg.vocab_size)
         progress(f"{name}: {ep.describe()['url']} model {ep.model}, dialect {ep.dialect}")
         entries.append(ScoredArm(name, ep, "floor" if name in args.floor else "arm", frozenset({name})))

@@ -111,8 +111,6 @@ def add_arguments(p):
                         '{"thinking": <--thinking>}; \'{}\' sends none')
     g.add_argument("--concurrency", type=int, default=4, help="requests in flight per endpoint")
     http_options(g)
-    g.add_argument("--api-key-env", default="OPENAI_API_KEY",
-                   help="environment variable holding the API key (never written anywhere)")
     g = output_options(p, "needle", "needle-<timestamp>", fresh="discard existing results instead of resuming",
                        out_help="writes <out>/needle/results.jsonl and <out>/needle/<run-id>/ (+ latest "
                                 "link) (default: %(default)s)")

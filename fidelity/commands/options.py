@@ -1,7 +1,7 @@
 """Options several subcommands share, declared once so their names, defaults and help
 cannot drift apart: where results go (--out, --run-id, --fresh, --quiet) and how requests
 to a server are retried (--timeout, --retries; infra.http.RetryPolicy's defaults unless a
-command's requests need longer attempts); which endpoint URLs are accepted (endpoint_url,
+command's requests need longer attempts) and authenticated (--api-key-env); which endpoint URLs are accepted (endpoint_url,
 endpoint_pair); which chat encoding --chat-version and --generation name."""
 from __future__ import annotations
 
@@ -27,13 +27,25 @@ def output_options(p: argparse.ArgumentParser, what: str, run_id_default: str, *
     return g
 
 
+API_KEY_ENV = "OPENAI_API_KEY"
+
+
 def http_options(g, timeout: float = RetryPolicy.timeout) -> None:
-    """--timeout and --retries on a group of a command that talks to servers."""
+    """--timeout, --retries and --api-key-env on a group of a command that talks to servers."""
     g.add_argument("--timeout", type=float, default=timeout,
                    help="seconds per request attempt (default: %(default)s)")
     g.add_argument("--retries", type=int, default=RetryPolicy.retries,
                    help="retries per request on connection errors, timeouts, 5xx, 429 and malformed "
                         "answers (default: %(default)s)")
+    g.add_argument("--api-key-env", default=API_KEY_ENV, metavar="VAR",
+                   help="environment variable holding the servers' API key, sent as a bearer token when "
+                        "set (a server started with --api-key); never printed or written (default: %(default)s)")
+
+
+def api_key(args) -> str | None:
+    """The API key named by --api-key-env, or None when that variable is unset or empty."""
+    import os
+    return os.environ.get(args.api_key_env) or None
 
 
 def endpoint_url(text: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import sys
 
 from fidelity.commands.options import chat_encoding
@@ -24,6 +25,10 @@ EXAMPLES = """\
 def add_arguments(p):
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
+    p.add_argument("--api-key-env", default=None, metavar="VAR",
+                   help="require this environment variable's value as a bearer token on every route but "
+                        "/health (OpenAI's 401 otherwise), as vLLM's and SGLang's --api-key do; the key is "
+                        "never printed")
     p.add_argument("--arm", action="append", default=[], metavar="[NAME=]ARM",
                    help="arm to serve (repeatable; default: $DSV4_FIDELITY_ARM, unset = golden). "
                         "With several, each is a model named NAME (default: its arm spelling) "
@@ -90,7 +95,19 @@ def _log_to_stderr(level: str) -> None:
     log.propagate = False
 
 
+def _api_key(args) -> str | None:
+    """The key --api-key-env names; a named variable that is unset is an error (a server meant
+    to require a key must not start open)."""
+    if not args.api_key_env:
+        return None
+    key = os.environ.get(args.api_key_env)
+    if not key:
+        raise CommandError(f"--api-key-env {args.api_key_env}: that environment variable is not set or empty", 2)
+    return key
+
+
 def run(args) -> int:
+    _api_key(args)                                # checked before any weight is read
     if args.distributed is None:
         return _run(args)
     from fidelity.pipeline_model import run_ranks
@@ -191,15 +208,16 @@ def _serve(args, place, arms, version, driver, sock) -> int:
                                                    args.chunked_prefill_size, driver, speculation))
     except ValueError as e:
         raise CommandError(str(e)) from None
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"warning: binding {args.host}: the server has no authentication", file=sys.stderr)
+    key = _api_key(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not key:
+        print(f"warning: binding {args.host}: the server has no authentication (--api-key-env)", file=sys.stderr)
     served = ", ".join(f"{s.id} = arm {s.arm.name}" for s in engine.arms.values())
     default = engine.default_arm or "none (requests must name a model)"
     port = sock.getsockname()[1]                  # --port 0: the port the system chose
     print(f"fidelity serve: {target.description}; models: {served}; default model: {default}; "
           f"http://{args.host}:{port}", file=sys.stderr, flush=True)
     _log_to_stderr(args.log_level)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host=args.host, port=port,
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, key), host=args.host, port=port,
                                            log_level=args.log_level, access_log=False))
     server.run(sockets=[sock])
     return 0 if server.started else 3

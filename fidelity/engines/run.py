@@ -10,6 +10,7 @@ and in state.json ("run log")."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -205,7 +206,13 @@ def _policy(spec: Spec):
     return RetryPolicy(retries=r, timeout=float(t))
 
 
-def _consistency(run: EngineRun, name: str, url: str, cs, reference) -> dict:
+def _api_key(spec: Spec, arm) -> str | None:
+    """The arm's engine's API key (from the variable its api_key_env names), or None."""
+    var = spec.engines[arm.engine].api_key_env
+    return os.environ.get(var) or None if var else None
+
+
+def _consistency(run: EngineRun, name: str, url: str, cs, reference, key: str | None = None) -> dict:
     """fidelity consistency on one live arm: probes into <root>/consistency/probes.jsonl
     (finished ones kept across reruns), the arm's report in <root>/consistency/<arm>/."""
     from fidelity.consistency.client import LiveArm
@@ -213,7 +220,7 @@ def _consistency(run: EngineRun, name: str, url: str, cs, reference) -> dict:
     from fidelity.consistency.run import run_consistency
     spec, root, progress = run.spec, run.root, run.progress
     ep = Endpoint(name, url, spec.consistency.get("dialect"), None, _policy(spec), run.target.tokenizer,
-                  on_retry=progress.log)
+                  on_retry=progress.log, api_key=key)
     res = run_consistency([LiveArm(ep)], run.target, cs, root, name, progress, reference)
     # long generations are counted by their one judgement per run (res["behaviour"]), not by stretch
     rows = [r for r in res["conditions"].to_dict("records")
@@ -228,7 +235,7 @@ def _consistency(run: EngineRun, name: str, url: str, cs, reference) -> dict:
             "conditions": len(rows) + len(behaviour) + len(spec_rows), "flagged": flagged}
 
 
-def _needle(spec: Spec, name: str, url: str, results: Path, quiet: bool) -> list[dict]:
+def _needle(spec: Spec, name: str, url: str, results: Path, quiet: bool, key_env: str | None = None) -> list[dict]:
     n = spec.needle
     bad = sorted(set(n) - NEEDLE_KEYS)
     if bad:
@@ -240,7 +247,7 @@ def _needle(spec: Spec, name: str, url: str, results: Path, quiet: bool) -> list
                       fmt=PromptFormat("chat" if api == "chat" else "completion"), seed=int(n.get("seed", 0)))
     runner = HttpRunner(name, url + "/v1", api, None,         # the model: infra.http.pick_model
                         RequestOptions(temperature=float(n.get("temperature", 0.0)), max_tokens=n.get("max_tokens")),
-                        concurrency=int(n.get("concurrency", 4)))
+                        concurrency=int(n.get("concurrency", 4)), api_key_env=key_env)
     return run_sweep(cfg, [runner], results, quiet=quiet)
 
 
@@ -299,7 +306,7 @@ def _run_arm(run: EngineRun, arm, plan, consistency) -> None:
                                             progress=ReadinessLog(progress.log, arm.name, plan.ready_path))
             progress.log(f"{arm.name}: ready after {st['ready_s']:.1f} s")
         ep = Endpoint(arm.name, plan.url, spec.kld.get("dialect"), None,      # model: pick_model on connect
-                      tokenizer=tok).connect()
+                      tokenizer=tok, api_key=_api_key(spec, arm)).connect()
         if "kld" in spec.tasks:
             check_tokenizers([ScoredArm(arm.name, ep)], tok, TOKENIZER_PROBE)
         st["engine"] = ep.info
@@ -317,11 +324,12 @@ def _run_arm(run: EngineRun, arm, plan, consistency) -> None:
             st["done"].append("kld")
             state.save()
         if "needle" in spec.tasks and "needle" not in st["done"]:
-            _needle(spec, arm.name, plan.url, root / "needle" / f"{arm.name}.jsonl", progress.quiet)
+            _needle(spec, arm.name, plan.url, root / "needle" / f"{arm.name}.jsonl", progress.quiet,
+                    spec.engines[arm.engine].api_key_env)
             st["done"].append("needle")
             state.save()
         if "consistency" in spec.tasks and "consistency" not in st["done"]:
-            st["consistency"] = _consistency(run, arm.name, plan.url, *consistency)
+            st["consistency"] = _consistency(run, arm.name, plan.url, *consistency, _api_key(spec, arm))
             st["done"].append("consistency")
             state.save()
     finally:

@@ -88,6 +88,7 @@ class EngineSpec:
     host: str = "127.0.0.1"
     port: int = 30000
     url: str | None = None                       # external only
+    api_key_env: str | None = None               # the variable holding its API key (sent as a bearer token)
     python: str = "python3"
     flags: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -162,7 +163,7 @@ def _engine(name: str, d: dict) -> EngineSpec:
     _only(d, EngineSpec.__dataclass_fields__.keys() - {"name", "ready_path"} - set(INPROCESS_KEYS)
           | {"ready", "kind", "model"}, where)
     e = EngineSpec(name, kind)
-    for k in ("version", "model", "host", "url", "python"):
+    for k in ("version", "model", "host", "url", "python", "api_key_env"):
         if k in d:
             if not isinstance(d[k], str):
                 raise SpecError(f"{where}.{k} must be a string")

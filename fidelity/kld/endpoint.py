@@ -17,7 +17,7 @@ from dataclasses import replace
 import httpx
 import numpy as np
 
-from infra.http import (ModelChoiceError, RequestFailed, RetryPolicy, URLError, backoff_delay, check_url,
+from infra.http import (ModelChoiceError, RequestFailed, RetryPolicy, URLError, backoff_delay, bearer, check_url,
                         pick_model, redact_url, send, split_base)
 
 from needle.http import llama_tokenize_body
@@ -64,7 +64,7 @@ class Endpoint:
     kind = "endpoint"
 
     def __init__(self, name: str, url: str, dialect: str | None = None, model: str | None = None,
-                 policy: RetryPolicy | None = None, tokenizer=None, on_retry=None):
+                 policy: RetryPolicy | None = None, tokenizer=None, on_retry=None, api_key: str | None = None):
         if dialect is not None and dialect not in DIALECTS:
             raise EndpointError(f"{name}: unknown dialect {dialect!r} (one of {', '.join(DIALECTS)})")
         try:
@@ -75,7 +75,8 @@ class Endpoint:
         self.root, self.v1 = split_base(url)
         self.policy = policy or RetryPolicy(retries=4, timeout=600.0, backoff=0.5)
         self.client = httpx.Client(timeout=httpx.Timeout(self.policy.timeout,
-                                                         connect=self.policy.connect_timeout))
+                                                         connect=self.policy.connect_timeout),
+                                   headers=bearer(api_key))
         self.dialect, self.model, self.tokenizer = dialect, model, tokenizer
         self.detected = dialect is None          # a detected dialect may fall back to the others
         self.settled = False                     # a scoring request has succeeded

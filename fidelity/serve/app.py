@@ -2,6 +2,8 @@
 OpenAI's shape (unknown routes and methods included)."""
 from __future__ import annotations
 
+import hmac
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -15,6 +17,9 @@ from .scheduler import Busy, ClientGone
 from .sglang_api import SGLangRoutes
 
 
+OPEN_ROUTES = ("/health", "/health_generate")     # readiness probes answer without a key
+
+
 def version() -> str:
     from importlib.metadata import PackageNotFoundError, version as v
     try:
@@ -23,11 +28,24 @@ def version() -> str:
         return "0+unknown"
 
 
-def create_app(engine: Engine) -> FastAPI:
+def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
+    """The app; with `api_key`, every route but the readiness probes wants it as a bearer
+    token (OpenAI's 401 otherwise), as vLLM's and SGLang's --api-key do."""
     app = FastAPI(title="dsv4-fidelity", docs_url=None, redoc_url=None, openapi_url=None)
     ver = version()
     for routes in (OpenAIRoutes(engine), SGLangRoutes(engine), OpsRoutes(engine, ver)):
         app.include_router(routes.router())
+
+    if api_key:
+        want = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            got = request.headers.get("authorization", "").encode()
+            if request.url.path not in OPEN_ROUTES and not hmac.compare_digest(got, want):
+                return ApiError("Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+                                None, 401, "invalid_api_key").response()
+            return await call_next(request)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError):
