@@ -1,9 +1,10 @@
 """Twin search: when llama.cpp departs from every modelled arm, which registered toggle, added
 to its twin, reproduces it? Greedy, over the propagated taps of the replay: each candidate
-(the current arm plus one toggle) runs over the same ids by the same path and is scored by
-where it first departs from the engine, by the replay's rule (further than FACTOR x the twin's
-floor). The candidate that moves that first departure furthest down the graph -- or, at the
-same tap, at least halves the error there -- joins the arm, and the search goes on from it.
+(the current arm plus one toggle) runs over the same ids by the same path and joins the
+modelled arms; it is scored by where the engine first departs from all of them, by the
+replay's rule (further than FACTOR x the twin's floor from every one). The candidate that
+moves that first departure furthest down the graph -- or, at the same tap, at least halves
+the error there -- stays modelled, and the search goes on from it.
 What no candidate moves is arithmetic no toggle models, named by its tap. On a planted bug the
 toggle found names the bug's class (e.g. yarn_on_swa_layers for RoPE scaling on the wrong
 layers); on a clean build it names arithmetic the twin is missing."""
@@ -12,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .replay import F32_ROUNDING, FACTOR, GOLDEN, compare, taps_of
+from .replay import F32_ROUNDING, FACTOR, GOLDEN, compare, modelled, taps_of
 
 # seams a forward over a prompt never crosses (requests, chat, cached-state restores, chunk
 # boundaries, speculative verification): their toggles cannot change a replay
@@ -64,7 +65,7 @@ def search(engine: dict, weights, ids: list[int], path: str, table: pd.DataFrame
     result in words."""
     from fidelity.pipeline_model import arm_numerics
     floor = table["twin floor"].to_numpy()
-    errs = table[f"vs {twin}"].to_numpy()
+    errs = table[modelled(table)].min(axis=1).to_numpy()           # the closest modelled arm, per tap
     k = start = first_off(errs, floor)
     arm, added, tried = twin, [], []
     for _ in range(steps):
@@ -76,7 +77,8 @@ def search(engine: dict, weights, ids: list[int], path: str, table: pd.DataFrame
             spec = f"{arm},{name}"
             progress(f"  twin search: {name} ({j + 1}/{len(names)})")
             taps = taps_of(weights, arm_numerics(spec, "reference", {}, "v4"), ids, path)
-            e = compare(engine, {GOLDEN: golden_taps, spec: taps}, weights.cfg.n_layers)[f"vs {spec}"].to_numpy()
+            own = compare(engine, {GOLDEN: golden_taps, spec: taps}, weights.cfg.n_layers)[f"vs {spec}"].to_numpy()
+            e = np.minimum(errs, own)
             row = {"arm": spec, "added": name, "first": first_off(e, floor), "error_there": float(e[k]),
                    "was": float(errs[k])}
             tried.append(row)
@@ -99,7 +101,7 @@ def sentence(s: dict) -> str:
         return f"layer {t['layer']} {t['tensor']} ({t['engine_tensor']})"
     n = len({r["added"] for r in s["tried"]})
     if s["from"] is None:
-        return "Twin search: not needed (the twin stays within its floor at every tensor)."
+        return "Twin search: not needed (llama.cpp stays within the twin's floor of a modelled arm at every tensor)."
     if not s["added"]:
         return (f"Twin search: none of the {n} registered toggles tried, added to the twin, moves its first "
                 f"unexplained departure at {at(s['from'])} or halves the error there: arithmetic no toggle models.")
