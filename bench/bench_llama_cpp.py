@@ -280,13 +280,55 @@ def render(res: dict) -> str:
     return "\n".join(out)
 
 
+def _verdict(v: str) -> str:
+    """A verdict sentence cut to its finding: within the floors, or what breaks and which signals."""
+    if v.startswith("No toggle stands out"):
+        return "within the golden's floors"
+    head, _, rest = v.partition(":")
+    cleared = rest.split("outcome signals cleared:")[-1].strip().rstrip(".") if "cleared:" in rest else ""
+    return head.split(" breaks ")[0].split("llama-")[-1] + " breaks coherence" + (f" ({cleared})" if cleared else "")
+
+
+def variants_table(res: dict) -> str:
+    """The page's opening table: one row per GGUF variant, every number from the results JSON."""
+    rows = []
+    needles = [r["needle"] for r in res["variants"].values() if "needle" in r]
+    recall = needles[-1]["recall"] if needles else {}
+    longest = NEEDLE_LENGTHS.split(",")[-1]
+    for n, r in res["variants"].items():
+        if "failed" in r:
+            rows.append([n, "llama-server did not start: " + r["failed"].replace("|", "/")[:120], "", "", "", ""])
+            continue
+        k, arm = r["kld"], "llama-" + n.replace(" ", "").replace("+", "-")
+        own = r.get("needle", {})
+        rec = own.get("recall", {}).get(arm)
+        rows.append([n, f"{k['kld_mean']:.3g} [{k['kld_lo']:.3g}, {k['kld_hi']:.3g}] vs {k['floor_kld_hi']:.3g} "
+                        f"({k['kld_mean'] / k['floor_kld_hi']:.2g}x)", f"{k['same_top1']:.4f}",
+                     "{:.2f} [{:.2f}, {:.2f}]".format(*rec) + f"; {own['by_length'].get(f'{arm}@{longest}', float('nan')):.2f} at {longest}"
+                     if rec else "-", f"{k['vs_twin']:.3g} (`{k['twin']}`)" if "vs_twin" in k else "-",
+                     _verdict(k["verdict"])])
+    g = recall.get("golden")
+    return "\n".join([
+        f"Every GGUF variant of tiny-needle-v2 ({res['build']}) served by llama-server and measured by "
+        "`bench/bench_llama_cpp.py` on this machine; details under *Measured* below. KLD: decode path, "
+        f"{KLD_LENGTHS} tokens, mean [95% CI] against the highest in-process floor's upper bound "
+        "(the point estimate over that bound in brackets). Needle: recall over "
+        f"{NEEDLE_LENGTHS} tokens [95% CI]" + (f" (golden {g[0]:.2f} [{g[1]:.2f}, {g[2]:.2f}])" if g else "")
+        + ", and at the longest.", "",
+        _table(["GGUF", "mean KLD vs golden [CI] vs floor", "same top-1", "needle recall", "mean KLD vs its twin",
+                "verdict vs golden"], rows)])
+
+
 DOC = ROOT / "docs" / "real-engines.md"
 
 
+def _between(text: str, tag: str, body: str) -> str:
+    a, b = text.index(f"<!-- {tag}:start -->"), text.index(f"<!-- {tag}:end -->")
+    return text[:a] + f"<!-- {tag}:start -->\n" + body + "\n" + text[b:]
+
+
 def write_doc(res: dict) -> None:
-    text = DOC.read_text()
-    a, b = text.index("<!-- measured:start -->"), text.index("<!-- measured:end -->")
-    DOC.write_text(text[:a] + "<!-- measured:start -->\n" + render(res) + "\n" + text[b:])
+    DOC.write_text(_between(_between(DOC.read_text(), "measured", render(res)), "variants", variants_table(res)))
 
 
 if __name__ == "__main__":
