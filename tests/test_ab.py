@@ -234,3 +234,26 @@ def test_verdict_warns_with_too_few_prompts():
     assert few["culprit"] == many["culprit"] == "t"
     assert few.get("few_prompts") and "only 2 prompt(s)" in few["sentence"]
     assert "Caution" not in many["sentence"] and not many.get("few_prompts")
+
+
+def test_a_toggle_that_never_acted_is_untested_not_clean(weights):
+    """chunk_stale_index_keys acts only at a chunk boundary, which one-shot 96-token prompts
+    never have: its arm is the golden bit for bit, so the verdict says it never acted (not
+    that it is clean) and the factorial stage spends no arm on it."""
+    res = run_ab(weights, _settings(arms=["chunk_stale_index_keys", "wo_a_fp8", "lm_head_bf16"], shapley_top=3),
+                 ReportTarget(None), RunSite())
+    v = res["verdict"]
+    assert v["never_acted"] == ["chunk_stale_index_keys"]
+    assert "Never acted: chunk_stale_index_keys" in v["sentence"] and "--lengths boundaries" in v["sentence"]
+    arms = res["manifest"]["arms"]
+    assert "lm_head_bf16,wo_a_fp8" in arms or "wo_a_fp8,lm_head_bf16" in arms      # the factorial ran
+    assert not [a for a, s in arms.items() if "chunk_stale_index_keys" in s and len(s) > 1]
+
+
+def test_never_acted_reads_every_one_toggle_arm():
+    import pandas as pd
+    from fidelity.verdict.findings import never_acted
+    kld = pd.DataFrame({"arm": ["a", "a", "a@s", "b", "b@s", "ab"], "kld": [0.0, 0.0, 0.0, 0.0, 1e-9, 0.0]})
+    sets = {"a": frozenset({"a"}), "a@s": frozenset({"a", "@chunked(4)"}), "b": frozenset({"b"}),
+            "b@s": frozenset({"b", "@chunked(4)"}), "ab": frozenset({"a", "b"}), "c": frozenset({"c"})}
+    assert never_acted(kld, sets) == ["a"]          # b acts under its schedule; c has no rows

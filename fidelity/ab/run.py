@@ -20,7 +20,7 @@ from ..arms import check_schedules
 from ..prompts import Prompt, all_token_ids, builtin_prompts, describe, file_prompts
 from ..verdict.attribution import attribute, bootstrap_mean_ci, outcome_matrix, prompt_outcomes
 from ..verdict.judge import Bootstrap, Design, judge
-from ..verdict.findings import DEPARTURE_X, with_departures
+from ..verdict.findings import DEPARTURE_X, never_acted, with_departures, with_never_acted
 from ..verdict.signals import SCHEDULE_FACTOR, direct_effects, prompt_signals, with_longest
 from .design import (FLOOR, FLOOR_ORDER, GOLDEN, WEIGHTS_PREFIX, ABSettings, RunnerSettings,
                      Statistics, arm_sets, base_toggles, factorial_arms, floor_arms,
@@ -62,6 +62,7 @@ def run_ab(weights, settings: ABSettings, report: ReportTarget = ReportTarget(),
     _stage_two(weights, settings, prompts, longest, site, st)
     tables, judged = _judged_tables(cfg, settings, prompts, longest, st)
     with_departures(judged["verdict"], _departures(tables["drift"], st.sets))
+    with_never_acted(judged["verdict"], never_acted(tables["kld"], st.sets))
     result = {"manifest": _manifest(cfg, settings, st, run_id, t_start, site.stage),
               "verdict": judged["verdict"], "noise_floor": _noise_floor(st.outcomes, settings),
               "floors": judged["floors"].to_dict("records"),
@@ -107,7 +108,8 @@ def _stage_one(weights, settings, prompts, longest, site: RunSite, variants) -> 
 
 def _stage_two(weights, settings, prompts, longest, site: RunSite, st: _Stages) -> None:
     """Full factorial over the toggles with the largest single or leave-one-out effect."""
-    st.top = top_toggles([t for t in st.toggles if not t.startswith(WEIGHTS_PREFIX)], st.table,
+    idle = set(never_acted(pd.DataFrame(st.res.kld), st.sets))      # nothing to share out
+    st.top = top_toggles([t for t in st.toggles if not t.startswith(WEIGHTS_PREFIX) and t not in idle], st.table,
                          settings.design.shapley_top)
     new = factorial_arms(st.top, st.table, st.sets) if len(st.top) >= 2 else {}
     if not new:

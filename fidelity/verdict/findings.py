@@ -8,7 +8,7 @@ import re
 
 import pandas as pd
 
-from .signals import MECHANISM, MECHANISM_WHAT
+from .signals import MECHANISM, MECHANISM_WHAT, SCHEDULE_FACTOR
 
 
 def mechanism_findings(hits: pd.DataFrame, outcome_named: set[str]) -> list[dict]:
@@ -144,10 +144,46 @@ def with_departures(v: dict, deps: list[dict]) -> dict:
     return v
 
 
+def never_acted(kld: pd.DataFrame, sets: dict[str, frozenset]) -> list[str]:
+    """The toggles whose own one-toggle arms (under every schedule run) gave the golden's final
+    logits bit for bit at every position of every prompt (kld rows of `arm`, `kld`): these
+    prompts never made them act, so they are untested here, not clean (a length- or schedule-conditional bug looks
+    exactly like this on a grid that misses its condition)."""
+    alone: dict[str, list[str]] = {}              # toggle -> its one-toggle arms, under any schedule
+    for arm, s in sets.items():
+        own = {f for f in s if not f.startswith(SCHEDULE_FACTOR)}
+        if len(own) == 1:
+            alone.setdefault(next(iter(own)), []).append(arm)
+    out = []
+    for t, arms in alone.items():
+        rows = kld[kld.arm.isin(arms)] if len(kld) else kld
+        if len(rows) and set(rows.arm) == set(arms) and bool((rows.kld == 0).all()):
+            out.append(t)
+    return sorted(out)
+
+
+def never_acted_sentence(names: list[str]) -> str:
+    if not names:
+        return ""
+    return (f"Never acted: {', '.join(names)} gave the golden's final logits bit for bit on every prompt and "
+            "position, so these lengths and schedules did not test "
+            f"{'it' if len(names) == 1 else 'them'} (untested, not clean): try --lengths boundaries "
+            "(the config's own periods) or a schedule such as @chunked(64).")
+
+
+def with_never_acted(v: dict, names: list[str]) -> dict:
+    """The verdict with the toggles that never acted (v["never_acted"], and the sentence)."""
+    v["never_acted"] = names
+    v["never_acted_sentence"] = never_acted_sentence(names)
+    if v["never_acted_sentence"]:
+        v["sentence"] += " " + v["never_acted_sentence"]
+    return v
+
+
 def verdict_lines(v: dict) -> list[str]:
-    """The verdict as a report's first lines: outcome, then mechanism and departures (when
-    there are any)."""
+    """The verdict as a report's first lines: outcome, then mechanism, departures and the
+    toggles that never acted (when there are any)."""
     lines = [v.get("outcome_sentence", v["sentence"])]
     if v.get("mechanism"):
         lines.append(v["mechanism_sentence"])
-    return lines + [v["departure_sentence"]] if v.get("departure_sentence") else lines
+    return lines + [s for s in (v.get("departure_sentence"), v.get("never_acted_sentence")) if s]
