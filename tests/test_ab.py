@@ -257,3 +257,18 @@ def test_never_acted_reads_every_one_toggle_arm():
     sets = {"a": frozenset({"a"}), "a@s": frozenset({"a", "@chunked(4)"}), "b": frozenset({"b"}),
             "b@s": frozenset({"b", "@chunked(4)"}), "ab": frozenset({"a", "b"}), "c": frozenset({"c"})}
     assert never_acted(kld, sets) == ["a"]          # b acts under its schedule; c has no rows
+
+
+def test_the_headline_multiple_is_the_suspects_tables(small_report):
+    """One number per finding: the headline's "N× the highest floor" is the suspects table's
+    x_floor (value / floor) for the same row, and the lower end it quotes is x_floor_ci_low."""
+    import re
+    from fidelity.verdict.board import headline, suspects
+    _, res = small_report
+    v = res["verdict"]
+    sus = suspects(pd.read_csv(Path(res["path"]) / "signal_attribution.csv"))
+    row = sus[sus.toggle == v["culprit"]].iloc[0]
+    head = headline(v)
+    x, lo = (float(m) for m in re.search(r"([\d.e+-]+)× the highest floor .*?, ([\d.e+-]+)× at its 95% interval", head).groups())
+    assert f"{x:.3g}" == f"{row.x_floor:.3g}" and f"{lo:.3g}" == f"{row.x_floor_ci_low:.3g}", (head, row.to_dict())
+    assert row.x_floor > row.x_floor_ci_low > 1

@@ -20,7 +20,8 @@ from .tail import METHOD as TAIL
 OUTCOME, BOTH, MECHANISM_ONLY, NEITHER = ("outcome (named)", "outcome (named) + mechanism",
                                           "mechanism only", "below floors")
 SUSPECTS_CAPTION = (f"Each toggle's strongest signal: value (95% CI) against the highest floor for that "
-                    f"signal and place. Finding: \"{OUTCOME}\" = the verdict names it (an outcome signal's "
+                    f"signal and place; x_floor = value / floor (the multiple the headline quotes), "
+                    f"x_floor_ci_low = ci_low / floor (above 1: the interval clears the floor). Finding: \"{OUTCOME}\" = the verdict names it (an outcome signal's "
                     f"interval clears its floor; that outcome row is shown); \"{MECHANISM_ONLY}\" = it changes "
                     f"what the model selects inside (indexer picks, experts) beyond the floors that are noise "
                     f"for that, while the outcome stays within its floors; \"{NEITHER}\" = neither.")
@@ -41,14 +42,14 @@ def suspects(verdict_table: pd.DataFrame, limit: int = 8) -> pd.DataFrame:
     mechanism = set(v.toggle[v.clears & (v.kind == "mechanism")])
     tier = np.where(v.toggle.isin(outcome), np.where(v.clears & (v.kind == "outcome"), 3, 0),
                     np.where(v.toggle.isin(mechanism), v.clears.astype(int) * 2, 1))
-    v["rank"] = tier * 1e9 + v["x_floor"].replace(np.inf, 1e8).fillna(0).clip(upper=1e8)
+    v["rank"] = tier * 1e9 + v["x_floor_lo"].replace(np.inf, 1e8).fillna(0).clip(upper=1e8)
     best = v.sort_values("rank", ascending=False).drop_duplicates("toggle").head(limit)
     finding = [BOTH if t in outcome and t in mechanism else OUTCOME if t in outcome
                else MECHANISM_ONLY if t in mechanism else NEITHER for t in best.toggle]
     return pd.DataFrame({"toggle": best.toggle, "finding": finding, "signal": best.signal,
                          "where": best["where"], "method": best.method, "value": best.value,
                          "ci_low": best.lo, "ci_high": best.hi, "floor": best.floor_hi,
-                         "x_floor": best.x_floor}).reset_index(drop=True)
+                         "x_floor": best.x_floor, "x_floor_ci_low": best.x_floor_lo}).reset_index(drop=True)
 
 
 def named_suspects(sus: pd.DataFrame) -> pd.DataFrame:
@@ -148,7 +149,8 @@ def _named_headline(named: list[dict], fd, sets) -> str:
         how = (f"breaks {int(t['b'])} of {int(t['n'])} prompts{under}: {SHORT.get(t['signal'], t['signal'])} "
                f"{t['value']:.3g} vs a floor of at most {t['floor_hi']:.2g} (worst: {t['worst']})")
     else:
-        vs = (f"{c['value'] / c['floor_hi']:.3g}× the highest floor ({c['floor_hi']:.2g}, {c['floor_arm']})"
+        lo = f", {c['lo'] / c['floor_hi']:.3g}× at its 95% interval's lower end" if c["floor_hi"] > 0 else ""
+        vs = (f"{c['value'] / c['floor_hi']:.3g}× the highest floor ({c['floor_hi']:.2g}, {c['floor_arm']}){lo}"
               if c["floor_hi"] > 0 else f"where the highest floor ({c['floor_arm']}) is exactly 0")
         how = (f"changes the outcome{under}: {SHORT.get(c['signal'], c['signal'])}{place_words(c['where'])} "
                f"is {c['value']:.3g}, {vs}")

@@ -15,7 +15,7 @@ def mechanism_findings(hits: pd.DataFrame, outcome_named: set[str]) -> list[dict
     """Per toggle with a mechanism signal clearing its floor: one entry per signal, its
     places and its strongest row. Order: strongest first (rows arrive unsorted)."""
     out = []
-    hits = hits.sort_values("x_floor", ascending=False)
+    hits = hits.sort_values("x_floor_lo", ascending=False)
     for toggle, grp in hits.groupby("toggle", sort=False):
         signals = []
         for signal in MECHANISM:

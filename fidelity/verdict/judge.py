@@ -102,7 +102,10 @@ def _table(attr: pd.DataFrame, floors: pd.DataFrame, exact: pd.DataFrame | None,
         t = pd.concat([t, tail], ignore_index=True) if len(t) else tail
     t = t[~t.toggle.astype(str).str.startswith(SCHEDULE_FACTOR)].reset_index(drop=True)
     eps = t.signal.map(FLOOR_EPS).fillna(1e-9)
-    t["x_floor"] = t.lo / np.maximum(t.floor_hi, eps)
+    # one multiple per finding: the point estimate over the floor; the interval's lower end over
+    # it beside (what must exceed 1 to clear, and what findings are ranked by)
+    t["x_floor"] = t.value / np.maximum(t.floor_hi, eps)
+    t["x_floor_lo"] = t.lo / np.maximum(t.floor_hi, eps)
     t["kind"] = t.signal.map(kind)
     t["clears"] = t["clears"].astype(bool)
     return t
@@ -115,11 +118,11 @@ def _outcome(t: pd.DataFrame, mechanism: bool) -> dict:
     if t.empty:
         return {"culprit": None, "named": [], "sentence": "No attribution was computed (need at "
                 "least one toggle arm besides golden)."}
-    hits = t[t.clears].sort_values("x_floor", ascending=False)
+    hits = t[t.clears].sort_values("x_floor_lo", ascending=False)
     if hits.empty:
         return {"culprit": None, "named": [], "sentence": _nothing(t, mechanism)}
     lead = pd.concat([hits[hits.method != TAIL], hits[hits.method == TAIL]]).drop_duplicates("toggle")
-    best = lead.sort_values("x_floor", ascending=False)
+    best = lead.sort_values("x_floor_lo", ascending=False)
     named = [_named(r, hits) for _, r in best.iterrows()]
     c = named[0]
     others = ", ".join(f"{n['toggle']} ({_short(n)})" for n in named[1:])
@@ -138,6 +141,7 @@ def _named(r, hits: pd.DataFrame) -> dict:
     out = {"toggle": r.toggle, "signal": r.signal, "where": r["where"], "method": r.method,
            "schedule": schedule_of(r), "value": float(r.value), "lo": float(r.lo), "hi": float(r.hi),
            "floor_hi": float(r.floor_hi), "floor_arm": r.get("floor_arm"), "x_floor": float(r.x_floor),
+           "x_floor_lo": float(r.x_floor_lo),
            "signals": sorted(set(mine.signal))}
     if len(tail):
         same = tail[tail.signal == r.signal]                # the lead's own signal when it breaks prompts
