@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from .findings import _how_much, _layers
-from .signals import MECHANISM_WHAT
+from .signals import MECHANISM_WHAT, with_multiples
 from .tail import METHOD as TAIL
 
 
@@ -34,7 +34,7 @@ def suspects(verdict_table: pd.DataFrame, limit: int = 8) -> pd.DataFrame:
     mechanism finding never reads as a named culprit."""
     if verdict_table.empty:
         return verdict_table
-    v = verdict_table.copy()
+    v = with_multiples(verdict_table)          # recomputed: a stored table may predate x_floor_lo
     if "kind" not in v:
         v["kind"] = "outcome"
     v["clears"] = v["clears"].astype(bool)

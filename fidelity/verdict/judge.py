@@ -12,7 +12,7 @@ from .binary import exact_tests
 from .findings import mechanism_findings, mechanism_sentence, schedule_of
 from .attribution import Bootstrap
 from .signals import (FLOOR_EPS, SCHEDULE_FACTOR, SIGNALS, Design, attribute_signals,  # noqa: F401
-                      floor_levels, kind, signal_summary)
+                      floor_levels, kind, signal_summary, with_multiples)
 from .tail import METHOD as TAIL
 from .tail import clears as tail_clears
 from .tail import tail_tests, tail_words
@@ -37,7 +37,7 @@ def judge(sig: pd.DataFrame, design: Design, boot: Bootstrap, n_prompts: int | N
     return {"summary": summary, "floors": floors, "attribution": table, "verdict": v}
 
 
-MIN_PROMPTS = 3          # below this a bootstrap over prompts says little
+MIN_PROMPTS = 5          # below this a bootstrap over prompts says little (the verdict warns)
 
 
 def verdict(attr: pd.DataFrame, floors: pd.DataFrame, n_prompts: int | None = None,
@@ -53,7 +53,7 @@ def verdict(attr: pd.DataFrame, floors: pd.DataFrame, n_prompts: int | None = No
     which name a toggle that breaks a few prompts far beyond their floors."""
     t = _table(attr, floors, exact, serving, tail)
     mech = t[(t.kind == "mechanism") & t.clears]
-    v = _outcome(t[t.kind == "outcome"], mechanism=not mech.empty)
+    v = _outcome(t[t.kind == "outcome"], mechanism=not mech.empty, n=n_prompts)
     v["mechanism"] = mechanism_findings(mech, {n["toggle"] for n in v["named"]})
     v["mechanism_sentence"] = mechanism_sentence(v["mechanism"])
     v["outcome_sentence"] = v["sentence"]
@@ -101,17 +101,13 @@ def _table(attr: pd.DataFrame, floors: pd.DataFrame, exact: pd.DataFrame | None,
         tail = tail.assign(clears=tail_clears(tail))
         t = pd.concat([t, tail], ignore_index=True) if len(t) else tail
     t = t[~t.toggle.astype(str).str.startswith(SCHEDULE_FACTOR)].reset_index(drop=True)
-    eps = t.signal.map(FLOOR_EPS).fillna(1e-9)
-    # one multiple per finding: the point estimate over the floor; the interval's lower end over
-    # it beside (what must exceed 1 to clear, and what findings are ranked by)
-    t["x_floor"] = t.value / np.maximum(t.floor_hi, eps)
-    t["x_floor_lo"] = t.lo / np.maximum(t.floor_hi, eps)
+    t = with_multiples(t)
     t["kind"] = t.signal.map(kind)
     t["clears"] = t["clears"].astype(bool)
     return t
 
 
-def _outcome(t: pd.DataFrame, mechanism: bool) -> dict:
+def _outcome(t: pd.DataFrame, mechanism: bool, n: int | None = None) -> dict:
     """The outcome verdict: every toggle with an outcome row clearing its floor, the
     strongest first. A toggle's lead row is its strongest mean-effect row; a toggle named
     only by the per-prompt tail leads with its tail ("breaks 2 of 18 prompts ...")."""
@@ -123,7 +119,7 @@ def _outcome(t: pd.DataFrame, mechanism: bool) -> dict:
         return {"culprit": None, "named": [], "sentence": _nothing(t, mechanism)}
     lead = pd.concat([hits[hits.method != TAIL], hits[hits.method == TAIL]]).drop_duplicates("toggle")
     best = lead.sort_values("x_floor_lo", ascending=False)
-    named = [_named(r, hits) for _, r in best.iterrows()]
+    named = [{**_named(r, hits), "n": n} for _, r in best.iterrows()]
     c = named[0]
     others = ", ".join(f"{n['toggle']} ({_short(n)})" for n in named[1:])
     under = f" under {c['schedule']}" if c["schedule"] else ""
@@ -157,7 +153,8 @@ def _words(n: dict) -> str:
     if n["method"] == TAIL:
         return f"it {n['tail']['words']}; broken prompts: {n['tail']['prompts']}"
     words = (f"its {n['method'].replace('_', '-')} effect on {n['signal']} ({SIGNALS[n['signal']]}) at "
-             f"{n['where']} is {n['value']:.3g} (95% CI [{n['lo']:.3g}, {n['hi']:.3g}]), "
+             f"{n['where']} is {n['value']:.3g} (95% CI [{n['lo']:.3g}, {n['hi']:.3g}]"
+             + (f" over {n['n']} prompts" if n.get("n") else "") + "), "
              + floor_words(n["floor_hi"], n.get("floor_arm")))
     if "tail" in n and n["tail"]["b"] < n["tail"]["n"]:
         words += f"; it {n['tail']['words']}"

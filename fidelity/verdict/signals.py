@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from .attribution import Bootstrap, attribute, bootstrap_mean_ci, outcome_matrix
@@ -260,3 +261,11 @@ def direct_effects(pair_sig: pd.DataFrame, arm_sets: dict[str, frozenset], base:
         rows.append({"signal": s, "where": w, "toggle": next(iter(extra)), "method": "vs_base",
                      "value": m, "lo": lo, "hi": hi})
     return pd.DataFrame(rows, columns=["signal", "where", "toggle", "method", "value", "lo", "hi"])
+
+
+def with_multiples(t: pd.DataFrame) -> pd.DataFrame:
+    """One multiple per finding: x_floor = the point estimate over its floor (what a headline
+    quotes), x_floor_lo = the interval's lower end over it (above 1: it clears; findings are
+    ranked by it). Floors of 0 count as the signal's FLOOR_EPS."""
+    floor = np.maximum(t.floor_hi.astype(float), t.signal.map(FLOOR_EPS).fillna(1e-9))
+    return t.assign(x_floor=t.value / floor, x_floor_lo=t.lo / floor)
