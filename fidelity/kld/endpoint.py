@@ -203,8 +203,8 @@ class Endpoint:
         return d
 
     def fingerprint(self) -> dict:
-        """What the server says it is, wherever it listens: llama-server's build and model
-        file, SGLang's model path, vLLM's version, the arm `fidelity serve` serves. Stored
+        """What the server says it is, wherever it listens (beside the model id it serves):
+        llama-server's build and model file, vLLM's version, the arm `fidelity serve` serves. Stored
         scores are matched on this, not on the URL (a relaunch on another port is the same
         engine; another build or model is not)."""
         i = self.info or {}
@@ -212,8 +212,6 @@ class Endpoint:
         got = {"build": (i.get("props") or {}).get("build_info"),
                "model_file": (i.get("props") or {}).get("model_file"),
                "version": v.get("version") if isinstance(v, dict) else v,
-               "model_path": (i.get("model_info") or {}).get("model_path") if isinstance(i.get("model_info"), dict)
-               else None,
                "serves": (((i.get("server_info") or {}).get("arms") or {}).get(self.model)
                           if isinstance(i.get("server_info"), dict) else None)}
         return {k: val for k, val in got.items() if val}
