@@ -101,6 +101,8 @@ class V4Attention(Attention):
         # fixed width index_topk (-1 padded) so picks of different chunks line up
         out = torch.full((n, cfg.index_topk), -1, dtype=torch.long, device=x.device)
         if n_keys == 0:
+            if t:       # no entry yet (a short chunk, a decode step): the rows still line up
+                t("attn.index.topk", out)
             return out
         visible = nx.compressed_visible(pos, 4)
         k = min(cfg.index_topk, n_keys)

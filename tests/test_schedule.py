@@ -47,6 +47,19 @@ def test_golden_is_exact_through_the_decode_path(weights, tokens, oneshot):
         assert torch.equal(out, oneshot), p
 
 
+def test_indexer_picks_line_up_under_every_schedule(weights, tokens):
+    """Every schedule taps one indexer row per position, also for chunks or decode steps
+    before the first compressed entry exists (kld compares the rows by position)."""
+    from reference_model.taps import Taps
+    name = "layers.1.attn.index.topk"
+    ref = Taps([name])
+    Model(weights, Numerics("reference")).prefill_logits(tokens, ref)
+    for s in ("decode_from(1)", "chunked(2)", "prefix_hit(3)"):
+        taps = Taps([name])
+        Model(weights, Numerics("reference"), schedule=Schedule.parse(s)).prefill_logits(tokens, taps)
+        assert torch.equal(taps[name], ref[name]), s
+
+
 def test_segments():
     assert Schedule.parse("chunked(4)").segments(10) == [Segment(0, 4), Segment(4, 8), Segment(8, 10)]
     assert Schedule.parse("prefix_hit(6)").segments(10) == [Segment(0, 6), Segment(6, 10, restore=True)]
