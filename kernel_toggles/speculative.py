@@ -90,3 +90,27 @@ def _correction_row_not_snapshotted(golden, rows, draft, sampling, gen):
     if rejected_late:
         out[-1] = pick(torch.zeros_like(rows[len(out) - 1]), sampling, gen)
     return out
+
+
+@toggle("verify_accepts_near_top", kernel="spec_accept", category="known-bug", _builtin=True,
+        provenance=Provenance(("vllm",), ("spec_decoding_acceptance_method=typical_acceptance_sampler",),
+                              ("vLLM V0 TypicalAcceptanceSampler",),
+                              "planted: a lossy acceptance rule reaching greedy requests; accepting "
+                              "any draft within 2 nats of its row's top is our reading"),
+        description="The verifier accepts a draft whose log-probability under the target is within "
+                    "2 nats of its row's top instead of only the target's own pick (a typical-"
+                    "acceptance rule, lossy by design, applied to every request): greedy replies "
+                    "then hold drafted tokens that are not the top-1 of the distribution reported "
+                    "for their step, acceptance rises above a correct verifier's, and it acts with "
+                    "one draft per verify as with several.")
+def _verify_accepts_near_top(golden, rows, draft, sampling, gen):
+    out = []
+    for i in range(rows.shape[0]):
+        lp = torch.log_softmax(rows[i].double(), -1)
+        if i < len(draft) and float(lp.max() - lp[int(draft[i])]) <= 2.0:
+            out.append(int(draft[i]))                 # accepted although not the target's pick
+            continue
+        out.append(pick(rows[i], sampling, gen))
+        if i >= len(draft) or out[-1] != int(draft[i]):
+            break
+    return out

@@ -80,3 +80,19 @@ def test_correction_row_not_snapshotted_injects_bos_after_a_partial_acceptance()
     i = _first_diff(toks, plain[0])
     assert i == 3 and toks[i] == 0 and 0 not in plain[0][:i + 1]
     assert _decode("golden", GREEDY, 2, oracle=half + [0] * 4) == plain
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_verify_accepting_near_top_drafts_emits_tokens_that_are_not_their_rows_top1(k):
+    """A lossy acceptance rule: with one draft as with two, greedy replies hold drafted
+    tokens ranked below the top-1 of their own reported row (a correct verifier never
+    emits one: the golden arm's ranks are all 1); plain decoding is untouched."""
+    bug = "verify_accepts_near_top"
+    assert _decode(bug, GREEDY) == _decode("golden", GREEDY)
+
+    def ranks(arm):
+        model = Model(W, ToggleSet.parse(arm).numerics())
+        d = SpecDecoder(model, MTP(model, MW), k, IDS, 16, GREEDY, scoring=Scoring(top=1))
+        return [s.rank for s in d.run().scores]
+    assert set(ranks("golden")) == {1}
+    assert max(ranks(bug)) > 1

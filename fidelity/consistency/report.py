@@ -47,7 +47,7 @@ CAPTIONS = {"prefix_kl": "Every prefix-cache condition of every arm at its own c
 
 # the spec family's per-probe lists (samples, tokens, the engine's counts): in probes.csv only
 SPEC_LISTS = ["samples", "base_samples", "base_tokens", "seeds", "spec_meta", "base_meta", "injected",
-              "top1", "base_top1"]
+              "top1", "base_top1", "injected_tokens", "off_top1", "off_top1_special", "base_off_top1", "served"]
 
 
 def _sections(table: pd.DataFrame, behaviour: pd.DataFrame) -> list[Section]:
@@ -310,8 +310,10 @@ def build_page(result: dict) -> Page:
             "replies token by token and logprob by logprob (the baseline asked twice is the "
             "floor), sampled replies over seeds (seed-identical replies; `agree_*`: how often two "
             "samples hold the same token, compared by a permutation test, `p_distribution`), "
-            "special tokens the speculative reply injects, and the engine's acceptance counts "
-            "where it reports them (fidelity/consistency/spec_judge.py).",
+            "special tokens the speculative reply injects, greedy tokens that are not the top-1 of "
+            "their own reported distribution (`off_top1`, the baseline's beside it), the drafts per "
+            "verify the server reports (`k_served`) and the engine's acceptance counts where it "
+            "reports them (fidelity/consistency/spec_judge.py).",
             [Table(_flagged_first(spec), fold=False)]))
     behaviour = result.get("behaviour", pd.DataFrame())
     sus = suspects(table, behaviour)

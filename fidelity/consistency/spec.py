@@ -66,7 +66,7 @@ def dist_profile(a: list[Known], b: list[Known]) -> tuple[list[float], int | Non
     return kl, first
 
 
-def injected(spec: list[int], base: list[int], specials: set[int]) -> list[int]:
+def injected(spec: list[int], base: list[int], specials: set[int] | dict[int, str]) -> list[int]:
     """[the first diverging step] when the speculative reply parts from the baseline's with a
     special token there (a BOS mid-text: antirez/ds4 #750); after the replies part, any
     token may follow, so later special tokens are not counted."""
@@ -74,14 +74,45 @@ def injected(spec: list[int], base: list[int], specials: set[int]) -> list[int]:
     return [i] if i is not None and i < len(spec) and spec[i] in specials else []
 
 
+def off_top1(tokens: list[int], dists: list[Known]) -> list[int]:
+    """Steps of a greedy reply whose token is not the top-1 of the distribution the engine
+    reported for that step (a tie with the top-1 counts as top-1). A lossless engine emits
+    only its own top-1 under greedy, speculating or not; a verifier that accepts drafts the
+    target rejects emits the draft instead."""
+    out = []
+    for i, (t, d) in enumerate(zip(tokens, dists)):
+        lp = d.get(t)
+        if lp is None or lp < float(np.max(d.logp)):
+            out.append(i)
+    return out
+
+
+def served_speculation(info: dict | None) -> dict | None:
+    """{"on", "k", "how"}: whether a server decodes speculatively and with how many drafts
+    per verify, read from its /get_server_info -- fidelity serve's `speculative` block, or
+    SGLang's server args (`speculative_algorithm`, `speculative_num_steps`). None when the
+    server does not say (vLLM has no such route)."""
+    info = info or {}
+    s = info.get("speculative")
+    if isinstance(s, dict) and "enabled" in s:
+        return {"on": bool(s["enabled"]), "k": s.get("num_speculative_tokens"),
+                "how": f"/get_server_info speculative.enabled = {bool(s['enabled'])}"}
+    if "speculative_algorithm" in info:
+        alg = info["speculative_algorithm"]
+        return {"on": alg not in (None, "", "NONE"), "k": info.get("speculative_num_steps"),
+                "how": f"/get_server_info speculative_algorithm = {alg}"}
+    return None
+
+
 def top1_hits(reply: Reply) -> list[bool]:
     """Per step: is the sampled token the top-1 of the distribution the engine reported?"""
     return [d.top1() == t for t, d in zip(reply.tokens, reply.dists)]
 
 
-def specials(tok) -> set[int]:
-    """The special tokens a reply must not hold where the baseline's does not (EOS aside)."""
-    return set(tok.special_ids.values()) - {tok.eos_id}
+def specials(tok) -> dict[int, str]:
+    """The special tokens a reply must not hold where the baseline's does not (EOS aside),
+    id -> text (the judge names the one emitted)."""
+    return {i: s for s, i in tok.special_ids.items() if i != tok.eos_id}
 
 
 def _dists_json(dists: list[Known]) -> list:
@@ -120,7 +151,17 @@ class SpecFamily(Family):
                               "of it are stored for these settings")
         if self.plan.seeds < 2:
             raise FamilyError("the spec family's distribution test needs --spec-seeds >= 2")
+        served = self.served()
+        if self.is_baseline and served and served["on"]:
+            raise FamilyError(f"--spec-baseline {self.plan.baseline!r} decodes speculatively itself "
+                              f"({served['how']}, {served['k']} drafts per verify): the baseline must "
+                              "serve the same model without speculation")
         super().check()
+
+    def served(self) -> dict | None:
+        """The arm's speculation as its server reports it (served_speculation)."""
+        info = getattr(getattr(self.arm, "ep", None), "info", None) or {}
+        return served_speculation(info.get("server_info"))
 
     def cost(self) -> Cost:
         p, n = self.plan.probes, self.plan.length
@@ -150,7 +191,7 @@ class SpecFamily(Family):
     def _greedy(self, probe: int, ids, condition: str) -> dict:
         r = self._gen(ids)
         return {**self._row(probe, condition, 1), "tokens": r.tokens, "dists": _dists_json(r.dists),
-                "spec_meta": r.spec}
+                "spec_meta": r.spec, "served": self.served()}
 
     def _sampled(self, probe: int, ids) -> dict:
         p = self.plan
@@ -161,7 +202,7 @@ class SpecFamily(Family):
                 "spec_meta": [r.spec for r in replies]}
 
 
-def compared(recorded: list[dict], baseline: str, specials: set[int]) -> list[dict]:
+def compared(recorded: list[dict], baseline: str, specials: dict[int, str]) -> list[dict]:
     """Each arm's recorded replies against the baseline's, probe by probe (arms in the order
     recorded; a probe the baseline or the arm has not finished is left out): a greedy row
     and a sampled row per probe, as spec_table judges them."""
@@ -178,21 +219,26 @@ def compared(recorded: list[dict], baseline: str, specials: set[int]) -> list[di
     return out
 
 
-def _greedy_vs(spec: dict, base: dict, again: dict, specials: set[int]) -> dict:
+def _greedy_vs(spec: dict, base: dict, again: dict, specials: dict[int, str]) -> dict:
     sd, bd = _dists(spec["dists"]), _dists(base["dists"])
     kl, lp_first = dist_profile(sd, bd)
     floor_kl, floor_lp = dist_profile(_dists(again["dists"]), bd)
+    inj = injected(spec["tokens"], base["tokens"], specials)
+    off = off_top1(spec["tokens"], sd)
     return {"family": FAMILY, "arm": spec["arm"], "probe": spec["probe"], "condition": "greedy",
             "baseline": base["arm"], "requests": spec["requests"],
             "tokens": spec["tokens"], "base_tokens": base["tokens"],
             "first_diff": first_diff(spec["tokens"], base["tokens"]), "first_lp_diff": lp_first,
             "floor_first_diff": first_diff(again["tokens"], base["tokens"]), "floor_first_lp_diff": floor_lp,
             "kl": kl, "kl_max": max(kl, default=0.0), "floor_kl_max": max(floor_kl, default=0.0),
-            "injected": injected(spec["tokens"], base["tokens"], specials),
+            "injected": inj, "injected_tokens": [specials[spec["tokens"][i]] for i in inj],
+            "off_top1": off, "off_top1_special": [specials.get(spec["tokens"][i], "") for i in off],
+            "base_off_top1": off_top1(base["tokens"], bd),
+            "served": spec.get("served"),
             "spec_meta": spec["spec_meta"], "base_meta": base["spec_meta"]}
 
 
-def _sampled_vs(spec: dict, base: dict, specials: set[int]) -> dict:
+def _sampled_vs(spec: dict, base: dict, specials: dict[int, str]) -> dict:
     diffs = [first_diff(a, b) for a, b in zip(spec["samples"], base["samples"])]
     return {"family": FAMILY, "arm": spec["arm"], "probe": spec["probe"], "condition": "sampled",
             "baseline": base["arm"], "requests": spec["requests"], "temperature": spec["temperature"],

@@ -8,17 +8,20 @@ Flagged when
   agree, differs from the baseline's (two-sided permutation tests over the arm labels,
   Bonferroni over the two, p < ALPHA): a lossless speculative sampler draws from the same
   distribution, whatever its seeds give;
-* a speculative greedy reply parts from the baseline's with a special token.
-Each flagged arm gets its first diverging step and what the signature looks like
-(`_looks_like`): differences from the first verified row on are the verify's arithmetic;
-later ones state carried across a verify (the rollback); only the sampled distribution
-moving is a verifier that does not sample."""
+* a speculative greedy reply parts from the baseline's with a special token;
+* a greedy token is not the top-1 of its own reported distribution more often than in the
+  baseline's replies (only an emitted token that is not the target's pick does that).
+Each flagged arm gets its first token and first distribution difference and the kind the
+evidence points to (`_looks_like`): wrong acceptance, a corrupt correction row, the
+verify's arithmetic, state carried across a verify, a verifier that does not sample."""
 from __future__ import annotations
 
 import itertools
 
 import numpy as np
 import pandas as pd
+
+from reference_model.tokenizer import BOS
 
 ALPHA = 0.05
 PERMUTATIONS = 2000
@@ -73,21 +76,53 @@ def _accept(greedy: pd.DataFrame) -> tuple[float | None, list[float] | None]:
     return length, [float(x) / verifies for x in np.sum(np.array(per, dtype=float), 0)]
 
 
-def _looks_like(greedy_flag: bool, sampled_flag: bool, first_lp_step, injected: int) -> str:
-    """The signature in words. A special token where the replies part is a row read wrongly
-    after a verify, whatever the numerics did before. Otherwise: step 0 comes from the
-    prefill; step 1 from the first verify's first row, computed on the prefill's state: a
-    difference there is the verify's own arithmetic (nothing was rolled back yet). A first
-    difference later is state carried across a verify -- or a verify whose first rows
-    happened to round alike."""
-    if injected:
-        return ("a special token injected where the replies part: a logits row read corrupt after a "
-                "verify (antirez/ds4 #750 class: with draft >= 2, a rollback without snapshot emitted BOS)")
-    if greedy_flag:
+def _off_top1(greedy: pd.DataFrame) -> tuple[list[str], list[int], int]:
+    """Over the greedy probes: per step whose token is not its own reported top-1, the
+    special token's name ("" for an ordinary token); those steps; the baseline's count."""
+    names = [t for x in greedy.get("off_top1_special", []) for t in x]
+    steps = [i for x in greedy.get("off_top1", []) for i in x]
+    return names, steps, sum(len(x) for x in greedy.get("base_off_top1", []))
+
+
+def _served_k(greedy: pd.DataFrame) -> int | None:
+    """The drafts per verify the arm's server reported serving (None: it did not say)."""
+    ks = [m.get("k") for m in greedy.get("served", []) if isinstance(m, dict) and m.get("on")]
+    return int(ks[0]) if ks and ks[0] is not None else None
+
+
+def _looks_like(greedy_flag: bool, sampled_flag: bool, first_lp_step, off: list[str], base_off: int,
+                injected: list[str], k: int | None) -> str:
+    """The signature in words, from evidence, most specific first.
+
+    * Greedy tokens that are not the top-1 of their own reported distribution (`off`: the
+      special-token names among them, "" for ordinary tokens), more than the baseline's:
+      something other than the target's pick was emitted. Only BOS, with two or more
+      drafts, is the corrupt correction row of antirez/ds4 #750 (a rollback without
+      snapshot reads a zeroed row); anything else -- at one draft always, since no rollback
+      can then corrupt a row -- is a verifier accepting drafts the target rejects.
+    * A special token where the replies part that *is* its step's top-1: the row itself
+      moved there (the state or numerics below), named by the token.
+    * Otherwise the first distribution step: 0-1 comes from the first verify's first row on
+      the prefill's state, so the verify's own arithmetic; later, state carried across a
+      verify (the rollback) -- or a verify whose first rows happened to round alike.
+    * Only the sampled distribution moving: a verifier that does not sample."""
+    drafts = f"{k} draft{'s' if k != 1 else ''} per verify" if k else "drafts per verify not reported"
+    if len(off) > base_off:
+        specials = sorted({t for t in off if t})
+        if specials == [BOS] and (k is None or k >= 2):
+            return (f"a logits row read corrupt after a verify: BOS emitted where it is not its step's top-1 "
+                    f"({drafts}; antirez/ds4 #750 class: a rollback without snapshot read a zeroed row)")
+        named = f", among them the special token(s) {', '.join(specials)}" if specials else ""
+        return (f"a verifier that accepts drafts the target rejects: {len(off)} greedy token(s) are not the "
+                f"top-1 of the distribution the server reported for their step (the baseline's: {base_off})"
+                f"{named}; {drafts}")
+    tail = f" (the replies part with the special token {injected[0]}, its step's top-1)" if injected else ""
+    if greedy_flag or injected:
         if first_lp_step is not None and first_lp_step <= 1:
-            return "a verify step whose numerics differ from a decode step's: not batch-exact (antirez/ds4 #750 class)"
-        return "state carried wrongly across a verify: the rollback of the window / compressor " \
-               "(GDzhu01/vllm-ascend-deepseekv4 #131 class)"
+            return ("a verify step whose numerics differ from a decode step's: not batch-exact "
+                    f"(antirez/ds4 #750 class){tail}")
+        return ("state carried wrongly across a verify: the rollback of the window / compressor "
+                f"(GDzhu01/vllm-ascend-deepseekv4 #131 class){tail}")
     if sampled_flag:
         return "a verifier that does not sample as the request asks (sglang #39253 class)"
     return ""
@@ -97,8 +132,8 @@ def spec_table(rows: pd.DataFrame) -> pd.DataFrame:
     cols = ["arm", "baseline", "probes", "greedy_bitwise", "greedy_diverged", "first_step",
             "first_lp_step", "kl_first", "kl_max", "floor", "seed_identical", "samples",
             "sampled_first_step", "agree_spec", "agree_base", "top1_spec", "top1_base",
-            "p_distribution", "injected",
-            "accept_length", "accept_per_position", "flagged", "looks_like", "why"]
+            "p_distribution", "injected", "injected_token", "off_top1", "base_off_top1", "first_off_top1",
+            "k_served", "accept_length", "accept_per_position", "flagged", "looks_like", "why"]
     if rows.empty or "family" not in rows:
         return pd.DataFrame(columns=cols)
     out = []
@@ -120,9 +155,12 @@ def spec_table(rows: pd.DataFrame) -> pd.DataFrame:
         dg, p_top1 = permutation_p(list(zip(sa.top1, sa.base_top1)), of=greedy_rate)
         p = min(1.0, 2 * min(p_agree, p_top1))                # Bonferroni over the two tests
         n_inj = int(sum(len(x) for x in gr.injected))
+        inj_tokens = [t for x in gr.get("injected_tokens", []) for t in x]
+        off, off_steps, base_off = _off_top1(gr)
+        k = _served_k(gr)
         sampled_flag = p < ALPHA
         length, per = _accept(gr)
-        flagged = bool(greedy_flag or sampled_flag or n_inj)
+        flagged = bool(greedy_flag or sampled_flag or n_inj or len(off) > base_off)
         why = []
         if greedy_flag:
             why.append(f"greedy replies differ from the baseline's in {len(gr) - bitwise}/{len(gr)} probes"
@@ -131,7 +169,11 @@ def spec_table(rows: pd.DataFrame) -> pd.DataFrame:
             why.append(f"sampled replies take the top-1 token {dg:+.2f} more often than the baseline's and "
                        f"agree with each other {d:+.2f} more (p = {p:.2g})")
         if n_inj:
-            why.append(f"{n_inj} special token(s) injected")
+            why.append(f"{n_inj} special token(s) injected ({', '.join(dict.fromkeys(inj_tokens))})"
+                       if inj_tokens else f"{n_inj} special token(s) injected")
+        if len(off) > base_off:
+            why.append(f"{len(off)} greedy token(s) not the top-1 of their own reported distribution "
+                       f"(first at step {min(off_steps)}; the baseline's: {base_off})")
         out.append({"arm": arm, "baseline": g.baseline.iloc[0], "probes": len(gr), "greedy_bitwise": bitwise,
                     "greedy_diverged": int(tok.notna().sum()),
                     "first_step": int(tok.min()) if tok.notna().any() else None,
@@ -145,11 +187,16 @@ def spec_table(rows: pd.DataFrame) -> pd.DataFrame:
                     "agree_base": float(np.nanmean([agreement(s) for s in sa.base_samples])),
                     "top1_spec": float(np.nanmean([greedy_rate(h) for h in sa.top1])),
                     "top1_base": float(np.nanmean([greedy_rate(h) for h in sa.base_top1])),
-                    "p_distribution": p, "injected": n_inj, "accept_length": length,
+                    "p_distribution": p, "injected": n_inj,
+                    "injected_token": ", ".join(dict.fromkeys(inj_tokens)) or None,
+                    "off_top1": len(off), "base_off_top1": base_off,
+                    "first_off_top1": min(off_steps) if off_steps else None, "k_served": k,
+                    "accept_length": length,
                     "accept_per_position": None if per is None else " / ".join(f"{x:.2f}" for x in per),
                     "flagged": flagged,
                     "looks_like": _looks_like(greedy_flag, sampled_flag,
-                                              int(lp.min()) if lp.notna().any() else None, n_inj),
+                                              int(lp.min()) if lp.notna().any() else None, off, base_off,
+                                              inj_tokens, k),
                     "why": "; ".join(why) or "lossless"})
     return pd.DataFrame(out, columns=cols)
 
@@ -170,10 +217,14 @@ def spec_lines(t: pd.DataFrame) -> list[str]:
                          f"{r.probes}/{r.probes} probes, sampled replies as distributed as the baseline's "
                          f"(p = {r.p_distribution:.2g}; {r.seed_identical}/{r.samples} seed-identical).{acc}")
             continue
-        step = r.first_lp_step if pd.notna(r.first_lp_step) else r.sampled_first_step
-        where = f" from generated step {int(step)}" if step is not None and pd.notna(step) else ""
-        tok = (f"; greedy tokens part from step {int(r.first_step)}" if r.first_step is not None
-               and pd.notna(r.first_step) else "")
-        lines.append(f"`{r.arm}` (spec, vs `{r.baseline}`) changes its replies{where}{tok}: {r.why}. "
+        parts = []
+        if r.first_step is not None and pd.notna(r.first_step):
+            parts.append(f"greedy tokens part from the baseline's at generated step {int(r.first_step)}")
+        if r.first_lp_step is not None and pd.notna(r.first_lp_step):
+            parts.append(f"the reported distributions at step {int(r.first_lp_step)}")
+        elif r.sampled_first_step is not None and pd.notna(r.sampled_first_step):
+            parts.append(f"sampled replies at step {int(r.sampled_first_step)}")
+        where = f" ({', '.join(parts)})" if parts else ""
+        lines.append(f"`{r.arm}` (spec, vs `{r.baseline}`) changes its replies{where}: {r.why}. "
                      f"Looks like {r.looks_like}.{acc}")
     return lines
