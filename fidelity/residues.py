@@ -2,14 +2,16 @@
 compress ratio, fidelity.lengths) break, so "only lengths 3 mod 4 depart" reads off one
 table instead of being averaged into a mean over every prompt.
 
-A prompt *breaks* when the arm's value of a per-prompt signal exceeds every floor's value
-on that same prompt: no statistics, the floors' own spread on that prompt is the bar.
-The verdict judges; this table only says where."""
+A prompt *breaks* as the verdict's per-prompt tail test counts it (one definition,
+fidelity.verdict.tail.broken): the arm's value at least 10x the largest floor's on that same
+prompt. The verdict judges whether that many broken prompts could be noise; this table only
+says where they are, so the two never disagree on a count."""
 from __future__ import annotations
 
 import pandas as pd
 
 from .lengths import Boundaries, label_length, residue_label
+from .verdict.tail import broken, prompt_floors
 
 COLUMNS = ["arm", "residue", "lengths", "prompts", "breaks", "mean", "max", "floor_max"]
 
@@ -17,8 +19,9 @@ COLUMNS = ["arm", "residue", "lengths", "prompts", "breaks", "mean", "max", "flo
 def residue_table(sig: pd.DataFrame, prompt_length: dict[str, int], arms: list[str],
                   floors: list[str], b: Boundaries,
                   place: tuple[str, str] = ("answer_kld", "final logits")) -> pd.DataFrame:
-    """Per arm and residue: the lengths there, prompts, how many break (above every
-    floor on that prompt), the signal's mean and max, and the floors' max. `sig`: tidy
+    """Per arm and residue: the lengths there, prompts, how many break (tail.broken: at
+    least 10x every floor on that prompt), the signal's mean and max, and the floors' max
+    (raw, before the floor's FLOOR_EPS). `sig`: tidy
     signals (arm, prompt, signal, where, value), as fidelity.verdict.signals makes them;
     `place`: the (signal, where) the table reads."""
     signal, where = place
@@ -27,7 +30,8 @@ def residue_table(sig: pd.DataFrame, prompt_length: dict[str, int], arms: list[s
         return pd.DataFrame(columns=COLUMNS)
     v = s.pivot_table(index="prompt", columns="arm", values="value", aggfunc="first")
     have = [f for f in floors if f in v]
-    bar = v[have].max(axis=1) if have else pd.Series(float("nan"), index=v.index)
+    raw = v[have].max(axis=1) if have else pd.Series(float("nan"), index=v.index)
+    bar = prompt_floors(v, have, signal)[0] if have else raw
     m = b.modulus
     rows = []
     for arm in [a for a in arms if a in v]:
@@ -37,12 +41,12 @@ def residue_table(sig: pd.DataFrame, prompt_length: dict[str, int], arms: list[s
                 by_res.setdefault(prompt_length[p] % m, []).append(p)
         for r in sorted(by_res):
             ps = by_res[r]
-            x, f = v.loc[ps, arm], bar.loc[ps]
+            x = v.loc[ps, arm]
             rows.append({"arm": arm, "residue": f"{r} mod {m}",
                          "lengths": ",".join(map(str, sorted({prompt_length[p] for p in ps}))),
-                         "prompts": len(ps), "breaks": int((x > f).sum()) if have else 0,
+                         "prompts": len(ps), "breaks": int(broken(x, bar).sum()) if have else 0,
                          "mean": float(x.mean()), "max": float(x.max()),
-                         "floor_max": float(f.max()) if have else float("nan")})
+                         "floor_max": float(raw.loc[ps].max()) if have else float("nan")})
     return pd.DataFrame(rows, columns=COLUMNS)
 
 

@@ -151,18 +151,25 @@ def _sig(values: dict) -> pd.DataFrame:
                           "value": v} for (a, p), v in values.items()])
 
 
-def test_residue_table_counts_prompts_above_every_floor():
-    lengths = {"a": 255, "b": 256, "c": 511, "d": 257}
+def test_residue_table_counts_the_prompts_the_verdict_counts():
+    """A prompt breaks at 10x the largest floor on it (fidelity.verdict.tail.broken), in the
+    table as in the verdict's tail test: 5x is not a break, and the two counts agree."""
+    from fidelity.verdict.tail import tail_tests
+    lengths = {"a": 255, "b": 256, "c": 511, "d": 257, "e": 259}
     v = {("floor:x", "a"): 0.01, ("floor:x", "b"): 0.02, ("floor:x", "c"): 0.01, ("floor:x", "d"): 0.0,
          ("floor:y", "a"): 0.03, ("floor:y", "b"): 0.0, ("floor:y", "c"): 0.0, ("floor:y", "d"): 0.0,
-         ("bug", "a"): 0.5, ("bug", "b"): 0.01, ("bug", "c"): 0.02, ("bug", "d"): 0.0}
-    t = residue_table(_sig(v), lengths, ["bug"], ["floor:x", "floor:y"], Boundaries(32, (4, 128), 16, (4,)))
+         ("floor:x", "e"): 0.01, ("floor:y", "e"): 0.0,
+         ("bug", "a"): 0.5, ("bug", "b"): 0.01, ("bug", "c"): 0.2, ("bug", "d"): 0.0, ("bug", "e"): 0.05}
+    sig = _sig(v)
+    t = residue_table(sig, lengths, ["bug"], ["floor:x", "floor:y"], Boundaries(32, (4, 128), 16, (4,)))
     row = t.set_index("residue").loc["3 mod 4"]
-    assert (row.lengths, row.prompts, row.breaks) == ("255,511", 2, 2)   # 0.5 > 0.03, 0.02 > 0.01
+    assert (row.lengths, row.prompts, row.breaks) == ("255,259,511", 3, 2)   # 16.7x, 20x; 5x is not
     assert row.floor_max == pytest.approx(0.03) and row["max"] == pytest.approx(0.5)
     assert t.set_index("residue").loc["0 mod 4"].breaks == 0          # 0.01 < 0.02
-    assert t.set_index("residue").loc["1 mod 4"].breaks == 0          # equal to the floor: no break
-    assert broken_residues(t, "bug") == ["3 mod 4"]
+    assert t.set_index("residue").loc["1 mod 4"].breaks == 0          # 0 on a floor of 0: no break
+    assert broken_residues(t, "bug") == []                            # 2 of 3 at 3 mod 4, not every one
+    tail = tail_tests(sig, {"bug": frozenset({"bug"})}, ["floor:x", "floor:y"])
+    assert int(tail.set_index("signal").loc["answer_kld", "b"]) == int(t.breaks.sum()) == 2
 
 
 def test_needle_residue_and_window_tables():

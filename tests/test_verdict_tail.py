@@ -123,3 +123,17 @@ def test_ab_names_a_bug_that_breaks_two_of_its_eighteen_prompts(tmp_path):
     assert "breaks 2 of 18 prompts" in v["sentence"]
     assert "L511-3" in tail["prompts"] and "L250-8" in tail["prompts"]
     assert "breaks 2 of 18 prompts" in (tmp_path / "rare" / "index.html").read_text()
+
+
+def test_broken_prompts_too_few_to_name_are_said_not_hidden():
+    """One prompt at ~30x its floor of 18 cannot be told from noise (p ~ 0.45), so no toggle
+    is named -- and the sentence says that prompt broke instead of "no toggle breaks a
+    prompt" (the residue table counts it too)."""
+    v = np.full(18, np.nan)
+    v[3] = 0.05
+    sig = _signals({"bug": v})
+    d = Design("golden", {"bug": frozenset({"bug"})}, ["bug"], FLOORS)
+    res = judge(sig, d, Bootstrap(300, 0))
+    s = res["verdict"]["sentence"]
+    assert res["verdict"]["named"] == [] and "no toggle breaks a prompt" not in s
+    assert "Prompts broken (10x their floors) but too few to tell from noise: bug breaks 1 of 18" in s

@@ -150,7 +150,7 @@ def run(args) -> int:
     if args.lengths is not None and args.lengths.boundaries:     # the grid's point: which residue breaks
         from fidelity.ab.report import residues
         by_res = residues(res["signals"], res["manifest"])[0]
-        print("answer KLD by length residue (breaks: prompts above every floor on that prompt):")
+        print("answer KLD by length residue (breaks: prompts at 10x or more of every floor on that prompt):")
         print(by_res.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"report: {res['path']}")
     return 0

@@ -340,7 +340,7 @@ def _run(args, driver=None) -> int:
     print(res["verdict"]["sentence"])
     if not args.prompts and args.lengths.boundaries:     # the grid's point: which residue breaks
         from fidelity.kld.report import residues
-        print("answer KLD by length residue (breaks: prompts above every floor on that prompt):")
+        print("answer KLD by length residue (breaks: prompts at 10x or more of every floor on that prompt):")
         print(residues(res["signals"], manifest)[0].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     _health_lines(res)
     print(f"report: {res['path']}")

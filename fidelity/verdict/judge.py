@@ -171,9 +171,16 @@ def _nothing(t: pd.DataFrame, mechanism: bool) -> str:
     k = t[(t.signal == "kld_mean") & (t.method != TAIL)].sort_values("value", ascending=False)
     top = k.iloc[0] if len(k) else t.sort_values("value", ascending=False).iloc[0]
     lead = "No toggle changes the outcome beyond its floors" if mechanism else "No toggle stands out"
-    return (f"{lead}: for no outcome signal does a toggle's interval clear its floor, and no toggle "
-            f"breaks a prompt beyond its floors (largest mean-KLD effect: {top.toggle}, {top.value:.3g} "
-            f"[{top.lo:.3g}, {top.hi:.3g}] vs {floor_words(top.floor_hi, top.get('floor_arm'), 'floor')}).")
+    largest = (f"largest mean-KLD effect: {top.toggle}, {top.value:.3g} [{top.lo:.3g}, {top.hi:.3g}] vs "
+               f"{floor_words(top.floor_hi, top.get('floor_arm'), 'floor')}")
+    tails = t[(t.method == TAIL) & (t.get("b", 0) > 0)] if "b" in t else t.iloc[:0]
+    if tails.empty:
+        return (f"{lead}: for no outcome signal does a toggle's interval clear its floor, and no toggle "
+                f"breaks a prompt beyond its floors ({largest}).")
+    r = tails.sort_values(["b", "p_value"], ascending=[False, True]).iloc[0]
+    return (f"{lead}: for no outcome signal does a toggle's interval clear its floor ({largest}). "
+            f"Prompts broken (10x their floors) but too few to tell from noise: {r.toggle} {tail_words(r)}; "
+            "more prompts at those lengths would decide.")
 
 
 def floor_words(value: float, arm, lead: str = "above the highest floor's") -> str:

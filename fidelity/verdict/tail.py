@@ -49,9 +49,7 @@ def tail_tests(sig: pd.DataFrame, arms: dict[str, frozenset], floors: list[str],
         have = [f for f in floors if f in wide]
         if not have:
             continue
-        fl = wide[have]
-        floor = fl.max(axis=1).clip(lower=FLOOR_EPS.get(signal, 1e-9))
-        floor_arm = fl.idxmax(axis=1)
+        floor, floor_arm = prompt_floors(wide, have, signal)
         for arm, factors in arms.items():
             toggles = [f for f in factors if not f.startswith(SCHEDULE_FACTOR)]
             if len(toggles) != 1 or arm not in wide:
@@ -60,6 +58,19 @@ def tail_tests(sig: pd.DataFrame, arms: dict[str, frozenset], floors: list[str],
             f = floor.reindex(v.index)
             rows.append(_row(signal, toggles[0], _schedule(factors), v, PromptFloors(f, floor_arm), describe))
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def prompt_floors(wide: pd.DataFrame, floors: list[str], signal: str) -> tuple[pd.Series, pd.Series]:
+    """Per prompt (rows of `wide`, one column per arm): the largest value any floor arm
+    reaches (at least the signal's FLOOR_EPS) and the floor arm holding it."""
+    fl = wide[floors]
+    return fl.max(axis=1).clip(lower=FLOOR_EPS.get(signal, 1e-9)), fl.idxmax(axis=1)
+
+
+def broken(values: pd.Series, floor: pd.Series) -> pd.Series:
+    """The one definition of a broken prompt, for the verdict and the residue table alike:
+    the arm's value at least BROKEN times the prompt's floor (prompt_floors)."""
+    return (values / floor.reindex(values.index)) >= BROKEN
 
 
 def _schedule(factors: frozenset) -> str:
@@ -85,14 +96,14 @@ class PromptFloors:
 def _row(signal, toggle, schedule, v: pd.Series, floors: PromptFloors, describe: dict) -> dict:
     floor, floor_arm = floors.value, floors.arm
     ratio = (v / floor).to_numpy(float)
-    broken = v.index[ratio >= BROKEN]
-    order = sorted(broken, key=lambda p: -float(v[p] / floor[p]))
+    hit = v.index[broken(v, floor).to_numpy()]
+    order = sorted(hit, key=lambda p: -float(v[p] / floor[p]))
     worst = order[0] if order else v.idxmax()
-    lo = float(v[broken].min()) if len(broken) else float(v[worst])
-    fhi = float(floor[broken].max()) if len(broken) else float(floor[worst])
+    lo = float(v[hit].min()) if len(hit) else float(v[worst])
+    fhi = float(floor[hit].max()) if len(hit) else float(floor[worst])
     return {"signal": signal, "where": "final logits", "toggle": toggle, "method": METHOD,
             "value": float(v[worst]), "lo": lo, "hi": float(v[worst]), "floor_hi": fhi,
-            "floor_arm": floor_arm.get(worst), "b": len(broken), "n": len(v),
+            "floor_arm": floor_arm.get(worst), "b": len(hit), "n": len(v),
             "p_value": p_value(ratio, len(v)), "schedule": schedule,
             "prompts": "; ".join(_prompt_words(p, v[p], floor[p], describe) for p in order),
             "worst": describe.get(worst, str(worst))}
