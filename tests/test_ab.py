@@ -259,6 +259,18 @@ def test_never_acted_reads_every_one_toggle_arm():
     assert never_acted(kld, sets) == ["a"]          # b acts under its schedule; c has no rows
 
 
+def test_acted_only_at_names_the_lengths_a_toggle_moved():
+    import pandas as pd
+    from fidelity.verdict.findings import acted_only_at, acted_only_sentence
+    kld = pd.DataFrame({"arm": ["a", "a", "a", "b", "b", "c", "c"], "length": [250, 256, 511, 250, 511, 250, 511],
+                        "kld": [0.0, 3e-3, 0.0, 1e-9, 2e-9, 0.0, 0.0]})
+    sets = {"a": frozenset({"a"}), "b": frozenset({"b"}), "c": frozenset({"c"})}
+    got = acted_only_at(kld, sets)
+    assert got == {"a": [256]}                       # b acts everywhere; c never (never_acted's)
+    said = acted_only_sentence(got, [250, 256, 511])
+    assert "a only at length 256" in said and "(250, 256, 511)" in said
+
+
 def test_the_headline_multiple_is_the_suspects_tables(small_report):
     """One number per finding: the headline's "N× the highest floor" is the suspects table's
     x_floor (value / floor) for the same row, and the lower end it quotes is x_floor_ci_low."""

@@ -102,6 +102,9 @@ def test_boundary_grid_vs_default_grid(plugin):
     assert broken_residues(t, LEN3) == ["3 mod 4"]
     assert t.set_index(["arm", "residue"]).loc[(LEN3, "3 mod 4"), "lengths"] == "511"
     assert (t[t.arm == LEN1]["max"] == 0).all()                     # never acts
+    assert res["verdict"]["never_acted"] == [LEN1]                  # ... and is said untested
+    assert res["verdict"]["acted_only_at"] == {LEN3: [511]}         # the one length it acted at
+    assert f"{LEN3} only at length 511" in res["verdict"]["sentence"]
     named = {n["toggle"] for n in res["verdict"]["named"]} | {f["toggle"] for f in res["verdict"]["mechanism"]}
     assert LEN1 not in named
 

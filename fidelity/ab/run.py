@@ -20,7 +20,7 @@ from ..arms import check_schedules
 from ..prompts import Prompt, all_token_ids, builtin_prompts, describe, file_prompts
 from ..verdict.attribution import attribute, bootstrap_mean_ci, outcome_matrix, prompt_outcomes
 from ..verdict.judge import Bootstrap, Design, judge
-from ..verdict.findings import DEPARTURE_X, never_acted, with_departures, with_never_acted
+from ..verdict.findings import DEPARTURE_X, acted_only_at, never_acted, with_departures, with_never_acted
 from ..verdict.signals import SCHEDULE_FACTOR, direct_effects, prompt_signals, with_longest
 from .design import (FLOOR, FLOOR_ORDER, GOLDEN, WEIGHTS_PREFIX, ABSettings, RunnerSettings,
                      Statistics, arm_sets, base_toggles, factorial_arms, floor_arms,
@@ -62,7 +62,9 @@ def run_ab(weights, settings: ABSettings, report: ReportTarget = ReportTarget(),
     _stage_two(weights, settings, prompts, longest, site, st)
     tables, judged = _judged_tables(cfg, settings, prompts, longest, st)
     with_departures(judged["verdict"], _departures(tables["drift"], st.sets))
-    with_never_acted(judged["verdict"], never_acted(tables["kld"], st.sets))
+    kld = tables["kld"]
+    with_never_acted(judged["verdict"], never_acted(kld, st.sets), acted_only_at(kld, st.sets),
+                     sorted({int(L) for L in kld.length}) if len(kld) and "length" in kld else [])
     result = {"manifest": _manifest(cfg, settings, st, run_id, t_start, site.stage),
               "verdict": judged["verdict"], "noise_floor": _noise_floor(st.outcomes, settings),
               "floors": judged["floors"].to_dict("records"),

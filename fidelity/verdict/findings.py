@@ -144,18 +144,50 @@ def with_departures(v: dict, deps: list[dict]) -> dict:
     return v
 
 
+def _alone(sets: dict[str, frozenset]) -> dict[str, list[str]]:
+    """toggle -> its one-toggle arms, under any schedule."""
+    alone: dict[str, list[str]] = {}
+    for arm, s in sets.items():
+        own = {f for f in s if not f.startswith(SCHEDULE_FACTOR)}
+        if len(own) == 1:
+            alone.setdefault(next(iter(own)), []).append(arm)
+    return alone
+
+
+def acted_only_at(kld: pd.DataFrame, sets: dict[str, frozenset]) -> dict[str, list[int]]:
+    """toggle -> the prompt lengths where its one-toggle arms moved the final logits at all,
+    for the toggles that were bit-identical to the golden at every other length of the run
+    (a bug conditional on length: acting at one length only is the loudest clue there is
+    to its condition, and a mean over the grid dilutes it). Needs a `length` column."""
+    if not len(kld) or "length" not in kld:
+        return {}
+    out = {}
+    for t, arms in _alone(sets).items():
+        rows = kld[kld.arm.isin(arms)]
+        if not len(rows):
+            continue
+        moved = sorted(int(L) for L, g in rows.groupby("length") if bool((g.kld != 0).any()))
+        if moved and len(moved) < rows.length.nunique():
+            out[t] = moved
+    return out
+
+
+def acted_only_sentence(acted: dict[str, list[int]], lengths: list[int]) -> str:
+    if not acted:
+        return ""
+    parts = [f"{t} only at length{'s' if len(L) > 1 else ''} {', '.join(map(str, L))}" for t, L in acted.items()]
+    return (f"Acted at some lengths only: {'; '.join(parts)} -- bit-identical to the golden at every other "
+            f"length of this run ({', '.join(map(str, lengths))}): a condition on the length; "
+            "docs/lengths.md says which lengths separate the config's periods.")
+
+
 def never_acted(kld: pd.DataFrame, sets: dict[str, frozenset]) -> list[str]:
     """The toggles whose own one-toggle arms (under every schedule run) gave the golden's final
     logits bit for bit at every position of every prompt (kld rows of `arm`, `kld`): these
     prompts never made them act, so they are untested here, not clean (a length- or schedule-conditional bug looks
     exactly like this on a grid that misses its condition)."""
-    alone: dict[str, list[str]] = {}              # toggle -> its one-toggle arms, under any schedule
-    for arm, s in sets.items():
-        own = {f for f in s if not f.startswith(SCHEDULE_FACTOR)}
-        if len(own) == 1:
-            alone.setdefault(next(iter(own)), []).append(arm)
     out = []
-    for t, arms in alone.items():
+    for t, arms in _alone(sets).items():
         rows = kld[kld.arm.isin(arms)] if len(kld) else kld
         if len(rows) and set(rows.arm) == set(arms) and bool((rows.kld == 0).all()):
             out.append(t)
@@ -171,10 +203,14 @@ def never_acted_sentence(names: list[str]) -> str:
             "(the config's own periods) or a schedule such as @chunked(64).")
 
 
-def with_never_acted(v: dict, names: list[str]) -> dict:
-    """The verdict with the toggles that never acted (v["never_acted"], and the sentence)."""
+def with_never_acted(v: dict, names: list[str], acted: dict[str, list[int]] | None = None,
+                     lengths: list[int] = ()) -> dict:
+    """The verdict with the toggles that never acted (v["never_acted"], and the sentence)
+    and those that acted at some lengths only (v["acted_only_at"], acted_only_at)."""
     v["never_acted"] = names
-    v["never_acted_sentence"] = never_acted_sentence(names)
+    v["acted_only_at"] = acted or {}
+    v["never_acted_sentence"] = " ".join(filter(None, [never_acted_sentence(names),
+                                                      acted_only_sentence(acted or {}, list(lengths))]))
     if v["never_acted_sentence"]:
         v["sentence"] += " " + v["never_acted_sentence"]
     return v
