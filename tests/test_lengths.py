@@ -167,7 +167,7 @@ def test_residue_table_counts_the_prompts_the_verdict_counts():
     assert row.floor_max == pytest.approx(0.03) and row["max"] == pytest.approx(0.5)
     assert t.set_index("residue").loc["0 mod 4"].breaks == 0          # 0.01 < 0.02
     assert t.set_index("residue").loc["1 mod 4"].breaks == 0          # 0 on a floor of 0: no break
-    assert broken_residues(t, "bug") == []                            # 2 of 3 at 3 mod 4, not every one
+    assert broken_residues(t, "bug") == ["3 mod 4"]                   # 2 of its 3 prompts
     tail = tail_tests(sig, {"bug": frozenset({"bug"})}, ["floor:x", "floor:y"])
     assert int(tail.set_index("signal").loc["answer_kld", "b"]) == int(t.breaks.sum()) == 2
 

@@ -65,9 +65,15 @@ def test_ab_boundary_grid_places_the_bug_at_residue_3(plugin, capsys, tmp_path):
     assert "answer KLD by length residue" in cap.out and "left out" in cap.err   # 31..130 too short
     t = _table(tmp_path)
     assert sorted(t.lengths.astype(str)) == ["255", "256", "257", "258"]
-    assert broken_residues(t, LEN3) == ["3 mod 4"]
+    mine = t[(t.arm == LEN3) & (t.residue == "3 mod 4")].iloc[0]
     others = t[(t.arm == LEN3) & (t.residue != "3 mod 4")]
-    assert (others["max"] == 0).all() and (others.breaks == 0).all()
+    assert mine["max"] > 0 and (others["max"] == 0).all() and (others.breaks == 0).all()
+    # one prompt per length: 255's may stay below 10x its floor; the table then counts no break
+    # and the verdict names nothing -- and says the toggle acted at 255 only
+    v = json.loads((tmp_path / "b" / "manifest.json").read_text())["verdict"]
+    assert v["acted_only_at"] == {LEN3: [255]}
+    assert f"{LEN3} only at length 255" in v["sentence"]
+    assert (mine.breaks == 0) == ("no toggle breaks a prompt" in v["sentence"])   # table and verdict agree
     page = (tmp_path / "b" / "summary.md").read_text()
     assert "By length residue" in page and "2x128-1" in page
 

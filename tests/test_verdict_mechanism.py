@@ -212,6 +212,26 @@ def test_departures_are_stated_for_one_toggle_arms_whose_outcome_is_not_named():
     assert departure_sentence([dep("engine-x", None, 900.0)], set()) == ""
 
 
+def test_a_departure_below_the_bar_is_said_as_such_and_the_largest_is_found():
+    """An arm steady at ~9x the floor never reaches first_divergence's 10x bar; its largest
+    multiple is said ("Below the 10x bar"), never as a first departure in the headline."""
+    from fidelity.ab.drift import largest_departure
+    from fidelity.verdict.board import headline
+    from fidelity.verdict.findings import departure_sentence
+    rows = []
+    for layer, (arm_v, floor_v) in enumerate([(2e-6, 1e-6), (9.1e-6, 1e-6), (4e-6, 1e-6)]):
+        for arm, v in (("t", arm_v), ("floor:fp32-accum", floor_v)):
+            rows.append({"arm": arm, "phase": "prefill", "bucket": "all", "layer": layer, "tap": "attn.out",
+                         "rel_l2": v, "prompt": "p", "step": -1})
+    near = largest_departure(pd.DataFrame(rows), "t", "floor:fp32-accum")
+    assert (near["layer"], near["tap"]) == (1, "attn.out") and near["ratio"] == pytest.approx(9.1)
+    d = {**near, "toggle": "t", "below_bar": True}
+    s = departure_sentence([d], set())
+    assert s == ("Below the 10x bar: t departs at most 9.1x the reduction-order floor "
+                 "(layer 1 `attn.out`, prefill, mean over prompts).")
+    assert "departs first" not in headline({"sentence": "", "departures": [d]})
+
+
 def test_the_floor_to_beat_is_the_one_with_the_largest_p_whatever_its_name():
     """The worst floor is chosen by its p-value (it once was by the floor's name: the
     alphabetically last floor, right only when that was also the worst)."""

@@ -66,6 +66,27 @@ def first_divergence(drift: pd.DataFrame, arm: str, floor_arm: str, k: float = 2
     return None
 
 
+def largest_departure(drift: pd.DataFrame, arm: str, floor_arm: str) -> dict | None:
+    """The tensor tap where the arm departs from golden by the largest multiple of the floor
+    arm's departure there (mean over prompts, prefill and decode; finite, floor > 0): what
+    to say about an arm that never reaches first_divergence's bar."""
+    d = drift[(drift.bucket == "all") & drift.tap.isin(DIVERGENCE_TAPS) & ~drift.tap.isin(DISCRETE_TAPS)]
+    best = None
+    for phase in ("prefill", "decode"):
+        p = d[d.phase == phase]
+        a, f = p[p.arm == arm], p[p.arm == floor_arm]
+        if a.empty or f.empty:
+            continue
+        ratio = (_departure(a).groupby([a.layer, a.tap]).mean()
+                 / _departure(f).groupby([f.layer, f.tap]).mean().replace(0, np.nan))
+        ratio = ratio[np.isfinite(ratio)]
+        if len(ratio) and (best is None or ratio.max() > best["ratio"]):
+            layer, tap = ratio.idxmax()
+            best = {"arm": arm, "vs": "golden", "phase": phase, "layer": int(layer), "tap": tap,
+                    "ratio": float(ratio.max())}
+    return best
+
+
 def departure_at(drift: pd.DataFrame, arm: str, phase: str, layer: int, tap: str) -> float | None:
     """The arm's mean departure from golden at one place (None where it has no row)."""
     d = drift[(drift.arm == arm) & (drift.phase == phase) & (drift.bucket == "all")

@@ -126,7 +126,7 @@ def headline(v: dict, first_divergence=None, sets: dict | None = None) -> str:
         return _named_headline(v["named"], first_divergence, sets) + caution
     if v.get("mechanism"):
         return _mechanism_headline(v["mechanism"]) + caution
-    deps = sorted(v.get("departures") or [], key=lambda d: -d["ratio"])
+    deps = sorted((d for d in v.get("departures") or [] if not d.get("below_bar")), key=lambda d: -d["ratio"])
     if deps:
         d = deps[0]
         return (f"No toggle changes the outcome or the mechanism beyond its floors; {d['arm']} departs "
