@@ -7,7 +7,10 @@ by which method, and under which schedule. Cases (all `run_ab` on the embedded m
 - same-as-one-shot: routed_scaling_double one-shot, under prefix_hit(130) and decode_from(150)
   (its effect is the same everywhere: the finding is the toggle's, not a schedule's);
 - nulls: golden under every schedule (chunked(64), prefix_hit(130), decode_from(150),
-  batch(8)) on the default 18 prompts: nothing may be named.
+  batch(8)) on the default 18 prompts: nothing may be named;
+- length-conditional: tests/mutations/residue_bugs.py's two bugs (acting only at lengths 3
+  and 1 mod 4) on the default grid (250, 511: no length is 1 mod 4), 3 prompts per length:
+  the first acts at 511 only, the second never (untested, not clean).
 
 Run it on two checkouts, each writing its own column:
     git worktree add /tmp/before <commit>
@@ -35,6 +38,8 @@ CASES = {
                              lengths=(200,), prompts_per_length=3, decode_steps=1),
     "nulls": dict(arms=["golden@chunked(64)", "golden@prefix_hit(130)", "golden@decode_from(150)",
                         "golden@batch(8)"]),
+    "length-conditional": dict(arms=["mut_ape_shift_len3", "mut_ape_shift_len1"], prompts_per_length=3,
+                               decode_steps=2),
 }
 
 
@@ -50,6 +55,7 @@ def run_case(settings: dict) -> dict:
     named = [f"{n['toggle']} ({n['method']}{', under ' + n['schedule'] if n.get('schedule') else ''})"
              for n in v["named"]]
     return {"named": named, "mechanism": [f["toggle"] for f in v.get("mechanism", [])],
+            "never_acted": v.get("never_acted", []), "acted_only_at": v.get("acted_only_at", {}),
             "sentence": v["sentence"], "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -72,7 +78,10 @@ def write(label: str, got: dict) -> Path:
                 continue
             out = "; ".join(r["named"]) or "nothing"
             mech = ", ".join(r["mechanism"])
-            cells.append(f"outcome: {out}" + (f"; mechanism: {mech}" if mech else "") + f" ({r['seconds']} s)")
+            said = [f"never acted: {', '.join(r['never_acted'])}"] if r.get("never_acted") else []
+            said += [f"{t} acted only at {', '.join(map(str, L))}" for t, L in (r.get("acted_only_at") or {}).items()]
+            cells.append(f"outcome: {out}" + (f"; mechanism: {mech}" if mech else "")
+                         + "".join(f"; {x}" for x in said) + f" ({r['seconds']} s)")
         lines.append(f"| {case} | " + " | ".join(cells) + " |")
     md = RESULTS / "verdict_cases.md"
     md.write_text("\n".join(lines) + "\n")
@@ -88,7 +97,7 @@ def main() -> int:
     torch.set_num_threads(1)
     sys.path.insert(0, a.root)
     from kernel_toggles.plugins import load_plugins
-    load_plugins([str(HERE / "tests" / "mutations" / "rare_bugs.py")])
+    load_plugins([str(HERE / "tests" / "mutations" / f) for f in ("rare_bugs.py", "residue_bugs.py")])
     got = {case: run_case(s) for case, s in CASES.items()}
     print(write(a.label, got))
     return 0

@@ -31,7 +31,7 @@ def judge(sig: pd.DataFrame, design: Design, boot: Bootstrap, n_prompts: int | N
     if direct is not None:
         attr = pd.concat([attr, direct], ignore_index=True)
     exact = exact_tests(sig, design.arms, design.noise_for_mechanism())
-    tail = tail_tests(sig, design.arms, design.floors, describe)
+    tail = tail_tests(sig, design.arms, design.floors, describe, serving=design.noise_for_mechanism())
     v, table = verdict(attr, floors, sig.prompt.nunique() if n_prompts is None else n_prompts, exact,
                        serving, tail)
     return {"summary": summary, "floors": floors, "attribution": table, "verdict": v}

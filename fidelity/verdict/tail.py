@@ -36,27 +36,35 @@ COLUMNS = ["signal", "where", "toggle", "method", "value", "lo", "hi", "floor_hi
 
 
 def tail_tests(sig: pd.DataFrame, arms: dict[str, frozenset], floors: list[str],
-               describe: dict[str, str] | None = None) -> pd.DataFrame:
+               describe: dict[str, str] | None = None, serving: list[str] | None = None) -> pd.DataFrame:
     """One row per (arm with one toggle, tail signal): X = b broken prompts of n, value /
     hi the worst prompt's value, lo the least broken one's, floor_hi the largest floor
     among the broken prompts, p_value as in the module docstring; `prompts` names the
-    broken prompts (with `describe[prompt]`, e.g. "511 tokens, needle at 70%")."""
+    broken prompts (with `describe[prompt]`, e.g. "511 tokens, needle at 70%").
+
+    An arm under a schedule is judged against the `serving` floors (reduction and tie
+    order, the golden's own schedule floor: the golden is exact under every schedule, so
+    what separates t@S from it is t and the kernels' shapes, never QAT -- a property of the
+    weights, the same on both sides), when the run has them."""
     describe = describe or {}
     s = sig[sig.signal.isin(TAIL_SIGNALS) & (sig["where"] == "final logits")]
     rows = []
     for signal, grp in s.groupby("signal", sort=False):
         wide = grp.pivot_table(index="prompt", columns="arm", values="value", aggfunc="first")
         have = [f for f in floors if f in wide]
+        quiet = [f for f in serving or () if f in wide] or have
         if not have:
             continue
-        floor, floor_arm = prompt_floors(wide, have, signal)
+        by_kind = {False: prompt_floors(wide, have, signal), True: prompt_floors(wide, quiet, signal)}
         for arm, factors in arms.items():
             toggles = [f for f in factors if not f.startswith(SCHEDULE_FACTOR)]
             if len(toggles) != 1 or arm not in wide:
                 continue
+            schedule = _schedule(factors)
+            floor, floor_arm = by_kind[bool(schedule)]
             v = wide[arm].dropna()
             f = floor.reindex(v.index)
-            rows.append(_row(signal, toggles[0], _schedule(factors), v, PromptFloors(f, floor_arm), describe))
+            rows.append(_row(signal, toggles[0], schedule, v, PromptFloors(f, floor_arm), describe))
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
