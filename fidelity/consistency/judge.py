@@ -207,7 +207,7 @@ def verdict_lines(table: pd.DataFrame) -> list[str]:
         n = len(g) - len(floor)
         if hits.empty:
             lines.append(f"`{arm}` ({fam}): no serving condition changes its replies "
-                         f"({floor_name}: {fl}; {n} conditions).")
+                         f"({floor_name}: {fl}; {n} condition{'s' if n != 1 else ''} compared).")
             continue
         parts = [_describe(r) for _, r in hits.head(3).iterrows()]
         more = f"; {len(hits) - 3} more in the table" if len(hits) > 3 else ""
