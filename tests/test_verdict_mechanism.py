@@ -239,3 +239,22 @@ def test_the_floor_to_beat_is_the_one_with_the_largest_p_whatever_its_name():
     t = B.exact_tests(sig, {"bug": frozenset({"bug"})}, ["floor:a", "floor:b"])
     r = t[t.method == "exact_vs_floors"].iloc[0]
     assert r.p_value == 1.0 and not bool(B.clears(t).iloc[0])
+
+
+def test_the_board_says_which_rows_are_floors():
+    """The QAT floor's row is labelled as the QAT floor (red there is QAT's own size, not a
+    finding), other floors as floors, in italics above a rule; arms keep their names."""
+    import matplotlib.pyplot as plt
+    from fidelity.verdict.board import floor_label, signal_board
+    assert floor_label("floor:exact") == "floor:exact (QAT floor)"
+    assert floor_label("twin~floor:tie-order") == "twin~floor:tie-order (floor)" and floor_label("bug") == "bug"
+    ss = pd.DataFrame([{"arm": a, "signal": "kld_mean", "where": "final logits", "mean": m}
+                       for a, m in [("floor:exact", 1e-3), ("floor:fp32-accum", 1e-6), ("bug", 5e-2)]])
+    fig = signal_board(ss, pd.DataFrame([{"signal": "kld_mean", "where": "final logits", "floor_hi": 1e-4}]),
+                       ["floor:exact", "floor:fp32-accum", "bug"])
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["floor:exact (QAT floor)", "floor:fp32-accum (floor)", "bug"]
+    assert [t.get_fontstyle() for t in ax.get_yticklabels()] == ["italic", "italic", "normal"]
+    assert any(abs(line.get_ydata()[0] - 1.5) < 1e-9 for line in ax.get_lines())
+    plt.close(fig)

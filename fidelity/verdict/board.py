@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from .findings import _how_much, _layers
-from .signals import MECHANISM_WHAT, with_multiples
+from .signals import MECHANISM_WHAT, QAT_FLOOR, with_multiples
 from .tail import METHOD as TAIL
 
 
@@ -89,15 +89,34 @@ def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[st
         fig, ax = plt.subplots(figsize=(1.6 + 0.5 * piv.shape[1] + 0.08 * rows,
                                         1.0 + per_row * len(piv) + 0.06 * cols))
         im = ax.imshow(z, aspect="auto", cmap=cmap, vmin=-2, vmax=2)
-        ax.set_yticks(range(len(piv)), piv.index, fontsize=10)
+        ax.set_yticks(range(len(piv)), [floor_label(a) for a in piv.index], fontsize=10)
+        for tick, arm in zip(ax.get_yticklabels(), piv.index):
+            if is_floor_arm(arm):         # a floor is the bar, not a finding: said on its row
+                tick.set_color("#555555")
+                tick.set_fontstyle("italic")
+        floor_rows = [i for i, a in enumerate(piv.index) if is_floor_arm(a)]
+        if floor_rows and len(floor_rows) < len(piv) and floor_rows == list(range(len(floor_rows))):
+            ax.axhline(len(floor_rows) - 0.5, color="black", linewidth=1.2)
         ax.xaxis.tick_top()
         ax.xaxis.set_label_position("top")
         ax.set_xticks(range(piv.shape[1]), piv.columns, rotation=40, ha="left", rotation_mode="anchor",
                       fontsize=10)
-        ax.set_xlabel("signal @ place (grey: no data, or 0 vs a floor of 0)")
+        ax.set_xlabel("signal @ place (grey: no data or 0 vs 0; italic rows: floors)")
         fig.colorbar(im, ax=ax, label="log10(mean / floor)", shrink=min(1.0, 0.35 + 0.07 * len(piv)))
         fig.tight_layout()
     return fig
+
+
+def is_floor_arm(arm) -> bool:
+    return str(arm).startswith("floor:") or "~floor:" in str(arm)
+
+
+def floor_label(arm) -> str:
+    """A board row's label: floor arms say they are floors, the QAT one which floor it is
+    (red on its row is the QAT simulation's own size against the other floors, not a bug)."""
+    if str(arm) == QAT_FLOOR:
+        return f"{arm} (QAT floor)"
+    return f"{arm} (floor)" if is_floor_arm(arm) else str(arm)
 
 
 # each signal in a few words, for the headline (SIGNALS has the full definitions)
