@@ -154,18 +154,19 @@ def test_an_effect_equal_to_its_one_shot_effect_is_the_toggles_not_the_schedules
     """A numerics bug acts the same with or without a cache hit: paired against its one-shot
     effect, its effect under prefix_hit(130) is not a schedule finding, so the verdict names
     it one-shot and never "under prefix_hit"; no schedule is a suspect; under decode_from
-    the first-divergence phase says the tokens went through the decode path."""
+    the first-divergence phase says the tokens went through the decode path. The one-shot
+    arm is not given: every toggle given only under a schedule gets it automatically."""
     from fidelity.ab.design import ABSettings
     from fidelity.ab.run import ReportTarget, RunSite, run_ab
     from fidelity.verdict.board import suspects
     from fidelity.weights.source import load_tokenizer_for, load_weights
     w, _ = load_weights(None)
-    arms = ["routed_scaling_double", "routed_scaling_double@prefix_hit(130)",
-            "routed_scaling_double@decode_from(150)"]
+    arms = ["routed_scaling_double@prefix_hit(130)", "routed_scaling_double@decode_from(150)"]
     res = run_ab(w, ABSettings.of(arms=arms, lengths=(200,), prompts_per_length=3, decode_steps=1,
                                   shapley_top=0, n_boot=300), ReportTarget(tmp_path, "same"),
                  RunSite(), tokenizer=load_tokenizer_for(None))
     v, t = res["verdict"], res["signal_attribution"]
+    assert "routed_scaling_double" in res["manifest"]["arms"]          # the one-shot twin, added
     assert [n["toggle"] for n in v["named"]] == ["routed_scaling_double"]
     assert v["method"] != "under_schedule" and " under " not in v["outcome_sentence"]
     sched = t[t.method == "under_schedule"]

@@ -117,10 +117,23 @@ def arm_sets(settings: ABSettings, model: str = "v4") -> tuple[dict[str, object]
             label = name if name.startswith("engine") else str(ts)
             label += "" if sched == ONESHOT else f"@{sched}"
             arms[label], schedules[label] = ts, sched
+        _with_oneshot_twins(arms, schedules)
     for label in [k for k, ts in arms.items() if not len(ts)]:    # golden (under a schedule: schedule_arms)
         arms.pop(label)
     singles = [n for ts in arms.values() if len(ts) == 1 for n in ts.names]
     return arms, list(dict.fromkeys([*base.names, *singles])), schedules
+
+
+def _with_oneshot_twins(arms: dict, schedules: dict) -> None:
+    """Every toggle arm given only under a schedule gains its one-shot arm (same prompts,
+    one more forward each): "under S" is then said only when S changes the effect -- a bug
+    that acts without any schedule is the toggle's finding, not the schedule's."""
+    oneshot = {frozenset(ts.names) for label, ts in arms.items() if schedules[label] == ONESHOT}
+    for label, ts in list(arms.items()):
+        if len(ts) and schedules[label] != ONESHOT and frozenset(ts.names) not in oneshot:
+            twin = label.rsplit("@", 1)[0]
+            arms[twin], schedules[twin] = ts, ONESHOT
+            oneshot.add(frozenset(ts.names))
 
 
 def base_toggles(settings: ABSettings, model: str = "v4") -> frozenset:
