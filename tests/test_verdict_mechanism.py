@@ -258,3 +258,16 @@ def test_the_board_says_which_rows_are_floors():
     assert [t.get_fontstyle() for t in ax.get_yticklabels()] == ["italic", "italic", "normal"]
     assert any(abs(line.get_ydata()[0] - 1.5) < 1e-9 for line in ax.get_lines())
     plt.close(fig)
+
+
+def test_the_headline_departure_is_the_arm_the_finding_is_about():
+    """A finding made under prefix_hit(130) quotes where t@prefix_hit(130) first departs,
+    not where the one-shot arm of t does; a one-shot finding quotes the one-shot arm."""
+    from fidelity.verdict.board import _first_place
+    fd = [{"arm": "t", "vs": "golden", "layer": 3, "tap": "ffn.out", "phase": "prefill", "ratio": 12.0},
+          {"arm": "t@prefix_hit(130)", "vs": "golden", "layer": 0, "tap": "attn.out", "phase": "prefill",
+           "ratio": 900.0}]
+    sets = {"t": frozenset({"t"}), "t@prefix_hit(130)": frozenset({"t", "@prefix_hit(130)"})}
+    assert "layer 0 `attn.out`" in _first_place("t", fd, sets, "prefix_hit(130)")
+    assert "layer 3 `ffn.out`" in _first_place("t", fd, sets, "")
+    assert "layer 0 `attn.out`" in _first_place("t", fd[1:], sets, "")     # the only one there is

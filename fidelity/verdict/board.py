@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from .findings import _how_much, _layers
-from .signals import MECHANISM_WHAT, QAT_FLOOR, with_multiples
+from .signals import MECHANISM_WHAT, QAT_FLOOR, SCHEDULE_FACTOR, with_multiples
 from .tail import METHOD as TAIL
 
 
@@ -173,7 +173,7 @@ def _named_headline(named: list[dict], fd, sets) -> str:
               if c["floor_hi"] > 0 else f"where the highest floor ({c['floor_arm']}) is exactly 0")
         how = (f"changes the outcome{under}: {SHORT.get(c['signal'], c['signal'])}{place_words(c['where'])} "
                f"is {c['value']:.3g}, {vs}")
-    dep = _first_place(c["toggle"], fd, sets)
+    dep = _first_place(c["toggle"], fd, sets, c.get("schedule") or "")
     more = f" {len(named) - 1} more toggle(s) are named too." if len(named) > 1 else ""
     return f"{c['toggle']} {how}" + (f"; it first departs {dep}" if dep else "") + "." + more
 
@@ -187,22 +187,30 @@ def _mechanism_headline(findings: list[dict]) -> str:
             f"{MECHANISM_WHAT[s['signal']]} at {_layers(s['places'])}{under} ({_how_much(s)}){more}.")
 
 
-def _first_place(toggle: str, fd, sets: dict | None) -> str:
+def _first_place(toggle: str, fd, sets: dict | None, schedule: str = "") -> str:
     """Where the culprit itself first departs: from the arm it was added to (a --vs pair
-    differing by it alone), else its own one-toggle arm from golden; "" when only arms
-    holding other toggles too were compared (their first place may be another toggle's)."""
+    differing by it alone), else its own one-toggle arm from golden -- the arm under the
+    finding's `schedule` first (a finding made under S is about that arm, not the one-shot
+    one); "" when only arms holding other toggles too were compared (their first place may
+    be another toggle's)."""
     rows = pd.DataFrame(fd) if fd is not None else pd.DataFrame()
     if rows.empty:
         return ""
 
-    def toggles(arm) -> frozenset:
+    def factors(arm) -> frozenset:
         if arm == "golden":
             return frozenset()
         return frozenset(sets.get(arm, ())) if sets else frozenset(str(arm).split("@")[0].split(","))
+
+    def toggles(arm) -> frozenset:
+        return frozenset(f for f in factors(arm) if not f.startswith(SCHEDULE_FACTOR))
     own = rows[[toggles(a) - toggles(b) == {toggle} and toggles(b) <= toggles(a)
                 for a, b in zip(rows.arm, rows.vs)]]
     if own.empty:
         return ""
-    r = own.assign(direct=(own.vs != "golden").astype(int)).sort_values("direct", ascending=False).iloc[0]
+    at = f"{SCHEDULE_FACTOR}{schedule}" if schedule else None
+    same = [(at in factors(a)) if at else not (factors(a) - toggles(a)) for a in own.arm]
+    r = own.assign(same=np.array(same, int), direct=(own.vs != "golden").astype(int)) \
+        .sort_values(["same", "direct"], ascending=False).iloc[0]
     return (f"from {r.vs} at layer {r.layer} `{r.tap}` ({r.phase}), {_times(float(r.ratio))} "
             f"the reduction-order floor")
