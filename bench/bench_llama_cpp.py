@@ -13,7 +13,8 @@ and once (F32, -np 4): `fidelity chat-check` and `fidelity consistency`.
 Writes bench/results/llama_cpp.json and docs/real-engines.md's measured tables (`--render`:
 the tables again from the stored JSON).
 Needs `make llama-cpp`. Takes ~20-30 minutes on 2 cores (more with the 8K and 16K needles); `--once` runs only chat-check and
-consistency again (the stored variants kept)."""
+consistency again (the stored variants kept); `--kld` only `fidelity kld` on every variant (the
+rest kept)."""
 from __future__ import annotations
 
 import json
@@ -175,18 +176,13 @@ def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)          # stored scores and trials are reused (resume)
     if "--once" in sys.argv:                        # only chat-check and consistency again
         return rerun_once()
-    ck, f32 = gguf(MODEL, "f32")
-    _, q8 = gguf(MODEL, "q8_0")
-    q4 = q4_k_m(f32)
-    # quantized weights need --no-repack on this CPU (AMX): with repacking llama-server aborts
-    # (Q8_0 wo_a: no backend for its node) or crashes in ggml_backend_amx_mul_mat
-    variants = [("F32", f32, ()), ("F32 + KV q8_0", f32, ("-ctk", "q8_0", "-ctv", "q8_0")),
-                ("Q8_0", q8, ()), ("Q8_0 --no-repack", q8, ("--no-repack",)),
-                ("Q4_K_M --no-repack", q4, ("--no-repack",))]
+    if "--kld" in sys.argv:                         # only the kld scoring again (e.g. a new twin)
+        return rerun_kld()
+    ck, f32, variants = _variants()
     res = {"build": paths.PINNED, "model": f"{MODEL.name} widened to head_dim 512", "variants": {}}
     for port, (name, model, extra) in enumerate(variants, 18700):   # fixed ports: a rerun resumes
         t0 = time.time()
-        key = name.replace(" ", "").replace("+", "-")
+        key = _key(name)
         try:
             with serving(model, OUT / f"{key}.log", ctx=CTX, extra=extra, port=port) as url:
                 row = {"kld": kld(key, url, ck, extra), "needle": needle(key, url, ck)}
@@ -205,6 +201,39 @@ def main() -> int:
         res["variants"][name] = row
         print(name, json.dumps(row)[:400], flush=True)
     return finish(res, f32, ck)
+
+
+def _variants():
+    """(checkpoint, the F32 GGUF, [(name, GGUF, llama-server flags)]) of every variant.
+    Quantized weights need --no-repack on this CPU (AMX): with repacking llama-server aborts
+    (Q8_0 wo_a: no backend for its node) or crashes in ggml_backend_amx_mul_mat."""
+    ck, f32 = gguf(MODEL, "f32")
+    _, q8 = gguf(MODEL, "q8_0")
+    q4 = q4_k_m(f32)
+    return ck, f32, [("F32", f32, ()), ("F32 + KV q8_0", f32, ("-ctk", "q8_0", "-ctv", "q8_0")),
+                     ("Q8_0", q8, ()), ("Q8_0 --no-repack", q8, ("--no-repack",)),
+                     ("Q4_K_M --no-repack", q4, ("--no-repack",))]
+
+
+def _key(name: str) -> str:
+    return name.replace(" ", "").replace("+", "-")
+
+
+def rerun_kld() -> int:
+    """`fidelity kld` again on every variant that served (its stored golden and floor scores
+    reused; a new twin scored), the other measurements kept; results and doc rewritten."""
+    res = json.loads(RESULTS.read_text())
+    ck, _, variants = _variants()
+    for port, (name, model, extra) in enumerate(variants, 18700):
+        row = res["variants"].get(name)
+        if row is None or "failed" in row:
+            continue
+        with serving(model, OUT / f"{_key(name)}.log", ctx=CTX, extra=extra, port=port) as url:
+            row["kld"] = kld(_key(name), url, ck, extra)
+        RESULTS.write_text(json.dumps(res, indent=1, default=float))
+        print(name, json.dumps(row["kld"])[:300], flush=True)
+    write_doc(res)
+    return 0
 
 
 def rerun_once() -> int:
