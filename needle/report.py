@@ -117,33 +117,39 @@ def _heatmaps(plt, t: dict, arms: list[str]):
 
 
 def _recall_vs_length(plt, t: dict, arms: list[str]):
+    """Recall per length, one evenly spaced slot per length (383 and 384 tokens side by side,
+    not stacked), each arm nudged sideways within its slot so intervals do not cover each
+    other; the baseline dashed with hollow rings, so it never reads as hidden under another."""
     Ls, _ = _axes(t["cells"])
     from infra.plot_style import same_as
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     rows = {a: [r for r in t["lengths"] if r["arm"] == a and r["recall"] is not None] for a in arms}
     same = same_as({a: pd.Series([r["recall"] for r in rs], [r["length"] for r in rs])
                     for a, rs in rows.items() if rs})
+    slot = {L: i for i, L in enumerate(sorted(Ls))}
+    width = min(0.3, 0.12 * max(1, len(arms) - 1))
     for k, (a, rs) in enumerate(rows.items()):
         if rs:
-            style = dict(ls="--", color="k") if k == 0 else {}     # the baseline arm dashed
-            if a in same:                                           # hidden under an earlier arm: ringed
-                style.update(mfc="none", ms=11, mew=1.3)
-            ax.errorbar([r["length"] for r in rs], [r["recall"] for r in rs],
+            nudge = (k / (len(arms) - 1) - 0.5) * width if len(arms) > 1 else 0.0
+            style = (dict(ls="--", color="k", mfc="none", ms=10, mew=1.4, zorder=3) if k == 0   # the baseline
+                     else dict(ms=6, zorder=2))
+            ax.errorbar([slot[r["length"]] + nudge for r in rs], [r["recall"] for r in rs],
                         yerr=[[max(0.0, r["recall"] - r["ci_low"]) for r in rs],
                               [max(0.0, r["ci_high"] - r["recall"]) for r in rs]],
                         marker="o", capsize=3, label=a + (f" ({same[a]})" if a in same else ""), **style)
-    if Ls and max(Ls) >= 4 * min(Ls):
-        ax.set_xscale("log", base=2)
+    ax.set_xticks(range(len(slot)), [str(L) for L in slot], rotation=30 if len(slot) > 8 else 0)
+    ax.set_xlim(-0.5, len(slot) - 0.5)
     if ax.lines:
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no scored trials", ha="center", va="center", transform=ax.transAxes)
     ax.set_ylim(-0.05, 1.05)
-    ax.set_xlabel("context length (tokens)")
+    ax.set_xlabel("context length (tokens; one slot per length, evenly spaced)")
     ax.set_ylabel("recall (95% Wilson)")
     fig.tight_layout()
     return fig, "recall_vs_length", "Recall vs context length", (
-        f"All depths pooled; 95% Wilson intervals; {arms[0]} (the baseline) dashed.")
+        f"All depths pooled; 95% Wilson intervals; {arms[0]} (the baseline) dashed with hollow "
+        "rings; one evenly spaced slot per length, the arms side by side within it.")
 
 
 def _outcomes(plt, t: dict, arms: list[str]):
