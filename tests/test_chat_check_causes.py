@@ -131,7 +131,7 @@ def test_verdict_names_a_reading_behind_every_cause_once_with_what_it_does():
                       reproduced_by="chat_template_v32"))
     lines = verdict_lines(t)
     assert sum("chat_template_v32" in x for x in lines) == 1
-    assert "V3.2's chat template" in lines[-1] and lines[0].startswith("**")
+    assert "V3.2's chat template" in lines[0] and lines[1].startswith("**")    # the root cause first
 
 
 def test_a_settings_pattern_spans_nothing_when_every_value_is_hit():

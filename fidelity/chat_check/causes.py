@@ -192,7 +192,8 @@ def where_seen(name: str) -> str:
 
 def verdict_lines(table: pd.DataFrame) -> list[str]:
     """One sentence per cause, most cases first (the cause, the requests it hits, the known
-    reading that reproduces it); a reading behind every cause is named once, with what it does."""
+    reading that reproduces it); a reading behind every cause is the root cause, named once,
+    first, with what it does."""
     rows = table.head(VERDICT_CAUSES).to_dict("records")
     readings = {r["reproduced by"] for r in table.to_dict("records")}
     shared = _exact(readings.pop()) if len(readings) == 1 else []
@@ -206,11 +207,12 @@ def verdict_lines(table: pd.DataFrame) -> list[str]:
         lines.append(s + ".")
     if len(table) > VERDICT_CAUSES:
         lines.append(f"{len(table) - VERDICT_CAUSES} more cause(s) in Suspects.")
+    root = []
     for n in shared:
         t = _toggle(n)
-        lines.append(f"{'Every cause is reproduced' if len(table) > 1 else 'Reproduced'} exactly by `{n}` "
-                     f"({where_seen(n)}){': ' + t.description if t else '.'}")
-    return lines
+        root.append(f"{'Every cause is reproduced' if len(table) > 1 else 'Reproduced'} exactly by `{n}` "
+                    f"({where_seen(n)}){': ' + t.description if t else '.'}")
+    return root + lines
 
 
 # ---- next steps ---------------------------------------------------------------------------------

@@ -38,12 +38,6 @@ def headline(df, wrong) -> str:
     return "; ".join(parts)
 
 
-# worst first: what colours a cell of the status grid
-SEVERITY = ["error", "differs", "undefined", "same-count", "documented", "identical"]
-SEVERITY_COLORS = {"error": "#7f7f7f", "differs": "#d62728", "undefined": "#c5b0d5", "same-count": "#ffdd71",
-                   "documented": "#9ecae1", "identical": "#2ca02c"}
-
-
 def _axis(case: str, key: str) -> str:
     m = re.search(rf"{key}=([^-]+)", case)
     return m.group(1) if m else "absent"
@@ -57,31 +51,30 @@ def in_order(values, order: list[str]) -> list[str]:
 
 
 def status_grid(df: pd.DataFrame):
-    """Thinking setting × reasoning effort: each cell coloured by its worst case status, with
-    how many cases it holds; behaviour problems marked '!'. Where an engine reads a request
-    parameter differently, a whole row or column changes colour."""
+    """Thinking setting × reasoning effort: each cell coloured by the share of its cases that
+    fail (differ or are refused), with that count; behaviour problems marked '!'. Where an
+    engine reads a request parameter differently, a whole row or column darkens; a cell with
+    one failing case of six stays pale (a worst-status colour made such grids solid red)."""
     import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
     d = df.assign(think=[_axis(c, "think") for c in df.case], effort=[_axis(c, "effort") for c in df.case])
     thinks = in_order(d.think, [label(v) for v in THINKING])
     efforts = in_order(d.effort, [label(v) for v in EFFORTS])
     z = np.full((len(thinks), len(efforts)), np.nan)
-    fig, ax = plt.subplots(figsize=(1.6 + 0.85 * len(efforts), 1.0 + 0.5 * len(thinks)))
+    fig, ax = plt.subplots(figsize=(2.2 + 0.85 * len(efforts), 1.0 + 0.5 * len(thinks)))
     for (t, e), g in d.groupby(["think", "effort"]):
         i, j = thinks.index(t), efforts.index(e)
-        z[i, j] = min(SEVERITY.index(x) if x in SEVERITY else 0 for x in g.status)
         failing = int(g.status.isin(FAIL).sum())
+        z[i, j] = failing / len(g)
         bad = int((g.behaviour.notna() & (g.behaviour != "ok")).sum())
         ax.text(j, i, f"{failing}/{len(g)}" + ("!" if bad else ""), ha="center", va="center", fontsize=9,
-                fontweight="bold" if bad else "normal")
-    cmap = ListedColormap([SEVERITY_COLORS[x] for x in SEVERITY]).with_extremes(bad="#f0f0f0")
-    ax.imshow(np.ma.masked_invalid(z), cmap=cmap, vmin=-0.5, vmax=len(SEVERITY) - 0.5, aspect="auto")
+                fontweight="bold" if bad else "normal", color="white" if z[i, j] > 0.6 else "black")
+    cmap = plt.get_cmap("Reds").with_extremes(bad="#f0f0f0")
+    im = ax.imshow(np.ma.masked_invalid(z), cmap=cmap, vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(efforts)), efforts)
     ax.set_yticks(range(len(thinks)), thinks)
     ax.set_xlabel("reasoning_effort in the request")
     ax.set_ylabel("thinking in the request")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=SEVERITY_COLORS[x]) for x in SEVERITY]
-    ax.legend(handles, SEVERITY, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    fig.colorbar(im, ax=ax, label="failing share", shrink=0.9)
     fig.tight_layout()
     return fig
 
@@ -125,8 +118,8 @@ def write(rows: list[dict], meta: dict, out_dir, run_id: str):
                             "causes": why.to_dict("records")})
         import matplotlib.pyplot as plt
         w.figure(status_grid(df), "status_grid", "Cases by thinking × effort",
-                 "Each cell: the worst status among its cases (colour), failing cases (differs or "
-                 "refused) of all; '!' = a response that does not behave as its rendering says.")
+                 "Each cell: the share of its cases that fail (differ or are refused; colour) and "
+                 "their count of all; '!' = a response that does not behave as its rendering says.")
         plt.close("all")
         compared = (f"Endpoint `{meta['endpoint']['url']}` (model `{meta['endpoint']['model']}`) against "
                     f"DeepSeek's encoder (deepseek-recipe, {_encoding(meta)}) on {len(df)} chat "
