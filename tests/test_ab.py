@@ -144,7 +144,9 @@ def test_notebook_executes_on_a_report_and_shows_its_plots(small_report):
     out, _ = small_report
     nb = nbformat.read(ROOT / "notebooks" / "layer_drift.ipynb", as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "outputs must be stripped"
-    env = {"DSV4_REPORT": str(out / "run1"), "DSV4_REPORT_B": str(ROOT / "reports" / "example")}
+    prompt = pd.read_csv(out / "run1" / "kld.csv.gz").prompt.iloc[0]
+    env = {"DSV4_REPORT": str(out / "run1"), "DSV4_REPORT_B": str(ROOT / "reports" / "example"),
+           "DSV4_PROMPT": prompt}
     os.environ.update(env)
     try:
         nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
@@ -152,6 +154,10 @@ def test_notebook_executes_on_a_report_and_shows_its_plots(small_report):
     finally:
         for k in env:
             del os.environ[k]
+    said = "".join(o.get("text", "") for o in nb.cells[2].outputs)
+    assert f"prompt: {prompt}" in said, said                      # the plots narrowed to one prompt
+    scatter = next(c for c in nb.cells if c.cell_type == "code" and "REPORT_B is None" in c.source)
+    assert "annotate" in scatter.source                            # the moved points carry their arm
     plotting = [c for c in nb.cells if c.cell_type == "code" and "plt.show()" in c.source]
     assert len(plotting) >= 5
     for c in plotting:
