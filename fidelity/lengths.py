@@ -161,6 +161,17 @@ def label_length(length: int, b: Boundaries) -> str:
     return "; ".join(out)
 
 
+def period_label(length: int, b: Boundaries) -> str:
+    """Every period of the config `length` is a whole multiple of, largest first, e.g.
+    '3x128 = 12x32 (window) = 96x4': a bug tied to one of them acts at this length, so a
+    residue mod 4 alone cannot say which (docs/lengths.md)."""
+    named = {b.window: "window"} | {cap: f"index_topk x{r}" for r, cap in b.index_capacities}
+    periods = sorted({p for p in (b.window, *b.ratios, *named) if p and p > 1}, reverse=True)
+    parts = [f"{length // p}x{p}" + (f" ({named[p]})" if p in named else "")
+             for p in periods if length >= p and length % p == 0]
+    return " = ".join(parts)
+
+
 def default_max(b: Boundaries, min_len: int = 2) -> int:
     """Twice the largest structural length (window, index_topk x ratio, the largest ratio,
     the shortest prompt allowed), plus the rest of that anchor's block: every boundary

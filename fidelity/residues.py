@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .lengths import Boundaries, label_length, residue_label
+from .lengths import Boundaries, label_length, period_label, residue_label
 from .verdict.tail import broken, prompt_floors
 
 COLUMNS = ["arm", "residue", "lengths", "prompts", "breaks", "mean", "max", "floor_max"]
@@ -58,10 +58,12 @@ def broken_residues(table: pd.DataFrame, arm: str) -> list[str]:
 
 
 def grid_frame(lengths, b: Boundaries) -> pd.DataFrame:
-    """One row per length: its residue and the boundary it sits at."""
+    """One row per length: its residue, the boundary it sits at and every period of the
+    config it is a multiple of (a residue is one period among several)."""
     return pd.DataFrame([{"length": L, "residue": residue_label(L, b.modulus),
-                          "boundary": label_length(L, b)} for L in sorted(set(lengths))],
-                        columns=["length", "residue", "boundary"])
+                          "boundary": label_length(L, b), "periods": period_label(L, b)}
+                         for L in sorted(set(lengths))],
+                        columns=["length", "residue", "boundary", "periods"])
 
 
 CAPTION = ("Per arm and length residue: a prompt *breaks* when the arm's answer KLD (where "

@@ -195,3 +195,15 @@ def test_v41_grid_has_an_anchor_per_indexer_ratio():
     # ratio, so no multiples; length 1 is below the 2-token minimum
     pts, dropped = boundary_grid(tiny_v41())
     assert [p.length for p in pts] == [2, 7, 8, 9, 10, 15, 16, 17, 18] and dropped == [1]
+
+
+def test_a_length_is_labelled_by_every_period_it_is_a_multiple_of():
+    """384 sits on three periods at once (two ratios and the window), 288 on the window and
+    ratio 4 only: the per-length table says so, so "0 mod 4" is not read as the only cause."""
+    from fidelity.lengths import period_label
+    from fidelity.residues import grid_frame
+    b = Boundaries(32, (4, 128), 16, (4,))
+    assert period_label(384, b) == "3x128 = 6x64 (index_topk x4) = 12x32 (window) = 96x4"
+    assert period_label(288, b) == "9x32 (window) = 72x4" and period_label(255, b) == ""
+    g = grid_frame([288, 255, 384], b).set_index("length")
+    assert g.loc[288, "residue"] == g.loc[384, "residue"] == "0 mod 4" and g.loc[384, "periods"].startswith("3x128")
