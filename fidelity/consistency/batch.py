@@ -101,11 +101,12 @@ class BatchFamily(Family):
             ids = self.probe_ids(probe)
             ref = self._reference(probe, ids)
             self._measure(probe, "alone-again", ref, lambda: self._score(ids))
-            for k in plan.concurrency:
+            for j, k in enumerate(plan.concurrency, 1):      # a line per level: a probe takes minutes
                 for r in range(plan.repeats):
                     self._measure(probe, f"batch@{k}", ref, lambda k=k, r=r: self._in_company(ids, k, 1000 * k + r),
                                   repeat=r, k=k)
-            progress(f"{self.arm.name}: batch probe {probe + 1}/{plan.probes} done")
+                progress(f"{self.arm.name}: batch probe {probe + 1}/{plan.probes}: {k} in flight done "
+                         f"({j}/{len(plan.concurrency)} levels)")
 
     def _reference(self, probe: int, ids: list[int]) -> PromptScores:
         key = self._key(probe, "alone")
