@@ -72,3 +72,6 @@ CAPTION = ("Per arm and length residue: a prompt *breaks* when the arm's answer 
            "the verdict says whether that many could be noise. A bug of one residue (vllm #55927: "
            "lengths 3 mod 4) moves only its row (max 0 in the others'); a residue is one period "
            "among several (the window, each ratio: docs/lengths.md).")
+GRID_CAPTION = ("Each length's residue, the boundary it sits next to (the window, index_topk x ratio, "
+                "multiples of the largest ratio) and every period of the config it is a whole multiple "
+                "of (a bug tied to any of them acts there).")

@@ -23,6 +23,7 @@ from ..verdict.board import SUSPECTS_CAPTION, headline, signal_board, signal_rat
 from ..verdict.findings import findings_table, verdict_lines
 from ..lengths import Boundaries
 from ..residues import CAPTION as RESIDUE_CAPTION
+from ..residues import GRID_CAPTION
 from ..residues import grid_frame, residue_table
 from ..verdict.signals import SCHEDULE_FACTOR, SIGNALS, mechanism_floors
 from ..verdict.tail import METHOD as TAIL
@@ -388,8 +389,7 @@ def build_page(tables, result, sets) -> Page:
     by_res, grid = residues(tables["signals"], m)
     sections.insert(4, Section("By length residue", RESIDUE_CAPTION,
                                [Table(by_res, summary=f"{len(by_res)} arm × residue rows"),
-                                Table(grid, caption="Each length's residue and the boundary it sits "
-                                      "on: the window, index_topk × ratio, multiples of the largest ratio.")]))
+                                Table(grid, caption=GRID_CAPTION)]))
     if result["events"]:
         ev = pd.DataFrame(result["events"])
         sections.append(Section("Events", "", [Table(ev, summary=f"{len(ev)} events")]))

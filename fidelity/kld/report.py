@@ -252,9 +252,9 @@ def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov,
                 [Table(judged["floors"])]),
     ]
     if by_residue is not None:
-        from ..residues import CAPTION
+        from ..residues import CAPTION, GRID_CAPTION
         sections.insert(4, Section("By length residue", CAPTION, [
-            Table(by_residue[0]), Table(by_residue[1], caption="Each length's residue and the boundary it sits at.")]))
+            Table(by_residue[0]), Table(by_residue[1], caption=GRID_CAPTION)]))
     if margins is not None and len(margins):
         sections.append(Section(
             "Selection margins", f"At the last prompt position, per CSA layer: the baseline "
