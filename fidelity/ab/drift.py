@@ -36,6 +36,11 @@ def _departure(d: pd.DataFrame) -> pd.Series:
     return v
 
 
+def _by_place(rows: pd.DataFrame) -> pd.Series:
+    """Mean departure per (layer, tap) over the rows (prompts, steps)."""
+    return _departure(rows).groupby([rows.layer, rows.tap]).mean()
+
+
 def first_divergence(drift: pd.DataFrame, arm: str, floor_arm: str, k: float = 2.0,
                      pairs: pd.DataFrame | None = None, vs: str | None = None) -> dict | None:
     """First place, in forward order (prefill first, then decode steps), where the arm
@@ -53,9 +58,7 @@ def first_divergence(drift: pd.DataFrame, arm: str, floor_arm: str, k: float = 2
                       & pairs.tap.isin(DIVERGENCE_TAPS)]
         if a.empty:
             continue
-        av = _departure(a).groupby([a.layer, a.tap]).mean()
-        f = d[d.arm == floor_arm]
-        fv = _departure(f).groupby([f.layer, f.tap]).mean()
+        av, fv = _by_place(a), _by_place(d[d.arm == floor_arm])
         for lt in sorted(av.index, key=lambda lt: (lt[0], DIVERGENCE_TAPS.index(lt[1]))):
             va, vr = float(av[lt]), float(fv.get(lt, np.nan))
             vr = vr if np.isfinite(vr) else 0.0
@@ -77,8 +80,7 @@ def largest_departure(drift: pd.DataFrame, arm: str, floor_arm: str) -> dict | N
         a, f = p[p.arm == arm], p[p.arm == floor_arm]
         if a.empty or f.empty:
             continue
-        ratio = (_departure(a).groupby([a.layer, a.tap]).mean()
-                 / _departure(f).groupby([f.layer, f.tap]).mean().replace(0, np.nan))
+        ratio = _by_place(a) / _by_place(f).replace(0, np.nan)
         ratio = ratio[np.isfinite(ratio)]
         if len(ratio) and (best is None or ratio.max() > best["ratio"]):
             layer, tap = ratio.idxmax()

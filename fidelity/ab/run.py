@@ -201,8 +201,9 @@ def _departures(drift, sets) -> list[dict]:
     """Per arm holding a toggle: its first tensor tap at DEPARTURE_X x the reduction-order
     floor, with the QAT floor's multiple there (a kernel change the size of QAT's is
     expected); a one-toggle arm that never gets there but reaches NEAR_X somewhere, its
-    largest multiple (`below_bar`: 9x is not noise either, only below the bar). Indexer picks and expert sets are left to the mechanism signals, judged
-    against floors that are noise for them (their reduction-order floor is often 0)."""
+    largest multiple (`below_bar`: 9x is not noise either, only below the bar). Indexer
+    picks and expert sets are left to the mechanism signals, judged against floors that are
+    noise for them (their reduction-order floor is often 0)."""
     drift = drift[~drift.tap.isin(DISCRETE_TAPS)]
     out = []
     for a, factors in sets.items():

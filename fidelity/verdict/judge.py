@@ -173,7 +173,7 @@ def _nothing(t: pd.DataFrame, mechanism: bool) -> str:
     lead = "No toggle changes the outcome beyond its floors" if mechanism else "No toggle stands out"
     largest = (f"largest mean-KLD effect: {top.toggle}, {top.value:.3g} [{top.lo:.3g}, {top.hi:.3g}] vs "
                f"{floor_words(top.floor_hi, top.get('floor_arm'), 'floor')}")
-    tails = t[(t.method == TAIL) & (t.get("b", 0) > 0)] if "b" in t else t.iloc[:0]
+    tails = t[(t.method == TAIL) & (t.b > 0)] if "b" in t else t.iloc[:0]
     if tails.empty:
         return (f"{lead}: for no outcome signal does a toggle's interval clear its floor, and no toggle "
                 f"breaks a prompt beyond its floors ({largest}).")
