@@ -4,7 +4,10 @@
   replay    llama.cpp's intermediate tensors vs the golden's taps, layer by layer: the first
             departure and the in-process arm that reproduces it
   kld-base  write the golden's logits as a `llama-perplexity --kl-divergence-base` file, or
-            (--compare FILE) score a logits file llama.cpp wrote against the golden"""
+            (--compare FILE) score a logits file llama.cpp wrote against the golden
+  history   other llama.cpp builds from PyPI, each scored against the golden and its twin,
+            compared with each other, a change bisected and placed at its first tensor
+            (fidelity.llamacpp.history)"""
 from __future__ import annotations
 
 import json
@@ -20,6 +23,8 @@ EXAMPLES = """\
     fidelity llamacpp replay --fp8 f32 --search         # ... and which toggle added to its twin explains it
     fidelity llamacpp kld-base --out golden.kld --ctx 128 --chunks 4   # for llama-perplexity --kl-divergence
     fidelity llamacpp kld-base --compare engine.kld     # a file llama-perplexity wrote
+    fidelity llamacpp history --builds 9905,10502,11003,11434    # builds from PyPI, scored and compared
+    fidelity llamacpp history --bisect 9905..10502      # the first PyPI build that changes the numbers
 """
 FP8 = ("f32", "q8_0")
 # what each isolated block is fed and compared on (fidelity.llamacpp.replay)
@@ -30,7 +35,7 @@ ISOLATED = {"attention": "attn_norm, and its indexer picks; vs attn_out",
 
 
 def add_arguments(p):
-    p.add_argument("action", choices=("prepare", "replay", "kld-base"))
+    p.add_argument("action", choices=("prepare", "replay", "kld-base", "history"))
     p.add_argument("--checkpoint", default=None, help="DeepSeek-native checkpoint (default: the embedded model)")
     p.add_argument("--fp8", choices=FP8, default="q8_0",
                    help="GGUF type of the FP8 weights: q8_0 (what llama.cpp's converter writes) or f32 "
@@ -55,8 +60,13 @@ def add_arguments(p):
                    help="replay: where llama.cpp departs from its twin, try each registered toggle added to the "
                         "twin and keep the one that moves the departure furthest, up to STEPS toggles (default 2): "
                         "names the arithmetic (or the bug's kind) behind it")
+    p.add_argument("--build", type=int, default=None, metavar="N",
+                   help="prepare, replay: llama.cpp build N (built by `history`) instead of the pinned one")
+    from fidelity.commands.llamacpp_history import add_arguments as history_arguments
+    history_arguments(p.add_argument_group("history"))
     p.add_argument("--out", default=None,
-                   help="kld-base: the file written (default golden.kld); replay: the folder (default reports)")
+                   help="kld-base: the file written (default golden.kld); replay: the folder (default reports); "
+                        "history: writes <out>/llamacpp-history/ (default reports)")
 
 
 def run(args) -> int:
@@ -68,13 +78,18 @@ def run(args) -> int:
         raise CommandError(f"{src} is not a checkpoint folder (no config.json)", 2)
     if args.action == "kld-base":          # the golden alone (a widened copy computes the same)
         return _kld_base(args, src)
+    if args.action == "history":
+        from fidelity.commands.llamacpp_history import run as history
+        return history(args, src)
+    build = paths.of(args.build) if args.build else None
     try:
-        ck, model = (src, Path(args.gguf)) if args.gguf else gguf(src, args.fp8)
+        ck, model = (src, Path(args.gguf)) if args.gguf else gguf(src, args.fp8, build)
+        (build or paths.pinned()).require()
     except paths.NotBuilt as e:
         raise CommandError(str(e), 2) from None
     print(f"checkpoint {ck}\nGGUF {model}")
     if args.action == "replay":
-        return _replay(args, ck, model)
+        return _replay(args, ck, model, build)
     return 0
 
 
@@ -100,7 +115,7 @@ def _text_ids(args, tok, n: int) -> list[int]:
     return list(ids[:n])
 
 
-def _replay(args, ck: Path, model: Path) -> int:
+def _replay(args, ck: Path, model: Path, build=None) -> int:
     from fidelity.llamacpp import replay as R
     try:
         arms = R.replay_arms(args.arm, args.cache_type)
@@ -110,7 +125,7 @@ def _replay(args, ck: Path, model: Path) -> int:
     ids = _text_ids(args, tok, args.tokens)
     out = Path(args.out or "reports") / "llamacpp-replay"
     out.mkdir(parents=True, exist_ok=True)
-    r = R.run(model, w, ids, arms, out, args.path, args.cache_type)
+    r = R.run(model, w, ids, arms, out, args.path, args.cache_type, build)
     table, iso = r.table, r.iso
     searched = None
     if args.search:

@@ -49,9 +49,10 @@ def declared_pre_tokenizer(tokenizer_json: Path) -> str:
                        "= starcoder)")
 
 
-def convert(model_dir: Path, out: Path, fp8: str = "q8_0", log: Path | None = None) -> Path:
-    """Run llama.cpp's converter on `model_dir` into `out` (written to a temp name, then
-    renamed). Returns `out`."""
+def convert(model_dir: Path, out: Path, fp8: str = "q8_0", log: Path | None = None,
+            build: paths.Build | None = None) -> Path:
+    """Run `build`'s converter (default the pinned build's) on `model_dir` into `out` (written
+    to a temp name, then renamed). Returns `out`."""
     if fp8 not in FP8_CHOICES:
         raise ConvertError(f"fp8 must be one of {', '.join(FP8_CHOICES)}, got {fp8!r}")
     model_dir, out = Path(model_dir), Path(out)
@@ -59,7 +60,7 @@ def convert(model_dir: Path, out: Path, fp8: str = "q8_0", log: Path | None = No
         if not (model_dir / need).is_file():
             raise ConvertError(f"{model_dir} has no {need}: not a checkpoint folder")
     pre = declared_pre_tokenizer(model_dir / "tokenizer.json")
-    src = paths.source()
+    src = (build or paths.pinned()).source()
     tmp = out.with_name(f"{out.name}.{os.getpid()}.part")      # concurrent converters never share one
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "fidelity.llamacpp.convert", str(src), pre, fp8,
@@ -75,16 +76,18 @@ def convert(model_dir: Path, out: Path, fp8: str = "q8_0", log: Path | None = No
     return out
 
 
-def cached(model_dir: Path, fp8: str = "q8_0") -> Path:
-    """The checkpoint's GGUF in the build folder's `gguf/`, converted once per (checkpoint
-    files, fp8 choice, llama.cpp build): keyed by the files' names, sizes and times, so a
-    changed checkpoint is converted again and a large one is not hashed."""
+def cached(model_dir: Path, fp8: str = "q8_0", build: paths.Build | None = None) -> Path:
+    """The checkpoint's GGUF in the build folder's `gguf/` (by that build's own converter),
+    converted once per (checkpoint files, fp8 choice, llama.cpp build): keyed by the files'
+    names, sizes and times, so a changed checkpoint is converted again and a large one is not
+    hashed."""
+    build = build or paths.pinned()
     model_dir = Path(model_dir).resolve()
     files = sorted(p for p in model_dir.rglob("*") if p.is_file())
-    key = hashlib.sha256(json.dumps([paths.PINNED, fp8] + [
+    key = hashlib.sha256(json.dumps([build.spec, fp8] + [
         [str(p.relative_to(model_dir)), p.stat().st_size, p.stat().st_mtime_ns] for p in files]).encode())
-    out = paths.require() / "gguf" / f"{model_dir.name}-{fp8}-{key.hexdigest()[:12]}.gguf"
-    return out if out.is_file() else convert(model_dir, out, fp8)
+    out = build.require() / "gguf" / f"{model_dir.name}-{fp8}-{key.hexdigest()[:12]}.gguf"
+    return out if out.is_file() else convert(model_dir, out, fp8, build=build)
 
 
 def _run_converter(src: str, pre: str, fp8: str, argv: list[str]) -> None:

@@ -37,7 +37,7 @@ def _stale(src: Path, out: Path) -> bool:
     return (out / "config.json").stat().st_mtime_ns < newest
 
 
-def gguf(model_dir: Path, fp8: str = "q8_0") -> tuple[Path, Path]:
-    """(the checkpoint llama.cpp runs, its GGUF)."""
+def gguf(model_dir: Path, fp8: str = "q8_0", build: paths.Build | None = None) -> tuple[Path, Path]:
+    """(the checkpoint llama.cpp runs, its GGUF by `build`'s converter, default the pinned one's)."""
     ck = llama_checkpoint(model_dir)
-    return ck, convert.cached(ck, fp8)
+    return ck, convert.cached(ck, fp8, build)

@@ -357,11 +357,12 @@ class Run:
 
 
 def run(gguf: Path, weights, ids: list[int], arms: dict, workdir: Path, path: str = "prefill",
-        cache: str = "f16") -> Run:
+        cache: str = "f16", build=None) -> Run:
     """llama.cpp on `gguf` with its KV cache in `cache` vs in-process `arms` (name ->
-    Numerics; must hold GOLDEN and FLOOR) over `ids` by `path`. The isolated blocks:
+    Numerics; must hold GOLDEN and FLOOR) over `ids` by `path`, dumped by `build`
+    (fidelity.llamacpp.paths.Build; default the pinned one). The isolated blocks:
     attention (prefill path only: empty otherwise), the FFN site's mHC, router, MoE."""
-    dump = D.run(gguf, ids, Path(workdir) / f"dump-{path}-{cache}.bin", path, PATTERN, cache)
+    dump = D.run(gguf, ids, Path(workdir) / f"dump-{path}-{cache}.bin", path, PATTERN, cache, build)
     engine = D.read(dump)
     taps = {name: taps_of(weights, nx, ids, path) for name, nx in arms.items()}
     twin = twin_of(cache)

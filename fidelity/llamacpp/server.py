@@ -25,22 +25,25 @@ def free_port() -> int:
 
 
 def command(gguf: Path, port: int, ctx: int = 4096, slots: int = 1, threads: int = 1,
-            extra: tuple[str, ...] = ()) -> list[str]:
-    """The llama-server command line: one model, `slots` parallel slots of `ctx` tokens each
-    (NotBuilt, naming `make llama-cpp`, when the pinned build is missing)."""
-    paths.program("llama-server")
-    return paths.server_command(gguf, "127.0.0.1", port) + [
+            extra: tuple[str, ...] = (), build: paths.Build | None = None) -> list[str]:
+    """The llama-server command line of `build` (default the pinned one): one model, `slots`
+    parallel slots of `ctx` tokens each (NotBuilt, naming how to build it, when it is missing)."""
+    build = build or paths.pinned()
+    build.program("llama-server")
+    return paths.server_command(gguf, "127.0.0.1", port, build) + [
         "-c", str(ctx * slots), "-np", str(slots), "-t", str(threads), *extra]
 
 
 @contextlib.contextmanager
 def serving(gguf: Path, log: Path, ctx: int = 4096, slots: int = 1, threads: int = 1,
-            extra: tuple[str, ...] = (), ready_timeout: float = 900.0, port: int | None = None):
-    """Yield the root URL of a running llama-server (on `port`, else a free one); stop it on exit."""
+            extra: tuple[str, ...] = (), ready_timeout: float = 900.0, port: int | None = None,
+            build: paths.Build | None = None):
+    """Yield the root URL of a running llama-server of `build` (default the pinned one) on
+    `port`, else a free one; stop it on exit."""
     port = port or free_port()
     log = Path(log)
     plan = LaunchPlan("llama-server", Path(gguf).stem, "llamacpp", f"http://127.0.0.1:{port}",
-                      command(gguf, port, ctx, slots, threads, extra), ready_path="/health",
+                      command(gguf, port, ctx, slots, threads, extra, build), ready_path="/health",
                       start_timeout=ready_timeout, stop_grace=15.0)
     log.write_bytes(b"")                           # this start's lines only (EngineProcess appends)
     proc = EngineProcess(plan, log)

@@ -22,14 +22,14 @@ class DumpError(RuntimeError):
 
 
 def run(gguf: Path, ids: list[int], out: Path, path: str = "prefill", pattern: str = ".",
-        cache: str = "f16") -> Path:
+        cache: str = "f16", build: paths.Build | None = None) -> Path:
     """Dump the tensors matching `pattern` while llama.cpp evaluates `ids` by `path`
     (prefill: one batch; decode: one token per step) with its KV cache in `cache` (f16 or
-    q8_0, llama-server's -ctk/-ctv)."""
+    q8_0, llama-server's -ctk/-ctv), with `build`'s dumper (default the pinned build's)."""
     out = Path(out)
     ids_file = out.with_suffix(".ids")
     np.asarray(ids, "<i4").tofile(ids_file)
-    r = subprocess.run([str(paths.program(PROGRAM)), str(gguf), str(ids_file), str(out), path, pattern, cache],
+    r = subprocess.run([str((build or paths.pinned()).program(PROGRAM)), str(gguf), str(ids_file), str(out), path, pattern, cache],
                        capture_output=True, text=True, errors="replace")
     if r.returncode != 0:
         raise DumpError(f"{PROGRAM} failed (exit {r.returncode}): {r.stderr[-1500:]}")

