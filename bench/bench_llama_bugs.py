@@ -4,7 +4,7 @@ its parts, some smaller than llama.cpp's by-design gap to the golden, and a null
 Each variant is built (only the edited file recompiles), served by its own llama-server and
 run through the documented workflow:
 
-  kld     `fidelity kld --inprocess golden=golden --endpoint NAME=URL` (decode path,
+  kld     `fidelity kld --arm golden=golden --endpoint NAME=URL` (decode path,
           teacher-forced): the golden judgement and the twin judgement it now makes
   replay  `fidelity llamacpp replay` (prefill): the isolated blocks and the headline
 
@@ -38,7 +38,7 @@ OUT = Path("/tmp/bench-llama-bugs")
 RESULTS = ROOT / "bench" / "results" / "llama_bugs.json"
 DOC = ROOT / "docs" / "real-engines.md"
 GRAPH = "src/models/deepseek4.cpp"
-KLD_ARGS = ("--lengths", "256,511,1023", "--depths", "10,50,90", "--steps", "4", "--top-k", "512", "--no-captures")
+KLD_ARGS = ("--lengths", "256,511,1023", "--depths", "10,50,90", "--decode-steps", "4", "--top-k", "512", "--no-captures")
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def measure(bug: Bug, home: Path, ck: Path, model: Path, port: int) -> dict:
     t0 = time.time()
     os.environ["LLAMA_CPP_HOME"] = str(home)              # serving() launches this variant's llama-server
     with serving(model, OUT / f"{bug.name}.log", ctx=4096, port=port) as url:
-        fidelity(home, "kld", "--inprocess", "golden=golden", "--endpoint", f"{bug.name}={url}",
+        fidelity(home, "kld", "--arm", "golden=golden", "--endpoint", f"{bug.name}={url}",
                  "--checkpoint", str(ck), *KLD_ARGS, "--out", str(OUT), "--run-id", bug.name, "--fresh", "--quiet")
     m = json.loads((OUT / "kld" / bug.name / "manifest.json").read_text())
     v = m["verdict"]

@@ -72,9 +72,9 @@ def kld(name: str, url: str, ck: Path, extra: tuple = ()) -> dict:
     Then the same prompts scored against llama.cpp's in-process twin (--baseline twin)."""
     run_id = f"kld-{name}"
     args = ("--endpoint", f"llama-{name}={url}", "--checkpoint", str(ck), "--lengths", KLD_LENGTHS,
-            "--reps", str(KLD_REPS), "--steps", "4", "--top-k", "512", "--no-captures", "--out", str(OUT), "--quiet")
-    fidelity("kld", "--inprocess", "golden=golden", *args, "--run-id", run_id)
-    fidelity("kld", "--inprocess", f"twin-{name}={twin(extra)}", "--inprocess", "golden=golden",
+            "--reps", str(KLD_REPS), "--decode-steps", "4", "--top-k", "512", "--no-captures", "--out", str(OUT), "--quiet")
+    fidelity("kld", "--arm", "golden=golden", *args, "--run-id", run_id)
+    fidelity("kld", "--arm", f"twin-{name}={twin(extra)}", "--arm", "golden=golden",
              "--baseline", f"twin-{name}", "--no-floors", *args, "--run-id", f"twin-{name}")
     tw = pd.read_csv(OUT / "kld" / f"twin-{name}" / "kld_by_position.csv")
     tw = tw[tw.bucket == "all"].set_index("arm").kld_mean
@@ -164,7 +164,7 @@ def once(url: str, ck: Path) -> dict:
     cc = fidelity("chat-check", "--endpoint", url, "--generation", "original", "--tokenizer",
                   str(ck / "tokenizer.json"), "--out", str(OUT), "--run-id", "chat", "--quiet")
     cases = pd.read_csv(OUT / "chat-check" / "chat" / "cases.csv")
-    cons = fidelity("consistency", "--endpoint", f"llama={url}", "--inprocess", "golden=golden",
+    cons = fidelity("consistency", "--endpoint", f"llama={url}", "--arm", "golden=golden",
                     "--checkpoint", str(ck), "--chunk-size", "512", "--out", str(OUT), "--run-id", "cons",
                     "--fresh")
     return {"chat_check": cases.status.value_counts().to_dict(), "chat_check_line": cc.stdout.strip().splitlines()[-2],

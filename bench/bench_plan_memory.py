@@ -28,8 +28,8 @@ def main() -> int:
              for label, devs, mem in SETUPS for n in LENGTHS]
     by_len = {p.length: p for _, _, p in plans}
     L = ["# Memory plans for DeepSeek-V4-Flash", "",
-         "`python bench/bench_plan_memory.py` = `fidelity plan-memory --preset flash --prompts "
-         f"{PROMPTS} --n-arms {ARMS} --weights {WEIGHTS}` per setup, computed from the config "
+         "`python bench/bench_plan_memory.py` = `fidelity plan-memory --preset flash --batch "
+         f"{PROMPTS} --n-arms {ARMS} --weights-mode {WEIGHTS}` per setup, computed from the config "
          "(fidelity/weights/plan.py; nothing loaded or measured). Profile reference (state in "
          "fp64 except the fp32 indexer keys, bf16 streams), logits of every position compared a "
          "head chunk of 2048 positions at a time (fidelity/ab/head.py), "

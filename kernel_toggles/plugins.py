@@ -1,7 +1,7 @@
 """Loading user toggles into the registry before a command runs.
 
 A user toggle is registered when the module defining it (`@kernel_toggles.toggle`) is
-imported, but nothing imports a user's module on its own, so `fidelity ab --arms my_toggle`
+imported, but nothing imports a user's module on its own, so `fidelity ab --arm my_toggle`
 would say "unknown toggle". `load_plugins` imports those modules, from three sources in
 this order:
 

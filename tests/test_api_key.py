@@ -9,7 +9,7 @@ from fidelity.cli import main
 from needle_util import served
 
 KEY = "sk-test-4f1c9e"
-GRID = ("--lengths", "200", "--depths", "50", "--reps", "1", "--steps", "2")
+GRID = ("--lengths", "200", "--depths", "50", "--reps", "1", "--decode-steps", "2")
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_the_server_wants_the_key_but_not_for_health(url):
 
 
 COMMANDS = {
-    "kld": lambda u: ["kld", "--inprocess", "golden=golden", "--endpoint", f"e={u}", *GRID, "--no-captures",
+    "kld": lambda u: ["kld", "--arm", "golden=golden", "--endpoint", f"e={u}", *GRID, "--no-captures",
                       "--no-floors", "--no-twin"],
     "needle": lambda u: ["needle", "--endpoint", f"golden={u}/v1", "--lengths", "300", "--depths", "50",
                          "--max-tokens", "8", "--no-plots"],

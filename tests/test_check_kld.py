@@ -13,9 +13,9 @@ from fidelity.cli import main
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("kld")
-    rc = main(["kld", "--inprocess", "golden=golden", "--inprocess", "engine=engine",
-               "--inprocess", "bug=engine,routed_scaling_double", "--lengths", "250", "--depths", "50,90",
-               "--steps", "2", "--n-boot", "100", "--out", str(out), "--run-id", "r", "--quiet"])
+    rc = main(["kld", "--arm", "golden=golden", "--arm", "engine=engine",
+               "--arm", "bug=engine,routed_scaling_double", "--lengths", "250", "--depths", "50,90",
+               "--decode-steps", "2", "--n-boot", "100", "--out", str(out), "--run-id", "r", "--quiet"])
     assert rc == 0
     return out / "kld" / "r"
 

@@ -21,7 +21,7 @@ def _err(capsys) -> str:
 ])
 def test_ab_arm_whose_schedule_cannot_apply_is_an_error_before_running(arm, lengths, named, capsys,
                                                                       tmp_path):
-    rc = main(["ab", "--arms", arm, "--lengths", lengths, "--out", str(tmp_path)])
+    rc = main(["ab", "--arm", arm, "--lengths", lengths, "--out", str(tmp_path)])
     err = _err(capsys)
     assert rc == 2, err
     assert "stage 1" not in err and not list(tmp_path.iterdir())        # nothing ran
@@ -30,7 +30,7 @@ def test_ab_arm_whose_schedule_cannot_apply_is_an_error_before_running(arm, leng
 
 
 def test_ab_schedule_option_that_cannot_apply_is_an_error(capsys, tmp_path):
-    rc = main(["ab", "--arms", "engine", "--schedule", "prefix_hit(400)", "--lengths", "250",
+    rc = main(["ab", "--arm", "engine", "--schedule", "prefix_hit(400)", "--lengths", "250",
                "--out", str(tmp_path)])
     err = _err(capsys)
     assert rc == 2 and "prefix_hit(400)" in err and "250" in err
@@ -106,7 +106,7 @@ def test_endpoint_that_is_not_an_http_url_is_refused_at_once(command, url, capsy
     """One shared check (infra.http.check_url) where the option is parsed: exit 2 naming the
     option and the URL, no request made (so no retries)."""
     endpoint = url if command == "chat-check" else f"a={url}"
-    extra = {"kld": ["--inprocess", "golden=golden"]}.get(command, [])
+    extra = {"kld": ["--arm", "golden=golden"]}.get(command, [])
     with pytest.raises(SystemExit) as ei:
         main([command, "--endpoint", endpoint, *extra, "--retries", "1", "--out", str(tmp_path)])
     err = _err(capsys)
@@ -143,8 +143,8 @@ def test_needle_inprocess_arm_whose_schedule_cannot_apply_is_an_error(capsys, tm
 
 
 def test_kld_inprocess_arm_whose_schedule_cannot_apply_is_an_error_before_scoring(capsys, tmp_path):
-    rc = main(["kld", "--inprocess", "golden=golden", "--inprocess", "e=engine@prefix_hit(250)",
-               "--lengths", "250", "--depths", "50", "--steps", "1", "--no-floors", "--out", str(tmp_path)])
+    rc = main(["kld", "--arm", "golden=golden", "--arm", "e=engine@prefix_hit(250)",
+               "--lengths", "250", "--depths", "50", "--decode-steps", "1", "--no-floors", "--out", str(tmp_path)])
     err = _err(capsys)
     assert rc == 2 and "arm 'e'" in err and "250 tokens" in err and "prefix_hit(250)" in err
     assert not (tmp_path / "kld").exists()                  # nothing scored

@@ -21,8 +21,8 @@ def url():
 
 def test_kld_shows_each_retry_once(url, tmp_path):
     with FaultProxy(url, {"/generate": ["500"]}) as px:
-        p = subprocess.run(fidelity_cmd("kld", "--inprocess", "golden=golden", "--endpoint", f"e={px.url}",
-                                        "--lengths", "250", "--depths", "50", "--steps", "1", "--no-floors",
+        p = subprocess.run(fidelity_cmd("kld", "--arm", "golden=golden", "--endpoint", f"e={px.url}",
+                                        "--lengths", "250", "--depths", "50", "--decode-steps", "1", "--no-floors",
                                         "--n-boot", "50", "--retries", "2", "--out", str(tmp_path)),
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr

@@ -200,7 +200,7 @@ def test_chunk_boundary_bug_flagged_kernel_numerics_not(tmp_path):
 def test_chunk_family_needs_a_reference_and_a_chunk_size(url, tmp_path):
     from fidelity.consistency.chunk import ChunkPlan
     from fidelity.consistency.family import FamilyError
-    with pytest.raises(FamilyError, match="--inprocess"):
+    with pytest.raises(FamilyError, match="--arm"):
         run_consistency([_arm("golden", url)], TARGET, ConsistencySettings(("chunk",), chunk=ChunkPlan()),
                         tmp_path, "x", progress=lambda m: None)
 

@@ -45,7 +45,7 @@ def test_placement_over_two_devices_is_bit_identical():
     pd.testing.assert_frame_equal(x, y, check_exact=True)
 
 
-@pytest.mark.parametrize("cmd", [["ab", "--arms", "engine"], ["kld", "--inprocess", "g=golden"],
+@pytest.mark.parametrize("cmd", [["ab", "--arm", "engine"], ["kld", "--arm", "g=golden"],
                                  ["serve"], ["needle", "--arm", "golden"]])
 def test_commands_refuse_a_missing_device(cmd, capsys):
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -69,8 +69,8 @@ def test_three_ranks_equal_one_process_streamed_and_resident(checkpoint, tmp_pat
     assert got["layers_read"] == [list(x) for x in ranges]          # each rank read its own layers
 
 
-AB = ["--lengths", "250", "--prompts-per-length", "3", "--decode-steps", "1", "--arms", "index_keys_fp8",
-      "--arms", "engine", "--shapley-top", "0", "--n-boot", "200"]
+AB = ["--lengths", "250", "--reps", "3", "--decode-steps", "1", "--arm", "index_keys_fp8",
+      "--arm", "engine", "--shapley-top", "0", "--n-boot", "200"]
 TABLES = ("drift.csv.gz", "kld.csv.gz", "pairs.csv.gz", "needle.csv", "signals.csv.gz", "summary.csv",
           "signal_summary.csv", "attribution.csv", "events.csv", "summary.md")
 
@@ -103,7 +103,7 @@ def _by_hand(n: int, argv, port: int, timeout: float) -> list[subprocess.Popen]:
 
 def test_a_rank_dying_mid_run_is_one_clear_error_on_rank_0(tmp_path):
     argv = ["ab", "--plugin", str(HERE / "distributed" / "die_plugin.py"), "--distributed", "2",
-            "--lengths", "200", "--prompts-per-length", "1", "--decode-steps", "1", "--arms", "rank1_dies",
+            "--lengths", "200", "--reps", "1", "--decode-steps", "1", "--arm", "rank1_dies",
             "--shapley-top", "0", "--out", str(tmp_path)]
     procs = _by_hand(2, argv, _port(), timeout=120)
     outs = [p.communicate(timeout=WAIT) for p in procs]             # both end: nothing hangs
@@ -115,8 +115,8 @@ def test_a_rank_dying_mid_run_is_one_clear_error_on_rank_0(tmp_path):
 
 
 def test_a_stage_without_enough_memory_is_named_with_the_plan(tmp_path):
-    argv = ["ab", "--distributed", "--device-memory", "20MB", "--lengths", "200", "--prompts-per-length", "1",
-            "--arms", "engine", "--out", str(tmp_path)]
+    argv = ["ab", "--distributed", "--device-memory", "20MB", "--lengths", "200", "--reps", "1",
+            "--arm", "engine", "--out", str(tmp_path)]
     procs = _by_hand(2, argv, _port(), timeout=120)
     outs = [p.communicate(timeout=WAIT) for p in procs]
     assert [p.returncode for p in procs] == [2, 2]

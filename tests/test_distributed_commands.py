@@ -21,8 +21,8 @@ from fidelity.cli import main
 sys.path.insert(0, str(Path(__file__).parent))
 from test_distributed import HERE, ROOT, WAIT, _env, _port, _torchrun  # noqa: E402
 
-KLD = ["--inprocess", "golden=golden", "--inprocess", "engine=engine", "--lengths", "200", "--depths", "50",
-       "--reps", "1", "--steps", "3", "--n-boot", "50"]
+KLD = ["--arm", "golden=golden", "--arm", "engine=engine", "--lengths", "200", "--depths", "50",
+       "--reps", "1", "--decode-steps", "3", "--n-boot", "50"]
 KLD_TABLES = ("capture_coverage.csv", "captures.csv", "kld_by_position.csv", "ladder.csv", "ladder_summary.csv",
               "positions.csv.gz", "signal_attribution.csv", "signal_summary.csv", "signals.csv.gz", "summary.md")
 
@@ -46,8 +46,8 @@ def test_kld_on_two_ranks_writes_the_single_process_tables(tmp_path):
 
 def test_kld_an_exception_on_rank_1_is_one_error_on_rank_0(tmp_path):
     r = _torchrun(2, "-m", "fidelity", "kld", "--plugin", str(HERE / "distributed" / "raise_plugin.py"),
-                  "--distributed", "--inprocess", "golden=golden", "--inprocess", "bad=rank1_raises",
-                  "--lengths", "200", "--depths", "50", "--reps", "1", "--steps", "1", "--no-floors",
+                  "--distributed", "--arm", "golden=golden", "--arm", "bad=rank1_raises",
+                  "--lengths", "200", "--depths", "50", "--reps", "1", "--decode-steps", "1", "--no-floors",
                   "--out", str(tmp_path))
     assert r.returncode != 0
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
@@ -62,7 +62,7 @@ def test_kld_distributed_needs_an_inprocess_arm(capsys, tmp_path):
 def test_kld_distributed_world_size_is_checked(monkeypatch, capsys, tmp_path):
     for k, v in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(k, v)
-    assert main(["kld", "--distributed", "3", "--inprocess", "g=golden", "--out", str(tmp_path)]) == 2
+    assert main(["kld", "--distributed", "3", "--arm", "g=golden", "--out", str(tmp_path)]) == 2
     assert "--distributed 3 ranks asked for, but torchrun started 2" in capsys.readouterr().err
 
 

@@ -67,7 +67,7 @@ def test_a_world_the_cuts_cannot_meet_is_named(checkpoint, monkeypatch, capsys, 
     assert "at most 5 stages; use at most 5 ranks" in capsys.readouterr().err
 
 
-AB41 = ["--lengths", "60", "--prompts-per-length", "1", "--decode-steps", "1", "--arms", "engine",
+AB41 = ["--lengths", "60", "--reps", "1", "--decode-steps", "1", "--arm", "engine",
         "--shapley-top", "0", "--n-boot", "50"]
 
 
@@ -79,8 +79,8 @@ def test_ab_on_two_ranks_writes_the_single_process_tables(checkpoint, tmp_path):
     _same_files(tmp_path / "s" / "x", tmp_path / "d" / "x", TABLES)
 
 
-KLD41 = ["--inprocess", "golden=golden", "--inprocess", "engine=engine", "--lengths", "200", "--depths", "50",
-         "--reps", "1", "--steps", "2", "--n-boot", "50", "--no-floors", "--no-captures"]
+KLD41 = ["--arm", "golden=golden", "--arm", "engine=engine", "--lengths", "200", "--depths", "50",
+         "--reps", "1", "--decode-steps", "2", "--n-boot", "50", "--no-floors", "--no-captures"]
 
 
 def test_kld_on_two_ranks_writes_the_single_process_tables(checkpoint, tmp_path):

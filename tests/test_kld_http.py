@@ -17,7 +17,7 @@ from reference_model import Model
 from needle_util import served
 
 T = load_target(None)
-GRID = ["--lengths", "250,511", "--depths", "50", "--steps", "4", "--n-boot", "200"]
+GRID = ["--lengths", "250,511", "--depths", "50", "--decode-steps", "4", "--n-boot", "200"]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def exact_kl():
 
 def _run(tmp_path, url, *extra):
     out = tmp_path / "out"
-    rc = main(["kld", "--inprocess", "golden=golden", "--endpoint", f"engine={url}", *GRID,
+    rc = main(["kld", "--arm", "golden=golden", "--endpoint", f"engine={url}", *GRID,
                "--no-floors", "--out", str(out), "--run-id", "r", "--quiet", *extra])
     assert rc == 0
     return pd.read_csv(out / "kld" / "r" / "positions.csv.gz")
@@ -69,7 +69,7 @@ def test_http_kl_bounded_by_and_exactly_equal_to_in_process(tmp_path, url, exact
 
 def test_verdict_names_the_planted_bug_and_report_is_complete(tmp_path, url):
     out = tmp_path / "out"
-    rc = main(["kld", "--inprocess", "golden=golden", "--endpoint", f"engine={url}",
+    rc = main(["kld", "--arm", "golden=golden", "--endpoint", f"engine={url}",
                "--endpoint", f"bug={url}", *GRID, "--out", str(out), "--run-id", "r", "--quiet"])
     assert rc == 0
     m = json.loads((out / "kld" / "r" / "manifest.json").read_text())
@@ -86,7 +86,7 @@ def test_verdict_names_the_planted_bug_and_report_is_complete(tmp_path, url):
     row = kt[(kt.arm == "bug") & (kt.bucket == "all")].iloc[0]
     assert row.kld_lo <= row.kld_mean <= row.kld_hi and row.same_top1 < 1
     # rerun: everything is reused (no request is sent again), same numbers
-    rc = main(["kld", "--inprocess", "golden=golden", "--endpoint", f"engine={url}",
+    rc = main(["kld", "--arm", "golden=golden", "--endpoint", f"engine={url}",
                "--endpoint", f"bug={url}", *GRID, "--out", str(out), "--run-id", "r2", "--quiet"])
     assert rc == 0
     a = pd.read_csv(rep / "positions.csv.gz")
@@ -99,12 +99,12 @@ def test_bad_inputs_are_named(tmp_path, url, capsys):
         rc = main(["kld", *args, *GRID, "--out", str(tmp_path), "--quiet", "--retries", "0"])
         assert rc == 2
         return capsys.readouterr().err
-    assert "connection" in err("--inprocess", "golden=golden", "--endpoint", "x=http://127.0.0.1:9")
-    assert "not served" in err("--inprocess", "golden=golden", "--endpoint", f"x={url}", "--model", "nope")
-    assert "at least one arm" in err("--inprocess", "golden=golden")
-    assert "unknown dialect" in err("--inprocess", "golden=golden", "--endpoint", f"e={url}",
+    assert "connection" in err("--arm", "golden=golden", "--endpoint", "x=http://127.0.0.1:9")
+    assert "not served" in err("--arm", "golden=golden", "--endpoint", f"x={url}", "--model", "nope")
+    assert "at least one arm" in err("--arm", "golden=golden")
+    assert "unknown dialect" in err("--arm", "golden=golden", "--endpoint", f"e={url}",
                                     "--dialect", "e=tgi")
-    assert "--max-logprobs" in err("--inprocess", "golden=golden", "--endpoint", f"engine={url}",
+    assert "--max-logprobs" in err("--arm", "golden=golden", "--endpoint", f"engine={url}",
                                    "--dialect", "engine=vllm", "--top-k", "600")
 
 

@@ -15,7 +15,7 @@ from fidelity.cli import build_parser, main
 from fault_proxy import FaultProxy
 from needle_util import served
 
-GRID = ["--lengths", "250,300", "--depths", "50,90", "--steps", "2", "--n-boot", "100",
+GRID = ["--lengths", "250,300", "--depths", "50,90", "--decode-steps", "2", "--n-boot", "100",
         "--no-floors", "--retries", "2", "--no-twin"]           # the twin is not what these tests are about
 N = 4                                           # prompts
 
@@ -27,7 +27,7 @@ def url():
 
 
 def _kld(out, engine_url, *extra, quiet=True):
-    return main(["kld", "--inprocess", "golden=golden", "--endpoint", f"engine={engine_url}", *GRID,
+    return main(["kld", "--arm", "golden=golden", "--endpoint", f"engine={engine_url}", *GRID,
                  "--out", str(out), "--run-id", "r", *(["--quiet"] if quiet else []), *extra])
 
 

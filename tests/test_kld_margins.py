@@ -152,9 +152,9 @@ def _golden_last_rows(tokens) -> dict[int, np.ndarray]:
 
 def test_served_arms_margins_and_implied_perturbation(tmp_path, url):
     out = tmp_path / "out"
-    rc = main(["kld", "--inprocess", "golden=golden", "--endpoint", f"served={url}",
+    rc = main(["kld", "--arm", "golden=golden", "--endpoint", f"served={url}",
                "--endpoint", f"planted={url}", "--lengths", ",".join(map(str, LENGTHS)),
-               "--depths", "50", "--steps", "2", "--n-boot", "100", "--no-floors", "--no-twin",
+               "--depths", "50", "--decode-steps", "2", "--n-boot", "100", "--no-floors", "--no-twin",
                "--out", str(out), "--run-id", "r", "--quiet"])
     assert rc == 0
     rep = out / "kld" / "r"

@@ -20,7 +20,7 @@ from needle_util import served
 TWIN = "exact:expert_act_q8_0,router_softplus_logf,bf16_gemm_input,kv_cache_ggml"
 SAME = "exact:kv_cache_ggml,expert_act_q8_0,router_softplus_logf,bf16_gemm_input"           # the twin spelled in another order
 BUG = f"{TWIN},yarn_on_swa_layers"
-GRID = ["--lengths", "250,511", "--depths", "10,50,90", "--steps", "4", "--n-boot", "300"]
+GRID = ["--lengths", "250,511", "--depths", "10,50,90", "--decode-steps", "4", "--n-boot", "300"]
 
 
 def test_floors_around_an_arm_are_noise_on_both_sides():
@@ -37,7 +37,7 @@ def test_floors_around_an_arm_are_noise_on_both_sides():
 
 def test_inprocess_bug_named_against_the_twin_with_finite_floors(tmp_path):
     out = tmp_path / "out"
-    rc = main(["kld", "--inprocess", f"twin={TWIN}", "--inprocess", f"bug={BUG}", "--inprocess", f"same={SAME}",
+    rc = main(["kld", "--arm", f"twin={TWIN}", "--arm", f"bug={BUG}", "--arm", f"same={SAME}",
                "--baseline", "twin", *GRID, "--out", str(out), "--run-id", "r", "--quiet"])
     assert rc == 0
     m = json.loads((out / "kld" / "r" / "manifest.json").read_text())
@@ -90,7 +90,7 @@ def url():
 
 def test_served_engines_judged_against_golden_and_twin(tmp_path, url):
     out = tmp_path / "out"
-    rc = main(["kld", "--inprocess", "golden=golden", "--endpoint", f"clean={url}", "--endpoint", f"bug={url}",
+    rc = main(["kld", "--arm", "golden=golden", "--endpoint", f"clean={url}", "--endpoint", f"bug={url}",
                "--twin", f"bug={TWIN}", *GRID, "--no-captures", "--out", str(out), "--run-id", "r", "--quiet"])
     assert rc == 0
     m = json.loads((out / "kld" / "r" / "manifest.json").read_text())
@@ -120,8 +120,8 @@ def test_a_baseline_that_is_the_twin_is_judged_once(tmp_path, url):
     """--baseline twin when the endpoint's twin is that very arm: one judgement, no second
     arm under the same name."""
     out = tmp_path / "out"
-    rc = main(["kld", "--inprocess", f"twin={SAME}", "--endpoint", f"clean={url}", "--baseline", "twin",
-               "--lengths", "250", "--depths", "50", "--steps", "2", "--no-floors", "--no-captures",
+    rc = main(["kld", "--arm", f"twin={SAME}", "--endpoint", f"clean={url}", "--baseline", "twin",
+               "--lengths", "250", "--depths", "50", "--decode-steps", "2", "--no-floors", "--no-captures",
                "--out", str(out), "--run-id", "r", "--quiet"])
     assert rc == 0
     m = json.loads((out / "kld" / "r" / "manifest.json").read_text())

@@ -45,7 +45,7 @@ def test_bad_lengths_are_named(text, says):
     assert "--lengths" in str(e.value)
 
 
-@pytest.mark.parametrize("command", [["ab"], ["kld", "--inprocess", "golden=golden"], ["needle"]])
+@pytest.mark.parametrize("command", [["ab"], ["kld", "--arm", "golden=golden"], ["needle"]])
 def test_commands_refuse_a_bad_lengths_value(command, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main([*command, "--lengths", "boundaries:abc", "--out", str(tmp_path)])

@@ -57,8 +57,8 @@ def test_ab_boundary_grid_places_the_bug_at_residue_3(plugin, capsys, tmp_path):
     """`fidelity ab --lengths boundaries` on the embedded model: lengths 255..258 (the
     haystack needs ~170 tokens; 256 = 2 x 128), and the residue table breaks at 3 mod 4
     only (every other residue bit-identical to golden)."""
-    rc = main(["ab", "--plugin", str(BUGS), "--arms", LEN3, "--lengths", "boundaries",
-               "--prompts-per-length", "1", "--decode-steps", "2", "--shapley-top", "0",
+    rc = main(["ab", "--plugin", str(BUGS), "--arm", LEN3, "--lengths", "boundaries",
+               "--reps", "1", "--decode-steps", "2", "--shapley-top", "0",
                "--n-boot", "200", "--out", str(tmp_path), "--run-id", "b"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
@@ -119,8 +119,8 @@ def test_boundary_grid_vs_default_grid(plugin):
 def test_kld_boundary_grid_places_the_bug_at_residue_3(plugin, capsys, tmp_path):
     """`fidelity kld --lengths boundaries`: the same grid, the residue table in the report
     and on stdout, breaking at 3 mod 4 only."""
-    rc = main(["kld", "--plugin", str(BUGS), "--inprocess", "golden=golden", "--inprocess",
-               f"bug={LEN3}", "--lengths", "boundaries", "--depths", "50", "--steps", "2",
+    rc = main(["kld", "--plugin", str(BUGS), "--arm", "golden=golden", "--arm",
+               f"bug={LEN3}", "--lengths", "boundaries", "--depths", "50", "--decode-steps", "2",
                "--out", str(tmp_path), "--run-id", "k", "--quiet"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err

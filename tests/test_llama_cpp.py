@@ -101,9 +101,9 @@ def test_kld_report_says_how_llamacpp_was_read(server, f32, tmp_path):
     twin (the exact profile with LLAMA_CPU toggles, fidelity.llamacpp.flags) llama.cpp is
     many times closer than the golden is."""
     out = tmp_path / "out"
-    r = subprocess.run([*fidelity_cmd(), "kld", "--inprocess", f"twin={LF.scored_twin([])}",
-                        "--inprocess", "golden=golden", "--endpoint", f"llama={server}",
-                        "--checkpoint", str(f32[0]), "--lengths", "200", "--reps", "1", "--steps", "2",
+    r = subprocess.run([*fidelity_cmd(), "kld", "--arm", f"twin={LF.scored_twin([])}",
+                        "--arm", "golden=golden", "--endpoint", f"llama={server}",
+                        "--checkpoint", str(f32[0]), "--lengths", "200", "--reps", "1", "--decode-steps", "2",
                         "--top-k", "512", "--no-captures", "--no-floors", "--out", str(out),
                         "--run-id", "t", "--threads", "1", "--quiet"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -288,7 +288,7 @@ def test_a_tokenizer_that_differs_from_the_servers_is_refused(server, f32, tmp_p
     vocab[by_id[first]], vocab[by_id[second]] = second, first
     bad = tmp_path / "tokenizer.json"
     bad.write_text(json.dumps(tj))
-    r = subprocess.run([*fidelity_cmd(), "kld", "--inprocess", "golden=golden", "--endpoint", f"llama={server}",
+    r = subprocess.run([*fidelity_cmd(), "kld", "--arm", "golden=golden", "--endpoint", f"llama={server}",
                         "--checkpoint", str(f32[0]), "--tokenizer", str(bad), "--lengths", "200", "--reps", "1",
                         "--no-floors", "--no-captures", "--out", str(tmp_path), "--quiet"],
                        capture_output=True, text=True)

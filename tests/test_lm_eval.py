@@ -16,7 +16,7 @@ LM_EVAL = ROOT / "bench" / "out" / "evalvenv" / "bin" / "lm_eval"
 @pytest.mark.skipif(not LM_EVAL.exists(), reason="no lm-eval venv (bench/out/evalvenv): "
                     "python bench/bench_lm_eval.py creates it")
 def test_lm_eval_on_the_golden_arm_equals_the_in_process_truth(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_lm_eval.py"), "--arms", "golden",
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_lm_eval.py"), "--arm", "golden",
                         "--out", str(tmp_path), "--results", ""], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     r = json.loads((tmp_path / "summary.json").read_text())["golden"]

@@ -152,7 +152,7 @@ def test_place_layers_is_optimal_and_contiguous():
 # ---- verdicts --------------------------------------------------------------------------------
 def test_a_plan_that_fits_exits_0(capsys):
     assert _cli(["--preset", "flash", "--devices", ",".join(f"cuda:{i}" for i in range(8)),
-                 "--device-memory", "96GB", "--length", "8192", "--prompts", "6",
+                 "--device-memory", "96GB", "--length", "8192", "--batch", "6",
                  "--n-arms", "2"]) == 0
     out = capsys.readouterr().out
     assert "FITS: tightest device cuda:7" in out and "| cuda:0 | 0-" in out
@@ -165,11 +165,11 @@ def test_a_plan_that_does_not_fit_reports_numbers(capsys):
     d = plan.devices[0]
     assert d.total - d.budget == -d.free > 0
     assert _cli(["--preset", "flash", "--devices", "cuda:0", "--device-memory", "141GB",
-                 "--length", "8192", "--prompts", "6", "--n-arms", "2"]) == 1
+                 "--length", "8192", "--batch", "6", "--n-arms", "2"]) == 1
     out = capsys.readouterr().out
     assert f"DOES NOT FIT: cuda:0 needs {d.total / 2**30:.2f} GiB of 131.32 GiB (over by " \
            f"{-d.free / 2**30:.2f} GiB)" in out
-    assert "streamed weights (--weights streamed): fits" in out
+    assert "streamed weights (--weights-mode streamed): fits" in out
     assert "more devices: 2 x 131.32 GiB (141 GB) fit" in out
     # the suggestions hold: streamed weights fit, 2 devices fit
     assert PM.plan_memory(cfg, PM.PlanDevices("cuda:0", "141GB"), PM.PassSpec(8192, 6, 2, "streamed")).fits
@@ -210,13 +210,13 @@ def test_checkpoint_and_config_sources(tmp_path, capsys):
     (["--devices", "cuda:0,cuda:0"], "cuda:0 is listed twice"),
     (["--length", "2000000"], "length 2000000 exceeds the config's max_seq_len 1048576 (by 951424 tokens)"),
     (["--length", "0"], "length must be a positive integer"),
-    (["--prompts", "0"], "prompts must be a positive integer"),
+    (["--batch", "0"], "prompts must be a positive integer"),
     (["--device-memory", "lots"], "cannot read size 'lots'"),
     (["--device-memory", "None"], "cannot read size"),
     (["--device-memory", "1GB,2GB"], "2 device memory sizes for 1 devices"),
 ])
 def test_bad_input_exits_2_naming_it(argv, msg, capsys):
-    base = {"--devices": "cpu", "--device-memory": "96GB", "--length": "8192", "--prompts": "1"}
+    base = {"--devices": "cpu", "--device-memory": "96GB", "--length": "8192", "--batch": "1"}
     for k, v in zip(argv[::2], argv[1::2]):
         base[k] = v
     args = ["--preset", "flash"] + [x for kv in base.items() for x in kv]
@@ -324,6 +324,6 @@ def test_nodes_plan_one_pipeline_over_every_nodes_devices():
 
 
 def test_arms_is_refused_as_a_count(capsys):
-    """--arms names arms elsewhere (ab, kld, needle); here the count is --n-arms."""
-    assert _cli(["--preset", "flash", "--length", "8192", "--arms", "2"]) == 2
+    """--arm names arms elsewhere (ab, kld, needle); here the count is --n-arms."""
+    assert _cli(["--preset", "flash", "--length", "8192", "--arm", "2"]) == 2
     assert "use --n-arms 2" in capsys.readouterr().err

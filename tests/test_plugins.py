@@ -131,8 +131,8 @@ def test_cli_ab_runs_a_plugin_arm(tmp_path):
     f = write(tmp_path / "my_plugin.py", toggle_src("my_toggle"))
     out = tmp_path / "reports"
     # 170 tokens: the needle template's minimum prompt is 161 tokens (48 is refused)
-    r = cli("ab", "--plugin", str(f), "--arms", "my_toggle", "--lengths", "170",
-            "--prompts-per-length", "1", "--decode-steps", "1", "--shapley-top", "0",
+    r = cli("ab", "--plugin", str(f), "--arm", "my_toggle", "--lengths", "170",
+            "--reps", "1", "--decode-steps", "1", "--shapley-top", "0",
             "--n-boot", "20", "--out", str(out), "--run-id", "r")
     assert r.returncode == 0, r.stderr
     summary = pd.read_csv(out / "r" / "summary.csv").set_index("arm")

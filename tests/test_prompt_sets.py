@@ -57,7 +57,7 @@ def test_grid_prompts_have_exact_lengths_and_needles():
 def test_ab_runs_on_a_prompt_file(tmp_path, capsys):
     p = _write(tmp_path, {"messages": [{"role": "user", "content": "Tell me about the stone bridge."}]},
                {"token_ids": list(range(5, 45))})
-    rc = main(["ab", "--prompts", str(p), "--arms", "engine", "--shapley-top", "0", "--n-boot", "100",
+    rc = main(["ab", "--prompts", str(p), "--arm", "engine", "--shapley-top", "0", "--n-boot", "100",
                "--decode-steps", "2", "--out", str(tmp_path / "r"), "--run-id", "t"])
     assert rc == 0
     m = json.loads((tmp_path / "r" / "t" / "manifest.json").read_text())

@@ -119,9 +119,9 @@ def pages(tmp_path_factory) -> dict[str, Path]:
            "ab-inside": _ab(w, tmp / "ab", "inside", base="wo_a_fp8,routed_scaling_double")["path"],
            "ab-example": rerender(ROOT / "reports" / "example", tmp / "ab", "example")}
     eng = tmp / "engines"
-    assert main(["kld", "--inprocess", "golden=golden", "--inprocess", "engine=engine",
-                 "--inprocess", "bug=engine,routed_scaling_double", "--lengths", "250", "--depths", "50",
-                 "--reps", "3", "--steps", "2", "--n-boot", "100", "--out", str(eng), "--run-id", "k", *Q]) == 0
+    assert main(["kld", "--arm", "golden=golden", "--arm", "engine=engine",
+                 "--arm", "bug=engine,routed_scaling_double", "--lengths", "250", "--depths", "50",
+                 "--reps", "3", "--decode-steps", "2", "--n-boot", "100", "--out", str(eng), "--run-id", "k", *Q]) == 0
     assert main(["needle", "--arm", "golden", "--arm", "bug=engine,routed_scaling_double", "--lengths", "400",
                  "--depths", "50", "--reps", "2", "--max-tokens", "8", "--out", str(eng), "--run-id", "n", *Q]) == 0
     out.update(kld=eng / "kld" / "k", needle=eng / "needle" / "n", engines=_engines_index(eng))
@@ -189,7 +189,7 @@ def _check_needle(a) -> None:
 
 def _check_kld(a) -> None:
     names = [n for n, _ in name_value_pairs(a.endpoint, "--endpoint", "URL")]
-    for n, spec in name_value_pairs(a.inprocess, "--inprocess", "ARM"):
+    for n, spec in name_value_pairs(a.inprocess, "--arm", "ARM"):
         parse_arm(spec)
         names.append(n)
     assert a.baseline is None or a.baseline in names, f"--baseline {a.baseline} is not an arm"
@@ -237,9 +237,9 @@ def test_every_suggested_command_parses(pages, name):
 
 def test_the_command_check_can_fail():
     """The spellings issue 38 found on pages: each is refused by the check above."""
-    for cmd in ("fidelity ab --arms engine --arms engine-routed_scaling_double --vs engine",
-                "fidelity ab --arms engine --vs wo_a_fp8",
-                "fidelity kld --inprocess golden=golden --inprocess engine-bug=engine-bug --exact",
+    for cmd in ("fidelity ab --arm engine --arm engine-routed_scaling_double --vs engine",
+                "fidelity ab --arm engine --vs wo_a_fp8",
+                "fidelity kld --arm golden=golden --arm engine-bug=engine-bug --exact",
                 "fidelity needle --arm golden=golden --arm 'x=no_such_toggle'",
                 "fidelity ab --no-such-option"):
         with pytest.raises(AssertionError):
@@ -250,8 +250,8 @@ def test_the_ab_pages_suggest_real_work(pages):
     """A bug added to the engine is run alone and on it; a bug inside a base is taken out of
     it with the base's own spelling; each page suggests needle and kld on the culprit."""
     added, inside = suggested(pages["ab-added"]), suggested(pages["ab-inside"])
-    assert "--arms routed_scaling_double --arms engine --arms engine,routed_scaling_double --vs engine" in added[0]
-    assert "--arms wo_a_fp8,routed_scaling_double --arms wo_a_fp8 --vs wo_a_fp8,routed_scaling_double" in inside[0]
+    assert "--arm routed_scaling_double --arm engine --arm engine,routed_scaling_double --vs engine" in added[0]
+    assert "--arm wo_a_fp8,routed_scaling_double --arm wo_a_fp8 --vs wo_a_fp8,routed_scaling_double" in inside[0]
     for cmds in (added, inside):
         assert [c.split()[1] for c in cmds] == ["ab", "needle", "kld"]
 
@@ -344,7 +344,7 @@ def _labels(fig) -> list[str]:
 
 
 def test_every_requested_arm_is_drawn_or_said(added):
-    """engine and engine + bug (the run's --arms) in drift, top-k and decode plots, each drawn
+    """engine and engine + bug (the run's --arm) in drift, top-k and decode plots, each drawn
     or named with the reason in fig.absent; floors drawn hollow, above the arms."""
     arms = FLOORS + ["engine", "engine,routed_scaling_double"]
     figs = [plots.drift_vs_layer(added["drift"], "floor:exact", arms, floors=FLOORS),

@@ -84,8 +84,8 @@ def test_ab_on_a_resident_quantised_checkpoint_equals_streamed(ckpt, tmp_path):
     from fidelity.cli import main
     out = {}
     for mode in ("streamed", "resident-quantised"):
-        rc = main(["ab", "--checkpoint", str(ckpt), "--weights-mode", mode, "--arms", "engine",
-                   "--shapley-top", "0", "--n-boot", "50", "--lengths", "70", "--prompts-per-length", "2",
+        rc = main(["ab", "--checkpoint", str(ckpt), "--weights-mode", mode, "--arm", "engine",
+                   "--shapley-top", "0", "--n-boot", "50", "--lengths", "70", "--reps", "2",
                    "--decode-steps", "1", "--out", str(tmp_path), "--run-id", mode])
         assert rc == 0
         out[mode] = pd.read_csv(tmp_path / mode / "kld.csv.gz")

@@ -87,8 +87,8 @@ def test_needle_mechanism_rows_are_v41_index_sources(checkpoint, tmp_path):
 def kld_run(checkpoint, tmp_path_factory):
     """One small in-process kld on the tiny V4.1 checkpoint, with captures."""
     out = tmp_path_factory.mktemp("kld")
-    assert main(["kld", "--threads", "1", "--checkpoint", str(checkpoint), "--inprocess", "golden=golden",
-                 "--inprocess", "eng=engine", "--no-floors", "--lengths", "200", "--depths", "50",
+    assert main(["kld", "--threads", "1", "--checkpoint", str(checkpoint), "--arm", "golden=golden",
+                 "--arm", "eng=engine", "--no-floors", "--lengths", "200", "--depths", "50",
                  "--reps", "1", "--n-boot", "20", "--out", str(out), "--run-id", "x"]) == 0
     return next(out.rglob("x"))
 

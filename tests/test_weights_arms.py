@@ -53,8 +53,8 @@ def ckpts(tmp_path_factory):
 
 def _ab(tmp_path, root, other, run_id):
     rc = main(["ab", "--weights", f"base={root / 'base'}", "--weights", f"{other}={root / other}",
-               "--arms", "golden", "--shapley-top", "0", "--n-boot", "200", "--lengths", "250",
-               "--prompts-per-length", "3", "--decode-steps", "1", "--out", str(tmp_path), "--run-id", run_id])
+               "--arm", "golden", "--shapley-top", "0", "--n-boot", "200", "--lengths", "250",
+               "--reps", "3", "--decode-steps", "1", "--out", str(tmp_path), "--run-id", run_id])
     assert rc == 0
     return json.loads((tmp_path / run_id / "manifest.json").read_text())
 
@@ -80,7 +80,7 @@ def test_identical_checkpoints_name_nothing(tmp_path, ckpts):
 def test_another_architecture_is_refused(tmp_path, ckpts, capsys):
     other = tmp_path / "big"
     save_checkpoint(random_weights(W.cfg.replace(n_routed_experts=6), seed=1), other)
-    rc = main(["ab", "--weights", f"base={ckpts / 'base'}", "--weights", f"big={other}", "--arms", "golden",
+    rc = main(["ab", "--weights", f"base={ckpts / 'base'}", "--weights", f"big={other}", "--arm", "golden",
                "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and "another architecture" in err and "n_routed_experts" in err

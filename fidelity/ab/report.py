@@ -97,7 +97,7 @@ def _toggles(factors) -> list[str]:
 
 
 def _stage_one(m: dict) -> list[str] | None:
-    """The arm labels the run's design asked for (design.arm_sets: --arms as typed, or the
+    """The arm labels the run's design asked for (design.arm_sets: --arm as typed, or the
     default's singles, base and base minus each); None when they cannot be re-derived
     (a plugin's toggle not loaded here)."""
     from reference_model.v41.config import is_v41_dict
@@ -114,7 +114,7 @@ def _stage_one(m: dict) -> list[str] | None:
 
 def plotted_arms(m: dict, sets: dict) -> tuple[list[str], dict[str, list[str]]]:
     """The candidate arms the line plots draw, and the ones left out by reason: every arm
-    asked for (--arms, weights variants) is drawn; of the default design, the single
+    asked for (--arm, weights variants) is drawn; of the default design, the single
     toggles and the base (its leave-one-out arms are not); the factorial stage's
     combinations never are (they exist for Shapley values)."""
     first = _stage_one(m)
@@ -259,25 +259,25 @@ def next_steps(result, sus: pd.DataFrame) -> list[str]:
     else:
         t, sched = None, ""
     if t is None or not _is_toggle(t):    # nothing, or a weights variant: more context and prompts
-        return [f"fidelity ab{ck} --long --prompts-per-length 18   # more context, more prompts"]
+        return [f"fidelity ab{ck} --long --reps 18   # more context, more prompts"]
     q = shlex.quote
     at = f"@{sched}" if sched else ""
     if named:
         base, with_t, without_t = _base_with_and_without(m["settings"]["design"]["base"], t, m)
         if without_t == "golden":         # the base is t alone: more power instead
-            out = [f"fidelity ab{ck} --arms {q(t + at)} --long --prompts-per-length 18   "
+            out = [f"fidelity ab{ck} --arm {q(t + at)} --long --reps 18   "
                    f"# {t} with more context and prompts"]
         elif without_t is not None:       # t is part of the base: take it out
-            out = [f"fidelity ab{ck} --arms {q(base + at)} --arms {q(without_t + at)} --vs {q(base + at)} --long"
+            out = [f"fidelity ab{ck} --arm {q(base + at)} --arm {q(without_t + at)} --vs {q(base + at)} --long"
                    f"   # {t} taken out of {base}: does that remove the finding?"]
         else:                             # t was added to the base: alone and on the base, longer
-            out = [f"fidelity ab{ck} --arms {q(t + at)} --arms {q(base + at)} --arms {q(with_t + at)} "
+            out = [f"fidelity ab{ck} --arm {q(t + at)} --arm {q(base + at)} --arm {q(with_t + at)} "
                    f"--vs {q(base + at)} --long   # {t} alone and on {base}, up to 2047 tokens: does it grow?"]
     else:
-        out = [f"fidelity ab{ck} --arms {q(t)} --long --prompts-per-length 18   "
+        out = [f"fidelity ab{ck} --arm {q(t)} --long --reps 18   "
                f"# does {t}'s change inside reach the outcome at longer context?"]
     out.append(f"fidelity needle{ck} --arm golden=golden --arm {q(f'{t}={t}{at}')}   # does {t} cost recall?")
-    out.append(f"fidelity kld{ck} --inprocess golden=golden --inprocess {q(f'{t}={t}{at}')} --exact"
+    out.append(f"fidelity kld{ck} --arm golden=golden --arm {q(f'{t}={t}{at}')} --exact"
                f"   # exact KL of {t} on the same prompts")
     return out
 

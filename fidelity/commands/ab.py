@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from fidelity.commands.options import output_options
+from fidelity.commands.options import output_options, retired
 from fidelity.errors import CommandError
 from fidelity.lengths import HELP as LENGTHS_HELP
 from fidelity.lengths import argtype as lengths_arg
@@ -12,8 +12,8 @@ HELP = "A/B: golden vs engine numerics layer by layer, attribution to toggles, r
 EXAMPLES = """\
     fidelity ab                                     # the embedded model: golden, floors, every toggle, the engine
     fidelity ab --checkpoint /models/DeepSeek-V4-Flash --devices cuda:0,cuda:1,cuda:2,cuda:3 --long
-    fidelity ab --arms engine --arms engine-wo_a_fp8 --vs engine   # does removing wo_a_fp8 from the engine explain it?
-    fidelity ab --arms 'engine@prefix_hit(128)' --arms 'engine,chunk_stale_index_keys@chunked(64)'   # serving state
+    fidelity ab --arm engine --arm engine-wo_a_fp8 --vs engine   # does removing wo_a_fp8 from the engine explain it?
+    fidelity ab --arm 'engine@prefix_hit(128)' --arm 'engine,chunk_stale_index_keys@chunked(64)'   # serving state
     fidelity ab --distributed --checkpoint /models/DeepSeek-V4-Pro   # each rank of `torchrun --nnodes 2 --nproc-per-node 8 ... -m fidelity ab --distributed` (docs/distributed.md)
 """
 
@@ -24,7 +24,8 @@ def add_arguments(p):
                    help="another checkpoint of the same architecture as an arm 'weights:NAME' "
                         "(golden numerics on it; repeatable). Without --checkpoint the first "
                         "--weights is the base the others are compared with")
-    p.add_argument("--arms", action="append", metavar="ARM",
+    retired(p, "--arms", "--arm", "arms", append=True, metavar="ARM")
+    p.add_argument("--arm", dest="arms", action="append", metavar="ARM",
                    help="an arm in DSV4_FIDELITY_ARM syntax, e.g. 'engine,routed_scaling_double', "
                         "optionally @SCHEDULE ('engine@prefix_hit(128)') (repeatable; default: each "
                         "optimization, engine, engine minus each)")
@@ -44,7 +45,8 @@ def add_arguments(p):
                         "prefix_hit(P) (a prefix-cache hit at P), decode_from(P) (the rest through "
                         "the decode path); an arm's own ARM@S overrides; golden under S becomes the "
                         "floor floor:schedule@S")
-    p.add_argument("--prompts-per-length", type=int, default=None,
+    retired(p, "--prompts-per-length", "--reps", "prompts_per_length", type=int)
+    p.add_argument("--reps", dest="prompts_per_length", type=int, default=None,
                    help="built-in prompts per length (default 9, fidelity.ab.design.PromptPlan: "
                         "enough trials for the exact test of a needle-entry loss in 1 of 5)")
     p.add_argument("--prompts", metavar="FILE.jsonl",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from fidelity.commands.options import api_key, endpoint_pair, http_options, output_options
+from fidelity.commands.options import api_key, endpoint_pair, http_options, output_options, retired
 from fidelity.errors import CommandError
 
 HELP = ("Probe live endpoints under serving conditions (prefix-cache hits at each boundary "
@@ -17,7 +17,7 @@ EXAMPLES = """\
 """
 
 
-DEFAULT_FAMILIES = "prefix,batch"          # + chunk,longgen with --inprocess
+DEFAULT_FAMILIES = "prefix,batch"          # + chunk,longgen with --arm
 
 
 def add_arguments(p):
@@ -31,7 +31,8 @@ def add_arguments(p):
                    help="force an endpoint's dialect: sglang, vllm or openai (default: detected)")
     g.add_argument("--model", action="append", default=[], metavar="[ARM=]MODEL",
                    help="served model an endpoint arm queries (as in `fidelity kld`)")
-    g.add_argument("--inprocess", default=None, metavar="NAME=ARM",
+    retired(g, "--inprocess", "--arm", "inprocess", metavar="NAME=ARM")
+    g.add_argument("--arm", dest="inprocess", default=None, metavar="NAME=ARM",
                    help="a reference computed here in one piece (e.g. golden=golden) for the "
                         "chunk family")
     g.add_argument("--checkpoint", default=None,
@@ -40,9 +41,9 @@ def add_arguments(p):
     g = p.add_argument_group("probes")
     g.add_argument("--families", default=None,
                    help="comma-separated probe families: prefix (cache hits vs cold), batch "
-                        "(alone vs in company), spec (speculation on vs --spec-baseline), chunk (KL along the prompt vs --inprocess, at the "
-                        "prefill chunk boundaries), longgen (long generations scored by --inprocess "
-                        f"teacher-forced) (default: {DEFAULT_FAMILIES}, and chunk,longgen with --inprocess)")
+                        "(alone vs in company), spec (speculation on vs --spec-baseline), chunk (KL along the prompt vs --arm, at the "
+                        "prefill chunk boundaries), longgen (long generations scored by --arm "
+                        f"teacher-forced) (default: {DEFAULT_FAMILIES}, and chunk,longgen with --arm)")
     g.add_argument("--probes", type=int, default=None,
                    help=f"probe prompts per family (default: prefix {PrefixPlan.probes}, batch {BatchPlan.probes})")
     g.add_argument("--length", action="append", default=[], metavar="[FAMILY=]N",
@@ -184,14 +185,14 @@ def _at_least(args) -> None:
 
 
 def _reference(spec: str | None, target):
-    """The in-process reference scorer of --inprocess NAME=ARM (None without it)."""
+    """The in-process reference scorer of --arm NAME=ARM (None without it)."""
     if spec is None:
         return None
     from fidelity.arms import parse_arm
     from fidelity.cli import name_value_pairs
     from fidelity.kld.inprocess import InProcessScorer
     from kernel_toggles.arms import version_of
-    (name, text), = name_value_pairs([spec], "--inprocess", "ARM")
+    (name, text), = name_value_pairs([spec], "--arm", "ARM")
     arm = parse_arm(text, version_of(target.cfg))
     return InProcessScorer(name, arm.numerics(), target.weights, arm.name, schedule=arm.schedule)
 

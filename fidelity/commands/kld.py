@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
-from fidelity.commands.options import api_key, endpoint_pair, http_options, output_options
+from fidelity.commands.options import api_key, endpoint_pair, http_options, output_options, retired
 from fidelity.errors import CommandError
 from fidelity.lengths import HELP as LENGTHS_HELP
 from fidelity.lengths import argtype as lengths_arg
@@ -16,9 +16,9 @@ from fidelity.kld.settings import HttpSettings, KldSettings, PromptGrid
 HELP = ("KLD of live endpoints (and in-process arms) against a baseline over HTTP: "
         "llama.cpp-style statistics, decode ladder, captures, attribution and verdict.")
 EXAMPLES = """\
-    fidelity kld --inprocess golden=golden --endpoint engine=http://127.0.0.1:30000   # a live engine vs the golden
+    fidelity kld --arm golden=golden --endpoint engine=http://127.0.0.1:30000   # a live engine vs the golden
     fidelity kld --endpoint base=http://127.0.0.1:30000 --endpoint new=http://127.0.0.1:30001 --exact
-    fidelity kld --distributed --checkpoint /models/DeepSeek-V4-Pro --inprocess golden=golden --endpoint engine=http://127.0.0.1:30000   # each rank of `torchrun --nproc-per-node 8 -m fidelity kld --distributed ...` (docs/distributed.md)
+    fidelity kld --distributed --checkpoint /models/DeepSeek-V4-Pro --arm golden=golden --endpoint engine=http://127.0.0.1:30000   # each rank of `torchrun --nproc-per-node 8 -m fidelity kld --distributed ...` (docs/distributed.md)
 """
 
 
@@ -30,11 +30,12 @@ def add_arguments(p):
     g = p.add_argument_group("arms")
     g.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL", type=endpoint_pair,
                    help="a running server (root or /v1 URL; repeatable)")
-    g.add_argument("--inprocess", action="append", default=[], metavar="NAME=ARM",
+    retired(g, "--inprocess", "--arm", "inprocess", append=True, metavar="NAME=ARM")
+    g.add_argument("--arm", dest="inprocess", action="append", default=[], metavar="NAME=ARM",
                    help="an arm computed here on the embedded model or --checkpoint, with the "
                         "whole vocabulary known (exact KL), e.g. golden=golden (repeatable)")
     g.add_argument("--baseline", default=None,
-                   help="the arm the others are compared with (default: the first --inprocess, "
+                   help="the arm the others are compared with (default: the first --arm, "
                         "else the first --endpoint)")
     g.add_argument("--dialect", action="append", default=[], metavar="NAME=DIALECT",
                    help="force an endpoint's dialect: sglang, vllm, llamacpp or openai (default: detected)")
@@ -78,8 +79,9 @@ def add_arguments(p):
     g = p.add_argument_group("scoring")
     g.add_argument("--top-k", type=int, default=KldSettings.k,
                    help="top-k logprobs per position (default %(default)s)")
-    g.add_argument("--steps", type=int, default=KldSettings.steps,
+    g.add_argument("--decode-steps", dest="steps", type=int, default=KldSettings.steps,
                    help="greedy decode ladder length (default %(default)s)")
+    retired(g, "--steps", "--decode-steps", "steps", type=int)
     g.add_argument("--exact", action="store_true",
                    help="arms also score the baseline's own top ids (SGLang token_ids_logprob; "
                         "vLLM prompt_logprobs -1): the KL bound becomes exact up to the "
@@ -120,7 +122,7 @@ def build_entries(args, target, progress, place=None, driver=None):
     entries = []
     from kernel_toggles.arms import version_of
     version = version_of(target.cfg)
-    for name, spec in _pairs(args.inprocess, "--inprocess"):
+    for name, spec in _pairs(args.inprocess, "--arm"):
         arm = parse_arm(spec, version)
         kw = {"compute_dtype": place.compute_dtype} if place else {}
         from fidelity.pipeline_model import arm_numerics
@@ -139,7 +141,7 @@ def build_entries(args, target, progress, place=None, driver=None):
     if dialects:
         raise ValueError(f"--dialect names no endpoint: {', '.join(dialects)}")
     if not entries:
-        raise ValueError("give at least two arms (--endpoint and/or --inprocess)")
+        raise ValueError("give at least two arms (--endpoint and/or --arm)")
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
         raise ValueError(f"arm names repeat: {names}")
@@ -168,7 +170,7 @@ def build_twins(args, entries, target, progress, place=None, driver=None):
     given = T.parse_options(args.twin, [e.name for e in entries if e.scorer.kind == "endpoint"])
     if args.no_twin or not eps or entries[0].scorer.kind != "inprocess":
         if given and not args.no_twin:
-            raise ValueError("--twin needs the baseline to run in-process (--inprocess golden=golden)")
+            raise ValueError("--twin needs the baseline to run in-process (--arm golden=golden)")
         return []
     from fidelity.arms import parse_arm
     version = version_of(target.cfg)
@@ -255,7 +257,7 @@ def run(args) -> int:
     from fidelity.pipeline_model import run_ranks
     if not args.inprocess:
         raise CommandError("--distributed runs the in-process arms across the ranks; give at least one "
-                           "--inprocess arm (endpoint arms are scored from rank 0 as usual)")
+                           "--arm (endpoint arms are scored from rank 0 as usual)")
     return run_ranks(args, lambda driver: _run(args, driver), lambda cfg: _need(args, cfg))
 
 
@@ -316,7 +318,7 @@ def _run(args, driver=None) -> int:
             prompts = grid_prompts(tok, lengths, _csv(args.depths, float), args.reps, args.seed)
         from fidelity.arms import check_schedules, split_schedule
         from fidelity.cli import name_value_pairs
-        check_schedules({n: split_schedule(s)[1] for n, s in name_value_pairs(args.inprocess, "--inprocess")},
+        check_schedules({n: split_schedule(s)[1] for n, s in name_value_pairs(args.inprocess, "--arm")},
                         [p.length for p in prompts])          # before any arm is scored
         from fidelity.kld.run import TOKENIZER_PROBE, arm_record, check_tokenizers
         check_tokenizers(entries, tok, TOKENIZER_PROBE)

@@ -1,5 +1,6 @@
 """Options several subcommands share, declared once so their names, defaults and help
-cannot drift apart: where results go (--out, --run-id, --fresh, --quiet) and how requests
+cannot drift apart: the vocabulary (one spelling per concept across commands, the old
+spellings accepted for one release with a note), where results go (--out, --run-id, --fresh, --quiet) and how requests
 to a server are retried (--timeout, --retries; infra.http.RetryPolicy's defaults unless a
 command's requests need longer attempts) and authenticated (--api-key-env); which endpoint URLs are accepted (endpoint_url,
 endpoint_pair); which chat encoding --chat-version and --generation name."""
@@ -25,6 +26,74 @@ def output_options(p: argparse.ArgumentParser, what: str, run_id_default: str, *
     if quiet:
         g.add_argument("--quiet", action="store_true", help="no progress lines")
     return g
+
+
+# One spelling per concept: every long option two or more commands take is declared here with
+# what it means (tests/test_options_vocabulary.py fails on an undeclared shared option and on
+# a retired spelling coming back).
+VOCABULARY = {
+    "--arm": "an arm computed here, in-process: a toggle spelling, NAME=ARM where arms are named (repeatable)",
+    "--endpoint": "a running server as an arm (NAME=URL; chat-check: its one URL)",
+    "--checkpoint": "the DeepSeek-native checkpoint in-process arms run (default: the embedded model)",
+    "--tokenizer": "the tokenizer.json prompts are built with",
+    "--model": "the served model an endpoint arm talks to",
+    "--dialect": "an endpoint's API dialect, forced",
+    "--lengths": "prompt lengths in tokens (a list, or boundaries)",
+    "--length": "one prompt length in tokens",
+    "--depths": "needle depths in percent",
+    "--reps": "prompts per cell of the prompt grid (per length, or per length and depth): different needles",
+    "--decode-steps": "greedy decode steps scored after each prompt (teacher-forced on the baseline's tokens)",
+    "--max-tokens": "tokens a server generates per reply (OpenAI's max_tokens)",
+    "--prompts": "your own prompts, a JSONL file",
+    "--seed": "seed of the built-in prompts (and of the bootstrap where there is one)",
+    "--top-k": "log-probabilities asked for per position",
+    "--n-boot": "bootstrap resamples for confidence intervals",
+    "--concurrency": "requests in flight at once",
+    "--page-size": "an engine's prefix-cache page in tokens",
+    "--generation": "the DeepSeek-V4 checkpoint generation (reasoning-effort tiers)",
+    "--chat-version": "the chat encoding's model version (v4, v41)",
+    "--weights-mode": "how a checkpoint's weights are held on the device",
+    "--devices": "where the golden runs",
+    "--device": "where the golden runs (same as --devices)",
+    "--device-memory": "memory per device",
+    "--accumulate": "the golden's accumulation precision on the device",
+    "--distributed": "the golden as a pipeline over torchrun ranks",
+    "--dist-timeout": "seconds to wait for another rank",
+    "--timeout": "seconds per request attempt", "--retries": "retries per request",
+    "--api-key-env": "the environment variable holding the API key",
+    "--out": "the output folder", "--run-id": "the run's folder name under it",
+    "--fresh": "discard stored results instead of resuming", "--quiet": "no progress lines",
+    "--batch": "prompts of one length run together in one pass",
+    "--json": "print one JSON object", "--threads": "CPU threads", "--plugin": "a toggle plugin module",
+}
+# spellings retired for the vocabulary's: accepted for one release, with a note
+RETIRED = {"--inprocess": "--arm", "--arms": "--arm", "--prompts-per-length": "--reps", "--steps": "--decode-steps"}
+
+
+class Retired(argparse.Action):
+    """An old spelling of an option: prints a note naming the new one, then does what the new
+    option does (append or store into the same dest)."""
+
+    def __init__(self, option_strings, dest, new: str = "", append: bool = False, **kw):
+        super().__init__(option_strings, dest, **kw)
+        self.new, self.append = new, append
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import sys
+        print(f"note: {option_string} is now {self.new} (the old spelling is accepted for one release)",
+              file=sys.stderr)
+        if self.append:
+            got = list(getattr(namespace, self.dest, None) or [])
+            setattr(namespace, self.dest, got + [values])
+        else:
+            setattr(namespace, self.dest, values)
+
+
+def retired(g, old: str, new: str, dest: str, append: bool = False, **kw) -> None:
+    """Accept `old` (hidden from --help) as `new` for one release; the default stays the new
+    option's (SUPPRESS: this one sets none, wherever it is declared)."""
+    g.add_argument(old, dest=dest, action=Retired, new=new, append=append, help=argparse.SUPPRESS,
+                   default=argparse.SUPPRESS, **kw)
 
 
 API_KEY_ENV = "OPENAI_API_KEY"

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from fidelity.errors import CommandError
+from fidelity.commands.options import retired
 
 # Lazy imports inside the functions: building the parser imports every command module,
 # and only the command that runs should pay for its machinery (pandas, plots, readers).
@@ -42,11 +43,13 @@ def add_arguments(p):
                         "read from torch.cuda when omitted")
     p.add_argument("--length", type=int, required=True,
                    help="tokens per sequence (prompt + decode steps)")
-    p.add_argument("--prompts", type=int, default=1, help="prompts per pass (default 1)")
+    p.add_argument("--batch", dest="prompts", type=int, default=1, help="prompts per pass (default 1)")
+    retired(p, "--prompts", "--batch", "prompts", type=int)
     p.add_argument("--n-arms", type=int, default=1, help="how many arms run in lockstep (default 1)")
-    # ab, kld and needle take --arms as arm names; a count under the same name misled users
-    p.add_argument("--arms", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--weights", choices=WEIGHT_MODES, default="resident-quantised",
+    # ab, kld and needle take --arm as arm names; a count under the same name misled users
+    p.add_argument("--arm", "--arms", dest="arms", default=None, help=argparse.SUPPRESS)
+    retired(p, "--weights", "--weights-mode", "weights", choices=WEIGHT_MODES)
+    p.add_argument("--weights-mode", dest="weights", choices=WEIGHT_MODES, default="resident-quantised",
                    help="resident-quantised: checkpoint format on the device, layers dequantised "
                         "on use; resident-bf16: dequantised weights resident; streamed: one layer "
                         "resident at a time (default resident-quantised)")
@@ -91,7 +94,7 @@ def run(args) -> int:
                                        render)
     from reference_model.config import ConfigError
     if args.arms is not None:
-        raise CommandError(f"plan-memory counts arms: use --n-arms {args.arms} (--arms names arms "
+        raise CommandError(f"plan-memory counts arms: use --n-arms {args.arms} (--arm names arms "
                            "in ab, kld and needle)", 2)
     try:
         cfg = load_config(args)

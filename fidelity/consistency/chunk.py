@@ -4,14 +4,14 @@ An engine prefills a long prompt in chunks of its `chunked_prefill_size`; state 
 across a chunk boundary (indexer keys, compressor rows, the window) is where serving bugs
 hide (vLLM PR #51252: top-k wrong only on chunked shapes). Per probe prompt (straddling the
 chunk size), the endpoint's prompt logprobs are compared position by position with a
-reference scored in one piece (`--inprocess`, e.g. the golden): KL per position along the
+reference scored in one piece (`--arm`, e.g. the golden): KL per position along the
 prompt, chunk boundaries marked. Each boundary b is judged by its own pair of windows: the
 W positions just before it (`before@b`, the floor) and just after (`after@b`). An arm
 whose KL jumps at the boundary is flagged; one that differs from the reference evenly (a
 kernel's numerics) is not. What this family cannot tell apart: an arm whose own numerics
 change regime at the boundary's position (on the tiny model with 64-token chunks, the
 indexer starts selecting at 4 x index_topk = 64 tokens, so an indexer kernel's KL starts
-there); `fidelity ab --arms 'x@chunked(N)'` separates the two in-process."""
+there); `fidelity ab --arm 'x@chunked(N)'` separates the two in-process."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -59,7 +59,7 @@ class Family:
 
     def _need_reference(self) -> None:
         if self.NEEDS_REFERENCE and self.reference is None:
-            raise FamilyError(f"the {self.name} family {self.NEEDS_REFERENCE}: give --inprocess golden=golden "
+            raise FamilyError(f"the {self.name} family {self.NEEDS_REFERENCE}: give --arm golden=golden "
                               "(or another in-process arm)")
 
     # ---- probe prompts --------------------------------------------------------------------

@@ -6,7 +6,7 @@ Per probe (a chat task, thinking on) the engine generates up to `max_tokens` wit
 logprobs per token, greedily and once sampled at `temperature`. The same request is then
 asked again as one prompt: the engine re-reads its own output in one prefill (prompt
 logprobs), with none of the state a long decode builds. The reference computed here
-(`--inprocess`) scores the engine's sequence teacher-forced, in one prefill: before each
+(`--arm`) scores the engine's sequence teacher-forced, in one prefill: before each
 generated token, KL(reference || engine) on what the engine reported while generating,
 KL(reference || engine) on what it reported re-reading (the floor: its own numerics on
 the same tokens at the same positions), and the rank of the engine's token under the

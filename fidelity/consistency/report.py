@@ -224,7 +224,7 @@ def next_steps(m: dict, sus: pd.DataFrame) -> list[str]:
     arms = {a["name"]: a for a in m["arms"]}
     st = m["settings"]
     ref = m.get("reference") or {}
-    inproc = f" --inprocess {q(ref['name'] + '=' + ref['arm'])}" if ref.get("name") and ref.get("arm") else ""
+    inproc = f" --arm {q(ref['name'] + '=' + ref['arm'])}" if ref.get("name") and ref.get("arm") else ""
     ck = f" --checkpoint {q(str(m['checkpoint']))}" if m.get("checkpoint") else ""
 
     def ep(names):

@@ -56,7 +56,7 @@ def check(spec: Spec, cs) -> None:
         raise SpecError(f"run.consistency: the longgen family scores each engine's own output with the "
                         f"reference while that engine runs, but with an in-process engine ({e.name}) the "
                         "reference is computed and released before any engine is launched (they share the "
-                        "devices); drop longgen from families, or run `fidelity consistency --inprocess` "
+                        "devices); drop longgen from families, or run `fidelity consistency --arm` "
                         "where the golden has devices of its own")
     if "chunk" in cs.families:
         chunk_sizes(spec, cs)
@@ -154,7 +154,7 @@ def _identity(name: str, label: str, e: EngineSpec, cd) -> dict:
 
 def kld_jobs(spec: Spec, e: EngineSpec, cd, version: str = "v4") -> list[Job]:
     """The in-process arms' KLD scoring, the baseline first; with an in-process baseline,
-    `fidelity ab`'s floor arms (as `fidelity kld --inprocess` adds them) after it, then each
+    `fidelity ab`'s floor arms (as `fidelity kld --arm` adds them) after it, then each
     launched arm's twin and the floors around it (fidelity.engines.twins)."""
     from fidelity.ab.design import floor_arms
     from fidelity.arms import parse_arm

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import time
+import sys
 from pathlib import Path
 
 from fidelity.kld.endpoint import Endpoint
@@ -39,13 +40,15 @@ from .twins import with_twin
 from .spec import Spec, SpecError
 from .speculation import launch_order, settings_for, spec_baseline
 
-KLD_KEYS = {"lengths", "depths", "reps", "seed", "top_k", "steps", "exact", "exact_k", "captures",
+# each key spelled as the command's option (fidelity.commands.options.VOCABULARY, `_` for `-`);
+# `steps` is the retired spelling of `decode_steps`, accepted for one release
+KLD_KEYS = {"lengths", "depths", "reps", "seed", "top_k", "decode_steps", "steps", "exact", "exact_k", "captures",
             "n_boot", "tokenizer", "prompts", "dialect"}
 # [run.consistency]: these, plus any field of a family's plan (fidelity.consistency), which
 # applies to every chosen family whose plan has it; [run.consistency.<family>] for one family
 CONSISTENCY_KEYS = {"families", "dialect", "retries", "timeout", "top_k", "max_tokens", "reference"}
 # as fidelity consistency: the families that need no reference by default; these compare
-# with a reference computed here in one piece (`reference = "golden"`, --inprocess there)
+# with a reference computed here in one piece (`reference = "golden"`, --arm there)
 CONSISTENCY_DEFAULT = ("prefix", "batch")
 NEEDS_REFERENCE = ("chunk", "longgen")
 NEEDLE_KEYS = {"lengths", "depths", "reps", "seed", "max_tokens", "api", "temperature", "kind",
@@ -86,7 +89,9 @@ def _settings(spec: Spec) -> KldSettings:
     if bad:
         raise SpecError(f"run.kld: unknown key {bad[0]!r} (allowed: {', '.join(sorted(KLD_KEYS))})")
     d = KldSettings()                 # fidelity kld's defaults (fidelity.kld.settings)
-    return KldSettings(k=int(k.get("top_k", d.k)), steps=int(k.get("steps", d.steps)),
+    if "steps" in k:
+        print("note: run.kld.steps is now decode_steps (the old key is accepted for one release)", file=sys.stderr)
+    return KldSettings(k=int(k.get("top_k", d.k)), steps=int(k.get("decode_steps", k.get("steps", d.steps))),
                        exact=bool(k.get("exact", d.exact)), exact_k=int(k.get("exact_k", d.exact_k)),
                        captures=bool(k.get("captures", d.captures)), n_boot=int(k.get("n_boot", d.n_boot)),
                        seed=int(k.get("seed", d.seed)))
@@ -185,7 +190,7 @@ def _reference_arm(text):
 
 
 def consistency_reference(spec: Spec, target):
-    """The in-process scorer `reference = ARM` names (fidelity consistency --inprocess), or None."""
+    """The in-process scorer `reference = ARM` names (fidelity consistency --arm), or None."""
     text = spec.consistency.get("reference")
     if text is None:
         return None

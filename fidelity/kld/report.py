@@ -168,7 +168,7 @@ def _arm_flag(a: dict) -> str | None:
     spelling = a.get("arm") or a.get("toggles")
     if spelling is None and "spec" in a:
         return None
-    return f"--inprocess {shlex.quote(a['name'] + '=' + str(spelling or a['name']))}"
+    return f"--arm {shlex.quote(a['name'] + '=' + str(spelling or a['name']))}"
 
 
 def _next_steps(m: dict, sus: pd.DataFrame, covered: bool = False) -> list[str]:

@@ -147,9 +147,9 @@ class History:
         self.say(f"b{number}: fidelity kld against the golden and against the twin")
         start = time.monotonic()
         s = self.s
-        r = self._fidelity("kld", "--inprocess", "golden=golden", "--endpoint", f"{arm(number)}={url}",
+        r = self._fidelity("kld", "--arm", "golden=golden", "--endpoint", f"{arm(number)}={url}",
                            "--checkpoint", str(self.ck), "--lengths", s.lengths, "--reps", str(s.reps),
-                           "--steps", str(s.steps), "--top-k", str(s.top_k), "--no-captures",
+                           "--decode-steps", str(s.steps), "--top-k", str(s.top_k), "--no-captures",
                            "--out", str(self.out), "--run-id", arm(number), "--quiet")
         if r.returncode not in (0, 1):
             self.ledger.add("scored", number, ok=False, reason="kld: " + builds.failure_reason(r.stderr))

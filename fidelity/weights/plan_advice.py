@@ -36,7 +36,7 @@ def advice(cfg: ModelConfig, spec: PassSpec, nx: PlanNumerics, plan: MemoryPlan)
           _advise_devices(cfg, spec, nx, fits, out)]
     if spec.weights_mode != "streamed":
         ok.append(fits(weights_mode="streamed"))
-        out.append("streamed weights (--weights streamed): " + (
+        out.append("streamed weights (--weights-mode streamed): " + (
             "fits" if ok[-1] else "not enough on its own"))
     head = max(plan.devices, key=lambda d: d.logits)              # the device running the head
     if spec.logits_mode == "all" and head.logits > 0:

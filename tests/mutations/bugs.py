@@ -1,6 +1,6 @@
 """Mutation suite: one-line bugs of the kinds engines ship, each a user toggle on the seam.
 
-Load it like any plugin (`fidelity ab --plugin tests/mutations/bugs.py --arms mut_...`).
+Load it like any plugin (`fidelity ab --plugin tests/mutations/bugs.py --arm mut_...`).
 It is the proof that the seam reaches every step (each bug is expressible as a toggle
 without touching the model) and that the verdict works: tests/test_mutations.py runs them
 on the trained tiny model and checks each is named with the right first divergent layer.

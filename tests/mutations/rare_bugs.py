@@ -1,7 +1,7 @@
 """Bugs that act on a few prompts only -- the shape of the field's worst V4 bugs (wrong
 only at some lengths or positions) -- for the verdict's per-prompt tail
 (fidelity.verdict.tail). Load like any plugin: `fidelity ab --plugin
-tests/mutations/rare_bugs.py --arms rare_index_page_7`.
+tests/mutations/rare_bugs.py --arm rare_index_page_7`.
 
 On the embedded model with `fidelity ab`'s default 18 prompts, rare_index_page_7 breaks
 2 of them (answer KLD 4.16 and 0.0116 against floors of 0.0017 and 0.0001) and leaves the

@@ -1,7 +1,7 @@
 """Planted bugs that act only at some prompt-length residues, after vllm #55927 (a
 needle's last digit wrong whenever the prompt length is 3 mod 4, pointed at the ratio-4
 compressor's partial group). Load as a plugin (`fidelity ab --plugin
-tests/mutations/residue_bugs.py --arms mut_ape_shift_len3 --lengths boundaries`);
+tests/mutations/residue_bugs.py --arm mut_ape_shift_len3 --lengths boundaries`);
 tests/test_lengths_planted.py shows the boundary grid names them and what the default
 grid sees (docs/lengths.md).
 
