@@ -75,7 +75,10 @@ def _heatmap(plt, axes: tuple[list, list], m, title, scale: HeatScale, marks=Non
                 ax.text(j, i, "n/a", ha="center", va="center", fontsize=7, color="#888")
             else:
                 star = "*" if marks and marks[i][j] else ""
-                ax.text(j, i, fmt.format(v) + star, ha="center", va="center", fontsize=8,
+                r, g, b, _ = im.cmap(im.norm(v))          # dark cells get white text: readable on both ends
+                ink = "white" if 0.299 * r + 0.587 * g + 0.114 * b < 0.5 else "black"
+                text = "0" if v == 0 and scale is DELTA_SCALE else fmt.format(v)
+                ax.text(j, i, text + star, ha="center", va="center", fontsize=8, color=ink,
                         fontweight="bold" if star else "normal")
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()
@@ -112,8 +115,9 @@ def _heatmaps(plt, t: dict, arms: list[str]):
                 m[i][j], marks[i][j] = p["delta"], p["significant"]
         yield (_heatmap(plt, (Ls, Ds), m, f"recall {arms[0]} - {b}  (* McNemar p<{ALPHA})", DELTA_SCALE,
                         marks), f"delta_{_slug(arms[0])}_vs_{_slug(b)}",
-               f"{arms[0]} − {b}", "Paired recall difference per cell (trials both arms scored); "
-               f"* = McNemar p < {ALPHA}, per cell, uncorrected.")
+               f"{arms[0]} − {b}", f"Paired recall difference per cell (trials both arms scored): positive "
+               f"where {arms[0]} recalls more, negative where {b} does; * = McNemar p < {ALPHA}, per cell, "
+               "uncorrected.")
 
 
 def _recall_vs_length(plt, t: dict, arms: list[str]):

@@ -73,3 +73,17 @@ def test_fragility_from_paired_margins():
                                         "margin": m, "best_rank": 1, "topk": 2}]})
     (p,) = mechanism_pairs(rows)
     assert p["margin_shift_median"] == pytest.approx(0.2) and p["fragile_rate"] == pytest.approx(2 / 3)
+
+
+def test_delta_heatmap_text_is_readable_on_dark_cells_and_zero_is_plain():
+    """A -1 cell is dark blue: its label is white; an exact 0 reads "0", not "+0.00"."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from needle.report import DELTA_SCALE, RECALL_SCALE, _heatmap
+    fig = _heatmap(plt, ([383, 642], [0, 100]), [[0.0, 0.0], [0.0, -1.0]], "delta", DELTA_SCALE)
+    texts = {t.get_text(): t.get_color() for t in fig.axes[0].texts}
+    assert texts == {"0": "black", "-1.00": "white"}
+    fig = _heatmap(plt, ([383], [0, 100]), [[1.0], [0.5]], "recall", RECALL_SCALE)
+    assert {t.get_text() for t in fig.axes[0].texts} == {"1.00", "0.50"}
+    plt.close("all")
