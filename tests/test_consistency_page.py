@@ -124,3 +124,24 @@ def test_chunk_sentence_quotes_what_it_compares():
     assert np.isnan(sus.floor.iloc[0])             # no max-before quoted as its floor; the means in `why`
     head = headline(t, pd.DataFrame(), sus)
     assert head.startswith("`bug` jumps in KL after 1 of 1 prefill chunk boundaries, most at token 128: mean KL")
+
+
+def test_chunk_floor_words_quote_the_positions_before_the_first_boundary():
+    """An arm that differs evenly from the reference after its first boundary (no jump at
+    either): the line quotes the KL before the first boundary, not a later window that
+    already follows a boundary (the `stale`-class disagreement, issue 49)."""
+    rng = np.random.default_rng(1)
+    early = [list(rng.uniform(1e-5, 2e-5, 16)) for _ in range(4)]
+    late = [list(rng.uniform(0.1, 0.2, 16)) for _ in range(4)]
+    rows = []
+    for cond, cls, shared, kl in (("before@128", "floor", 128, early), ("after@128", "chunk-boundary", 128, early),
+                                  ("before@256", "floor", 256, late), ("after@256", "chunk-boundary", 256, late)):
+        for probe, w in enumerate(kl):
+            rows.append({"arm": "even", "family": "chunk", "probe": probe, "condition": cond, "class": cls,
+                         "shared": shared, "cached": None, "tokens": [], "bitwise": False, "kl_window": w,
+                         "first_diff": None, "kl_first": w[0], "kl_max": max(w)})
+    t = condition_table(pd.DataFrame(rows))
+    assert not t.flagged.any()
+    line = verdict_lines(t)[0]
+    m = re.search(r"before the first boundary: KL up to ([\d.e-]+); 2 conditions compared", line)
+    assert m and float(m.group(1)) < 1e-4, line

@@ -76,7 +76,7 @@ factors = ["bug"]
 """
 # what a consistency task leaves in state.json for an arm one condition of which is flagged,
 # in the words that read as fine (issue 38)
-QUIET_WORDS = ("`bug` (chunk): no serving condition changes its replies (before the boundaries: KL up to 0.2; "
+QUIET_WORDS = ("`bug` (chunk): no serving condition changes its replies (before the first boundary: KL up to 0.2; "
                "1 conditions).")
 
 

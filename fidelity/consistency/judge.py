@@ -188,7 +188,7 @@ def _flag(c: pd.DataFrame, floor: pd.DataFrame) -> dict:
 
 # how a family's sentences name what a condition is compared with, and its floor
 COMPARED = {"prefix": ("its cold replies", "cold vs cold"), "batch": ("its alone replies", "alone vs alone"),
-            "chunk": ("the one-piece reference", "before the boundaries")}
+            "chunk": ("the one-piece reference", "before the first boundary")}
 
 
 def verdict_lines(table: pd.DataFrame) -> list[str]:
@@ -200,11 +200,16 @@ def verdict_lines(table: pd.DataFrame) -> list[str]:
         if fam == "longgen":
             continue
         floor = g[[is_floor(fam, c) for c in g.condition]]
+        n = len(g) - len(floor)
+        if fam == "chunk" and len(floor):
+            # quoted: the positions before the first boundary, the only ones no chunk boundary
+            # can have touched (a later boundary's before-window already follows one)
+            first = min(floor.condition, key=lambda c: int(c.split("@", 1)[1]))
+            floor = floor[floor.condition == first]
         fl = ("bit-identical" if len(floor) and (floor.bitwise == floor.probes).all()
               else f"KL up to {floor.kl_max.max():.3g}" if len(floor) else "not measured")
         what, floor_name = COMPARED[fam]
         hits = g[g.flagged].sort_values("kl_max", ascending=False)
-        n = len(g) - len(floor)
         if hits.empty:
             lines.append(f"`{arm}` ({fam}): no serving condition changes its replies "
                          f"({floor_name}: {fl}; {n} condition{'s' if n != 1 else ''} compared).")
