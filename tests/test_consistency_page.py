@@ -145,3 +145,22 @@ def test_chunk_floor_words_quote_the_positions_before_the_first_boundary():
     line = verdict_lines(t)[0]
     m = re.search(r"before the first boundary: KL up to ([\d.e-]+); 2 conditions compared", line)
     assert m and float(m.group(1)) < 1e-4, line
+
+
+def test_spec_figure_marks_first_differences_and_off_top1_tokens():
+    """One panel per arm; the off-top-1 token is drawn at its step, the floor as a line."""
+    from fidelity.consistency.plots import spec_figure
+    rows = []
+    for arm, kl, off in (("golden-spec", [0.0] * 6, []), ("lossy", [0, 0, 0.3, 0.5, 0.2, 0.1], [2])):
+        for probe in (0, 1):
+            rows.append({"family": "spec", "condition": "greedy", "arm": arm, "baseline": "base", "probe": probe,
+                         "kl": kl, "first_lp_diff": 2 if off else None, "first_diff": 2 if off else None,
+                         "off_top1": off, "injected": [], "floor_kl_max": 0.0})
+    rows.append({"family": "prefix", "condition": "cold-again", "arm": "x"})
+    fig = spec_figure(pd.DataFrame(rows))
+    assert len(fig.axes) == 2 and fig.axes[1].get_title() == "lossy vs base"
+    crosses = [c for c in fig.axes[1].collections if c.get_offsets().shape[0] and c.get_facecolor().any()
+               and tuple(c.get_offsets()[0]) == (2.0, 0.3)]
+    assert crosses                                             # the off-top-1 token at step 2
+    assert not [c for c in fig.axes[0].collections]            # lossless: nothing marked
+    assert spec_figure(pd.DataFrame(rows[-1:])) is None

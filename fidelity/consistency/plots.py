@@ -184,7 +184,53 @@ def _drift_figure(table: pd.DataFrame, probes: pd.DataFrame):
 
 
 # stem -> (draw(conditions, probes), title)
+def spec_figure(probes: pd.DataFrame):
+    """Speculation on vs off, one panel per arm: KL per generated step of the greedy reply
+    against the baseline's (each probe a line; the baseline asked again dashed grey, its
+    floor), the first step whose distribution differs (circle) and whose token differs
+    (triangle), tokens that are not their own step's top-1 (red cross) and special tokens
+    injected (star): where a verifier's mistake shows, and which kind."""
+    if probes.empty or "family" not in probes:
+        return None
+    g = probes[(probes.family == "spec") & (probes.condition == "greedy")]
+    if g.empty:
+        return None
+    arms = list(dict.fromkeys(g.arm))
+    fig, axes = plt.subplots(1, len(arms), figsize=(4.2 * len(arms) + 1.2, 3.4), sharey=True, squeeze=False)
+    for ax, arm in zip(axes[0], arms):
+        for i, r in enumerate(g[g.arm == arm].itertuples(index=False)):
+            kl = np.maximum(np.asarray(r.kl, float), KL_FLOOR_PLOT)
+            c = f"C{i % 10}"
+            ax.plot(np.arange(len(kl)), kl, lw=0.9, color=c, label=f"probe {r.probe}")
+            for step, marker, size in ((r.first_lp_diff, "o", 36), (r.first_diff, "^", 44)):
+                if step is not None and not pd.isna(step) and int(step) < len(kl):
+                    ax.scatter([int(step)], [kl[int(step)]], marker=marker, s=size, facecolors="none",
+                               edgecolors=c, zorder=3)
+            for steps, marker, color in ((r.off_top1, "x", "C3"), (r.injected, "*", "k")):
+                ok = [int(x) for x in (steps or []) if int(x) < len(kl)]
+                if ok:
+                    ax.scatter(ok, kl[ok], marker=marker, s=48, color=color, zorder=4)
+        fl = float(g[g.arm == arm].floor_kl_max.max())
+        ax.axhline(max(fl, KL_FLOOR_PLOT), color="0.5", ls="--", lw=0.9)
+        ax.set_yscale("log")
+        ax.set_title(f"{arm} vs {g[g.arm == arm].baseline.iloc[0]}", fontsize=9)
+        ax.set_xlabel("generated step")
+    top = max([max(list(k) + [0.0]) for k in g.kl] + [float(g.floor_kl_max.max())])
+    axes[0][0].set_ylim(KL_FLOOR_PLOT / 3, max(3 * top, 1e-6))     # a lossless arm: a flat line at the bottom
+    axes[0][0].set_ylabel(f"KL vs baseline ({KL_FLOOR_PLOT:g} = identical)")
+    from matplotlib.lines import Line2D
+    keys = [Line2D([], [], color="0.5", ls="--", label="baseline asked again (floor)"),
+            Line2D([], [], marker="o", ls="", mfc="none", color="0.3", label="first distribution difference"),
+            Line2D([], [], marker="^", ls="", mfc="none", color="0.3", label="first token difference"),
+            Line2D([], [], marker="x", ls="", color="C3", label="token not its step's top-1"),
+            Line2D([], [], marker="*", ls="", color="k", label="special token injected")]
+    axes[0][-1].legend(handles=keys, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.tight_layout()
+    return fig
+
+
 FIGURES = {"prefix_kl": (lambda t, p: prefix_figure(t), "Prefix-cache hits vs cold"),
+           "spec_kl": (lambda t, p: spec_figure(p), "Speculation on vs off, step by step"),
            "batch_kl": (lambda t, p: _batch_figure(t), "Alone vs with other requests in flight"),
            "chunk_kl": (lambda t, p: _chunk_figure(p), "KL along the prompt, chunk boundaries marked"),
            "drift": (_drift_figure, "KL along long generations")}

@@ -37,7 +37,12 @@ def _family_table(table: pd.DataFrame, family: str, drop: list[str]) -> Table:
     return Table(t, summary=f"{len(t)} conditions ({k} flagged, listed first)")
 
 
-CAPTIONS = {"prefix_kl": "Every prefix-cache condition of every arm at its own coordinates: left, a "
+CAPTIONS = {"spec_kl": "Each probe's greedy reply with speculation against the baseline's, step by step "
+                       "(log KL; the dashed line is the baseline asked again): circles mark the first step "
+                       "whose distribution differs, triangles the first whose token differs, red crosses "
+                       "tokens that are not the top-1 of their own step (only a wrong acceptance emits "
+                       "them), stars special tokens injected.",
+            "prefix_kl": "Every prefix-cache condition of every arm at its own coordinates: left, a "
                          "hit sharing P tokens at P (vertical lines: the boundary classes); right, the "
                          "conditions with no prefix length (a full hit, a second chat turn, the prompt "
                          "after eviction), each at its own place. Filled: flagged. Bit-identical replies "
@@ -314,14 +319,14 @@ def build_page(result: dict) -> Page:
             "their own reported distribution (`off_top1`, the baseline's beside it), the drafts per "
             "verify the server reports (`k_served`) and the engine's acceptance counts where it "
             "reports them (fidelity/consistency/spec_judge.py).",
-            [Table(_flagged_first(spec), fold=False)]))
+            [Table(_flagged_first(spec), fold=False)], [] if spec.flagged.any() else ["spec_kl"]))
     behaviour = result.get("behaviour", pd.DataFrame())
     sus = suspects(table, behaviour)
     shown = sus.head(SUSPECT_ROWS).rename(columns={"kl_max": "KL max", "floor": "floor KL"})
     caption = SUSPECTS_CAPTION + (f" {len(sus) - SUSPECT_ROWS} more in the tables below." if len(sus) > SUSPECT_ROWS
                                   else "")
     return Page("dsv4-fidelity consistency report", compared, result["verdict"],
-                lead_figures=["prefix_kl"],
+                lead_figures=["spec_kl"] if len(spec) and spec.flagged.any() else ["prefix_kl"],
                 suspects=Table(shown, caption=caption, fold=False) if len(sus) else None,
                 next_steps=spec_next_steps(m, spec) + (next_steps(m, sus) if len(sus) or not len(spec)
                                                         or not spec.flagged.any() else []),
