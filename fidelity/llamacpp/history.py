@@ -92,8 +92,9 @@ class History:
         self.ck = prepare.llama_checkpoint(s.checkpoint)
 
     # -- one build ------------------------------------------------------------------------
-    def run_build(self, number: int) -> dict:
-        """Every stage of one build that is not in the ledger yet; the build's summary."""
+    def run_build(self, number: int, needle: bool = True) -> dict:
+        """Every stage of one build that is not in the ledger yet (the needle only when asked:
+        a bisection's probes need the KLD alone); the build's summary."""
         got = self.ledger.get("built", number)
         if got is None:
             self.say(f"b{number}: building (cached builds are reused)")
@@ -107,7 +108,7 @@ class History:
         if not conv["ok"]:
             return self.summary(number)
         need_kld = self.ledger.get("scored", number) is None
-        need_needle = self.s.needle_length and self.ledger.get("needle", number) is None
+        need_needle = needle and self.s.needle_length and self.ledger.get("needle", number) is None
         if need_kld or need_needle:
             self._serve_and_score(b, Path(conv["gguf"]), need_kld, need_needle)
         return self.summary(number)
@@ -209,7 +210,7 @@ class History:
         if got is not None:
             return got
         for n in (a, b):
-            self.run_build(n)
+            self.run_build(n, needle=False)
             if not self.scored(n):
                 return self.ledger.add("bisect", key, ok=False, reason=f"b{n} could not be scored")
         ends = self.compare(a, b)
@@ -247,7 +248,7 @@ class History:
         for i in order:
             if span[i] in failed:
                 continue
-            self.run_build(span[i])
+            self.run_build(span[i], needle=False)
             if self.scored(span[i]):
                 return i
             failed.append(span[i])

@@ -5,6 +5,7 @@ point the first tensor where the two builds part. Read from the ledger only, so 
 rewritten after every build and a resumed history draws the same picture."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -45,8 +46,8 @@ def builds_table(h) -> pd.DataFrame:
         prev_digest = digest or prev_digest
         ok = bool(k and k["ok"])
         rec = nd.get("recall") if nd and nd["ok"] else None
-        needle = ({f"needle recall [CI] at {h.s.needle_length}": (f"{rec[0]:.2f} [{rec[1]:.2f}, {rec[2]:.2f}]"
-                                                                  if rec else (nd or {}).get("reason", ""))}
+        needle = ({f"needle recall [CI] at {h.s.needle_length}": (f"{rec[0]:.2f} [{rec[1]:.2f}, {rec[2]:.2f}] (n={rec[3]})"
+                                                                  if rec else (nd or {}).get("reason", "not run (a bisection probe)"))}
                   if h.s.needle_length else {})
         rows.append({
             "build": f"b{n}", "status": _status(s),
@@ -57,6 +58,7 @@ def builds_table(h) -> pd.DataFrame:
             "KLD vs twin [95% CI]": _ci(k.get("vs_twin")) if ok else "",
             "twin floor": (k.get("vs_twin") or {}).get("floor_hi") if ok else None,
             "vs twin": ("unexplained" if k.get("unexplained") else "matches") if ok and "twin" in k else "",
+            "twin judgement": k.get("twin_sentence", "") if ok and k.get("unexplained") else "",
             "same top-1": k["golden"]["same_top1"] if ok else None,
             "positions": k["golden"]["positions"] if ok else None,
             **needle,
@@ -124,17 +126,20 @@ def plot_timeline(df: pd.DataFrame, h, needle_col: str | None):
     pos = {b: i for i, b in enumerate(df.build)}
     for col, floor, color, label in (("KLD vs golden [95% CI]", "golden floor", "C0", "vs golden"),
                                      ("KLD vs twin [95% CI]", "twin floor", "C3", "vs its twin")):
-        xs, m, lo, hi = [], [], [], []
+        xs, m, lo, hi, names = [], [], [], [], []
         for r in ok.itertuples(index=False):
-            text = getattr(r, _attr(df, col))
-            if not text:
+            ci = _parse_ci(getattr(r, _attr(df, col)))
+            if ci is None:
                 continue
-            mean, rest = text.split(" [")
-            l, u = rest.rstrip("]").split(", ")
-            xs.append(pos[r.build]); m.append(float(mean)); lo.append(float(l)); hi.append(float(u))
+            xs.append(pos[r.build]); m.append(ci[0]); lo.append(ci[1]); hi.append(ci[2]); names.append(r.build)
         if xs:
             m, lo, hi = map(np.array, (m, lo, hi))
-            ax.errorbar(xs, m, yerr=[m - lo, hi - m], fmt="o-", color=color, capsize=3, label=f"mean KLD {label}")
+            ax.errorbar(xs, m, yerr=[m - lo, hi - m], fmt="o-", color=color, capsize=3, label=f"mean KLD {label}",
+                        mfc="white" if "twin" in label else color)
+            if "twin" in label:                      # filled: the twin judgement calls it unexplained
+                bad_x = [x for x, b in zip(xs, names) if (ok[ok.build == b]["vs twin"] == "unexplained").any()]
+                ax.scatter(bad_x, [m[xs.index(x)] for x in bad_x], color=color, zorder=4, s=40,
+                           label="unexplained vs its twin")
             fl = ok[floor].dropna()
             if len(fl):
                 ax.axhline(float(fl.max()), color=color, ls="--", lw=1, alpha=.7,
@@ -146,7 +151,7 @@ def plot_timeline(df: pd.DataFrame, h, needle_col: str | None):
                 ax.axvline(pos[f"b{b}"] - .5, color="0.3", lw=1.2, ls=":")
                 ax.text(pos[f"b{b}"] - .5, 1.0, f" b{a}→b{b}", transform=ax.get_xaxis_transform(),
                         fontsize=8, va="top", rotation=90)
-    bad = df[df.status != "scored"]
+    bad = df[df.status.str.startswith("failed")]
     for r in bad.itertuples(index=False):
         ax.text(pos[r.build], 0.02, "✕", transform=ax.get_xaxis_transform(), ha="center", color="C1", fontsize=12)
     ax.set_yscale("log")
@@ -161,11 +166,9 @@ def plot_timeline(df: pd.DataFrame, h, needle_col: str | None):
     rec = [(pos[r.build], r) for r in ok.itertuples(index=False)]
     ys = []
     for i, r in rec:
-        text = getattr(r, _attr(df, needle_col))
-        if text and "[" in text:
-            mean, rest = text.split(" [")
-            l, u = rest.rstrip("]").split(", ")
-            ys.append((i, float(mean), float(l), float(u)))
+        ci = _parse_ci(getattr(r, _attr(df, needle_col)))
+        if ci is not None:
+            ys.append((i, *ci))
     if ys:
         i, m, lo, hi = map(np.array, zip(*ys))
         ax2.errorbar(i, m, yerr=[m - lo, hi - m], fmt="s-", color="C2", capsize=3, label="needle recall")
@@ -179,6 +182,12 @@ def plot_timeline(df: pd.DataFrame, h, needle_col: str | None):
     ax2.set_xlabel(xlabel)
     ax2.grid(alpha=.3)
     return fig
+
+
+def _parse_ci(text) -> tuple[float, float, float] | None:
+    """(mean, lo, hi) from a cell written as 'mean [lo, hi]...'."""
+    m = re.match(r"\s*([-\d.e+]+) \[([-\d.e+]+), ([-\d.e+]+)\]", str(text or ""))
+    return tuple(float(x) for x in m.groups()) if m else None
 
 
 def _attr(df: pd.DataFrame, col: str) -> str:
@@ -205,9 +214,13 @@ def headline(h) -> str:
     if moved:
         return (f"{len(scored)} llama.cpp builds scored; the numbers change between "
                 + ", ".join(f"{p['a']} and {p['b']} ({p['kind']})" for p in moved) + " (not bisected yet)." + fail)
-    if len(scored) > 1:
+    done = {tuple(p["key"]) for p in pairs}
+    nums = [int(b[1:]) for b in scored.build]
+    if len(nums) > 1 and all((a, b) in done for a, b in zip(nums, nums[1:])):
         return (f"{len(scored)} llama.cpp builds scored ({scored.build.iloc[0]}..{scored.build.iloc[-1]}): "
                 f"every adjacent pair serves bit-identical distributions on every prompt.{fail}")
+    if len(nums) > 1:
+        return f"{len(scored)} llama.cpp builds scored so far; the builds are compared once all are scored.{fail}"
     return f"{len(scored)} llama.cpp build(s) scored so far.{fail}"
 
 
