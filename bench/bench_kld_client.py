@@ -1,4 +1,4 @@
-"""Client cost of `fidelity kld` / `fidelity engines` (research engine-integration.md §1):
+"""Client cost of `fidelity kld` / `fidelity engines` (docs/research/engine-integration.md §1):
 
   parse     a 4096-token prompt scored with top-20 prompt logprobs, as SGLang's /generate
             and vLLM's /v1/completions return it (responses synthesised in each engine's
@@ -134,7 +134,7 @@ def main() -> int:
     md += ["", f"Beyond the engine's own start-up, the launcher adds about {over:.2f} s per arm "
            "(spawn + probes + stop), plus up to one readiness poll interval (1 s for SGLang/vLLM, "
            "0.2 s for fidelity serve) — nothing next to a real engine's 5–20 minutes "
-           "(research §4.2)."]
+           "(docs/research/dsv4-architecture.md §4.2)."]
     out = ROOT / "bench" / "results" / "kld_client.md"
     out.write_text("\n".join(md) + "\n")
     print("\n".join(md))

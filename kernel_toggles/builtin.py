@@ -3,7 +3,7 @@
 Rule: a toggle rounds explicitly only where its engine differs; roundings the reference
 also does go through golden.rs / golden.r32, so they follow the chosen profile.
 
-Every fact here comes from ../shared/research/engine-divergences.md (§1–§3, §5) and
+Every fact here comes from `docs/research/engine-divergences.md` (§1–§3, §5) and
 dsv4-architecture.md (§4, §7, §8); provenance strings cite the section's sources.
 Registration order is the canonical order (roughly the order of the forward); where two
 toggles touch the same kernel and may be combined, the one registered later wraps the
@@ -337,7 +337,7 @@ def _mhc_bf16():
 @toggle("moe_weight_after_w2", kernel="expert_ffn", group="moe_experts", **_B,
         provenance=Provenance(("sglang", "vllm"), ("fused MoE kernels (mul_routed_weight on the "
                                                    "down GEMM)",), (),
-                              "per MoE backend (research §2.7, §8)"),
+                              "per MoE backend (docs/research/dsv4-architecture.md §2.7, §8)"),
         description="Routing weight applied to the fp32 accumulator of the down projection "
                     "(w2) before its bf16 store, as fused MoE kernels do, instead of to the "
                     "SwiGLU intermediate before w2's FP8 activation quantisation as in the "

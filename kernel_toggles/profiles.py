@@ -1,5 +1,5 @@
 """Engine profiles: which SGLang / vLLM settings turn each toggle on or off
-(engine_profiles.json, from research engine-divergences.md §2–§3).
+(engine_profiles.json, from docs/research/engine-divergences.md §2–§3).
 
 Used to build an engine's default arm and, for an engine launcher, to translate an arm
 into env vars and flags — with the toggles that no known setting can realise listed
@@ -185,7 +185,7 @@ def fixed_on(arm, engine: str, version: str | None = None):
 def closest_items(engine: str, version: str | None = None) -> dict:
     """{toggle: params} of the arm an engine runs when every toggle with a known reference
     setting is set to it: its default arm minus the toggles some setting turns off
-    (research engine-divergences.md §7). What remains is what no known setting can change
+    (docs/research/engine-divergences.md §7). What remains is what no known setting can change
     (kernel_toggles.arms.reference_closest makes the arm)."""
     items = {}
     for name in load()["toggles"]:

@@ -3,7 +3,7 @@ it, so `fidelity serve` can reproduce each engine behaviour and each misconfigur
 `fidelity chat-check` can tell documented engine behaviour from a broken deployment.
 They replace the request seam (`chat_request`: the fields as read; `chat_render`: the
 template, and the DSML dialect the answer's tool calls are read in), never a numerics
-kernel. Facts: research engine-integration.md §3, docs/v41-architecture.md §7. An engine
+kernel. Facts: docs/research/engine-integration.md §3, docs/v41-architecture.md §7. An engine
 bug on this seam (`v4_dsml_parser`) is category `known-bug`."""
 from __future__ import annotations
 

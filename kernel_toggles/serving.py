@@ -2,7 +2,7 @@
 cached prefix's state is restored (the `chunk_boundary` / `state_restore` seam,
 reference_model.schedule). They act only under a schedule that has such a boundary
 (`arm@prefix_hit(P)`, `arm@chunked(N)`, or prompts longer than the model's chunk), which
-is where the field's serving bugs live (../research serving-bugs.md)."""
+is where the field's serving bugs live (docs/research/serving-bugs.md)."""
 from __future__ import annotations
 
 import copy

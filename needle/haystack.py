@@ -1,4 +1,4 @@
-"""Haystacks after RULER (tooling-anchors §4b): needle kinds single / multikey (distractor
+"""Haystacks after RULER (docs/research/tooling-anchors.md §4b): needle kinds single / multikey (distractor
 needles with other keys, random or near-duplicates of the queried key: needle/keys.py) /
 multivalue (one key, several values) / multiquery (several keys, all asked for at once),
 values as 7-digit numbers, words or UUIDs, filler from the shipped corpus (`essay`) or

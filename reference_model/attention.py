@@ -1,4 +1,4 @@
-"""The attention of both versions (research §5; docs/v41-architecture.md §5.4): queries and
+"""The attention of both versions (docs/research/dsv4-architecture.md §5; docs/v41-architecture.md §5.4): queries and
 window KV, the compressed rows a layer sees and which of them each query reads, one sparse
 softmax with the sink, the grouped output projection. What differs by version is a small
 part chosen by the config (reference_model.version):

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's part of the attention (research §5): every compressed layer runs its own
+"""DeepSeek-V4's part of the attention (docs/research/dsv4-architecture.md §5): every compressed layer runs its own
 compressor (ratio 4 overlapping, with a lightning indexer: CSA; other ratios dense: HCA)
 on its own state; q gets a per-head RMS rescale and the window KV is FP8 on its nope dims."""
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """DeepSeek-V4 and V4.1 chat encoding, by DeepSeek's own library `deepseek-recipe` (PyPI,
 MIT; the renderer SGLang 0.5.23 uses), not a re-implementation. A request's conversation,
 tools, thinking intent and reasoning effort go through the library's Chat-Completions
-converter and its V4 or V4.1 encoding (research engine-integration.md §3.1, §3.3;
+converter and its V4 or V4.1 encoding (docs/research/engine-integration.md §3.1, §3.3;
 docs/v41-architecture.md §7).
 
-`generation` picks the encoding. V4 has two checkpoint generations (research §3.2):
+`generation` picks the encoding. V4 has two checkpoint generations (docs/research/dsv4-architecture.md §3.2):
 `0731` (the library's tiers: low = no preamble, high / xhigh = "Absolute maximum", max =
 "Beyond maximum"; effort absent with thinking on = high) and `original` (the first V4
 checkpoints' encoder: only max emits a preamble, the "Absolute maximum" one; absent or

@@ -1,4 +1,4 @@
-"""Checkpoint I/O in DeepSeek's native safetensors format (research §3): one import point.
+"""Checkpoint I/O in DeepSeek's native safetensors format (docs/research/dsv4-architecture.md §3): one import point.
 
     info = scan_checkpoint(path)                      # headers only, validated
     w = StreamingWeights(path, device="cuda")         # one layer resident at a time

@@ -1,4 +1,4 @@
-"""On-disk layout of a DeepSeek-native checkpoint (research §3): which safetensors entries
+"""On-disk layout of a DeepSeek-native checkpoint (docs/research/dsv4-architecture.md §3): which safetensors entries
 each TensorSpec becomes, reading shard headers without touching tensor data, and the one
 error type that lists every problem at once (so a bad 46-shard checkpoint is fixed in one
 pass, not one error per run)."""

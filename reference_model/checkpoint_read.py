@@ -1,4 +1,4 @@
-"""Read a DeepSeek-native safetensors checkpoint (research §3): validate it from the shard
+"""Read a DeepSeek-native safetensors checkpoint (docs/research/dsv4-architecture.md §3): validate it from the shard
 headers alone, then hand out weights in the in-memory representation of weights.py (FP8 /
 FP4 dequantised to bf16 [out,in], bf16 / f32 as stored, tid2eid int64).
 

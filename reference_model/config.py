@@ -237,7 +237,7 @@ ModelConfig._validate = staticmethod(validate)
 
 # ---- presets ---------------------------------------------------------------------------
 def flash() -> ModelConfig:
-    """DeepSeek-V4-Flash, research §2 (43 main layers; MTP not modelled)."""
+    """DeepSeek-V4-Flash, docs/research/dsv4-architecture.md §2 (43 main layers; MTP not modelled)."""
     return validate(ModelConfig(
         name="flash", vocab_size=129280, dim=4096, n_layers=43, n_heads=64, head_dim=512,
         rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, window_size=128,

@@ -1,4 +1,4 @@
-"""The golden DeepSeek-V4 / V4.1 forward (research §5; docs/v41-architecture.md §5), one
+"""The golden DeepSeek-V4 / V4.1 forward (docs/research/dsv4-architecture.md §5; docs/v41-architecture.md §5), one
 sequence at a time, layer by layer. One model for both versions: the pieces that differ
 (mHC lag, attention sources, Engram, GEMM grids, placement) are parts picked by the config
 (reference_model/version.py).

@@ -1,5 +1,5 @@
 """The golden's MTP (next-n predict) layers, as DeepSeek's reference `MTPBlock` computes
-them (research §5.8): for a position i, with the main model's residual streams H[i]
+them (docs/research/dsv4-architecture.md §5.8): for a position i, with the main model's residual streams H[i]
 (the 4 mHC copies the head would read) and the embedding of the NEXT token,
 
     e = enorm(embed(tok[i+1]));  h = hnorm(H[i]) per copy;  X = e_proj(e) + h_proj(h)
@@ -24,7 +24,7 @@ from .model import LayerState, Model, SequenceState
 from .specs import BF16, F32, FP8, TensorSpec, layer_specs
 from .taps import Taps
 
-# the MTP's own tensors beside the Block's (research §3.1)
+# the MTP's own tensors beside the Block's (docs/research/dsv4-architecture.md §3.1)
 _OWN = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight",
         "hc_head_fn", "hc_head_base", "hc_head_scale")
 

@@ -1,6 +1,6 @@
 """The kernel seam: every numerically sensitive step of the forward is a method here.
 
-`Numerics("reference")` is DeepSeek's reference semantics (research §4, §7): bf16 storage
+`Numerics("reference")` is DeepSeek's reference semantics (docs/research/dsv4-architecture.md §4, §7): bf16 storage
 between ops, FP8 activation quantisation in front of FP8/FP4 GEMMs, FP8 KV grid on the
 nope dims, Hadamard + FP4 indexer, bf16 indexer scores. `Numerics("exact")` is the same
 math in fp32 (or fp64) with no simulated quantisation: the noise floor.

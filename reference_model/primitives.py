@@ -1,6 +1,6 @@
 """Small numerical primitives of the reference forward: RMSNorm in the reference's cast
 order, the normalised Walsh–Hadamard matrix, RoPE tables (per-layer-type theta, YaRN
-without amplitude factor) and interleaved partial RoPE with its inverse (research §4.4–4.6),
+without amplitude factor) and interleaved partial RoPE with its inverse (docs/research/dsv4-architecture.md §4.4–4.6),
 mHC's Sinkhorn split and the deterministic top-k (shared by V4's and V4.1's kernels).
 
 Functions take a `round_fn` where the reference rounds to bf16, so the same code serves the
@@ -94,7 +94,7 @@ def rope_rotate(tail: torch.Tensor, table: torch.Tensor, inverse: bool = False) 
 
 
 def sinkhorn_split(mixes, scale, base, hc: int, iters: int, eps: float):
-    """`hc_split_sinkhorn` (research §4.8): pre = sigmoid + eps, post = 2·sigmoid,
+    """`hc_split_sinkhorn` (docs/research/dsv4-architecture.md §4.8): pre = sigmoid + eps, post = 2·sigmoid,
     comb = softmax(rows) + eps, one column normalisation, then iters-1 row/column pairs.
     comb[.., j, k]: j = source stream, k = destination."""
     pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps

@@ -1,4 +1,4 @@
-"""Quantisation grids of DeepSeek-V4 (research §3.2, §4.1, §4.2): FP8 e4m3 block QDQ with
+"""Quantisation grids of DeepSeek-V4 (docs/research/dsv4-architecture.md §3.2, §4.1, §4.2): FP8 e4m3 block QDQ with
 power-of-two (E8M0) scales, FP4 e2m1 block QDQ, E8M0 bytes and packed FP4 nibbles.
 
 All QDQ functions take any float tensor and return fp32 values on the grid; the caller

@@ -1,4 +1,4 @@
-"""The checkpoint's tensor table, generated from a config (research §3.1): every tensor's
+"""The checkpoint's tensor table, generated from a config (docs/research/dsv4-architecture.md §3.1): every tensor's
 DeepSeek-native name, logical shape and on-disk format. One source of truth for random
 init, the checkpoint reader/writer, validation and parameter counting."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`fidelity chat-check` against real `fidelity serve` processes: with no request toggle
 every case renders as DeepSeek's encoder; each request toggle alone is flagged on exactly
-the cases it changes (the expected set derived here from research engine-integration.md
+the cases it changes (the expected set derived here from docs/research/engine-integration.md
 §3.3's rules, not from our renderer); an engine profile turns SGLang's documented reading
 into 'documented'; bad input: no tokenize route (counts, weaker), a tokenizer mismatch
 (stops), a server that errors on tools (reported per case, the run goes on). DeepSeek-V4.1

@@ -1,5 +1,5 @@
 """The reference chat encoding (deepseek-recipe via reference_model/chat_encoding.py)
-against research engine-integration.md §3, written here as test data: BOS, role markers,
+against docs/research/engine-integration.md §3, written here as test data: BOS, role markers,
 <think> / </think>, the drop-thinking rule and its exception with tools, DSML tool calls
 and tool results, the effort preambles of both checkpoint generations, and the effort /
 thinking table of §3.3."""

@@ -1,6 +1,6 @@
 """Checkpoint I/O: dequantisation against hand-computed values, bit-exact round trips
 (tensors and forward logits, in memory and streamed), and the Flash tensor table checked
-against a hand transcription of research §3.1 (tests/data/flash_tensor_patterns.txt)."""
+against a hand transcription of docs/research/dsv4-architecture.md §3.1 (tests/data/flash_tensor_patterns.txt)."""
 from __future__ import annotations
 
 import json
@@ -340,7 +340,7 @@ def test_flash_tensor_names_dtypes_shapes_match_research_table():
 
 def test_flash_table_plus_mtp_equals_real_index_total_size():
     """Bytes of the hand table + the MTP layer of §3.1 == the real index's total_size
-    (159,609,485,896, research §2), an outside number the table must reproduce."""
+    (159,609,485,896, docs/research/dsv4-architecture.md §2), an outside number the table must reproduce."""
     sizes = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "I64": 8}
     table = _flash_table()
     main = sum(sizes[d] * math.prod(s) for d, s in table.values())

@@ -11,7 +11,7 @@ from fidelity.cli import main
 from needle_util import ROOT, fidelity_cmd
 
 REQUEST_TOGGLES = {"thinking_default_off", "effort_medium_dropped", "chat_sglang_0523", "chat_vllm_033",
-                   "chat_template_v32"}          # kernel_toggles/request.py, research §3.3
+                   "chat_template_v32"}          # kernel_toggles/request.py, docs/research/dsv4-architecture.md §3.3
 
 
 def _help(*args) -> str:

@@ -8,7 +8,7 @@ from reference_model.specs import count_params
 from reference_model.weights import meta_weights
 from reference_model import Model, Numerics
 
-# research §2, HF config.json of DeepSeek-V4-Flash (keys as shipped)
+# docs/research/dsv4-architecture.md §2, HF config.json of DeepSeek-V4-Flash (keys as shipped)
 HF_FLASH = {
     "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43, "num_nextn_predict_layers": 1,
     "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64,

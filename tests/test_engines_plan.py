@@ -42,7 +42,7 @@ base = "engine:sglang"
 toggles = ["kv_fp8_from_fp32", "wo_a_fp8", "mhc_tf32", "lm_head_bf16", "index_keys_fp8"]
 """
 
-# research engine-divergences.md §7 ("Reference-closest SGLang config") with the names of
+# docs/research/engine-divergences.md §7 ("Reference-closest SGLang config") with the names of
 # engine-integration.md §4.3 (present in SGL-0.5.23)
 SG_CLOSEST_ENV = {"SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE": "1", "SGLANG_OPT_FP8_WO_A_GEMM": "0",
                   "SGLANG_OPT_DEEPGEMM_HC_PRENORM": "0", "SGLANG_OPT_USE_TILELANG_MHC_PRE": "0"}

@@ -1,6 +1,6 @@
 """Golden kernels of the seam (reference_model/numerics.py), attention side: sparse
 attention, indexer, q rescale, KV store, GEMMs, compressor pooling, RoPE tables, against
-brute-force fp64 loops and hand values written from research §4.6-§4.7, §5.4-§5.5, §7 (mHC
+brute-force fp64 loops and hand values written from docs/research/dsv4-architecture.md §4.6-§4.7, §5.4-§5.5, §7 (mHC
 and MoE: test_kernels_mhc_moe.py). Each kernel is run in the `reference` profile (bf16
 storage; default fp64 and the fp32 compute variant) and in the `exact` fp64 profile: exact
 must match fp64 to ~1e-12, reference to bf16 tolerance."""

@@ -1,5 +1,5 @@
 """Golden mHC and MoE kernels of the seam (reference_model/numerics_mix.py) against
-brute-force fp64 transcriptions and hand values written from research §4.8, §5.2, §5.6,
+brute-force fp64 transcriptions and hand values written from docs/research/dsv4-architecture.md §4.8, §5.2, §5.6,
 §5.7: hc_pre / hc_post / hc_head, router scores and weights, the clamped SwiGLU expert and
 the one-cast combine (attention-side kernels: test_kernels.py)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Parsing each engine's scoring response (shapes from research engine-integration.md
+"""Parsing each engine's scoring response (shapes from docs/research/engine-integration.md
 §1.1 / §1.2, written by hand here) into per-position distributions, and the errors that
 name what is wrong: a response shorter than the prompt, a different echoed sequence, no
 prompt logprobs."""

@@ -110,7 +110,7 @@ def test_a_late_start_gives_the_same_last_output(weights, mtpw):
 
 
 def test_flash_mtp_layer_has_deepseeks_names_and_size():
-    """mtp.0.* of V4-Flash (research §3.1): main + MTP bytes = the real index's total."""
+    """mtp.0.* of V4-Flash (docs/research/dsv4-architecture.md §3.1): main + MTP bytes = the real index's total."""
     cfg = flash()
     main = sum(e.nbytes for e in expected_entries(cfg).values())
     specs = mtp_specs(cfg)

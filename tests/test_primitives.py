@@ -1,4 +1,4 @@
-"""Primitives (research §4.4–§4.6, §4.8) against independent derivations: hand values,
+"""Primitives (docs/research/dsv4-architecture.md §4.4–§4.6, §4.8) against independent derivations: hand values,
 pure-Python fp64 formulas written from the spec, closed forms."""
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def test_rope_inv_freq_no_yarn(dim, base):
 
 def test_rope_inv_freq_yarn_flash_compressed_table():
     ref, low, high = _yarn_freqs_fp64(64, 160000.0, 16.0, 65536, 32.0, 1.0)
-    assert (low, high) == (15, 25)                       # research §2
+    assert (low, high) == (15, 25)                       # docs/research/dsv4-architecture.md §2
     got = P.rope_inv_freq(64, 160000.0, 16.0, 65536, 32.0, 1.0, dtype=torch.float64)
     assert torch.allclose(got, torch.tensor(ref, dtype=torch.float64), rtol=1e-14, atol=0)
     base = [160000.0 ** (-2 * i / 64) for i in range(32)]
@@ -232,7 +232,7 @@ def _sigmoid(v):
 
 
 def _sinkhorn_ref(m, scale, base, hc, iters, eps):
-    """Pure-Python fp64 transcription of research §4.8 for one token."""
+    """Pure-Python fp64 transcription of docs/research/dsv4-architecture.md §4.8 for one token."""
     pre = [_sigmoid(m[j] * scale[0] + base[j]) + eps for j in range(hc)]
     post = [2 * _sigmoid(m[hc + j] * scale[1] + base[hc + j]) for j in range(hc)]
     C = [[m[2 * hc + j * hc + k] * scale[2] + base[2 * hc + j * hc + k] for k in range(hc)]

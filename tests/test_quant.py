@@ -1,4 +1,4 @@
-"""Quantisation grids (research §3.2, §4.1, §4.2) against independent re-derivations:
+"""Quantisation grids (docs/research/dsv4-architecture.md §3.2, §4.1, §4.2) against independent re-derivations:
 the e4m3 / e2m1 grids are enumerated here from their bit layouts, rounding is done in exact
 rational arithmetic, and fp32 scale arithmetic is reproduced with numpy float32."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`fidelity serve` against the engines' wire formats as the research notes document them
-(tests/data/wire_formats.json, written from research/engine-integration.md §1.1, §1.2,
-§2.2, §3.4 and research/engine-divergences.md §6): SGLang's /generate meta_info logprobs
+(tests/data/wire_formats.json, written from docs/research/engine-integration.md §1.1, §1.2,
+§2.2, §3.4 and docs/research/engine-divergences.md §6): SGLang's /generate meta_info logprobs
 and vLLM's prompt_logprobs (checked against SGLang's numbers and against the full
 vocabulary). A real server subprocess. The captures, the tokenize endpoints and the ops
 routes: tests/test_server_wire_ops.py."""

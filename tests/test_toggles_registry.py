@@ -15,7 +15,7 @@ REQUIRED = {"index_keys_fp8", "index_no_hadamard", "index_keys_bf16", "index_sco
             "splitk_decode", "mhc_bf16", "mhc_tf32", "routed_scaling_output_bf16",
             "kv_fp8_from_fp32", "kv_bf16", "wo_a_fp8", "lm_head_bf16", "compress_state_bf16",
             "routed_scaling_double", "yarn_on_swa_layers"}
-RESEARCH = Path(__file__).resolve().parents[2] / "shared" / "research" / "engine-divergences.md"
+RESEARCH = Path(__file__).resolve().parents[1] / "docs" / "research" / "engine-divergences.md"
 
 
 # ---- registry ---------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The RoPE toggles' tables and rotations (kernel_toggles/rope.py) against computations
-written here: YaRN frequencies in plain Python floats (research §4.6), transformers' bf16
+written here: YaRN frequencies in plain Python floats (docs/research/dsv4-architecture.md §4.6), transformers' bf16
 cos/sin table with the pair rotation in fp64 Python floats."""
 import math
 
@@ -20,7 +20,7 @@ def gold():
 
 
 def yarn_by_hand(dim, base, factor, orig, beta_fast, beta_slow):
-    """research §4.6, in plain Python floats."""
+    """docs/research/dsv4-architecture.md §4.6, in plain Python floats."""
     freqs = [base ** (-(2 * i) / dim) for i in range(dim // 2)]
 
     def cd(r):

@@ -5,7 +5,7 @@ with simulated quantisation off (`Numerics("exact")`): relative L2 over all posi
 compressed entries (> index_topk = 16, so the indexer really drops entries) and the HCA
 layers 2. Measured: ~1e-6 at every length.
 
-Where transformers deviates from DeepSeek's reference (research §4-§8), and how this test
+Where transformers deviates from DeepSeek's reference (docs/research/dsv4-architecture.md §4-§8), and how this test
 bridges it. Our reference was NOT adapted to transformers; every bridge is on the
 transformers side, inside tests/hf_oracle.py.
 
@@ -119,7 +119,7 @@ def test_lengths_exercise_sparse_selection():
 
 
 def test_rope_tables_match_spec(oracle):
-    """transformers' inv_freq vs research §4.6 evaluated here in fp64; amplitude exactly 1."""
+    """transformers' inv_freq vs docs/research/dsv4-architecture.md §4.6 evaluated here in fp64; amplitude exactly 1."""
     cfg, hf, _ = oracle
     rot = hf.model.rotary_emb
     r = cfg.rope_head_dim

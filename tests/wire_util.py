@@ -1,5 +1,5 @@
 """The wire formats `fidelity serve` is checked against (tests/data/wire_formats.json,
-written from research/engine-integration.md and research/engine-divergences.md) and what
+written from docs/research/engine-integration.md and docs/research/engine-divergences.md) and what
 tests/test_server_wire*.py share: the spec's sections, the prompt they tokenize, the type
 words of the spec, and one SGLang /generate call."""
 import json

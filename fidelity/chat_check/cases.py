@@ -2,7 +2,7 @@
 tools (DSML), thinking (absent / on / off via chat_template_kwargs.thinking) and
 reasoning_effort (absent, none, low, medium, high, max, xhigh); multi-turn conversations
 with earlier reasoning, with and without tools (the drop-thinking rule and its
-exception); a tool call and its result (research engine-integration.md §3.1, §3.3)."""
+exception); a tool call and its result (docs/research/engine-integration.md §3.1, §3.3)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

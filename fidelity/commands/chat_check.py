@@ -24,7 +24,7 @@ def add_arguments(p):
                    help="served model to check (default: the only one served; a server serving several "
                         "needs it)")
     p.add_argument("--generation", choices=("0731", "original"), default="0731",
-                   help="DeepSeek-V4 checkpoint generation of the reference's effort tiers (research §3.2)")
+                   help="DeepSeek-V4 checkpoint generation of the reference's effort tiers (docs/research/dsv4-architecture.md §3.2)")
     p.add_argument("--chat-version", choices=("auto", "v4", "v41"), default="auto",
                    help="model whose chat encoding is the reference: v4 (DeepSeek-V4) or v41 "
                         "(DeepSeek-V4.1: spaced DSML tags, <｜System｜>, numeric reasoning effort; "

@@ -53,7 +53,7 @@ def add_arguments(p):
                         "--max-logprobs; default 20)")
     p.add_argument("--generation", choices=("0731", "original"), default="0731",
                    help="DeepSeek-V4 checkpoint generation whose reasoning-effort tiers the chat "
-                        "encoding uses (research engine-integration.md §3.2; default 0731)")
+                        "encoding uses (docs/research/engine-integration.md §3.2; default 0731)")
     p.add_argument("--chat-version", choices=("auto", "v4", "v41"), default="auto",
                    help="chat encoding and tool-call format: v4 (DeepSeek-V4) or v41 (DeepSeek-V4.1: "
                         "spaced DSML tags, <｜System｜>, numeric reasoning effort); auto (default): "

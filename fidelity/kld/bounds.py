@@ -1,5 +1,5 @@
 """KL between a baseline P and an arm Q when one or both are known only on some token ids
-(research engine-integration.md §1.4). With S the ids both sides know, T_P = 1 - Σ_S p
+(docs/research/engine-integration.md §1.4). With S the ids both sides know, T_P = 1 - Σ_S p
 and T_Q = 1 - Σ_S q (the rest of the vocabulary, lumped):
 
   KL(P‖Q) >= Σ_S p log(p/q) + T_P log(T_P/T_Q)      (coarse-graining; exact when S is

@@ -1,5 +1,5 @@
 """One scoring request per (arm, prompt) in each engine's own wire format, and its response
-parsed into per-position known distributions (research engine-integration.md §1):
+parsed into per-position known distributions (docs/research/engine-integration.md §1):
 
   sglang   POST /generate: input_ids, return_logprob, logprob_start_len 0,
            top_logprobs_num k, token_ids_logprob (exact mode), greedy max_new_tokens N

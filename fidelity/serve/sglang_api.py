@@ -1,4 +1,4 @@
-"""SGLang's native `POST /generate` (research engine-integration.md §1.1, §2.2): `text` or
+"""SGLang's native `POST /generate` (docs/research/engine-integration.md §1.1, §2.2): `text` or
 `input_ids`, `sampling_params`, prompt and output logprobs in `meta_info` as
 `[logprob, token_id, text|null]` triples (the first prompt entry's logprob is null; top
 lists sorted descending), `token_ids_logprob`, and the indexer top-k / routed-expert
