@@ -228,12 +228,6 @@ def resolve(spec: LengthSpec, cfg, min_len: int = 2,
     return [p.length for p in pts], pts, note
 
 
-def grid_table(points: list[GridPoint], modulus: int) -> list[dict]:
-    """One row per length: its residue and boundary (the reports' grid table)."""
-    return [{"length": p.length, "residue": residue_label(p.length, modulus), "boundary": p.boundary}
-            for p in points]
-
-
 def shortest_haystack(counter, spec=None, fmt=None, seeds: int = 16, margin: int = 8) -> int:
     """Fewest tokens a needle haystack can be built with (the boundary grid drops shorter
     lengths): the longest no-filler prompt over `seeds` needles (keys and values differ

@@ -3,7 +3,6 @@ every `fidelity ...` line in a shell block of README.md and docs/*.md parses wit
 parser and uses no retired spelling; every `make TARGET` names a target of the Makefile and
 every `python bench/X.py` / `bash scripts/X.sh` names a file that exists. A line with a
 placeholder (<...>, ...) is a template, not a command, and is counted apart."""
-import argparse
 import re
 import shlex
 from pathlib import Path

@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from fidelity.llamacpp.tensor_dump import DumpError, layer_of, read
+from fidelity.llamacpp.tensor_dump import DumpError, read
 
 
 def _record(name: str, step: int, values: np.ndarray, ne: tuple) -> bytes:
@@ -26,7 +26,6 @@ def test_orientation_steps_and_repeats(tmp_path):
     assert d["q-0"].tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     assert d["q-0#2"].tolist() == [[-0.0, -1, -2], [-3, -4, -5]]
     assert d["top-1"].dtype == np.int32 and d["top-1"].tolist() == [[4, 7]]
-    assert layer_of("attn_out-12") == ("attn_out", 12) and layer_of("embd") == ("embd", None)
 
 
 def test_truncated_record_is_named(tmp_path):

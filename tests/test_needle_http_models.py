@@ -12,7 +12,7 @@ import pytest
 
 from fidelity.cli import main
 from infra.http import ModelChoiceError
-from needle.haystack import HaystackSpec, LocalCounter, PromptFormat, _Builder
+from needle.haystack import HaystackSpec, PromptFormat, _Builder
 from needle.http import HttpRunner
 from needle.results import latest, read_rows
 from needle.sweep import SweepConfig

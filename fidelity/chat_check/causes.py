@@ -237,7 +237,7 @@ PREAMBLE = ("effort preamble dropped", "effort preamble added", "another effort 
 
 def _steps(meta: dict, r: dict) -> list[tuple[str, str]]:
     """(command, why) pairs that test or fix one cause; [] when none fits."""
-    cause, n, names = r["cause"], r["cases"], _exact(r["reproduced by"])
+    cause, names = r["cause"], _exact(r["reproduced by"])
     profile = next((PROFILE_OF[x] for x in names if x in PROFILE_OF), None)
     if profile and not meta.get("engine_profile"):
         return [(rerun(meta, profile=profile), f"{profile}'s documented reading ({PROFILES[profile]}): "

@@ -2,7 +2,6 @@
 gate); fidelity.check_summary reads either into the same per-arm table."""
 from __future__ import annotations
 
-from pathlib import Path
 
 from fidelity.errors import CommandError
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .bounds import Known
-from .dialects import PromptScores, Request, ScoringError, known_from_pairs
+from .dialects import PromptScores, ScoringError, known_from_pairs
 
 PREFIXES_PER_REQUEST = 64         # prefixes per multi-prompt /completion request
 SLOT = 0                          # one pinned slot: its cache holds the previous prefix

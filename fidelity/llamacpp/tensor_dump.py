@@ -4,7 +4,6 @@ golden's orientation ([tokens, ...], ggml's ne[0] last), one array per tensor na
 decode path's steps concatenated along the token axis."""
 from __future__ import annotations
 
-import re
 import struct
 import subprocess
 from collections import defaultdict
@@ -65,8 +64,3 @@ def _concat(arrs: list[np.ndarray]) -> np.ndarray:
     except ValueError:
         return arrs
 
-
-def layer_of(name: str) -> tuple[str, int | None]:
-    """('q', 3) from 'q-3'; names without a layer get None."""
-    m = re.fullmatch(r"(.+)-(\d+)", name)
-    return (m[1], int(m[2])) if m else (name, None)

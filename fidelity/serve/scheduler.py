@@ -44,7 +44,6 @@ class Job:
         self.cancelled = False
         self.compute = 0.0                          # seconds of forwards so far
         self.steps_at_cancel: int | None = None
-        self.submitted = time.monotonic()
 
     def cancel(self) -> None:
         if not self.cancelled:
