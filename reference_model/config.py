@@ -3,53 +3,22 @@ DeepSeek's two config dialects (HF `config.json`, `inference/config.json` = `Mod
 validated field by field so a bad checkpoint config names the bad field."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .config_base import (ConfigError, ConfigSurface, common_checks, hf_rope, missing_fields,
-                          positive_int_errors)
+from .config_base import (ConfigError, ConfigSurface, SharedHead, SharedTail, common_checks, hf_rope,
+                          missing_fields, positive_int_errors)
 from .v41.markers import declared_v41, v41_markers
 
 
 @dataclass(frozen=True)
-class ModelConfig(ConfigSurface):
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    head_dim: int
-    rope_head_dim: int
-    q_lora_rank: int
-    o_groups: int
-    o_lora_rank: int
-    window_size: int
-    compress_ratios: tuple[int, ...]          # one per main layer (MTP entries dropped)
-    rope_theta: float
-    compress_rope_theta: float
-    rope_factor: float
-    original_seq_len: int                      # 0 disables YaRN
-    beta_fast: float
-    beta_slow: float
-    norm_eps: float
-    n_routed_experts: int
-    n_shared_experts: int
-    n_activated_experts: int
-    moe_inter_dim: int
-    route_scale: float
-    n_hash_layers: int
-    swiglu_limit: float
-    index_n_heads: int
-    index_head_dim: int
-    index_topk: int
-    hc_mult: int
-    hc_sinkhorn_iters: int
-    hc_eps: float
-    max_seq_len: int
-    score_func: str = "sqrtsoftplus"
-    n_mtp_layers: int = 0
-    bos_token_id: int = 0
-    eos_token_id: int = 1
-    name: str = "custom"
-    extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+class HashLayers:
+    n_hash_layers: int                          # V4's first layers route by token id
+
+
+@dataclass(frozen=True)
+class ModelConfig(SharedTail, HashLayers, SharedHead, ConfigSurface):
+    """DeepSeek-V4: the shared fields (config_base.SharedHead / SharedTail) and its hash-routed
+    layers."""
 
     # ---- derived ---------------------------------------------------------------------
     def layer_kind(self, i: int) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -19,6 +20,55 @@ POSITIVE_INT = ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "rope_he
                 "q_lora_rank", "o_groups", "o_lora_rank", "window_size", "n_routed_experts",
                 "n_activated_experts", "moe_inter_dim", "index_n_heads", "index_head_dim",
                 "index_topk", "hc_mult", "hc_sinkhorn_iters", "max_seq_len")
+
+
+# The fields both versions declare, once. A version's dataclass lists these two blocks as its
+# bases around its own fields -- `class ModelConfig(SharedTail, HashLayers, SharedHead)` --
+# and dataclasses order fields from the last base to the first: head, the version's own, tail
+# (V4's field order is unchanged, so its manifests and to_dict() read as before).
+@dataclass(frozen=True)
+class SharedHead:
+    vocab_size: int
+    dim: int
+    n_layers: int                               # main (backbone) layers; MTP / draft layers apart
+    n_heads: int
+    head_dim: int
+    rope_head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    window_size: int
+    compress_ratios: tuple[int, ...]            # one per main layer (MTP / draft entries dropped)
+    rope_theta: float
+    compress_rope_theta: float
+    rope_factor: float
+    original_seq_len: int                       # 0 disables YaRN
+    beta_fast: float
+    beta_slow: float
+    norm_eps: float
+    n_routed_experts: int
+    n_shared_experts: int
+    n_activated_experts: int
+    moe_inter_dim: int
+    route_scale: float
+
+
+@dataclass(frozen=True)
+class SharedTail:
+    swiglu_limit: float
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    max_seq_len: int
+    score_func: str = "sqrtsoftplus"
+    n_mtp_layers: int = 0
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    name: str = "custom"
+    extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
 class ConfigSurface:

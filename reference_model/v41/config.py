@@ -9,52 +9,22 @@ Field names follow ModelArgs (as V4's ModelConfig does); the surface V4 tools us
 plan-memory read a V41Config like a ModelConfig. `version = "v4.1"` tells them apart."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..config import ModelConfig
-from ..config_base import ConfigError, ConfigSurface, hf_rope, missing_fields, read_json
+from ..config_base import ConfigError, ConfigSurface, SharedHead, SharedTail, hf_rope, missing_fields, read_json
 from .config_checks import RATIOS, WEIGHT_BLOCK, validate
 from .markers import V41_ONLY_KEYS, declared_v41, text_part, v41_markers
 
 
 @dataclass(frozen=True)
-class V41Config(ConfigSurface):
-    vocab_size: int
-    dim: int
-    n_layers: int                              # backbone layers (draft layers not modelled)
-    n_heads: int
-    head_dim: int
-    rope_head_dim: int
-    q_lora_rank: int
-    o_groups: int
-    o_lora_rank: int
-    window_size: int
-    compress_ratios: tuple[int, ...]           # one per backbone layer (draft entries dropped)
+class V41Own:
+    """What only V4.1 has: KV / index sources, candidate blocks, Engram."""
     kv_source_layers: tuple[int, ...]
     index_source_layers: tuple[int, ...]
     candidate_source_layer: int                # < 0 disables candidate blocks
     candidate_topk_blocks: int
     candidate_block_size: int
-    index_n_heads: int
-    index_head_dim: int
-    index_topk: int
-    rope_theta: float
-    compress_rope_theta: float
-    rope_factor: float
-    original_seq_len: int                      # 0 disables YaRN
-    beta_fast: float
-    beta_slow: float
-    norm_eps: float
-    n_routed_experts: int
-    n_shared_experts: int
-    n_activated_experts: int
-    moe_inter_dim: int
-    route_scale: float
-    swiglu_limit: float
-    hc_mult: int
-    hc_sinkhorn_iters: int
-    hc_eps: float
-    max_seq_len: int
     engram_layer_ids: tuple[int, ...]
     engram_num_embeddings: tuple[int, ...]
     engram_vocab_size: int
@@ -63,16 +33,20 @@ class V41Config(ConfigSurface):
     engram_head_dim: int
     engram_compressed_vocab_size: int
     engram_pad_id: int
-    score_func: str = "sqrtsoftplus"
+
+
+@dataclass(frozen=True)
+class V41Defaults:
     gate_temp: float = 1.0
     image_token_id: int = -1                   # -1: no image token (text-only config)
     weight_block_size: int = WEIGHT_BLOCK
-    n_mtp_layers: int = 0
     draft_ratios: tuple[int, ...] = ()         # compress_ratios entries of the draft layers
-    bos_token_id: int = 0
-    eos_token_id: int = 1
-    name: str = "custom"
-    extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+
+@dataclass(frozen=True)
+class V41Config(V41Defaults, SharedTail, V41Own, SharedHead, ConfigSurface):
+    """DeepSeek-V4.1: the shared fields (config_base.SharedHead / SharedTail; n_layers counts the
+    backbone, the draft layers are not modelled), its own (V41Own) and their defaults."""
 
     version = "v4.1"                           # class attribute (reference_model.v41.is_v41)
     n_hash_layers = 0                          # V4.1 has no hash-routed layers (doc §5.5)
