@@ -63,7 +63,8 @@ def render() -> str:
     pairs = pd.read_csv(rep / "pairs.csv")
     summary = (rep / "summary.md").read_text()
     verdict = next(ln for ln in summary.splitlines() if ln.startswith("**Verdict.**"))
-    changes = summary.split("## Change points", 1)[1].split("\n## ", 1)[0].strip() if "## Change points" in summary else ""
+    changes = summary.split("## Change points", 1)[1].split("\n## ", 1)[0].split("\nRun settings")[0].strip() \
+        if "## Change points" in summary else ""
     if (rep / "timeline.png").is_file():
         PICTURE.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(rep / "timeline.png", PICTURE)

@@ -169,3 +169,33 @@ def test_identical_ends_are_not_bisected(tmp_path):
     r = h.bisect(list(range(10000, 10100, 10)), 10000, 10010)
     assert r["change"] is None and "nothing to bisect" in r["sentence"] and h.runs == [10000, 10010]
     assert json.loads((tmp_path / "history.jsonl").read_text().splitlines()[-1])["stage"] == "bisect"
+
+
+def test_gguf_diff_names_metadata_and_tensors(tmp_path):
+    """Two GGUFs written here with llama.cpp's own gguf-py (the pinned build's): a metadata
+    key added, one changed, a tensor's values changed -- each named."""
+    from fidelity.llamacpp import paths
+    if paths.built() != paths.PINNED:
+        pytest.skip("needs the pinned llama.cpp build's gguf-py (`make llama-cpp`)")
+    import sys
+    sys.path.insert(0, str(paths.source() / "gguf-py"))
+    from gguf import GGUFWriter
+
+    def write(path, extra: bool, w: float):
+        g = GGUFWriter(str(path), "deepseek4")
+        g.add_string("general.name", "t")
+        g.add_uint32("deepseek4.context_length", 4096 if extra else 2048)
+        if extra:
+            g.add_float32("deepseek4.rope.scaling.factor", 16.0)
+        g.add_tensor("a.weight", np.ones((2, 4), np.float32))
+        g.add_tensor("b.weight", np.full((4,), w, np.float32))
+        g.write_header_to_file(); g.write_kv_data_to_file(); g.write_tensors_to_file(); g.close()
+    write(tmp_path / "a.gguf", False, 1.0)
+    write(tmp_path / "b.gguf", True, 2.0)
+    d = D.gguf_diff(tmp_path / "a.gguf", tmp_path / "b.gguf", paths.source() / "gguf-py")
+    assert d["metadata"]["deepseek4.rope.scaling.factor"] == [None, 16.0]
+    assert d["metadata"]["deepseek4.context_length"] == [2048, 4096]
+    assert d["tensors"] == ["b.weight: values"] and not d["only_a"] and not d["only_b"]
+    words = D.gguf_words(d)
+    assert "metadata added: deepseek4.rope.scaling.factor" in words and "changed: deepseek4.context_length" in words
+    assert "1 tensors differ (b.weight: values)" in words

@@ -177,11 +177,15 @@ class History:
     def compare(self, a: int, b: int) -> dict:
         """Builds a and b compared (once; the ledger keeps it)."""
         got = self.ledger.get("pair", [a, b])
-        if got is None:
+        if got is None or (not got["same_gguf"] and "gguf_words" not in got):   # (a pair from before GGUF diffs)
             d = build_diff.pair(self.store, arm(a), arm(b), self._floors())
             ga, gb = self.ledger.get("converted", a), self.ledger.get("converted", b)
             same_gguf = bool(ga and gb and ga.get("digest") == gb.get("digest"))
-            got = self.ledger.add("pair", [a, b], same_gguf=same_gguf, **d.record())
+            extra = {}
+            if ga and gb and not same_gguf:                 # where the converters' outputs differ
+                gd = build_diff.gguf_diff(Path(ga["gguf"]), Path(gb["gguf"]), paths.of(b).source() / "gguf-py")
+                extra = {"gguf_diff": gd, "gguf_words": build_diff.gguf_words(gd)}
+            got = self.ledger.add("pair", [a, b], same_gguf=same_gguf, **extra, **d.record())
         return got
 
     def _floors(self) -> dict:

@@ -67,13 +67,21 @@ def builds_table(h) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def current_pairs(h) -> list[dict]:
+    """The comparisons of adjacent scored builds (an earlier run's pair of builds no longer
+    adjacent is left out) and those a bisection made."""
+    scored = sorted(n for n in {r["key"] for r in h.ledger.all("scored")} if h.scored(n))
+    keep = set(zip(scored, scored[1:])) | {tuple(r["change"]) for r in h.ledger.all("bisect") if r.get("change")}
+    return [p for p in h.ledger.all("pair") if tuple(p["key"]) in keep]
+
+
 def pairs_table(h) -> pd.DataFrame:
     rows = [{"from": p["a"], "to": p["b"],
              "kind": p["kind"], "mean KL [95% CI]": f"{p['kl'][0]:.3g} [{p['kl'][1]:.3g}, {p['kl'][2]:.3g}]",
              "twin's floor (upper)": p["floor"][2], "prompts (n)": p["prompts"],
              "bit-identical prompts": p["identical"], "above own floor": p["beyond"],
-             "same GGUF": "yes" if p["same_gguf"] else "no"}
-            for p in sorted(h.ledger.all("pair"), key=lambda p: tuple(p["key"]))]
+             "same GGUF": "yes" if p["same_gguf"] else f"no: {p.get('gguf_words', 'not compared')}"}
+            for p in sorted(current_pairs(h), key=lambda p: tuple(p["key"]))]
     return pd.DataFrame(rows)
 
 
@@ -204,7 +212,7 @@ def headline(h) -> str:
                                                                      for r in failed.itertuples())
             + ".") if len(failed) else ""
     changes = [r for r in h.ledger.all("bisect") if r.get("ok") and r.get("change")]
-    pairs = h.ledger.all("pair")
+    pairs = current_pairs(h)
     if changes:
         loc = {tuple(r["key"]): r for r in h.ledger.all("localised")}
         words = "; ".join(f"b{c['change'][0]} → b{c['change'][1]} ({localised_words(loc.get(tuple(c['change']))).split('. ')[0]})"
