@@ -39,10 +39,18 @@ def _same(a, b) -> bool:
         len(a.known) == len(b.known) and len(a.ladder) == len(b.ladder)
 
 
+METHOD = 2     # what a stored pair was computed by (1: prompt positions only); a change recomputes it
+
+
 def prompt_kl(a, b) -> tuple[float, bool]:
-    """Mean KL(A || B) lower bound over a prompt's teacher-forced positions; (nan, True) when
-    a side's distribution is non-finite somewhere."""
-    kl = [compare(p, q, None)["kl_lb"] for p, q in zip(a.known, b.known)]
+    """Mean KL(A || B) lower bound over a prompt's teacher-forced positions and its greedy
+    decode ladder up to where the two builds' greedy tokens part (later steps read other
+    text): where the answer is produced; (nan, True) when a side's distribution is non-finite."""
+    same = next((t for t, (x, y) in enumerate(zip(a.ladder_tokens, b.ladder_tokens)) if x != y),
+                min(len(a.ladder_tokens), len(b.ladder_tokens)))
+    steps = range(1, min(len(a.ladder), len(b.ladder), same + 1))       # ladder[0]: the last prompt position
+    pairs = list(zip(a.known, b.known)) + [(a.ladder[t], b.ladder[t]) for t in steps]
+    kl = [compare(p, q, None)["kl_lb"] for p, q in pairs]
     bad = bool(np.isnan(kl).any())
     return (float("nan") if bad else float(np.mean(kl))), bad
 
@@ -81,7 +89,7 @@ class PairDiff:
                 f"{floor}; {self.beyond} of {n} prompts above their own floor{nf}")
 
     def record(self) -> dict:
-        return {"a": self.a, "b": self.b, "prompts": self.prompts, "identical": self.identical,
+        return {"method": METHOD, "a": self.a, "b": self.b, "prompts": self.prompts, "identical": self.identical,
                 "kl": list(self.kl), "floor": list(self.floor), "beyond": self.beyond,
                 "nonfinite": self.nonfinite, "worst": self.worst, "kind": self.kind, "sentence": self.sentence()}
 

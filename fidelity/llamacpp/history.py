@@ -177,7 +177,7 @@ class History:
     def compare(self, a: int, b: int) -> dict:
         """Builds a and b compared (once; the ledger keeps it)."""
         got = self.ledger.get("pair", [a, b])
-        if got is None or (not got["same_gguf"] and "gguf_words" not in got):   # (a pair from before GGUF diffs)
+        if got is None or got.get("method") != build_diff.METHOD:      # a pair computed another way: again
             d = build_diff.pair(self.store, arm(a), arm(b), self._floors())
             ga, gb = self.ledger.get("converted", a), self.ledger.get("converted", b)
             same_gguf = bool(ga and gb and ga.get("digest") == gb.get("digest"))
