@@ -86,7 +86,7 @@ def test_training_data_format():
 def test_a_few_training_steps(tmp_path):
     """Dense, sparse and QAT-activation steps run, the loss falls, and the result is a
     loadable DeepSeek-native checkpoint with the tokenizer beside it."""
-    a = train_tiny.parse_args(["--decode-steps", "4", "--dense-steps", "2", "--qat-act-steps", "1",
+    a = train_tiny.parse_args(["--steps", "4", "--dense-steps", "2", "--qat-act-steps", "1",
                                "--batch", "2", "--dense-len", "170", "190", "--sparse-len", "180", "200",
                                "--threads", "1", "--warmup", "1", "--print-every", "100",
                                "--out", str(tmp_path / "m")])

@@ -79,7 +79,7 @@ def test_init_from_is_the_checkpoint():
 def test_periodic_snapshot_resumes_the_same_run(tmp_path):
     """--snapshot-every writes masters + AdamW state; --resume from it continues with the
     same steps as the uninterrupted run (same data, same optimizer)."""
-    common = ["--decode-steps", "3", "--dense-steps", "2", "--qat-act-steps", "1", "--batch", "1",
+    common = ["--steps", "3", "--dense-steps", "2", "--qat-act-steps", "1", "--batch", "1",
               "--dense-len", "170", "180", "--sparse-len", "170", "180", "--threads", "1",
               "--warmup", "1", "--print-every", "100", "--reset-opt-at", "0",
               "--mix", "near=0.5,single=0.5", "--snapshot-dir", str(tmp_path / "s")]

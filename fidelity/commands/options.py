@@ -42,7 +42,7 @@ VOCABULARY = {
     "--length": "one prompt length in tokens",
     "--depths": "needle depths in percent",
     "--reps": "prompts per cell of the prompt grid (per length, or per length and depth): different needles",
-    "--decode-steps": "greedy decode steps scored after each prompt (teacher-forced on the baseline's tokens)",
+    "--decode-steps": "greedy decode steps scored after each prompt",
     "--max-tokens": "tokens a server generates per reply (OpenAI's max_tokens)",
     "--prompts": "your own prompts, a JSONL file",
     "--seed": "seed of the built-in prompts (and of the bootstrap where there is one)",
