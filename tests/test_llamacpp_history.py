@@ -80,7 +80,7 @@ def test_two_builds_compared_against_the_twins_floors(tmp_path):
     """KL per prompt is checked against a hand computation; the kind follows the floor."""
     rng = np.random.default_rng(0)
     base = {f"p{i}": rng.normal(size=(6, 8)) for i in range(4)}
-    near = {p: x + 1e-4 * rng.normal(size=x.shape) for p, x in base.items()}       # the floor's size
+    near = {p: x + 3e-3 * rng.normal(size=x.shape) for p, x in base.items()}       # the floor's size
     far = {p: x + 0.3 * rng.normal(size=x.shape) for p, x in base.items()}
     nan = {p: x.copy() for p, x in base.items()}
     nan["p2"][3, 1] = np.nan
@@ -89,20 +89,49 @@ def test_two_builds_compared_against_the_twins_floors(tmp_path):
                            "b4": far, "b5": nan})
     floors = D.floors_by_prompt(st)
     same = D.pair(st, "b1", "b2", floors)
-    assert (same.kind, same.identical, same.prompts, same.kl[0]) == (D.IDENTICAL, 4, 4, 0.0)
+    assert (same.kind, same.identical, same.prompts, same.signals["kld_mean"].kl[0]) == (D.IDENTICAL, 4, 4, 0.0)
     assert D.pair(st, "b1", "b3", floors).kind == D.WITHIN
     beyond = D.pair(st, "b1", "b4", floors)
-    assert beyond.kind == D.BEYOND and beyond.beyond == 4 and "beyond the floors" in beyond.sentence()
+    assert beyond.kind == D.BEYOND and beyond.signals["kld_mean"].beyond == 4 and "beyond the floors" in beyond.sentence()
 
     def kl(p, q):                                           # fp64 by hand: mean over positions
         lp = p - np.log(np.exp(p).sum(-1, keepdims=True))
         lq = q - np.log(np.exp(q).sum(-1, keepdims=True))
         return float(np.mean((np.exp(lp) * (lp - lq)).sum(-1)))
     want = np.mean([kl(base[p], far[p]) for p in sorted(base)])
-    assert beyond.kl[0] == pytest.approx(want, rel=1e-9)
-    assert floors["p0"] == pytest.approx(kl(base["p0"], near["p0"]), rel=1e-9)
+    assert beyond.signals["kld_mean"].kl[0] == pytest.approx(want, rel=1e-9)
+    last = np.mean([kl(base[p][-1:], far[p][-1:]) for p in sorted(base)])       # where the answer is produced
+    assert beyond.signals["answer_kld"].kl[0] == pytest.approx(last, rel=1e-9)
+    assert floors["kld_mean"]["p0"] == pytest.approx(max(1e-6, kl(base["p0"], near["p0"])), rel=1e-9)
+    assert floors["answer_kld"]["p0"] == pytest.approx(max(1e-6, kl(base["p0"][-1:], near["p0"][-1:])), rel=1e-9)
     bad = D.pair(st, "b1", "b5", floors)
     assert bad.kind == D.BEYOND and bad.nonfinite == 1 and "non-finite on 1" in bad.sentence()
+
+
+def test_a_few_prompts_far_above_their_floors_are_beyond_though_the_mean_is_not(tmp_path):
+    """The per-prompt tail decides as in the verdict: 3 of 12 prompts far above their own
+    floor are beyond the floors although one noisy floor prompt lifts the floors' mean above
+    the pair's mean; 1 prompt at 20x its floor (p = 1 - 0.95^12 = 0.46) is not."""
+    rng = np.random.default_rng(1)
+    base = {f"p{i:02d}": rng.normal(size=(5, 16)) for i in range(12)}
+    few, one = dict(base), dict(base)
+    for p in ("p03", "p07", "p11"):
+        few[p] = base[p] + 0.05 * rng.normal(size=base[p].shape)
+    one["p05"] = base["p05"] + 1e-3 * rng.normal(size=base["p05"].shape)
+    st = _store(tmp_path, {"b1": base, "b2": few, "b3": one})
+    fl = {"kld_mean": {p: 1e-5 for p in base}, "answer_kld": {p: 1e-6 for p in base}}
+    fl["kld_mean"]["p00"] = 5.0                          # one prompt's floor: a near tie flipped
+    d = D.pair(st, "b1", "b2", fl)
+    k = d.signals["kld_mean"]
+    assert k.kl[1] < k.floor[2]                          # the means alone would say "within"
+    assert k.broken == 3 and k.p_value < 0.05 and d.kind == D.BEYOND
+    assert "3 of 12 prompts at >= 10x their own floor" in d.sentence()
+    v, _ = D.prompt_kl(st.get("b1", "p05", "k" * 16), st.get("b3", "p05", "k" * 16))
+    fl1 = {"kld_mean": {p: 1.0 for p in base}, "answer_kld": {p: 1.0 for p in base}}
+    fl1["kld_mean"]["p05"], fl1["answer_kld"]["p05"] = v["kld_mean"] / 20, v["answer_kld"] * 2
+    d1 = D.pair(st, "b1", "b3", fl1)
+    assert d1.signals["kld_mean"].broken == 1 and d1.signals["kld_mean"].p_value == pytest.approx(1 - (19 / 20) ** 12)   # P(Bin(12, 1/20) >= 1)
+    assert d1.kind == D.WITHIN
 
 
 def test_tensor_diff_names_the_first_tensor_that_parts():
@@ -134,6 +163,18 @@ class FakeHistory(H.History):
     def _level(self, n):
         return (n >= self.CHANGE, n >= self.WITHIN)
 
+    CONVERTER = 99999                      # the first build whose converter writes other numerics
+    converted: list
+
+    def gguf_of(self, n):
+        self.__dict__.setdefault("converted", []).append(n)
+        return {"ok": True}
+
+    def _numeric_diff(self, x, y):
+        moved = (x >= self.CONVERTER) != (y >= self.CONVERTER)
+        return {"metadata": {"deepseek4.rope.scaling.type": [None, "yarn"]} if moved else {},
+                "tensors": [], "only_a": [], "only_b": []}
+
     def compare(self, a, b):
         (ca, wa), (cb, wb) = self._level(a), self._level(b)
         kind = D.BEYOND if ca != cb else D.WITHIN if wa != wb else D.IDENTICAL
@@ -162,6 +203,25 @@ def test_bisect_without_a_floor_change_finds_any_change_and_steps_over_failures(
     r2 = h2.bisect(list(range(10000, 10100, 10)), 10030, 10050)
     assert r2["change"] == [10030, 10050] and not r2["adjacent"] and r2["skipped"] == [10040]
     assert "failed (b10040)" in r2["sentence"]
+
+
+def test_a_converter_change_is_bisected_without_compiling_and_confirmed_on_its_two_builds(tmp_path):
+    """The converter writes YaRN metadata from 10040 on, where the numbers change too: found on
+    conversions alone, then only the two builds at the change compiled and scored."""
+    pool = list(range(10000, 10100, 10))
+    h = FakeHistory(tmp_path)
+    h.CONVERTER = 10040
+    r = h.bisect(pool, 10000, 10090)
+    assert r["change"] == [10030, 10040] and r["via"] == "converter" and h.runs == [10000, 10090, 10030, 10040]
+    assert "the converter changes at b10040 (metadata added: deepseek4.rope.scaling.type" in r["sentence"]
+    assert 0 < len(h.converted) <= int(np.ceil(np.log2(len(pool))))         # conversions probed
+    h2 = FakeHistory(tmp_path / "2")
+    (tmp_path / "2").mkdir()
+    h2.CONVERTER = 10060                                # a converter change that moves no number
+    r2 = h2.bisect(pool, 10000, 10090)
+    assert r2["change"] == [10030, 10040] and r2["via"] == "engine"
+    assert "the converter's own change (metadata added: deepseek4.rope.scaling.type; tensors identical) at b10060 does not move" \
+        in r2["sentence"]
 
 
 def test_identical_ends_are_not_bisected(tmp_path):

