@@ -27,7 +27,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from fidelity.kld.bounds import Known, compare  # noqa: E402
-from fidelity.kld.dialects import Request, sglang_parse, vllm_parse  # noqa: E402
+from fidelity.kld.dialects import Request  # noqa: E402
+from fidelity.servers.sglang import parse as sglang_parse  # noqa: E402
+from fidelity.servers.vllm import parse as vllm_parse  # noqa: E402
 from fidelity.kld.store import ScoreStore  # noqa: E402
 
 N, K, V = 4096, 20, 129280

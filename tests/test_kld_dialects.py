@@ -5,7 +5,10 @@ prompt logprobs."""
 import numpy as np
 import pytest
 
-from fidelity.kld.dialects import Request, ScoringError, openai_parse, sglang_parse, vllm_parse
+from fidelity.kld.dialects import Request, ScoringError
+from fidelity.servers.openai import parse as openai_parse
+from fidelity.servers.sglang import parse as sglang_parse
+from fidelity.servers.vllm import parse as vllm_parse
 
 IDS = [5, 7, 9]
 REQ = Request(k=2, steps=2)

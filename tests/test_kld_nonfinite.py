@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 
 from fidelity.kld.bounds import Known, compare
-from fidelity.kld.llamacpp_dialect import entry_known
+from fidelity.servers.llamacpp import entry_known
 from fidelity.verdict.judge import Bootstrap, Design, judge
 from fidelity.verdict.signals import http_signals
 

@@ -8,109 +8,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 
 import httpx
 
 from infra.http import RequestFailed, check_status, retry, send, transport_failure
 
-from fidelity.kld import llamacpp_dialect as L
-from fidelity.kld.bounds import Known
-from fidelity.kld.dialects import ScoringError, known_from_pairs
+from fidelity import servers
 from fidelity.kld.endpoint import Endpoint, EndpointError
+from fidelity.servers.base import Generation, Reply
 
 # flush routes, in the order tried: SGLang, vLLM
 FLUSH_ROUTES = ("/flush_cache", "/reset_prefix_cache")
 FILLER_ROUTE = "POST /v1/completions (filler)"      # how filler retries are counted
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Reply:
-    """One generation: its tokens, the distribution (top-k and the chosen token)
-    before each, how many prompt tokens the engine reports from its cache (None: it does
-    not say) and why it ended."""
-    tokens: list[int]
-    dists: list[Known]
-    cached: int | None
-    finish: str
-    spec: dict | None = None     # the engine's speculative-decoding counts (SGLang meta_info spec_*)
-
-
-@dataclass(frozen=True)
-class Generation:
-    """What a probe asks an engine to generate: how many tokens, the top-k reported before
-    each, past EOS or not (where the dialect has the field), greedy unless `temperature`,
-    and a seed where the engine takes one."""
-    max_tokens: int
-    k: int = 5
-    ignore_eos: bool = True
-    temperature: float = 0.0
-    seed: int | None = None
-
-
-def _sglang_body(ids, g: Generation, model):
-    sp = {"max_new_tokens": g.max_tokens, "temperature": g.temperature, "ignore_eos": g.ignore_eos}
-    if g.seed is not None:
-        sp["sampling_seed"] = g.seed
-    body = {"input_ids": list(ids), "return_logprob": True, "top_logprobs_num": g.k, "sampling_params": sp}
-    return "/generate", {**body, **({"model": model} if model else {})}
-
-
-def _sglang_reply(d: dict) -> Reply:
-    try:
-        m = d["meta_info"]
-        out, tops = m["output_token_logprobs"], m["output_top_logprobs"]
-    except (KeyError, TypeError):
-        raise ScoringError("the /generate answer has no meta_info output logprobs") from None
-    dists = [known_from_pairs([(x[1], x[0]) for x in top or []] + [(e[1], e[0])]) for e, top in zip(out, tops)]
-    finish = (m.get("finish_reason") or {}).get("type", "") if isinstance(m.get("finish_reason"), dict) \
-        else str(m.get("finish_reason") or "")
-    spec = {k: v for k, v in m.items() if k.startswith("spec_")} or None
-    return Reply([int(e[1]) for e in out], dists, m.get("cached_tokens"), finish, spec)
-
-
-def _completions_body(ids, g: Generation, model, vllm: bool):
-    body = {"prompt": list(ids), "max_tokens": g.max_tokens, "temperature": g.temperature, "logprobs": g.k}
-    if g.seed is not None:
-        body["seed"] = g.seed
-    if vllm:
-        body.update(ignore_eos=g.ignore_eos, return_tokens_as_token_ids=True)
-    return "/v1/completions", {**body, **({"model": model} if model else {})}
-
-
-def _completions_reply(d: dict, piece_ids: dict | None) -> Reply:
-    try:
-        ch = d["choices"][0]
-        lp = ch["logprobs"]
-        toks, vals, tops = lp["tokens"], lp["token_logprobs"], lp.get("top_logprobs") or []
-    except (KeyError, IndexError, TypeError):
-        raise ScoringError("the completion has no choices[0].logprobs (send logprobs k)") from None
-
-    def tid(t: str) -> int | None:
-        if t.startswith("token_id:"):
-            return int(t.split(":", 1)[1])
-        return None if piece_ids is None else piece_ids.get(t)
-    ids = [tid(t) for t in toks]
-    if any(i is None for i in ids):
-        raise ScoringError("cannot map the generated tokens' text back to ids (give --tokenizer)")
-    dists = []
-    for i, v, top in zip(ids, vals, tops + [None] * (len(ids) - len(tops))):
-        pairs = [(j, x) for t, x in (top or {}).items() if (j := tid(t)) is not None]
-        dists.append(known_from_pairs(pairs + [(i, v)]))
-    cached = ((d.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-    return Reply(ids, dists, cached, str(ch.get("finish_reason") or ""))
-
-
-def _llamacpp_reply(d: dict) -> Reply:
-    """Tokens, top-k, cached tokens (`timings.cache_n`: prompt tokens taken from its cache)
-    and the stop reason of a /completion answer."""
-    probs = d.get("completion_probabilities") if isinstance(d, dict) else None
-    if not isinstance(probs, list):
-        raise ScoringError("the /completion answer has no completion_probabilities (send n_probs k)")
-    got = [L.entry_known(e) for e in probs]
-    finish = {"limit": "length", "eos": "stop", "word": "stop"}.get(str(d.get("stop_type")), str(d.get("stop_type") or ""))
-    return Reply([t for t, _ in got], [k for _, k in got], (d.get("timings") or {}).get("cache_n"), finish)
 
 
 class LiveArm:
@@ -135,17 +45,7 @@ class LiveArm:
         raw as the engines report them."""
         ep = self.ep
         self.sent += 1
-        if ep.dialect == "sglang":
-            path, body = _sglang_body(ids, g, ep.model)
-            parse = _sglang_reply
-        elif ep.dialect == "llamacpp":            # no pinned slot: batch probes run side by side
-            path, parse = "/completion", _llamacpp_reply
-            body = L.body([list(ids)], g.k, g.max_tokens, ep.model, temperature=g.temperature, seed=g.seed,
-                          ignore_eos=g.ignore_eos, slot=None)
-        else:
-            path, body = _completions_body(ids, g, ep.model, ep.dialect == "vllm")
-            pieces = ep.piece_ids() if ep.dialect == "openai" else None
-            parse = lambda d: _completions_reply(d, pieces)       # noqa: E731
+        path, body, parse = servers.get(ep.dialect).generation(ids, g, ep)
         return ep.call("POST", path, body, parse=parse)
 
     def filler(self, ids: list[int], max_tokens: int, started) -> None:
@@ -157,7 +57,7 @@ class LiveArm:
         ep = self.ep
         body = {"prompt": list(ids), "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 **({"model": ep.model} if ep.model else {}),
-                **({"ignore_eos": True} if ep.dialect in ("sglang", "vllm", "llamacpp") else {})}
+                **({"ignore_eos": True} if servers.get(ep.dialect).takes_ignore_eos else {})}
 
         def once():
             data = False

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from fidelity import servers
+
 from .batch import BatchFamily, BatchPlan
 from .chunk import ChunkFamily, ChunkPlan
 from .client import LiveArm
@@ -122,11 +124,8 @@ def _preflight(runs: list[list], progress) -> None:
 
 def _dialect_caveats(described: list[dict]) -> list[str]:
     """What an arm read through plain OpenAI completions cannot show, said in the verdict."""
-    return [f"`{a['name']}` was read through the OpenAI dialect: its top-k comes keyed by text and "
-            "is mapped back to ids through the tokenizer (texts several ids share are dropped), and "
-            "it may report no cached-token count: bit-identity and greedy tokens are as strong as "
-            "elsewhere, the KL bounds are looser."
-            for a in described if a.get("dialect") == "openai"]
+    return [f"`{a['name']}` {servers.get(a['dialect']).caveat}"
+            for a in described if a.get("dialect") and servers.get(a["dialect"]).caveat]
 
 
 def _current(row: dict, s: ConsistencySettings) -> bool:

@@ -14,7 +14,6 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,13 +21,14 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from kernel_toggles import profiles
 from kernel_toggles import serving_settings as SS
+
+from fidelity import servers
+from fidelity.servers.profiled import LaunchRefused
 
 from .spec import EngineArm, EngineSpec, SpecError
 
-READY = {"sglang": "/health_generate", "vllm": "/health", "fidelity": "/health_generate", "llamacpp": "/health",
-         "external": "/v1/models", "inprocess": ""}
+READY = {"external": "/v1/models", "inprocess": ""}     # the launched kinds: their module's ready_path
 LOG_TAIL = 20
 
 
@@ -55,20 +55,6 @@ class LaunchPlan:
         return (env + " " if env else "") + " ".join(shlex.quote(c) for c in self.cmd)
 
 
-def _base_cmd(e: EngineSpec) -> list[str]:
-    if e.kind == "sglang":
-        return [e.python, "-m", "sglang.launch_server", "--model-path", e.model, "--host", e.host,
-                "--port", str(e.port)]
-    if e.kind == "vllm":
-        return [e.python, "-m", "vllm.entrypoints.cli.main", "serve", e.model, "--host", e.host,
-                "--port", str(e.port)]
-    if e.kind == "llamacpp":
-        from fidelity.llamacpp import paths
-        return paths.server_command(e.model, e.host, e.port)
-    cmd = [python_for(e), "-m", "fidelity.cli", "serve", "--host", e.host, "--port", str(e.port)]
-    return cmd + (["--checkpoint", e.model] if e.model else [])
-
-
 def plan_arm(arm: EngineArm, e: EngineSpec, captures: bool = False, max_logprobs: int | None = None) -> LaunchPlan:
     """The launch of one arm; refuses (SpecError naming the toggle) what the engine cannot
     be set to, and unconfirmed mappings unless the engine allows them."""
@@ -77,7 +63,7 @@ def plan_arm(arm: EngineArm, e: EngineSpec, captures: bool = False, max_logprobs
             f"computed in this process on {','.join(e.devices)} ({e.model or 'the embedded model'}), "
             "scored and released before any engine is launched"])
     url = e.url if e.kind == "external" else f"http://{e.host}:{e.port}"
-    p = LaunchPlan(arm.name, e.name, e.kind, url, ready_path=e.ready_path or READY[e.kind],
+    p = LaunchPlan(arm.name, e.name, e.kind, url, ready_path=e.ready_path or READY.get(e.kind) or servers.get(e.kind).ready_path,
                    start_timeout=e.start_timeout, stop_grace=e.stop_grace)
     if e.kind == "external":
         if arm.toggles is not None or arm.env or arm.flags or arm.serving:
@@ -85,51 +71,17 @@ def plan_arm(arm: EngineArm, e: EngineSpec, captures: bool = False, max_logprobs
                             "cannot be given toggles, serving settings, env or flags")
         return p
     env, flags = dict(e.env), list(e.flags)
-    if e.kind == "llamacpp":
-        from fidelity.llamacpp import flags as LF
-        from fidelity.llamacpp import paths
-        if arm.toggles is not None:             # its in-process twin's spelling -> flags and env
-            try:
-                more_flags, more_env = LF.launch_of(arm.toggles)
-            except LF.FlagError as ex:
-                raise SpecError(f"arm {arm.name}: {ex}") from None
-            flags += more_flags
-            env.update(more_env)
-            p.notes.append(f"numerics: the {LF.PROFILE} profile with {arm.toggles}")
-        if paths.built() != paths.PINNED:
-            p.notes.append("llama.cpp is not built here: `make llama-cpp` builds the pinned llama-server")
-    elif e.kind == "fidelity":
-        env["DSV4_FIDELITY_ARM"] = str(arm.toggles) if arm.toggles is not None else "golden"
-        if max_logprobs is not None:
-            flags += ["--max-logprobs", str(max_logprobs)]
-    elif arm.toggles is not None:
-        try:
-            ls = profiles.launch_settings(arm.toggles, e.kind, e.version)
-        except ValueError as ex:
-            raise SpecError(f"arm {arm.name}: {ex}") from None
-        if ls.unrealisable:
-            raise SpecError(f"arm {arm.name} on {e.kind} {e.version}: " + "; ".join(
-                f"{t}: {why}" for t, why in ls.unrealisable) + " (no mapping: refused, not dropped)")
-        risky = [t for t in ls.applied if t in ls.unconfirmed]
-        if risky and not e.allow_unconfirmed:
-            raise SpecError(f"arm {arm.name} on {e.kind} {e.version}: the settings for "
-                            f"{', '.join(risky)} are UNCONFIRMED in the research; set "
-                            f"allow_unconfirmed = true in [engines.{e.name}] to launch anyway")
-        env.update(ls.env)
-        flags += ls.flags
-        p.notes += [f"unconfirmed mapping applied: {t}" for t in risky]
-        p.notes += [f"engine behaviour unknown, nothing set: {t}" for t in ls.unknown]
-        p.notes += [f"behaviour assumed (engine default, unconfirmed): {t}"
-                    for t in ls.unconfirmed if t not in ls.applied]
+    server = servers.get(e.kind)
+    try:
+        server.numerics(arm, e, env, flags, p.notes)
+    except LaunchRefused as ex:
+        raise SpecError(str(ex)) from None
     if arm.serving:
         _serving(arm, e, env, flags, p)
-    if e.kind == "sglang" and captures:
-        flags += ["--enable-return-indexer-topk", "--enable-return-routed-experts"]
-    if e.kind == "vllm" and max_logprobs is not None:
-        flags += ["--max-logprobs", str(max_logprobs), "--logprobs-mode", "raw_logprobs"]
+    flags += server.output_flags(captures, max_logprobs)
     env.update(arm.env)
     flags += arm.flags
-    p.cmd, p.env = _base_cmd(e) + flags, env
+    p.cmd, p.env = server.command(e) + flags, env
     return p
 
 
@@ -137,7 +89,7 @@ def _serving(arm: EngineArm, e: EngineSpec, env: dict, flags: list, p: LaunchPla
     """The arm's serving settings as the engine's flags and env (kernel_toggles.serving_settings);
     refused by name when the engine has no such setting, when the mapping is unconfirmed
     and the engine does not allow that, or when a base or arm flag / env var would fight it."""
-    version = e.version if e.kind in ("sglang", "vllm") else None
+    version = e.version if servers.get(e.kind).profiled else None
     where = f"arm {arm.name} on {e.kind}" + (f" {version}" if version else "")
     try:
         ls = SS.launch(arm.serving, e.kind, version)
@@ -328,7 +280,3 @@ def _group_alive(pgid: int) -> bool:
         return False
     return True
 
-
-def python_for(e: EngineSpec) -> str:
-    """`python3` in a spec means this interpreter for our own server."""
-    return sys.executable if e.kind == "fidelity" and e.python == "python3" else e.python

@@ -307,7 +307,7 @@ def _run_arm(run: EngineRun, arm, plan, consistency) -> None:
             proc.start()
             st["pid"] = proc.pid
             state.event("launched", arm=arm.name, engine=arm.engine, pid=proc.pid)
-            st["ready_s"] = proc.wait_ready(poll=1.0 if plan.kind != "fidelity" else 0.2,
+            st["ready_s"] = proc.wait_ready(poll=_ready_poll(plan.kind),
                                             progress=ReadinessLog(progress.log, arm.name, plan.ready_path))
             progress.log(f"{arm.name}: ready after {st['ready_s']:.1f} s")
         ep = Endpoint(arm.name, plan.url, spec.kld.get("dialect"), None,      # model: pick_model on connect
@@ -345,10 +345,16 @@ def _run_arm(run: EngineRun, arm, plan, consistency) -> None:
             progress.log(f"{arm.name}: stopped ({describe_exit(code)})")
 
 
+def _ready_poll(kind: str) -> float:
+    from fidelity import servers
+    return servers.get(kind).ready_poll if kind in servers.REGISTRY else 1.0
+
+
 def _reading(st: dict) -> dict:
     """How an arm's prompt positions were read, when not from one prefill (llama.cpp)."""
-    from fidelity.kld.llamacpp_dialect import READING
-    return {"reading": READING} if st.get("dialect") == "llamacpp" else {}
+    from fidelity import servers
+    reading = servers.get(st["dialect"]).reading if st.get("dialect") else None
+    return {"reading": reading} if reading else {}
 
 
 def report(run: EngineRun, run_id: str) -> dict:

@@ -62,13 +62,13 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fidelity.llamacpp import flags as LF
+from fidelity import servers
 from kernel_toggles import ToggleSet, profiles
 from kernel_toggles import arms as K
 from kernel_toggles import serving_settings as SS
 from kernel_toggles.arms import reference_closest
 
-KINDS = ("sglang", "vllm", "fidelity", "llamacpp", "external", "inprocess")
+KINDS = servers.launchable() + ("external", "inprocess")
 # what an in-process engine takes: it is computed here, so nothing about a launch applies
 INPROCESS_KEYS = ("kind", "model", "devices", "weights_mode", "accumulate")
 DESIGNS = ("one-at-a-time", "leave-one-out", "factorial")
@@ -184,12 +184,9 @@ def _engine(name: str, d: dict) -> EngineSpec:
     e.serving = _serving(d.get("serving", {}), f"{where}.serving")
     if kind == "external" and not e.url:
         raise SpecError(f"{where}: an external engine needs url")
-    if kind == "llamacpp" and not (e.model or "").endswith(".gguf"):
-        raise SpecError(f"{where}: a llamacpp engine needs model = a .gguf file "
-                        "(`fidelity llamacpp prepare` writes one for a checkpoint)")
-    if kind in ("sglang", "vllm") and not (e.model and e.version):
-        raise SpecError(f"{where}: a {kind} engine needs model and version "
-                        "(toggle mappings are per version)")
+    lacks = servers.get(kind).check(e, where) if kind in servers.REGISTRY else None
+    if lacks:
+        raise SpecError(lacks)
     return e
 
 
@@ -267,8 +264,9 @@ def _toggles(text, where, model: str = "v4"):
 
 def _closest(e: EngineSpec, where: str):
     """toggles = "closest": the engine with every known reference setting applied."""
-    if e.kind not in ("sglang", "vllm"):
-        raise SpecError(f"{where}: \"closest\" needs an sglang or vllm engine")
+    if not (e.kind in servers.REGISTRY and servers.get(e.kind).profiled):
+        profiled = " or ".join(n for n, s in servers.REGISTRY.items() if s.profiled)
+        raise SpecError(f"{where}: \"closest\" needs an engine whose toggles map through profiles ({profiled})")
     try:
         return reference_closest(e.kind, e.version)
     except ValueError as ex:
@@ -301,9 +299,9 @@ def _arm(i: int, d: dict, engines) -> EngineArm:
     if factors is None:              # what attribution credits: the toggles, plus the patch
         factors = set(ts.names) if ts is not None else set()
         patched = env or flags or own
-        if engines[eng].kind == "llamacpp" and ts is None:
-            factors, patched = _llamacpp_factors(env, flags, f"{where} ({name})"), (
-                own or not LF.only_numerics(flags, env))
+        read = _flag_factors(engines[eng], env, flags, f"{where} ({name})") if ts is None else None
+        if read is not None:
+            factors, patched = read[0], own or read[1]
         if patched or not factors:
             factors.add(name)
     serving = {**engines[eng].serving, **own}
@@ -311,13 +309,16 @@ def _arm(i: int, d: dict, engines) -> EngineArm:
                      {n: serving[n] for n in SS.SETTINGS if n in serving})
 
 
-def _llamacpp_factors(env: dict, flags: list, where: str) -> set:
-    """The toggles a llama.cpp arm's own flags and env set away from its defaults
-    (fidelity.llamacpp.flags): what attribution credits for `-ctk q8_0`."""
+def _flag_factors(e: EngineSpec, env: dict, flags: list, where: str) -> tuple[set, bool] | None:
+    """The toggles an arm's own flags and env set away from its engine's defaults, for an
+    engine whose flags are read as toggles (llama.cpp's `-ctk q8_0`): what attribution
+    credits; None for the others."""
+    if e.kind not in servers.REGISTRY:
+        return None
     try:
-        return set(LF.read(flags, env).factors())
-    except LF.FlagError as e:
-        raise SpecError(f"{where}: {e}") from None
+        return servers.get(e.kind).flag_factors(flags, env)
+    except ValueError as ex:
+        raise SpecError(f"{where}: {ex}") from None
 
 
 def _design(i: int, d: dict, engines) -> list[EngineArm]:
@@ -346,7 +347,7 @@ def _design(i: int, d: dict, engines) -> list[EngineArm]:
     e = engines[d["engine"]]
     out = []
     for label, ts in named:
-        if e.kind in ("sglang", "vllm"):
+        if e.kind in servers.REGISTRY and servers.get(e.kind).profiled:
             try:
                 ts = profiles.fixed_on(ts, e.kind, e.version)
             except ValueError as ex:

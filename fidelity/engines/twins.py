@@ -12,27 +12,16 @@ from __future__ import annotations
 
 from fidelity.arms import parse_arm
 from fidelity.kld.twin import Twin
-from fidelity.llamacpp import flags as LF
+from fidelity import servers
 
 from .spec import Spec
 
 
 def spelling_of(spec: Spec, arm) -> tuple[str, str] | None:
-    """(twin spelling, where it came from) of a launched arm, or None."""
+    """(twin spelling, where it came from) of a launched arm, or None (its engine's module
+    says: fidelity.servers)."""
     e = spec.engines[arm.engine]
-    if e.kind == "llamacpp":
-        if arm.toggles is not None:             # scored position by position, as llama-server is read
-            return (f"{LF.PROFILE}:{arm.toggles}@{LF.SCORED_ON}",
-                    "the arm's toggles (on llama.cpp's exact profile, position by position)")
-        try:
-            return LF.scored_twin([*e.flags, *arm.flags], {**e.env, **arm.env}), "llama-server's flags and env"
-        except LF.FlagError:
-            return None                   # the launch plan already refuses what cannot be modelled
-    if arm.toggles is not None and e.kind in ("sglang", "vllm", "fidelity"):
-        return str(arm.toggles) or "golden", "the arm's toggles"
-    if e.kind in ("sglang", "vllm"):
-        return f"engine:{e.kind}", f"{e.kind}'s profiled defaults (kernel_toggles/engine_profiles.json)"
-    return None
+    return servers.get(e.kind).twin_of_arm(e, arm) if e.kind in servers.REGISTRY else None
 
 
 def engine_twins(spec: Spec, version: str) -> list[Twin]:

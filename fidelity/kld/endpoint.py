@@ -20,22 +20,15 @@ import numpy as np
 from infra.http import (ModelChoiceError, RequestFailed, RetryPolicy, URLError, backoff_delay, bearer, check_url,
                         pick_model, redact_url, send, split_base)
 
-from needle.http import llama_tokenize_body
+from fidelity import servers
+from fidelity.servers import llamacpp as L
+from fidelity.servers.sglang import CAPTURE_SHAPE_KEYS, capture_shape, has_captures
+from fidelity.servers.sglang import captures as sglang_captures
 
-from . import llamacpp_dialect as L
 from .bounds import Known
-from .dialects import (CAPTURE_SHAPE_KEYS, DIALECTS, PARSERS, PromptScores, Request, ScoringError,
-                       capture_shape, has_captures, sglang_captures)
+from .dialects import PromptScores, Request, ScoringError
 
 log = logging.getLogger(__name__)
-
-HINTS = {"sglang": "SGLang: POST /generate with return_logprob (any recent SGLang)",
-         "vllm": "vLLM: /v1/completions with prompt_logprobs (start vLLM with --max-logprobs "
-                 ">= k, or -1)",
-         "llamacpp": "llama.cpp: llama-server's native /completion with n_probs (read "
-                     "teacher-forced, prefix by prefix)",
-         "openai": "OpenAI-compatible: /v1/completions with echo + logprobs"}
-
 
 IDS_PER_REQUEST = 512            # SGLang exact mode: requested ids per scoring request
 
@@ -65,8 +58,8 @@ class Endpoint:
 
     def __init__(self, name: str, url: str, dialect: str | None = None, model: str | None = None,
                  policy: RetryPolicy | None = None, tokenizer=None, on_retry=None, api_key: str | None = None):
-        if dialect is not None and dialect not in DIALECTS:
-            raise EndpointError(f"{name}: unknown dialect {dialect!r} (one of {', '.join(DIALECTS)})")
+        if dialect is not None and dialect not in servers.DIALECTS:
+            raise EndpointError(f"{name}: unknown dialect {dialect!r} (one of {', '.join(servers.DIALECTS)})")
         try:
             check_url(url)                           # the CLI checks it when parsed; callers in code too
         except URLError as e:
@@ -157,8 +150,7 @@ class Endpoint:
         props = None if info is not None or version is not None else self.call("GET", "/props", ok404=True)
         self.llama_server = L.is_llama_server(props)
         if self.dialect is None:
-            self.dialect = ("sglang" if info is not None else "vllm" if version is not None
-                            else "llamacpp" if self.llama_server else "openai")
+            self.dialect = servers.detect(servers.Found(info, version, self.llama_server))
         self.shape = capture_shape(info)         # None: no captures, or learnt when they come
         self.info = {"models": ids, "model_info": info, "version": version,
                      "server_info": self.call("GET", "/get_server_info", ok404=True)}
@@ -192,14 +184,15 @@ class Endpoint:
             if not isinstance(t, list):
                 raise ScoringError(f"no `tokens` list in the answer: {str(d)[:120]}")
             return [int(x) for x in t]
-        body = llama_tokenize_body(text) if self.llama_server else {"prompt": text, "model": self.model}
+        body = servers.served_as(self).tokenize_body(text, self.model)
         return self.call("POST", "/tokenize", body, ok404=True, parse=tokens)
 
     def describe(self) -> dict:
         d = {"name": self.name, "kind": self.kind, "url": redact_url(self.url),
              "dialect": self.dialect, "model": self.model, "server": self.fingerprint()}
-        if self.dialect == "llamacpp":
-            d["reading"] = L.READING
+        reading = servers.get(self.dialect).reading if self.dialect else None
+        if reading:
+            d["reading"] = reading
         return d
 
     def fingerprint(self) -> dict:
@@ -228,50 +221,33 @@ class Endpoint:
         return self._piece_ids
 
     def _score_as(self, dialect: str, ids: list[int], req: Request, retry: bool = True) -> PromptScores:
-        """One request; SGLang's exact mode in several, `ids_per_request` requested ids each
-        (`token_ids_logprob` is scored at every position, so a long prompt times a large id
-        set would be one huge response), merged position by position."""
-        if dialect == "llamacpp":
-            return self._score_llamacpp(ids, req, retry)
+        """One prompt's scores in `dialect` (its engine module's requests and parsers)."""
+        return servers.get(dialect).score(self, ids, req, retry)
+
+    def score_in_requests(self, server, ids: list[int], req: Request, retry: bool = True) -> PromptScores:
+        """One request per prompt; SGLang's exact mode in several, `ids_per_request` requested
+        ids each (`token_ids_logprob` is scored at every position, so a long prompt times a
+        large id set would be one huge response), merged position by position."""
         chunks = [req.score_ids[a:a + self.ids_per_request]
                   for a in range(0, len(req.score_ids), self.ids_per_request)] or [()]
         out = None
         for c in chunks:
-            got = self._one(dialect, ids, replace(req, score_ids=tuple(c), captures=req.captures and out is None),
+            got = self._one(server, ids, replace(req, score_ids=tuple(c), captures=req.captures and out is None),
                             retry)
             out = got if out is None else merge_scores(out, got)
         return out
 
-    def _score_llamacpp(self, ids: list[int], req: Request, retry: bool) -> PromptScores:
-        """Teacher-forced (llamacpp_dialect.py): the prefixes in batches, in order on one
-        slot, then the full prompt's greedy ladder. Only one batch of prefixes is ever built
-        (all of them at once would be quadratic in the prompt's length)."""
-        req = replace(req, model=self.model)
-        known, evaluated = [], []
-        for a in range(0, len(ids) - 1, L.PREFIXES_PER_REQUEST):
-            batch = [list(ids[:j + 1]) for j in range(a, min(a + L.PREFIXES_PER_REQUEST, len(ids) - 1))]
-            k, ev = self.call("POST", "/completion", L.body(batch, req.k, 1, req.model), retry_malformed=retry,
-                              parse=lambda d, b=batch: L.parse_prefixes(d, b))
-            known += k
-            evaluated += ev
-        tokens, ladder, ev = self.call("POST", "/completion", L.body([list(ids)], req.k, req.steps, req.model),
-                                       retry_malformed=retry,
-                                       parse=lambda d: L.parse_ladder(d, list(ids), req.steps))
-        return L.assemble(list(ids), known, tokens, ladder, evaluated + [ev])
-
-    def _one(self, dialect: str, ids: list[int], req: Request, retry: bool = True) -> PromptScores:
+    def _one(self, server, ids: list[int], req: Request, retry: bool = True) -> PromptScores:
         """One scoring request; a malformed answer is retried unless `retry` is False (a
         dialect tried as a fallback may simply be the wrong one)."""
-        build, parse = PARSERS[dialect]
-        path, body = build(ids, replace(req, model=self.model))
-        aux = self.piece_ids() if dialect == "openai" else None
+        path, body = server.scoring_request(ids, replace(req, model=self.model))
         got = self.call("POST", path, body, retry_malformed=retry,
-                        parse=lambda d: (d, parse(d, ids, req, aux)))
-        if not (req.captures and dialect == "sglang"):
+                        parse=lambda d: (d, server.parse_scores(d, ids, req, self)))
+        if not (req.captures and server.captures):
             return got[1]
-        return self._with_captures(path, body, ids, req, parse, *got)
+        return self._with_captures(path, body, ids, req, server, *got)
 
-    def _with_captures(self, path, body, ids, req, parse, data, scores) -> PromptScores:
+    def _with_captures(self, path, body, ids, req, server, data, scores) -> PromptScores:
         """Scores with the answer's captures decoded. Captures the server offers (a known
         shape) that an answer lacks or garbles are asked for again under the retry policy;
         then the scores are kept with `captures_missing` saying why."""
@@ -293,7 +269,7 @@ class Endpoint:
             if attempt > self.policy.retries:
                 break
             self._retry(route, attempt, why)
-            data, scores = self.call("POST", path, body, parse=lambda d: (d, parse(d, ids, req, None)))
+            data, scores = self.call("POST", path, body, parse=lambda d: (d, server.parse_scores(d, ids, req, self)))
         self.capture_failures.append(why)
         scores.captures_missing = why
         return scores
@@ -308,16 +284,16 @@ class Endpoint:
             except EndpointError as e:
                 if self.settled:                      # the dialect has worked: it is not the cause
                     raise
-                raise EndpointError(f"{e}\n  dialect: {HINTS[self.dialect]} (override with "
-                                    f"--dialect {self.name}=sglang|vllm|llamacpp|openai)") from None
+                raise EndpointError(f"{e}\n  dialect: {servers.get(self.dialect).hint} (override with "
+                                    f"--dialect {self.name}={'|'.join(servers.DIALECTS)})") from None
             self.settled = True
             return out
         tried = []
-        for d in [self.dialect] + [x for x in DIALECTS if x != self.dialect]:
+        for d in [self.dialect] + [x for x in servers.DIALECTS if x != self.dialect]:
             try:
                 out = self._score_as(d, ids, req, retry=d == self.dialect)
             except EndpointError as e:
-                tried.append(f"  - {d}: {e}\n    needs {HINTS[d]}")
+                tried.append(f"  - {d}: {e}\n    needs {servers.get(d).hint}")
                 continue
             self.dialect, self.settled = d, True
             return out

@@ -27,6 +27,8 @@ from . import health as H
 from . import report
 from .compare import capture_rows, position_rows
 from .margins import margin_rows
+from fidelity import servers
+
 from .dialects import PromptScores, Request
 from .settings import KldSettings
 from .store import ScoreStore, request_key
@@ -67,13 +69,15 @@ BASE_ROLES = ("baseline", "twin")
 
 def _request(s: KldSettings, entry: ScoredArm, base: PromptScores | None) -> Request:
     r = Request(k=s.k, steps=s.steps, captures=s.captures)
+    dialect = getattr(entry.scorer, "dialect", None)
+    exact = servers.get(dialect).exact if dialect else None
     if s.exact and base is not None and entry.role not in BASE_ROLES:
-        if getattr(entry.scorer, "dialect", None) == "sglang":
+        if exact == "score_ids":                    # the ids the baseline ranks highest, scored everywhere
             top = set()
             for kn in base.known + base.ladder:
                 top.update(kn.ids[np.argsort(-kn.logp)[:s.exact_k]].tolist())
             r.score_ids = tuple(sorted(top))
-        elif getattr(entry.scorer, "dialect", None) == "vllm":
+        elif exact == "full_vocab":
             r.full_vocab = True
     return r
 

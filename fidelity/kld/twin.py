@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fidelity import servers
 from fidelity.llamacpp.flags import scored_twin as llama_twin
 from fidelity.verdict.judge import floor_words
 
@@ -35,19 +36,7 @@ class Twin:
 def derived(ep) -> tuple[str, str] | None:
     """(spelling, source) of an Endpoint's twin from what it says of itself; None when it
     says nothing a twin can be derived from (a plain OpenAI server)."""
-    info = getattr(ep, "info", None) or {}
-    served = ((info.get("server_info") or {}).get("arms") or {}).get(ep.model)
-    if (info.get("server_info") or {}).get("engine") == "fidelity serve" and served:
-        profile = served.get("profile") or "reference"
-        arm = served.get("arm") or "golden"
-        return (arm if profile == "reference" or arm.startswith(f"{profile}:") else f"{profile}:{arm}",
-                "the arm fidelity serve states it serves")
-    if getattr(ep, "llama_server", False) or ep.dialect == "llamacpp":
-        return llama_twin([]), ("llama-server's default flags (-ctk f16; /props does not state the cache type), "
-                                "scored position by position as its scores are read")
-    if ep.dialect in ("sglang", "vllm"):
-        return f"engine:{ep.dialect}", f"{ep.dialect}'s profiled defaults (kernel_toggles/engine_profiles.json)"
-    return None
+    return servers.served_as(ep).twin_of_endpoint(ep)
 
 
 def parse_options(values: list[str], endpoints: list[str]) -> dict[str, str]:

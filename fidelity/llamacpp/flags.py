@@ -98,7 +98,7 @@ def twin(flags: list[str], env: dict[str, str] | None = None) -> str:
 
 
 # llama-server's scores are read teacher-forced, every position after the first computed by
-# its decode path (one new token on a cached prefix: fidelity.kld.llamacpp_dialect), where an
+# its decode path (one new token on a cached prefix: fidelity.servers.llamacpp), where an
 # f16 cache takes ggml's one-query attention; its twin is scored the same way
 SCORED_ON = "decode_from(1)"
 

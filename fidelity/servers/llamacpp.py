@@ -1,4 +1,8 @@
-"""llama-server's native `/completion` as a scoring dialect. llama-server returns no prompt
+"""llama.cpp's llama-server. Detected by /props; launched from the pinned build (or a
+history build), its toggles as llama-server flags and env (fidelity.llamacpp.flags), its
+twin llama.cpp's exact profile read position by position.
+
+Its native `/completion` as a scoring dialect. llama-server returns no prompt
 logprobs (no `echo`), so a prompt is read teacher-forced: its prefixes ids[:1], ids[:2], ...
 are sent as one multi-prompt request per batch, each asking for one greedy token with its
 top `n_probs` log-probabilities (pre-sampling, softmax over the whole vocabulary); the
@@ -10,10 +14,16 @@ for it) is kept, so the report says how many positions really took the one-token
 The full prompt is then asked for the greedy continuation (the decode ladder)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-from .bounds import Known
-from .dialects import PromptScores, ScoringError, known_from_pairs
+from needle.http import llama_tokenize_body
+
+from fidelity.kld.bounds import Known
+from fidelity.kld.dialects import PromptScores, ScoringError, known_from_pairs
+
+from .base import Found, Generation, Reply, Server
 
 PREFIXES_PER_REQUEST = 64         # prefixes per multi-prompt /completion request
 SLOT = 0                          # one pinned slot: its cache holds the previous prefix
@@ -125,3 +135,95 @@ def props_summary(props: dict) -> dict:
     path = str(props.get("model_path") or "")
     return {"build_info": props.get("build_info"), "model_file": path.replace("\\", "/").rsplit("/", 1)[-1],
             "total_slots": props.get("total_slots"), "n_ctx": gen.get("n_ctx")}
+
+
+def reply(d: dict) -> Reply:
+    """Tokens, top-k, cached tokens (`timings.cache_n`: prompt tokens taken from its cache)
+    and the stop reason of a /completion answer."""
+    probs = d.get("completion_probabilities") if isinstance(d, dict) else None
+    if not isinstance(probs, list):
+        raise ScoringError("the /completion answer has no completion_probabilities (send n_probs k)")
+    got = [entry_known(e) for e in probs]
+    finish = {"limit": "length", "eos": "stop", "word": "stop"}.get(str(d.get("stop_type")), str(d.get("stop_type") or ""))
+    return Reply([t for t, _ in got], [k for _, k in got], (d.get("timings") or {}).get("cache_n"), finish)
+
+
+class LlamaCpp(Server):
+    name = "llamacpp"
+    hint = "llama.cpp: llama-server's native /completion with n_probs (read teacher-forced, prefix by prefix)"
+    takes_ignore_eos = True
+    reading = READING
+    launch_needs = "model = a .gguf file (`fidelity llamacpp prepare` writes one for a checkpoint)"
+
+    def claims(self, found: Found) -> bool:
+        return found.llama_server
+
+    def score(self, ep, ids, r, retry):
+        """Teacher-forced: the prefixes in batches, in order on one slot, then the full
+        prompt's greedy ladder. Only one batch of prefixes is ever built (all of them at once
+        would be quadratic in the prompt's length)."""
+        r = replace(r, model=ep.model)
+        known, evaluated = [], []
+        for a in range(0, len(ids) - 1, PREFIXES_PER_REQUEST):
+            batch = [list(ids[:j + 1]) for j in range(a, min(a + PREFIXES_PER_REQUEST, len(ids) - 1))]
+            k, ev = ep.call("POST", "/completion", body(batch, r.k, 1, r.model), retry_malformed=retry,
+                            parse=lambda d, b=batch: parse_prefixes(d, b))
+            known += k
+            evaluated += ev
+        tokens, ladder, ev = ep.call("POST", "/completion", body([list(ids)], r.k, r.steps, r.model),
+                                     retry_malformed=retry, parse=lambda d: parse_ladder(d, list(ids), r.steps))
+        return assemble(list(ids), known, tokens, ladder, evaluated + [ev])
+
+    def tokenize_body(self, text, model):
+        return llama_tokenize_body(text)
+
+    def generation(self, ids, g: Generation, ep):
+        # no pinned slot: batch probes run side by side
+        b = body([list(ids)], g.k, g.max_tokens, ep.model, temperature=g.temperature, seed=g.seed,
+                 ignore_eos=g.ignore_eos, slot=None)
+        return "/completion", b, reply
+
+    def twin_of_endpoint(self, ep):
+        from fidelity.llamacpp.flags import scored_twin
+        return scored_twin([]), ("llama-server's default flags (-ctk f16; /props does not state the cache type), "
+                                 "scored position by position as its scores are read")
+
+    def twin_of_arm(self, e, arm):
+        from fidelity.llamacpp import flags as LF
+        if arm.toggles is not None:             # scored position by position, as llama-server is read
+            return (f"{LF.PROFILE}:{arm.toggles}@{LF.SCORED_ON}",
+                    "the arm's toggles (on llama.cpp's exact profile, position by position)")
+        try:
+            return LF.scored_twin([*e.flags, *arm.flags], {**e.env, **arm.env}), "llama-server's flags and env"
+        except LF.FlagError:
+            return None                   # the launch plan already refuses what cannot be modelled
+
+    def flag_factors(self, flags, env):
+        """What attribution credits for `-ctk q8_0` (FlagError when a flag cannot be modelled)."""
+        from fidelity.llamacpp import flags as LF
+        return set(LF.read(flags, env).factors()), not LF.only_numerics(flags, env)
+
+    def check(self, e, where):
+        if not (e.model or "").endswith(".gguf"):
+            return f"{where}: a llamacpp engine needs {self.launch_needs}"
+        return None
+
+    def command(self, e):
+        from fidelity.llamacpp import paths
+        return paths.server_command(e.model, e.host, e.port)
+
+    def numerics(self, arm, e, env, flags, notes):
+        from fidelity.llamacpp import flags as LF
+        from fidelity.llamacpp import paths
+
+        from .profiled import LaunchRefused
+        if arm.toggles is not None:             # its in-process twin's spelling -> flags and env
+            try:
+                more_flags, more_env = LF.launch_of(arm.toggles)
+            except LF.FlagError as ex:
+                raise LaunchRefused(f"arm {arm.name}: {ex}") from None
+            flags += more_flags
+            env.update(more_env)
+            notes.append(f"numerics: the {LF.PROFILE} profile with {arm.toggles}")
+        if paths.built() != paths.PINNED:
+            notes.append("llama.cpp is not built here: `make llama-cpp` builds the pinned llama-server")
