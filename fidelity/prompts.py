@@ -7,6 +7,7 @@ generation prompt included) or {"token_ids": [...]}, each optionally with an "id
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +96,17 @@ def grid_prompts(tokenizer, lengths, depths, reps: int, seed: int) -> list[Promp
                 out.append(Prompt(f"L{L}-d{int(d)}-r{r}", torch.tensor(ids), group=f"L{L}",
                                   needle_tokens=needle))
     return out
+
+
+def grid_prompt(tokenizer, prompt_id: str, seed: int) -> Prompt:
+    """One prompt of `grid_prompts` rebuilt from its id (L<length>-d<depth>-r<rep>), so a
+    finding on one prompt of a kld run can be replayed on exactly that prompt."""
+    m = re.fullmatch(r"L(\d+)-d(\d+)-r(\d+)", prompt_id)
+    if not m:
+        raise ValueError(f"{prompt_id!r} is not a grid prompt id (L<length>-d<depth>-r<rep>, e.g. L511-d90-r0)")
+    L, d, r = (int(x) for x in m.groups())
+    ids, needle = haystack_ids(tokenizer, L, d, prompt_seed(seed, L, r, d))
+    return Prompt(prompt_id, torch.tensor(ids), group=f"L{L}", needle_tokens=needle)
 
 
 def file_prompts(path: str | Path, tokenizer, vocab_size: int, group: str | None = None) -> list[Prompt]:

@@ -259,3 +259,59 @@ def test_gguf_diff_names_metadata_and_tensors(tmp_path):
     words = D.gguf_words(d)
     assert "metadata added: deepseek4.rope.scaling.factor" in words and "changed: deepseek4.context_length" in words
     assert "1 tensors differ (b.weight: values)" in words
+
+
+def _tree(root, files: dict):
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root
+
+
+GRAPH = "void build_attn(int x) {\n    a();\n    b();\n}\n\nvoid build_ffn(int x) {\n    c();\n}\n"
+
+
+def test_source_diff_sorts_the_changes_by_what_runs_here(tmp_path):
+    from fidelity.llamacpp import source_diff as S
+    base = {"src/models/deepseek4.cpp": GRAPH, "ggml/src/ggml-cpu/ops.cpp": "x\n",
+            "ggml/src/ggml-cuda/mmq.cu": "k\n", "docs/a.md": "d\n", "conversion/deepseek.py": "p\n"}
+    a = _tree(tmp_path / "a", base)
+    b = _tree(tmp_path / "b", {**base, "src/models/deepseek4.cpp": GRAPH.replace("    c();", "    c();\n    d();"),
+                               "ggml/src/ggml-cpu/ops.cpp": "x\ny\nz\n", "ggml/src/ggml-cuda/mmq.cu": "k2\n",
+                               "docs/a.md": "e\n", "ggml/src/ggml.c": "new\n"})
+    d = S.source_diff(a, b)
+    got = {f["path"]: (f["kind"], f["added"], f["removed"], f["status"]) for f in d["files"]}
+    assert got == {"src/models/deepseek4.cpp": ("model", 1, 0, "changed"),
+                   "ggml/src/ggml-cpu/ops.cpp": ("ggml-cpu", 2, 0, "changed"),
+                   "ggml/src/ggml.c": ("ggml-cpu", 1, 0, "added"),
+                   "ggml/src/ggml-cuda/mmq.cu": ("other backends", 1, 1, "changed"),
+                   "docs/a.md": ("other", 1, 1, "changed")}
+    assert d["focus_functions"] == ["build_ffn"]
+    w = S.words(d)
+    assert w.startswith("model: src/models/deepseek4.cpp +1/-0; ggml-cpu: ggml/src/ggml-cpu/ops.cpp +2/-0")
+    assert "1 other backends file, 1 other file" in w and "(deepseek4.cpp changes in build_ffn)" in w
+    assert S.words(S.source_diff(a, a)) == "the two source trees are identical"
+    only_conv = S.source_diff(a, _tree(tmp_path / "c", {**base, "conversion/deepseek.py": "p\nq\n"}))
+    assert S.words(only_conv) == "converter: conversion/deepseek.py +1/-0; nothing else"
+
+
+def test_a_change_point_says_whether_the_converter_or_the_engine_changed(tmp_path, monkeypatch):
+    """b10040's converter writes YaRN metadata and no engine source changed: the converter's;
+    b10020 -> b10030 changes the graph's source with the same GGUF: the engine's."""
+    from fidelity.llamacpp import paths
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(H.builds, "fetch", lambda n, log: "")
+    for n, graph in ((10020, GRAPH), (10030, GRAPH + "// fused\n"), (10040, GRAPH + "// fused\n")):
+        _tree(paths.of(n).home / "src", {"src/models/deepseek4.cpp": graph,
+                                         "conversion/deepseek.py": "yarn\n" if n >= 10040 else "\n"})
+        (paths.of(n).home / "SOURCE").write_text(paths.spec(n))           # fetched, not built
+    h = FakeHistory(tmp_path)
+    h.CONVERTER = 10040
+    conv = h.cause(10030, 10040)
+    assert conv["converter"] and not conv["engine"]
+    assert conv["words"].startswith("the converter's change (no engine source that runs here changed); "
+                                    "sources: converter: conversion/deepseek.py +1/-1")
+    eng = h.cause(10020, 10030)
+    assert eng["engine"] and not eng["converter"] and eng["words"].startswith("the engine's change")
+    assert FakeHistory(tmp_path).cause(10020, 10030) == eng                   # from the ledger

@@ -89,6 +89,7 @@ def test_two_builds_replayed_and_compared_tensor_by_tensor(cache, tmp_path):
             h.ledger.add("built", n, ok=True, replay=True)
             h._convert(paths.of(n))
         r = h.localise(a, b)
+        c = h.cause(a, b)
     finally:
         for k, v in old.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -96,3 +97,5 @@ def test_two_builds_replayed_and_compared_tensor_by_tensor(cache, tmp_path):
     assert r["tensors"]["first"] is None and r["tensors"]["compared"] > 20
     assert not r["tensors"]["only_a"] and not r["tensors"]["only_b"]
     assert set(r["replay"]) == {f"b{a}", f"b{b}"} and r["replay"][f"b{a}"] == r["replay"][f"b{b}"]
+    assert c["ok"] and not c["converter"] and not c["engine"] and c["sources"]["files"] == []
+    assert c["words"].endswith("sources: the two source trees are identical")

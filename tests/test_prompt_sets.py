@@ -6,7 +6,7 @@ import json
 import pytest
 
 from fidelity.cli import main
-from fidelity.prompts import PromptFileError, file_prompts, grid_prompts
+from fidelity.prompts import PromptFileError, file_prompts, grid_prompt, grid_prompts
 from fidelity.weights.target import load_target
 
 T = load_target(None)
@@ -52,6 +52,15 @@ def test_grid_prompts_have_exact_lengths_and_needles():
     ps = grid_prompts(T.tokenizer, [250, 260], [0.0, 100.0], 1, 3)
     assert [p.length for p in ps] == [250, 250, 260, 260] and all(p.needle_tokens for p in ps)
     assert ps[0].needle_tokens[0] < ps[1].needle_tokens[0]               # depth moves the needle
+
+
+def test_one_grid_prompt_rebuilt_from_its_id():
+    ps = grid_prompts(T.tokenizer, [250, 260], [10.0, 90.0], 2, 3)
+    for p in ps:
+        q = grid_prompt(T.tokenizer, p.id, 3)
+        assert q.id == p.id and q.tokens.tolist() == p.tokens.tolist() and q.needle_tokens == p.needle_tokens
+    with pytest.raises(ValueError, match="not a grid prompt id"):
+        grid_prompt(T.tokenizer, "L250-d10", 3)
 
 
 def test_ab_runs_on_a_prompt_file(tmp_path, capsys):

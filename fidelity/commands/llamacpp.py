@@ -42,6 +42,10 @@ def add_arguments(p):
                         "(the dequantised values, exactly)")
     p.add_argument("--gguf", default=None, help="replay: this GGUF instead of converting the checkpoint")
     p.add_argument("--tokens", type=int, default=240, help="replay: prompt length in tokens")
+    p.add_argument("--prompt", default=None, metavar="ID",
+                   help="replay: one prompt of `fidelity kld`'s grid by its id (e.g. L511-d90-r0, built with "
+                        "--seed) instead of a --tokens-long haystack: where a kld finding sits")
+    p.add_argument("--seed", type=int, default=0, help="replay --prompt: the kld run's --seed (default 0)")
     p.add_argument("--path", choices=("prefill", "decode"), default="prefill",
                    help="replay: one batch, or one token per step (llama-server's cached-prefix path)")
     p.add_argument("--ctx", type=int, default=128, help="kld-base: tokens per chunk (llama-perplexity -c)")
@@ -102,7 +106,12 @@ def _golden(ck: Path):
 
 
 def _text_ids(args, tok, n: int) -> list[int]:
-    from fidelity.prompts import haystack_ids
+    from fidelity.prompts import grid_prompt, haystack_ids
+    if getattr(args, "prompt", None):
+        try:
+            return grid_prompt(tok, args.prompt, args.seed).tokens.tolist()
+        except ValueError as e:
+            raise CommandError(f"--prompt: {e}", 2) from None
     if args.text:
         try:
             ids = tok.encode(Path(args.text).read_text())

@@ -94,6 +94,7 @@ def run(args, src: Path) -> int:
         print(res.get("sentence") or res.get("reason"))
         if res.get("ok") and res.get("change"):
             h.localise(*res["change"])
+            h.cause(*res["change"])
         R.write(h)
     print(R.headline(h))
     print(f"report: {out / R.REPORT / 'index.html'}")

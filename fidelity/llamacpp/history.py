@@ -2,10 +2,11 @@
 converted by its own converter, served, and scored by `fidelity kld` against the golden and
 against its twin (and by `fidelity needle` at one length); adjacent builds are compared with
 each other (build_diff.py) and a change is bisected to two neighbouring PyPI builds, where the
-tensor replay of both says where they part.
+tensor replay of both says where they part and the two source trees say whose change it is
+(source_diff.py).
 
 Every stage of every build is one line appended to <out>/history.jsonl as it finishes
-(built, converted, scored, needle, pair, bisect, localised); a rerun reads it and does only
+(built, converted, scored, needle, timeline, pair, bisect, localised, cause); a rerun reads it and does only
 what is missing, so a long history is never lost. A build that cannot be built, converted or
 served is a line with its reason: the table names it, nothing skips it silently."""
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pandas as pd
 
 from fidelity.kld.store import ScoreStore
 
-from . import build_diff, builds, convert, paths, prepare
+from . import build_diff, builds, convert, paths, prepare, source_diff
 from .server import ServerFailed, serving
 
 
@@ -332,23 +333,26 @@ class History:
     # -- at a change point ----------------------------------------------------------------
     def localise(self, a: int, b: int) -> dict:
         """Both builds' tensors on the same ids (the replay of each, against the golden and its
-        twin), compared with each other: the first tensor that differs and each replay's headline."""
+        twin), compared with each other: the first tensor that differs and each replay's headline.
+        The ids are the prompt on which the two builds' distributions differ most (kld's grid
+        prompt, rebuilt from its id), else a haystack of `replay_tokens`."""
+        worst = (self.compare(a, b).get("worst") or {}).get("prompt")
         got = self.ledger.get("localised", [a, b])
-        if got is not None:
+        if got is not None and got.get("prompt") == worst:
             return got
+        on = ["--prompt", worst] if worst else ["--tokens", str(self.s.replay_tokens)]
         rec = {}
         for n in (a, b):
             built = self.ledger.get("built", n)
             if not (built and built.get("replay")):
-                return self.ledger.add("localised", [a, b], ok=False,
+                return self.ledger.add("localised", [a, b], ok=False, prompt=worst,
                                        reason=f"our tensor dumper does not build against b{n}")
             conv = self.ledger.get("converted", n)
-            self.say(f"b{n}: tensor replay ({self.s.replay_tokens} tokens)")
+            self.say(f"b{n}: tensor replay ({worst or f'{self.s.replay_tokens} tokens'})")
             r = self._fidelity("llamacpp", "replay", "--build", str(n), "--checkpoint", str(self.ck),
-                               "--gguf", conv["gguf"], "--tokens", str(self.s.replay_tokens),
-                               "--out", str(self.out / "replay" / arm(n)))
+                               "--gguf", conv["gguf"], *on, "--out", str(self.out / "replay" / arm(n)))
             if r.returncode != 0:
-                return self.ledger.add("localised", [a, b], ok=False,
+                return self.ledger.add("localised", [a, b], ok=False, prompt=worst,
                                        reason=f"replay of b{n}: " + builds.failure_reason(r.stderr))
             found = self.out / "replay" / arm(n) / "llamacpp-replay" / "findings-prefill-f16.json"
             rec[n] = {"findings": json.loads(found.read_text()),
@@ -357,9 +361,33 @@ class History:
         dumps = {n: D.read(self.out / "replay" / arm(n) / "llamacpp-replay" / "dump-prefill-f16.bin")
                  for n in (a, b)}
         diff = build_diff.tensor_diff(dumps[a], dumps[b], list(dumps[b]))
-        return self.ledger.add("localised", [a, b], ok=True, tensors=diff,
+        return self.ledger.add("localised", [a, b], ok=True, tensors=diff, prompt=worst,
                                replay={arm(n): v["headline"] for n, v in rec.items()},
                                blocks={arm(n): v["findings"].get("block") for n, v in rec.items()})
+
+    def cause(self, a: int, b: int) -> dict:
+        """Which of llama.cpp's parts changed at a change point: the converter (the two GGUFs
+        differ in what can move the numbers) and/or the engine (the model graph or the CPU
+        backend's sources differ), with the sources that changed by kind. Needs only the two
+        fetched source trees and their conversions."""
+        got = self.ledger.get("cause", [a, b])
+        if got is not None:
+            return got
+        for n in (a, b):
+            why = builds.fetch(n, self.out / "logs")
+            if why:
+                return self.ledger.add("cause", [a, b], ok=False, reason=f"b{n}: {why}")
+        gguf = self._numeric_diff(a, b)
+        src = source_diff.source_diff(paths.of(a).source(), paths.of(b).source())
+        converter = bool(gguf and build_diff.differs(gguf))
+        engine = any(f["kind"] in ("model", "ggml-cpu") for f in src["files"])
+        who = {(True, True): "the converter and the engine both changed",
+               (True, False): "the converter's change (no engine source that runs here changed)",
+               (False, True): "the engine's change (the two GGUFs are the same in what can move the numbers)",
+               (False, False): "neither the converter's GGUF nor an engine source that runs here changed"}
+        return self.ledger.add("cause", [a, b], ok=True, converter=converter, engine=engine,
+                               gguf=build_diff.gguf_words(gguf) if gguf else "not compared",
+                               sources=src, words=f"{who[converter, engine]}; sources: {source_diff.words(src)}")
 
     def summary(self, number: int) -> dict:
         return {st: self.ledger.get(st, number) for st in ("built", "converted", "scored", "needle")}

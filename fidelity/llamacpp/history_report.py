@@ -104,6 +104,7 @@ def pairs_table(h) -> pd.DataFrame:
 def change_lines(h) -> list[str]:
     """Each bisection and what the replay says at its change point."""
     loc = {tuple(r["key"]): r for r in h.ledger.all("localised")}
+    why = {tuple(r["key"]): r for r in h.ledger.all("cause")}
     out = []
     for r in sorted(h.ledger.all("bisect"), key=lambda r: tuple(r["key"])):
         a, b = r["key"]
@@ -112,9 +113,24 @@ def change_lines(h) -> list[str]:
             continue
         line = f"- b{a}..b{b}: {r['sentence']} (builds scored: {', '.join(f'b{n}' for n in r['tested'])})"
         if r.get("change"):
-            line += "; " + localised_words(loc.get(tuple(r["change"])))
+            c = why.get(tuple(r["change"]))
+            if c is not None:
+                line += ". What changed: " + (c["words"] if c["ok"] else f"not read: {c['reason']}")
+            where = localised_words(loc.get(tuple(r["change"])))
+            line += ". " + where[:1].upper() + where[1:]
         out.append(line)
     return out
+
+
+def _mark(loc: dict | None, cause: dict | None) -> str:
+    """A change point's label beside its line: whose change, and the first tensor that parts."""
+    who = ""
+    if cause and cause.get("ok"):
+        who = {(True, True): "converter+engine", (True, False): "converter", (False, True): "engine"}.get(
+            (cause["converter"], cause["engine"]), "")
+    first = ((loc or {}).get("tensors") or {}).get("first") if (loc or {}).get("ok") else None
+    parts = [p for p in (who, first and f"at {first['tensor']}") if p]
+    return f": {', '.join(parts)}" if parts else ""
 
 
 def _tail(p: dict) -> str:
@@ -129,12 +145,14 @@ def localised_words(r: dict | None) -> str:
         return f"not localised: {r['reason']}"
     t = r["tensors"]
     a, b = r["key"]
+    on = f"prompt {r['prompt']}, where the builds differ most" if r.get("prompt") else "the replay's haystack"
     if t["first"] is None:
-        where = f"their {t['compared']} dumped tensors are bit-identical on the replay's prompt"
+        where = f"their {t['compared']} dumped tensors are bit-identical on {on}"
     else:
         f = t["first"]
         how = f"relative L2 {f['rel']:.3g}" if "rel" in f else f["why"]
-        where = f"their tensors first part at `{f['tensor']}` ({how}; {t['compared']} tensors compared in graph order)"
+        where = (f"their tensors first part at `{f['tensor']}` ({how}; {t['compared']} tensors compared in graph "
+                 f"order on {on})")
     only = ""
     if t["only_a"] or t["only_b"]:
         only = (f"; only b{a} dumps {', '.join(t['only_a'][:4]) or 'nothing else'}, only b{b} "
@@ -170,12 +188,15 @@ def plot_timeline(h, needle: bool):
         if floor:
             ax.axhline(max(floor), color=color, ls="--", lw=1, alpha=.7,
                        label=f"{'twin' if twin else 'golden'}'s floor (upper bound)")
+    loc = {tuple(r["key"]): r for r in h.ledger.all("localised")}
+    why = {tuple(r["key"]): r for r in h.ledger.all("cause")}
     for r in h.ledger.all("bisect"):
         if r.get("ok") and r.get("change") and r["change"][1] in pos:
             a, b = r["change"]
             ax.axvline(pos[b] - .5, color="0.3", lw=1.2, ls=":")
-            ax.text(pos[b] - .5, 1.0, f" b{a}→b{b}", transform=ax.get_xaxis_transform(),
-                    fontsize=8, va="top", rotation=90)
+            ax.text(pos[b] - .5, 0.02, f" b{a}→b{b}{_mark(loc.get((a, b)), why.get((a, b)))}",
+                    transform=ax.get_xaxis_transform(), fontsize=8, va="bottom", rotation=90,
+                    bbox=dict(facecolor="white", edgecolor="none", alpha=.85, pad=1))
     for t in builds:
         if t["status"].startswith("failed"):
             ax.text(pos[t["number"]], 0.02, "✕", transform=ax.get_xaxis_transform(), ha="center", color="C1",
@@ -210,6 +231,15 @@ def plot_timeline(h, needle: bool):
     return fig
 
 
+def _change_words(h, a: int, b: int) -> str:
+    """b<a> → b<b> (whose change, how far: where their tensors part)."""
+    pair, cause = h.ledger.get("pair", [a, b]) or {}, h.ledger.get("cause", [a, b]) or {}
+    who = _mark(None, cause)[2:]
+    head = ", ".join(x for x in (who and f"the {who}'s change", pair.get("kind")) if x)
+    where = localised_words(h.ledger.get("localised", [a, b])).split(". ")[0]
+    return f"b{a} → b{b} ({head}: {where})" if head else f"b{a} → b{b} ({where})"
+
+
 def headline(h) -> str:
     """One sentence: the change points found (with where they part), else that nothing changed."""
     df = builds_table(h)
@@ -222,9 +252,7 @@ def headline(h) -> str:
     changes = [r for r in h.ledger.all("bisect") if r.get("ok") and r.get("change")]
     pairs = current_pairs(h)
     if changes:
-        loc = {tuple(r["key"]): r for r in h.ledger.all("localised")}
-        words = "; ".join(f"b{c['change'][0]} → b{c['change'][1]} ({localised_words(loc.get(tuple(c['change']))).split('. ')[0]})"
-                          for c in changes)
+        words = "; ".join(_change_words(h, *c["change"]) for c in sorted(changes, key=lambda c: c["change"]))
         probes = f" (and {int(probe.sum())} bisection probes)" if probe.any() else ""
         return f"{len(scored)} llama.cpp builds scored{probes}; the numbers change at {words}.{fail}"
     moved = [p for p in pairs if p["kind"] != build_diff.IDENTICAL]
