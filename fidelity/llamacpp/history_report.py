@@ -236,7 +236,11 @@ def _change_words(h, a: int, b: int) -> str:
     pair, cause = h.ledger.get("pair", [a, b]) or {}, h.ledger.get("cause", [a, b]) or {}
     who = _mark(None, cause)[2:]
     head = ", ".join(x for x in (who and f"the {who}'s change", pair.get("kind")) if x)
-    where = localised_words(h.ledger.get("localised", [a, b])).split(". ")[0]
+    loc = h.ledger.get("localised", [a, b]) or {}
+    first = (loc.get("tensors") or {}).get("first") if loc.get("ok") else None
+    on = f" on {loc['prompt']}" if loc.get("prompt") else ""
+    where = (f"first tensor apart `{first['tensor']}`{on}" if first else
+             localised_words(loc or None).split(". ")[0])
     return f"b{a} → b{b} ({head}: {where})" if head else f"b{a} → b{b} ({where})"
 
 
