@@ -113,7 +113,7 @@ def two_paths(name: str, url: str, ck: Path) -> dict:
     from fidelity.kld.inprocess import InProcessScorer
     from fidelity.llamacpp import golden_logits as G
     from fidelity.llamacpp import logits_file as F
-    from fidelity.pipeline_model import arm_numerics
+    from fidelity.pipeline.model import arm_numerics
     from fidelity.weights.source import load_tokenizer_for, load_weights
     from reference_model.numerics import Numerics
     w, _ = load_weights(str(ck))

@@ -10,7 +10,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from distributed.cases import arms, prompts, tables  # noqa: E402
 from fidelity.ab.lockstep import LockstepRunner, RunnerSettings, RunSite  # noqa: E402
-from fidelity.pipeline import init_stage, shutdown  # noqa: E402
+from fidelity.pipeline.stage import init_stage, shutdown  # noqa: E402
 from reference_model import random_weights, tiny  # noqa: E402
 
 stage = init_stage(tiny(), timeout_s=600)

@@ -62,7 +62,7 @@ class InProcessOptions:
     placement: object = None              # fidelity.devices placement (None: one device)
     batch: int | None = None              # trials per layer-major batch (None: no bound)
     batch_tokens: int | None = DEFAULT_BATCH_TOKENS   # prompt tokens per batch
-    driver: object = None                 # fidelity.pipeline_model.Driver under --distributed
+    driver: object = None                 # fidelity.pipeline.model.Driver under --distributed
 
 
 @dataclass

@@ -46,7 +46,7 @@ class InProcessRunner:
     def __init__(self, name: str, target, arm, sampling: Sampling | None = None,
                  max_tokens: int | None = None, options: InProcessOptions = InProcessOptions()):
         """`sampling`: its temperature and top_p (greedy by default; the seed is each
-        trial's). `options.driver` (fidelity.pipeline_model.Driver, rank 0 under
+        trial's). `options.driver` (fidelity.pipeline.model.Driver, rank 0 under
         --distributed): the arm runs across the pipeline, one trial at a time (no
         layer-major batches)."""
         sampling = sampling or Sampling()
@@ -64,7 +64,7 @@ class InProcessRunner:
         sched = self.arm.schedule            # feeds the prompt up to its last token (prefill)
         self._scores: list[torch.Tensor] = []
         if driver is not None:
-            from fidelity.pipeline_model import arm_numerics
+            from fidelity.pipeline.model import arm_numerics
             recipe = (arm_numerics, self.arm.name, profile, kw, version)
             self.batch = 1
             self.model = driver.model(recipe, sched)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fidelity.arms import ArmError, parse_arm, pinned_profile
-from fidelity.pipeline_model import arm_numerics
+from fidelity.pipeline.model import arm_numerics
 from kernel_toggles import ToggleSet
 from reference_model import Model, Numerics, random_weights, tiny
 

@@ -17,7 +17,7 @@ import pytest
 
 from fidelity.ab.lockstep import LockstepRunner, RunnerSettings
 from fidelity.cli import main
-from fidelity.pipeline import stage_ranges
+from fidelity.pipeline.stage import stage_ranges
 from fidelity.weights.source import load_weights
 from reference_model import random_weights, tiny
 from reference_model.checkpoint import save_checkpoint

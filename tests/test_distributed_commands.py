@@ -1,4 +1,4 @@
-"""`fidelity kld`, `needle` and `serve` with --distributed (fidelity.pipeline_model,
+"""`fidelity kld`, `needle` and `serve` with --distributed (fidelity.pipeline.model,
 torchrun + gloo on this CPU): the in-process golden arms run as a 2-rank pipeline and the
 kld tables, the needle rows (answers and the indexer mechanism of layers on both ranks)
 and the served completions (logprobs, a prefix-cache hit, the cache's byte accounting)
@@ -67,8 +67,8 @@ def test_kld_distributed_world_size_is_checked(monkeypatch, capsys, tmp_path):
 
 
 def test_dense_weights_are_refused_under_distributed():
-    from fidelity.pipeline import DistributedError
-    from fidelity.pipeline_model import stage_weights_mode
+    from fidelity.pipeline.stage import DistributedError
+    from fidelity.pipeline.model import stage_weights_mode
     with pytest.raises(DistributedError, match="loads every layer on every rank"):
         stage_weights_mode("dense")
     assert stage_weights_mode(None) == "streamed"
@@ -181,7 +181,7 @@ def test_serve_on_two_ranks_answers_as_one_process_and_stops_on_sigterm():
 
 
 def test_each_call_carries_the_batch_mates_rank_0_sees():
-    from fidelity.pipeline_calls import batch_mates
+    from fidelity.pipeline.calls import batch_mates
     from reference_model.schedule import co_batched
     assert batch_mates() == 0
     with co_batched(5):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fidelity.cli import main
-from fidelity.pipeline import StageStateError, carried, carry_in, stage_state
+from fidelity.pipeline.stage import StageStateError, carried, carry_in, stage_state
 from fidelity.stages import segments, stage_ranges
 from fidelity.weights.plan import PassSpec, PlanDevices, PlanError, plan_memory
 from reference_model import flash

@@ -160,7 +160,7 @@ def test_llama_perplexity_reads_our_golden_file_and_we_read_its_file(f32, tmp_pa
     from fidelity.kld.inprocess import InProcessScorer
     from fidelity.llamacpp import golden_logits as G
     from fidelity.llamacpp import logits_file as F
-    from fidelity.pipeline_model import arm_numerics
+    from fidelity.pipeline.model import arm_numerics
     from fidelity.weights.source import load_weights
     ck, model = f32
     tok = _tokenizer(ck)

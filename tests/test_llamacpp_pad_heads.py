@@ -10,7 +10,7 @@ import torch
 from fidelity.kld.dialects import Request
 from fidelity.kld.inprocess import InProcessScorer
 from fidelity.llamacpp.pad_heads import PadError, block_map, dim_map, pad_checkpoint
-from fidelity.pipeline_model import arm_numerics
+from fidelity.pipeline.model import arm_numerics
 from fidelity.prompts import builtin_prompts
 from fidelity.weights.source import load_tokenizer_for, load_weights
 

@@ -7,7 +7,7 @@ import torch
 
 from fidelity.llamacpp import replay as R
 from fidelity.llamacpp import twin_search as S
-from fidelity.pipeline_model import arm_numerics
+from fidelity.pipeline.model import arm_numerics
 from reference_model import random_weights, tiny
 
 TWIN = R.twin_of("f16")

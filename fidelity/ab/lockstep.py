@@ -177,7 +177,7 @@ class LockstepRunner:
         if unknown:
             raise ValueError(f"pairs name arms that are not in the run: {unknown}")
         self.pairs = dict(pairs or {})
-        self.stage = stage                     # a fidelity.pipeline.Stage: only its layers run here
+        self.stage = stage                     # a fidelity.pipeline.stage.Stage: only its layers run here
         self.layers = stage.layers if stage is not None else range(weights.cfg.n_layers)
         self.weights = weights
         self.cfg = weights.cfg
@@ -214,11 +214,11 @@ class LockstepRunner:
         if len(set(ids)) != len(ids):
             raise ValueError(f"prompt ids must be unique, got {ids}")
         if self.stage is not None and prompts:
-            from fidelity.pipeline import weights_mode
+            from fidelity.pipeline.stage import weights_mode
             from fidelity.weights.plan import PassSpec
             self.stage.check_memory(self.cfg, PassSpec(max(p.length for p in prompts) + self.decode_steps,
                                                        len(prompts), len(self.arms), weights_mode(self.weights)))
-        from fidelity.pipeline import stage_state
+        from fidelity.pipeline.stage import stage_state
         runs = [_PromptRun(p, {a.name: stage_state(self.models[a.name], self.stage) for a in self.arms},
                            [a.name for a in self.arms]) for p in prompts]
         phases = [("prefill", -1)] + [("decode", s) for s in range(self.decode_steps)]
@@ -273,13 +273,13 @@ class LockstepRunner:
 
     @staticmethod
     def _carried(r) -> dict:
-        """Each arm's sequence-level fields after this stage (fidelity.pipeline.carried)."""
-        from fidelity.pipeline import carried
+        """Each arm's sequence-level fields after this stage (fidelity.pipeline.stage.carried)."""
+        from fidelity.pipeline.stage import carried
         return {a: carried(r.states[a]) for a in r.alive}
 
     @staticmethod
     def _carry_in(r, fields: dict) -> None:
-        from fidelity.pipeline import carry_in
+        from fidelity.pipeline.stage import carry_in
         for a, f in fields.items():
             carry_in(r.states[a], f)
 

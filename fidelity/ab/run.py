@@ -51,7 +51,7 @@ def run_ab(weights, settings: ABSettings, report: ReportTarget = ReportTarget(),
     """`variants`: {name: WeightSource} of other checkpoints of the same architecture; each
     becomes an arm `weights:<name>` (golden numerics on those weights), so drift and KLD
     are attributed to the checkpoint as well as to the numerics toggles. `site.stage`: this
-    rank's fidelity.pipeline.Stage when the golden runs across processes (every rank
+    rank's fidelity.pipeline.stage.Stage when the golden runs across processes (every rank
     gets the whole run's tables, so all take the same decisions)."""
     site = RunSite(site.progress or (lambda msg: None), site.stage)
     out_dir, run_id = report.out_dir, report.run_id

@@ -35,4 +35,4 @@ class Chunking:
 class RunSite:
     """Where a lockstep run happens and who hears of it, the same for each of its calls."""
     progress: Callable[[str], None] | None = None   # progress lines (None: none)
-    stage: object = None                   # this rank's fidelity.pipeline.Stage: only its layers run here
+    stage: object = None                   # this rank's fidelity.pipeline.stage.Stage: only its layers run here

@@ -143,7 +143,7 @@ def run(args) -> int:
         raise CommandError(str(e)) from None
     finally:
         if stage is not None:
-            from fidelity.pipeline import shutdown
+            from fidelity.pipeline.stage import shutdown
             shutdown()
     if not writer:
         return 0
@@ -174,7 +174,7 @@ def _resolve_lengths(spec, cfg, tokenizer) -> tuple[int, ...]:
 
 def _stage(args, mode):
     """This rank's pipeline stage (fidelity.pipeline), from the checkpoint's config."""
-    from fidelity.pipeline import init_stage
+    from fidelity.pipeline.stage import init_stage
     from fidelity.weights.source import checkpoint_config
     from fidelity.weights.sizes import parse_bytes
     try:

@@ -106,7 +106,7 @@ def floor_numerics(k: int, compute_dtype):
 
 
 def build_entries(args, target, progress, place=None, driver=None):
-    """ScoredArm list, the baseline first. `driver` (fidelity.pipeline_model.Driver, on
+    """ScoredArm list, the baseline first. `driver` (fidelity.pipeline.model.Driver, on
     rank 0 under --distributed): in-process arms run across the pipeline."""
     from infra.http import RetryPolicy, model_options
     from fidelity.arms import parse_arm
@@ -125,7 +125,7 @@ def build_entries(args, target, progress, place=None, driver=None):
     for name, spec in _pairs(args.inprocess, "--arm"):
         arm = parse_arm(spec, version)
         kw = {"compute_dtype": place.compute_dtype} if place else {}
-        from fidelity.pipeline_model import arm_numerics
+        from fidelity.pipeline.model import arm_numerics
         model = driver.model((arm_numerics, spec, "reference", kw, version), arm.schedule) if driver else None
         nx = None if driver else arm_numerics(spec, "reference", kw, version)
         entries.append(ScoredArm(name, InProcessScorer(name, nx, target.weights, arm.name,
@@ -206,7 +206,7 @@ def _inprocess_around(spelling: str, target, place=None, driver=None, own: str |
     `qat`), each named `floors` + its floor name (left out when `floors` is None)."""
     import torch
     from fidelity.kld.inprocess import InProcessScorer
-    from fidelity.pipeline_model import arm_numerics
+    from fidelity.pipeline.model import arm_numerics
     from fidelity.arms import parse_arm
     from fidelity.twin import floor_numerics as around
     from kernel_toggles.arms import version_of
@@ -254,7 +254,7 @@ def _around_numerics(spec: str, version: str, cd, k: int, qat: bool = True):
 def run(args) -> int:
     if args.distributed is None:
         return _run(args)
-    from fidelity.pipeline_model import run_ranks
+    from fidelity.pipeline.model import run_ranks
     if not args.inprocess:
         raise CommandError("--distributed runs the in-process arms across the ranks; give at least one "
                            "--arm (endpoint arms are scored from rank 0 as usual)")
@@ -265,7 +265,7 @@ def _need(args, cfg):
     """What a distributed kld holds at once: one prompt (its decode ladder included) per
     in-process arm and automatic floor, with every position's logits."""
     from fidelity.ab.design import floor_arms
-    from fidelity.pipeline_model import Need
+    from fidelity.pipeline.model import Need
     from fidelity.weights.target import load_target
     if args.prompts:
         from fidelity.prompts import file_prompts
@@ -304,7 +304,7 @@ def _run(args, driver=None) -> int:
     try:
         from fidelity.devices import DeviceError, from_args
         place = from_args(args)
-        from fidelity.pipeline_model import command_target
+        from fidelity.pipeline.model import command_target
         target = command_target(args, place, driver)
         entries = build_entries(args, target, progress, place, driver)
         twins = build_twins(args, entries, target, progress, place, driver)

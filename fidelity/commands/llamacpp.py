@@ -99,7 +99,7 @@ def run(args) -> int:
 
 def _golden(ck: Path):
     from fidelity.kld.inprocess import InProcessScorer
-    from fidelity.pipeline_model import arm_numerics
+    from fidelity.pipeline.model import arm_numerics
     from fidelity.weights.source import load_tokenizer_for, load_weights
     w, _ = load_weights(str(ck))
     return w, load_tokenizer_for(str(ck)), InProcessScorer("golden", arm_numerics("golden", "reference", {}, "v4"), w)

@@ -152,7 +152,7 @@ def _runners(args, driver=None):
             raise CommandError(str(e)) from None
         from fidelity.needle_runner import InProcessOptions, InProcessRunner
         from reference_model.generate import Sampling
-        from fidelity.pipeline_model import command_target
+        from fidelity.pipeline.model import command_target
         target = command_target(args, place, driver)
         if driver is not None:
             notes.append(f"distributed over {driver.stage.world} ranks: trials run one at a time")
@@ -192,7 +192,7 @@ def run(args) -> int:
     if args.arm is None and args.endpoint:
         raise CommandError("--distributed runs the in-process arms across the ranks; give at least one --arm "
                            "(endpoint arms are queried from rank 0 as usual)")
-    from fidelity.pipeline_model import run_ranks
+    from fidelity.pipeline.model import run_ranks
     return run_ranks(args, lambda driver: _run(args, driver), lambda cfg: _need(args, cfg))
 
 
@@ -202,7 +202,7 @@ ANSWER_TOKENS = 64        # the memory check's answer budget when --max-tokens i
 def _need(args, cfg):
     """What a distributed needle sweep holds at once: one trial (its longest prompt and
     answer) per in-process arm, the last position's logits."""
-    from fidelity.pipeline_model import Need
+    from fidelity.pipeline.model import Need
     answer = args.max_tokens or ANSWER_TOKENS + (256 if args.thinking else 0)
     arms = len(args.arm) if args.arm is not None else 2
     if args.lengths is None:

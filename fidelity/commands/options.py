@@ -150,7 +150,7 @@ def chat_encoding(version: str, generation: str) -> str:
 
 def distributed_options(p, command: str) -> None:
     """--distributed, --dist-timeout and --device-memory of the per-prompt commands (kld,
-    needle, serve; fidelity.pipeline_model runs them), as `fidelity ab` has them."""
+    needle, serve; fidelity.pipeline.model runs them), as `fidelity ab` has them."""
     p.add_argument("--distributed", nargs="?", const=0, type=int, default=None, metavar="RANKS",
                    help=f"run the in-process golden as a pipeline over torchrun ranks (torchrun ... -m fidelity "
                         f"{command} --distributed): each rank runs its contiguous layers, rank 0 runs the command, "

@@ -110,7 +110,7 @@ def run(args) -> int:
     _api_key(args)                                # checked before any weight is read
     if args.distributed is None:
         return _run(args)
-    from fidelity.pipeline_model import run_ranks
+    from fidelity.pipeline.model import run_ranks
     return run_ranks(args, lambda driver: _run(args, driver), lambda cfg: _need(args, cfg))
 
 
@@ -119,7 +119,7 @@ def _need(args, cfg):
     with its logits, the prefix cache's budget of snapshots, and the states of the other
     --max-queue requests, each counted at one chunk (how far a request grows is not known
     before it arrives)."""
-    from fidelity.pipeline_model import Need
+    from fidelity.pipeline.model import Need
     from fidelity.weights.plan import sequence_state_bytes, state_dtypes
     length = min(args.chunked_prefill_size, cfg.max_seq_len)
     dt = state_dtypes("reference")
@@ -192,7 +192,7 @@ def _serve(args, place, arms, version, driver, sock) -> int:
     """Load the arms' model, announce, and serve on the bound socket until stopped."""
     import uvicorn
 
-    from fidelity.pipeline_model import command_target
+    from fidelity.pipeline.model import command_target
     from fidelity.serve import Engine, ServeOptions, create_app
     target = command_target(args, place, driver)
     generation = chat_encoding(version if args.chat_version == "auto" else args.chat_version, args.generation)

@@ -89,7 +89,7 @@ class InProcessScorer:
                  schedule=ONESHOT, weight_cache: dict | None = None, model=None):
         """`weight_cache`: converted weights shared by the scorers of one run (Model's), so
         several arms over one checkpoint hold one copy per compute dtype. `model`: one built
-        already (a fidelity.pipeline_model.PipelineModel under --distributed)."""
+        already (a fidelity.pipeline.model.PipelineModel under --distributed)."""
         self.name, self.label = name, label or name
         self.model = model or build_model(weights, numerics, devices=devices, schedule=schedule,
                                           weight_cache=weight_cache)

@@ -62,7 +62,7 @@ def replay_arms(extra=(), cache_type: str = "f16") -> dict:
     fp64 (its reduction-order floor) and each of `extra`, spelled PROFILE:ARM
     (reference|exact and an arm spelling). A bad spelling is a ValueError naming it."""
     from fidelity.arms import pinned_profile
-    from fidelity.pipeline_model import arm_numerics
+    from fidelity.pipeline.model import arm_numerics
     from reference_model.numerics import Numerics
     arms = {GOLDEN: arm_numerics("golden", "reference", {}, "v4"),
             FLOOR: Numerics("reference", torch.float32), "exact": Numerics("exact"),

@@ -63,7 +63,7 @@ def search(engine: dict, weights, ids: list[int], path: str, table: pd.DataFrame
     at most `steps` toggles are added. Returns where the twin first departed, the toggles
     added, where the grown arm first departs (None: nowhere), every candidate tried and the
     result in words."""
-    from fidelity.pipeline_model import arm_numerics
+    from fidelity.pipeline.model import arm_numerics
     floor = table["twin floor"].to_numpy()
     errs = table[modelled(table)].min(axis=1).to_numpy()           # the closest modelled arm, per tap
     k = start = first_off(errs, floor)

@@ -64,7 +64,7 @@ class ServeOptions:
     page_size: int = DEFAULT_PAGE_SIZE   # prefix-cache page (tokens per snapshot step)
     prefix_cache_bytes: int | None = DEFAULT_BUDGET   # snapshot budget (None: no prefix cache)
     chunked_prefill: int = 2048          # prefill chunk: tokens per layer pass, chunk_boundary between
-    driver: object = None                # fidelity.pipeline_model.Driver: arms run across torchrun ranks
+    driver: object = None                # fidelity.pipeline.model.Driver: arms run across torchrun ranks
     speculation: object = None           # fidelity.serve.speculative.Speculation (None: plain decoding)
 
 
@@ -143,7 +143,7 @@ class Engine:
             if sid in self.arms:
                 raise ValueError(f"two arms are served as model {sid!r}; name them with NAME=ARM")
             if o.driver is not None:
-                from fidelity.pipeline_model import arm_numerics
+                from fidelity.pipeline.model import arm_numerics
                 kw = {"compute_dtype": placement.compute_dtype} if placement else {}
                 from kernel_toggles.arms import version_of
                 model = o.driver.model((arm_numerics, arm.name, "reference", kw, version_of(target.cfg)),

@@ -30,7 +30,7 @@ DEFAULT_BUDGET = 1 << 30
 
 def state_bytes(obj) -> int:
     """Bytes of every tensor reachable from a state (dataclasses, lists); a pipeline
-    state (fidelity.pipeline_model) counts its parts on every rank."""
+    state (fidelity.pipeline.model) counts its parts on every rank."""
     if hasattr(obj, "all_ranks_bytes"):
         return obj.all_ranks_bytes()
     if isinstance(obj, torch.Tensor):

@@ -83,7 +83,7 @@ def plan_memory(cfg: ModelConfig, where: PlanDevices, spec: PassSpec,
     in from `where`. Raises PlanError on bad input. When the plan does not fit and `advise`,
     `advice` says what would: fewer prompts per pass, a shorter length, more devices,
     streamed weights, last-position logits. `spec.head_first`: the head runs on the first
-    device (the per-prompt commands' pipeline, fidelity.pipeline_model: rank 0 runs it),
+    device (the per-prompt commands' pipeline, fidelity.pipeline.model: rank 0 runs it),
     the layer split unchanged; `spec.cached_state`: bytes of state snapshots held besides
     the pass (serve's prefix cache), each device counting its layers' share of a sequence's
     state; `spec.pipeline` (None: nodes > 1): the devices are torchrun ranks, holding the

@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from distributed.cases import arms, prompts, tables  # noqa: E402
 from fidelity.ab.lockstep import LockstepRunner, RunnerSettings, RunSite  # noqa: E402
-from fidelity.pipeline import init_stage, shutdown  # noqa: E402
+from fidelity.pipeline.stage import init_stage, shutdown  # noqa: E402
 from fidelity.weights.source import checkpoint_config, load_weights  # noqa: E402
 
 ckpt, out = sys.argv[1], Path(sys.argv[2])

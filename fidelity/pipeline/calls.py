@@ -1,4 +1,4 @@
-"""What rank 0 and the workers of a per-prompt pipeline (fidelity.pipeline_model) share:
+"""What rank 0 and the workers of a per-prompt pipeline (fidelity.pipeline.model) share:
 the group rank 0's calls are broadcast in, the picklable recipe every rank builds an arm's
 model from, a rank's model devices, one rank's part of a state operation, the batch mates
 each call carries, and StageError for a call that failed on another rank."""

@@ -1,4 +1,4 @@
-"""Rank 0's side of a per-prompt pipeline (fidelity.pipeline_model): the Driver that
+"""Rank 0's side of a per-prompt pipeline (fidelity.pipeline.model): the Driver that
 sends every call down the ranks, and the PipelineModel / PipelineState handles the command
 uses in place of a Model and its SequenceState."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 
 from reference_model.schedule import ONESHOT
 
-from .pipeline import DistributedError, carried, carry_in, stage_state
-from .pipeline_calls import (Recipe, StageError, batch_mates, calls_group, rank_state_op,
+from .stage import DistributedError, carried, carry_in, stage_state
+from .calls import (Recipe, StageError, batch_mates, calls_group, rank_state_op,
                              stage_devices)
 
 

@@ -1,4 +1,4 @@
-"""A rank > 0 of a per-prompt pipeline (fidelity.pipeline_model): `work` runs rank 0's
+"""A rank > 0 of a per-prompt pipeline (fidelity.pipeline.model): `work` runs rank 0's
 calls (build a model, extend a state over this rank's layers, a state operation) until rank
 0 says stop; a failure travels down the pipeline to rank 0 in place of the streams."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from reference_model.schedule import co_batched
 
-from .pipeline import carried, carry_in, stage_state
-from .pipeline_calls import Recipe, calls_group, rank_state_op, stage_devices
+from .stage import carried, carry_in, stage_state
+from .calls import Recipe, calls_group, rank_state_op, stage_devices
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The golden's Model API across pipeline ranks, for commands that call the model one
 prompt or request at a time (`fidelity kld`, `needle`, `serve`): a driver/worker split
-over the stages of fidelity.pipeline.
+over the stages of fidelity.pipeline.stage.
 
 Rank 0 runs the command as one process does, with `PipelineModel`s in place of Models.
 Every `extend` is one call: rank 0 broadcasts a small command (model key, state handle,
@@ -19,17 +19,17 @@ rank; a rank that dies or hangs is the Stage's DistributedError (process-group t
 Models are built on every rank from a picklable recipe (a module-level function and its
 arguments returning the Numerics), since a Numerics with replaced kernels does not pickle.
 
-The parts: pipeline_calls (what every rank shares), pipeline_driver (rank 0: Driver,
-PipelineModel, PipelineState), pipeline_worker (ranks > 0: `work`). This module is the
+The parts: calls (what every rank shares), driver (rank 0: Driver,
+PipelineModel, PipelineState), worker (ranks > 0: `work`). This module is the
 commands' side: run a command on every rank, its Target and weights, an arm's recipe."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .pipeline import DistributedError
-from .pipeline_calls import StageError
-from .pipeline_driver import Driver, PipelineModel, PipelineState
-from .pipeline_worker import work
+from .stage import DistributedError
+from .calls import StageError
+from .driver import Driver, PipelineModel, PipelineState
+from .worker import work
 
 __all__ = ["Driver", "Need", "PipelineModel", "PipelineState", "StageError", "arm_numerics",
            "command_target", "join", "run_ranks", "stage_target", "stage_weights",
@@ -61,7 +61,7 @@ def run_ranks(args, on_rank0, need=None) -> int:
     (the command itself, its in-process arms as pipeline models); the others run its calls
     on their layers until it stops them. `need(cfg)` -> Need: every rank checks every stage
     against its budget first (the head on rank 0), so one that does not fit stops them all."""
-    from .pipeline import shutdown
+    from .stage import shutdown
     stage = join(args)
     try:
         if need is not None:
@@ -87,7 +87,7 @@ def run_ranks(args, on_rank0, need=None) -> int:
 def join(args):
     """This rank's Stage for a per-prompt command (`args.checkpoint`'s config)."""
     from fidelity.weights.source import checkpoint_config
-    from .pipeline import init_stage
+    from .stage import init_stage
     from fidelity.weights.sizes import parse_bytes
     cfg = checkpoint_config(args.checkpoint)
     try:
