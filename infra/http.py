@@ -203,6 +203,15 @@ class ModelChoiceError(ValueError):
     """No served model can be told to be this arm's."""
 
 
+def served_models(body) -> dict[str, object]:
+    """/v1/models' answer read as {model id: its `meta` (llama-server states the vocabulary
+    there), or None}; ValueError naming what came instead of a model list."""
+    try:
+        return {str(m["id"]): m.get("meta") for m in body["data"]}
+    except (KeyError, TypeError, AttributeError):
+        raise ValueError(f"no model list in {str(body)[:200]!r}") from None
+
+
 def pick_model(arm: str, wanted: str | None, served: list[str]) -> str:
     """The model arm `arm` queries: `wanted` if given (it must be served), else the served
     model named `arm`, else the only one served."""

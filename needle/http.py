@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from infra.http import (RequestFailed, RetryPolicy, StartupError, aretry, bearer, check_status, check_url,
-                        pick_model, redact_url, send, split_base, transport_failure)
+                        pick_model, redact_url, send, served_models, split_base, transport_failure)
 
 from .haystack import Prompt
 
@@ -121,9 +121,9 @@ class HttpRunner:
             except ValueError:
                 raise RequestFailed(f"malformed response body: {r.text[:120]!r}", True, r.status_code) from None
             try:
-                return [str(m["id"]) for m in data["data"]]
-            except (KeyError, TypeError):
-                raise RequestFailed(f"no model listed: {r.text[:120]!r}", False, r.status_code) from None
+                return list(served_models(data))
+            except ValueError as e:
+                raise RequestFailed(str(e), False, r.status_code) from None
 
         with httpx.Client(timeout=self.timeout(), headers=self.headers()) as c:
             try:

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 
 from infra.http import (ModelChoiceError, RequestFailed, RetryPolicy, URLError, backoff_delay, bearer, check_url,
-                        pick_model, redact_url, send, split_base)
+                        pick_model, redact_url, send, served_models, split_base)
 
 from fidelity import servers
 from fidelity.servers import llamacpp as L
@@ -136,10 +136,10 @@ class Endpoint:
         and (SGLang) capture shapes; the server's own view is kept."""
         def model_ids(d):
             try:
-                self.meta = {m["id"]: m.get("meta") for m in d["data"]}
-                return [m["id"] for m in d["data"]]
-            except (KeyError, TypeError, AttributeError):
-                raise ScoringError(f"no model list in {str(d)[:200]}") from None
+                self.meta = served_models(d)
+            except ValueError as e:
+                raise ScoringError(str(e)) from None
+            return list(self.meta)
         ids = self.call("GET", "/v1/models", parse=model_ids)
         try:
             self.model = pick_model(self.name, self.model, ids)
