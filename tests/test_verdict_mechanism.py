@@ -49,6 +49,24 @@ def test_one_loss_in_five_trials_is_named_at_36_trials():
     assert t.iloc[0].p_value == pytest.approx(1 / 16) and not B.clears(t).iloc[0]
 
 
+def test_the_fewest_losses_a_run_names_and_the_power_said():
+    """By hand: with no loss the other way 5 losses give p = 1/32 < 0.05 and 4 give 1/16;
+    with one the other way, 7 give P(X >= 7 | 8) = 9/256 and 6 give P(X >= 6 | 7) = 8/128."""
+    assert [B.detectable(c) for c in (0, 1)] == [5, 7]
+    assert 9 / 256 < B.ALPHA <= 8 / 128
+    small = pd.DataFrame(_lost("bug", 2, 6) + _lost("floor:ties", 0, 6))        # 2 of 12: a one-pick bug
+    s = B.power_sentence(B.exact_tests(small, {"bug": frozenset({"bug"})}, ["floor:ties"]))
+    assert s == ("Selection losses too few to name: `bug` lost the needle's entry in 2 of 12 (prompt, CSA layer) "
+                 "trials where the floors kept it (0 the other way, exact p = 0.25): this run names 5 or more; "
+                 "about 3x the prompts (--reps) would, if the rate holds.")
+    clean = pd.DataFrame(_lost("bug", 0, 6) + _lost("floor:ties", 0, 6))
+    assert B.power_sentence(B.exact_tests(clean, {"bug": frozenset({"bug"})}, ["floor:ties"])) == (
+        "Selection power: a toggle is named for losing the needle's indexer entry when it loses it in 5 or "
+        "more of the 12 (prompt, CSA layer) trials where the floors keep it.")
+    named = pd.DataFrame(_lost("bug", 7, 18) + _lost("floor:ties", 0, 18))
+    assert B.power_sentence(B.exact_tests(named, {"bug": frozenset({"bug"})}, ["floor:ties"])) == ""
+
+
 def test_must_beat_every_floor_and_pairs_by_one_factor():
     sig = pd.DataFrame(_lost("bug", 6) + _lost("floor:a", 0) + _lost("floor:b", 6)
                        + _lost("engine", 2) + _lost("engine,bug", 8))

@@ -96,6 +96,40 @@ def _row(signal, place, toggle, method, test: PairedTest, vs) -> dict:
             "p_value": p, "vs": vs}
 
 
+def detectable(c: int, alpha: float = ALPHA) -> int:
+    """The fewest losses an arm must have where its comparator has none (with `c` the other
+    way) for the exact test to name it: the smallest b with P(B >= b | b + c, 1/2) < alpha."""
+    b = 1
+    while stats.binom.sf(b - 1, b + c, 0.5) >= alpha:
+        b += 1
+    return b
+
+
+def power_sentence(rows: pd.DataFrame) -> str:
+    """What this run's exact tests could see, for selection faults whose only outcome is a
+    lost needle entry on a few prompts: for each one-factor arm that lost entries the floors
+    kept but too few to name, the count it would need and about how many more prompts would
+    bring it there if its rate holds; else the smallest loss this run names at all."""
+    r = rows[(rows.method == "exact_vs_floors") & (rows.signal == "needle_lost")]
+    if r.empty:
+        return ""
+    near = r[(r.b > r.c) & ~clears(r)]
+    parts = []
+    for x in near.itertuples():
+        need = detectable(x.c)
+        scale = -(-need // max(x.b - x.c, 1))                     # ceil: prompts x this many
+        parts.append(f"`{x.toggle}` lost the needle's entry in {x.b} of {x.n} (prompt, CSA layer) trials "
+                     f"where the floors kept it ({x.c} the other way, exact p = {x.p_value:.2g}): this run "
+                     f"names {need} or more; about {scale}x the prompts (--reps) would, if the rate holds")
+    if parts:
+        return "Selection losses too few to name: " + "; ".join(parts) + "."
+    if clears(r).any():                       # a selection fault is named: its row says enough
+        return ""
+    n = int(r.n.max())
+    return (f"Selection power: a toggle is named for losing the needle's indexer entry when it loses it in "
+            f"{detectable(0)} or more of the {n} (prompt, CSA layer) trials where the floors keep it.")
+
+
 def clears(rows: pd.DataFrame) -> pd.Series:
     """Named by the exact test: more losses with the factor than without, p < ALPHA."""
     return (rows.p_value < ALPHA) & (rows.b > rows.c)

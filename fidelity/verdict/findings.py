@@ -230,9 +230,10 @@ def with_never_acted(v: dict, names: list[str], acted: dict[str, list[int]] | No
 
 
 def verdict_lines(v: dict) -> list[str]:
-    """The verdict as a report's first lines: outcome, then mechanism, departures and the
-    toggles that never acted (when there are any)."""
+    """The verdict as a report's first lines: outcome, then mechanism, departures, the
+    toggles that never acted and what the selection tests could see (when there are any)."""
     lines = [v.get("outcome_sentence", v["sentence"])]
     if v.get("mechanism"):
         lines.append(v["mechanism_sentence"])
-    return lines + [s for s in (v.get("departure_sentence"), v.get("never_acted_sentence")) if s]
+    return lines + [s for s in (v.get("departure_sentence"), v.get("never_acted_sentence"),
+                                v.get("power_sentence")) if s]

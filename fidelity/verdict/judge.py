@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from .binary import clears as exact_clears
-from .binary import exact_tests
+from .binary import exact_tests, power_sentence
 from .findings import mechanism_findings, mechanism_sentence, schedule_of
 from .attribution import Bootstrap
 from .signals import (FLOOR_EPS, SCHEDULE_FACTOR, SIGNALS, Design, attribute_signals,  # noqa: F401
@@ -57,6 +57,7 @@ def verdict(attr: pd.DataFrame, floors: pd.DataFrame, n_prompts: int | None = No
     v["mechanism"] = mechanism_findings(mech, {n["toggle"] for n in v["named"]})
     v["mechanism_sentence"] = mechanism_sentence(v["mechanism"])
     v["outcome_sentence"] = v["sentence"]
+    v["power_sentence"] = power_sentence(exact) if exact is not None and len(exact) else ""
     if v["mechanism"]:
         v["sentence"] += " " + v["mechanism_sentence"]
     if n_prompts is not None and n_prompts < MIN_PROMPTS:
