@@ -122,12 +122,17 @@ def change_lines(h) -> list[str]:
     return out
 
 
+WHOSE = {(True, True): "converter and engine", (True, False): "converter", (False, True): "engine"}
+
+
+def _whose(cause: dict | None) -> str:
+    """Whose change a change point is (History.cause): converter, engine, both, or '' unknown."""
+    return WHOSE.get((cause["converter"], cause["engine"]), "") if cause and cause.get("ok") else ""
+
+
 def _mark(loc: dict | None, cause: dict | None) -> str:
     """A change point's label beside its line: whose change, and the first tensor that parts."""
-    who = ""
-    if cause and cause.get("ok"):
-        who = {(True, True): "converter+engine", (True, False): "converter", (False, True): "engine"}.get(
-            (cause["converter"], cause["engine"]), "")
+    who = _whose(cause)
     first = ((loc or {}).get("tensors") or {}).get("first") if (loc or {}).get("ok") else None
     parts = [p for p in (who, first and f"at {first['tensor']}") if p]
     return f": {', '.join(parts)}" if parts else ""
@@ -234,7 +239,7 @@ def plot_timeline(h, needle: bool):
 def _change_words(h, a: int, b: int) -> str:
     """b<a> → b<b> (whose change, how far: where their tensors part)."""
     pair, cause = h.ledger.get("pair", [a, b]) or {}, h.ledger.get("cause", [a, b]) or {}
-    who = _mark(None, cause)[2:]
+    who = _whose(cause)
     head = ", ".join(x for x in (who and f"the {who}'s change", pair.get("kind")) if x)
     loc = h.ledger.get("localised", [a, b]) or {}
     first = (loc.get("tensors") or {}).get("first") if loc.get("ok") else None
