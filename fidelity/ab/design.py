@@ -6,11 +6,11 @@ over the toggles with the largest effects, so Shapley values are exact there."""
 from __future__ import annotations
 
 import itertools
-import sys
 from dataclasses import dataclass, field
 
 import torch
 
+from infra.command import command_line
 from kernel_toggles import arms as K
 from reference_model import Numerics
 from reference_model.numerics import topk_highest_index_ties
@@ -74,7 +74,7 @@ class ABSettings:
     runner: RunnerSettings = field(default_factory=RunnerSettings)
     stats: Statistics = field(default_factory=Statistics)
     checkpoint: str = "embedded:tiny-random(seed=0)"
-    command_line: str = field(default_factory=lambda: " ".join(sys.argv))
+    command_line: str = field(default_factory=command_line)
 
     @classmethod
     def of(cls, checkpoint: str = "embedded:tiny-random(seed=0)", **fields) -> "ABSettings":

@@ -3,9 +3,9 @@ Heavy modules (torch, the tokenizer, httpx) are imported inside run(): `fidelity
 imports every command module and stays quick."""
 from __future__ import annotations
 
-import sys
 import time
 
+from infra.command import command_line
 from fidelity.commands.options import api_key, chat_encoding, endpoint_url, http_options, output_options
 from fidelity.errors import CommandError
 
@@ -85,7 +85,7 @@ def run(args) -> int:
             "chat_version": version, "chat_version_from": why,
             "engine_profile": args.engine_profile, "method": probe.method,
             "weak": probe.method == WEAK, "raw_tokenizer": probe.raw_route or f"local {probe.local.name}",
-            "command": " ".join(sys.argv)}
+            "command": command_line()}
     path, failed = report.write(rows, meta, args.out, args.run_id or time.strftime("chat-check-%Y%m%d-%H%M%S"))
     counts = {}
     for r in rows:

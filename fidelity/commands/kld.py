@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
+from infra.command import command_line
 from fidelity.commands.options import api_key, endpoint_pair, http_options, output_options, retired
 from fidelity.errors import CommandError
 from fidelity.lengths import HELP as LENGTHS_HELP
@@ -328,7 +329,7 @@ def _run(args, driver=None) -> int:
             shutil.rmtree(Path(args.out) / "kld" / "scores", ignore_errors=True)
         s = KldSettings(k=args.top_k, steps=args.steps, exact=args.exact, exact_k=args.exact_k,
                         captures=not args.no_captures, n_boot=args.n_boot, seed=args.seed)
-        manifest = {"command": " ".join(sys.argv), "baseline": entries[0].name,
+        manifest = {"command": command_line(), "baseline": entries[0].name,
                     "settings": s.__dict__, "tokenizer": tok.name,
                     "arms": [arm_record(e) for e in entries],
                     "servers": {e.name: getattr(e.scorer, "info", None) for e in entries},
