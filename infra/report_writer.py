@@ -37,8 +37,13 @@ class ReportWriter:
         self.figures: list[tuple[str, str, str]] = []       # (file, title, caption)
 
     def table(self, name: str, df: pd.DataFrame, gzip: bool = False) -> None:
-        """CSV; `gzip` for the big per-row tables (pandas reads .csv.gz transparently)."""
-        df.to_csv(self.tmp / f"{name}.csv{'.gz' if gzip else ''}", index=False)
+        """CSV; `gzip` for the big per-row tables (pandas reads .csv.gz transparently), with no
+        time in its header, so the same table is the same bytes (a regenerated report that did
+        not change does not show as changed)."""
+        if gzip:
+            df.to_csv(self.tmp / f"{name}.csv.gz", index=False, compression={"method": "gzip", "mtime": 0})
+        else:
+            df.to_csv(self.tmp / f"{name}.csv", index=False)
 
     def json(self, name: str, obj) -> None:
         payload = {"schema_version": SCHEMA_VERSION, **obj}
