@@ -67,6 +67,8 @@ def test_detection_order_and_fallback():
     assert set(servers.launchable()) == {"sglang", "vllm", "llamacpp", "fidelity"}
     with pytest.raises(ValueError, match="unknown engine 'tgi'"):
         servers.get("tgi")
+    assert servers.find("vllm") is servers.REGISTRY["vllm"]
+    assert servers.find("external") is None and servers.find("inprocess") is None and servers.find(None) is None
 
 
 def test_generation_requests_in_each_dialect():

@@ -124,8 +124,8 @@ def _preflight(runs: list[list], progress) -> None:
 
 def _dialect_caveats(described: list[dict]) -> list[str]:
     """What an arm read through plain OpenAI completions cannot show, said in the verdict."""
-    return [f"`{a['name']}` {servers.get(a['dialect']).caveat}"
-            for a in described if a.get("dialect") and servers.get(a["dialect"]).caveat]
+    found = [(a["name"], servers.find(a.get("dialect"))) for a in described]
+    return [f"`{name}` {s.caveat}" for name, s in found if s and s.caveat]
 
 
 def _current(row: dict, s: ConsistencySettings) -> bool:

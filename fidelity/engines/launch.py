@@ -28,7 +28,7 @@ from fidelity.servers.profiled import LaunchRefused
 
 from .spec import EngineArm, EngineSpec, SpecError
 
-READY = {"external": "/v1/models", "inprocess": ""}     # the launched kinds: their module's ready_path
+EXTERNAL_READY = "/v1/models"        # a running server of any kind; a launched one: its module's ready_path
 LOG_TAIL = 20
 
 
@@ -63,8 +63,9 @@ def plan_arm(arm: EngineArm, e: EngineSpec, captures: bool = False, max_logprobs
             f"computed in this process on {','.join(e.devices)} ({e.model or 'the embedded model'}), "
             "scored and released before any engine is launched"])
     url = e.url if e.kind == "external" else f"http://{e.host}:{e.port}"
-    p = LaunchPlan(arm.name, e.name, e.kind, url, ready_path=e.ready_path or READY.get(e.kind) or servers.get(e.kind).ready_path,
-                   start_timeout=e.start_timeout, stop_grace=e.stop_grace)
+    ready = e.ready_path or (EXTERNAL_READY if e.kind == "external" else servers.get(e.kind).ready_path)
+    p = LaunchPlan(arm.name, e.name, e.kind, url, ready_path=ready, start_timeout=e.start_timeout,
+                   stop_grace=e.stop_grace)
     if e.kind == "external":
         if arm.toggles is not None or arm.env or arm.flags or arm.serving:
             raise SpecError(f"arm {arm.name}: engine {e.name} is external (already running); it "

@@ -347,14 +347,15 @@ def _run_arm(run: EngineRun, arm, plan, consistency) -> None:
 
 def _ready_poll(kind: str) -> float:
     from fidelity import servers
-    return servers.get(kind).ready_poll if kind in servers.REGISTRY else 1.0
+    server = servers.find(kind)
+    return server.ready_poll if server else 1.0
 
 
 def _reading(st: dict) -> dict:
     """How an arm's prompt positions were read, when not from one prefill (llama.cpp)."""
     from fidelity import servers
-    reading = servers.get(st["dialect"]).reading if st.get("dialect") else None
-    return {"reading": reading} if reading else {}
+    server = servers.find(st.get("dialect"))
+    return {"reading": server.reading} if server and server.reading else {}
 
 
 def report(run: EngineRun, run_id: str) -> dict:

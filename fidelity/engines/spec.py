@@ -184,7 +184,8 @@ def _engine(name: str, d: dict) -> EngineSpec:
     e.serving = _serving(d.get("serving", {}), f"{where}.serving")
     if kind == "external" and not e.url:
         raise SpecError(f"{where}: an external engine needs url")
-    lacks = servers.get(kind).check(e, where) if kind in servers.REGISTRY else None
+    server = servers.find(kind)
+    lacks = server.check(e, where) if server else None
     if lacks:
         raise SpecError(lacks)
     return e
@@ -264,7 +265,8 @@ def _toggles(text, where, model: str = "v4"):
 
 def _closest(e: EngineSpec, where: str):
     """toggles = "closest": the engine with every known reference setting applied."""
-    if not (e.kind in servers.REGISTRY and servers.get(e.kind).profiled):
+    server = servers.find(e.kind)
+    if not (server and server.profiled):
         profiled = " or ".join(n for n, s in servers.REGISTRY.items() if s.profiled)
         raise SpecError(f"{where}: \"closest\" needs an engine whose toggles map through profiles ({profiled})")
     try:
@@ -313,10 +315,11 @@ def _flag_factors(e: EngineSpec, env: dict, flags: list, where: str) -> tuple[se
     """The toggles an arm's own flags and env set away from its engine's defaults, for an
     engine whose flags are read as toggles (llama.cpp's `-ctk q8_0`): what attribution
     credits; None for the others."""
-    if e.kind not in servers.REGISTRY:
+    server = servers.find(e.kind)
+    if server is None:
         return None
     try:
-        return servers.get(e.kind).flag_factors(flags, env)
+        return server.flag_factors(flags, env)
     except ValueError as ex:
         raise SpecError(f"{where}: {ex}") from None
 
@@ -347,7 +350,7 @@ def _design(i: int, d: dict, engines) -> list[EngineArm]:
     e = engines[d["engine"]]
     out = []
     for label, ts in named:
-        if e.kind in servers.REGISTRY and servers.get(e.kind).profiled:
+        if (server := servers.find(e.kind)) and server.profiled:
             try:
                 ts = profiles.fixed_on(ts, e.kind, e.version)
             except ValueError as ex:

@@ -10,9 +10,9 @@ nothing for `fidelity serve` as started (it serves the golden: the first judgeme
 it all) or an external server (nothing to derive one from)."""
 from __future__ import annotations
 
+from fidelity import servers
 from fidelity.arms import parse_arm
 from fidelity.kld.twin import Twin
-from fidelity import servers
 
 from .spec import Spec
 
@@ -21,7 +21,8 @@ def spelling_of(spec: Spec, arm) -> tuple[str, str] | None:
     """(twin spelling, where it came from) of a launched arm, or None (its engine's module
     says: fidelity.servers)."""
     e = spec.engines[arm.engine]
-    return servers.get(e.kind).twin_of_arm(e, arm) if e.kind in servers.REGISTRY else None
+    server = servers.find(e.kind)
+    return server.twin_of_arm(e, arm) if server else None
 
 
 def engine_twins(spec: Spec, version: str) -> list[Twin]:

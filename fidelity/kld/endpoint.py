@@ -190,9 +190,9 @@ class Endpoint:
     def describe(self) -> dict:
         d = {"name": self.name, "kind": self.kind, "url": redact_url(self.url),
              "dialect": self.dialect, "model": self.model, "server": self.fingerprint()}
-        reading = servers.get(self.dialect).reading if self.dialect else None
-        if reading:
-            d["reading"] = reading
+        server = servers.find(self.dialect)
+        if server and server.reading:
+            d["reading"] = server.reading
         return d
 
     def fingerprint(self) -> dict:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from fidelity import servers
 from fidelity.progress import Progress
 from fidelity.prompts import describe
 from fidelity.verdict.judge import Bootstrap, Design, judge
@@ -26,10 +27,8 @@ from fidelity.verdict.signals import http_signals
 from . import health as H
 from . import report
 from .compare import capture_rows, position_rows
-from .margins import margin_rows
-from fidelity import servers
-
 from .dialects import PromptScores, Request
+from .margins import margin_rows
 from .settings import KldSettings
 from .store import ScoreStore, request_key
 
@@ -69,8 +68,8 @@ BASE_ROLES = ("baseline", "twin")
 
 def _request(s: KldSettings, entry: ScoredArm, base: PromptScores | None) -> Request:
     r = Request(k=s.k, steps=s.steps, captures=s.captures)
-    dialect = getattr(entry.scorer, "dialect", None)
-    exact = servers.get(dialect).exact if dialect else None
+    server = servers.find(getattr(entry.scorer, "dialect", None))
+    exact = server.exact if server else None
     if s.exact and base is not None and entry.role not in BASE_ROLES:
         if exact == "score_ids":                    # the ids the baseline ranks highest, scored everywhere
             top = set()

@@ -29,6 +29,12 @@ def get(name: str) -> Server:
         raise ValueError(f"unknown engine {name!r} (one of {', '.join(REGISTRY)})") from None
 
 
+def find(name: str | None) -> Server | None:
+    """The engine module of `name`, or None for a kind no module stands for (an engines
+    TOML's `external` or `inprocess`, an endpoint whose dialect is not known yet)."""
+    return REGISTRY.get(name) if name else None
+
+
 def detect(found: Found) -> str:
     """The dialect a server answered discovery in."""
     return next(n for n in DIALECTS if REGISTRY[n].claims(found))
@@ -49,4 +55,4 @@ def launchable() -> tuple[str, ...]:
     return tuple(n for n, s in REGISTRY.items() if type(s).command is not Server.command)
 
 
-__all__ = ["Found", "Generation", "Reply", "Server", "REGISTRY", "DIALECTS", "get", "detect", "served_as", "launchable"]
+__all__ = ["Found", "Generation", "Reply", "Server", "REGISTRY", "DIALECTS", "get", "find", "detect", "served_as", "launchable"]
