@@ -16,7 +16,7 @@ from checkpoint_util import tiny_mtp_checkpoint
 from needle_util import ROOT, fidelity_cmd, served
 from test_report_pages import REPR, _cells, check_command, suggested
 from fidelity.consistency.spec import first_diff, injected, off_top1, served_speculation
-from fidelity.consistency.spec_judge import _looks_like, agreement, permutation_p
+from fidelity.consistency.spec_judge import _looks_like, agreement, permutation_p, reference_acceptance
 from fidelity.kld.bounds import Known
 
 BUGS = ("verify_not_batch_exact", "rollback_keeps_rejected_compressor_rows", "verify_ignores_temperature",
@@ -61,10 +61,15 @@ def test_spec_family_names_each_bug_and_never_the_golden(ckpt, tmp_path):
     assert t.loc["verify_not_batch_exact"].first_lp_step <= 2
     assert "not batch-exact" in t.loc["verify_not_batch_exact"].looks_like
     assert "rollback" in t.loc["rollback_keeps_rejected_compressor_rows"].looks_like
-    for arm, k in (("verify_accepts_near_top", 2), ("accepts1", 1)):   # the kind, with the K served
+    for arm, k, ref in (("verify_accepts_near_top", 2, "golden"), ("accepts1", 1, "bos1")):   # the kind, with the K served
         r = t.loc[arm]
         assert r.flagged and r.off_top1 > r.base_off_top1 == 0 and r.k_served == k, arm
         assert "accepts drafts the target rejects" in r.looks_like and f"{k} draft" in r.looks_like, arm
+        # its acceptance beside the lossless arm's at the same K: a correct verifier accepts less
+        assert r.accept_reference == ref, arm
+        rate = lambda s: int(s.split("/")[0]) / int(s.split("/")[1])       # noqa: E731
+        assert rate(r.accept_first) > rate(t.loc[ref].accept_first), (arm, r.accept_first, t.loc[ref].accept_first)
+        assert (r.p_accept_above < 0.05) == ("first draft is accepted in" in r.looks_like), arm
     for bug in BUGS[:3]:                     # their tokens are their own top-1: not acceptance
         assert t.loc[bug].off_top1 == 0, bug
     tmp = t.loc["verify_ignores_temperature"]
@@ -94,6 +99,18 @@ def test_the_judges_pieces():
     collapsed = [([[1, 2, 3]] * 6, [[i, i + 1, i + 2] for i in range(6)])] * 3
     d, p = permutation_p(collapsed)
     assert d == 1.0 and p < 0.01
+
+
+def test_acceptance_against_a_lossless_reference():
+    # one-sided Fisher by hand: 12 accepted of 20 verifies, 10 drawn for the arm, P(X >= 9)
+    from math import comb
+    by_hand = (comb(12, 9) * comb(8, 1) + comb(12, 10) * comb(8, 0)) / comb(20, 10)
+    assert reference_acceptance((10, 9), (10, 3)) == pytest.approx(by_hand)
+    assert reference_acceptance((10, 3), (10, 9)) > 0.99                 # fewer accepted: not evidence
+    more = "its first draft is accepted in 9/10 verifies"
+    said = _looks_like(True, False, 3, [], 0, [], 2, accepts_more=more)  # no off-top-1 token, yet
+    assert "accepts drafts the target rejects" in said and more in said and "2 drafts" in said
+    assert "rollback" in _looks_like(True, False, 3, [], 0, [], 2)      # without it: the state
 
 
 def test_off_top1_and_served_speculation():

@@ -318,7 +318,10 @@ def build_page(result: dict) -> Page:
             "special tokens the speculative reply injects, greedy tokens that are not the top-1 of "
             "their own reported distribution (`off_top1`, the baseline's beside it), the drafts per "
             "verify the server reports (`k_served`) and the engine's acceptance counts where it "
-            "reports them (fidelity/consistency/spec_judge.py).",
+            "reports them; a flagged arm's first-draft acceptance (`accept_first`) is set against "
+            "the first lossless arm at the same drafts per verify (`accept_reference`, one-sided "
+            "`p_accept_above`): accepting more than a correct verifier is wrong acceptance "
+            "(fidelity/consistency/spec_judge.py).",
             [Table(_flagged_first(spec), fold=False)], [] if spec.flagged.any() else ["spec_kl"]))
     behaviour = result.get("behaviour", pd.DataFrame())
     sus = suspects(table, behaviour)

@@ -11,6 +11,9 @@ Flagged when
 * a speculative greedy reply parts from the baseline's with a special token;
 * a greedy token is not the top-1 of its own reported distribution more often than in the
   baseline's replies (only an emitted token that is not the target's pick does that).
+A flagged arm's acceptance is also set against a *reference* speculative arm of the same run:
+one judged lossless, serving the same drafts per verify (`reference_acceptance`); a first
+draft accepted more often than there is evidence that the verifier accepts what it should not.
 Each flagged arm gets its first token and first distribution difference and the kind the
 evidence points to (`_looks_like`): wrong acceptance, a corrupt correction row, the
 verify's arithmetic, state carried across a verify, a verifier that does not sample."""
@@ -20,6 +23,7 @@ import itertools
 
 import numpy as np
 import pandas as pd
+from scipy.stats import fisher_exact
 
 from reference_model.tokenizer import BOS
 
@@ -76,6 +80,25 @@ def _accept(greedy: pd.DataFrame) -> tuple[float | None, list[float] | None]:
     return length, [float(x) / verifies for x in np.sum(np.array(per, dtype=float), 0)]
 
 
+def accept_counts(greedy: pd.DataFrame) -> tuple[int, int] | None:
+    """(verifies, first drafts accepted) summed over the greedy probes' spec_* counts (None
+    where the engine reports no per-position counts). The first draft position is the one
+    every verify tries, so its count is a plain proportion over verifies."""
+    metas = [m for m in greedy.get("spec_meta", []) if isinstance(m, dict) and m.get("spec_verify_ct")]
+    per = [m.get("spec_accepted_per_position") for m in metas]
+    if not metas or not all(isinstance(p, list) and p for p in per):
+        return None
+    return int(sum(m["spec_verify_ct"] for m in metas)), int(sum(p[0] for p in per))
+
+
+def reference_acceptance(arm: tuple[int, int], ref: tuple[int, int]) -> float:
+    """One-sided Fisher exact p that the arm accepts its first draft more often than the
+    reference arm (verifies, accepted each). Verifies within one reply are not independent
+    trials, so read p as a screen, not as an exact error rate."""
+    (n1, a1), (n0, a0) = arm, ref
+    return float(fisher_exact([[a1, n1 - a1], [a0, n0 - a0]], alternative="greater")[1])
+
+
 def _off_top1(greedy: pd.DataFrame) -> tuple[list[str], list[int], int]:
     """Over the greedy probes: per step whose token is not its own reported top-1, the
     special token's name ("" for an ordinary token); those steps; the baseline's count."""
@@ -91,7 +114,7 @@ def _served_k(greedy: pd.DataFrame) -> int | None:
 
 
 def _looks_like(greedy_flag: bool, sampled_flag: bool, first_lp_step, off: list[str], base_off: int,
-                injected: list[str], k: int | None) -> str:
+                injected: list[str], k: int | None, accepts_more: str = "") -> str:
     """The signature in words, from evidence, most specific first.
 
     * Greedy tokens that are not the top-1 of their own reported distribution (`off`: the
@@ -100,6 +123,8 @@ def _looks_like(greedy_flag: bool, sampled_flag: bool, first_lp_step, off: list[
       drafts, is the corrupt correction row of antirez/ds4 #750 (a rollback without
       snapshot reads a zeroed row); anything else -- at one draft always, since no rollback
       can then corrupt a row -- is a verifier accepting drafts the target rejects.
+    * `accepts_more` (the acceptance above a lossless reference arm's, in words; "" when
+      not): the same kind, from the engine's own counts.
     * A special token where the replies part that *is* its step's top-1: the row itself
       moved there (the state or numerics below), named by the token.
     * Otherwise the first distribution step: 0-1 comes from the first verify's first row on
@@ -107,15 +132,18 @@ def _looks_like(greedy_flag: bool, sampled_flag: bool, first_lp_step, off: list[
       verify (the rollback) -- or a verify whose first rows happened to round alike.
     * Only the sampled distribution moving: a verifier that does not sample."""
     drafts = f"{k} draft{'s' if k != 1 else ''} per verify" if k else "drafts per verify not reported"
+    more = f"; {accepts_more}" if accepts_more else ""
     if len(off) > base_off:
         specials = sorted({t for t in off if t})
-        if specials == [BOS] and (k is None or k >= 2):
+        if specials == [BOS] and (k is None or k >= 2) and not accepts_more:
             return (f"a logits row read corrupt after a verify: BOS emitted where it is not its step's top-1 "
                     f"({drafts}; antirez/ds4 #750 class: a rollback without snapshot read a zeroed row)")
         named = f", among them the special token(s) {', '.join(specials)}" if specials else ""
         return (f"a verifier that accepts drafts the target rejects: {len(off)} greedy token(s) are not the "
                 f"top-1 of the distribution the server reported for their step (the baseline's: {base_off})"
-                f"{named}; {drafts}")
+                f"{named}{more}; {drafts}")
+    if accepts_more and (greedy_flag or injected):
+        return f"a verifier that accepts drafts the target rejects: {accepts_more}; {drafts}"
     tail = f" (the replies part with the special token {injected[0]}, its step's top-1)" if injected else ""
     if greedy_flag or injected:
         if first_lp_step is not None and first_lp_step <= 1:
@@ -133,10 +161,11 @@ def spec_table(rows: pd.DataFrame) -> pd.DataFrame:
             "first_lp_step", "kl_first", "kl_max", "floor", "seed_identical", "samples",
             "sampled_first_step", "agree_spec", "agree_base", "top1_spec", "top1_base",
             "p_distribution", "injected", "injected_token", "off_top1", "base_off_top1", "first_off_top1",
-            "k_served", "accept_length", "accept_per_position", "flagged", "looks_like", "why"]
+            "k_served", "accept_length", "accept_per_position", "accept_first", "accept_reference",
+            "p_accept_above", "flagged", "looks_like", "why"]
     if rows.empty or "family" not in rows:
         return pd.DataFrame(columns=cols)
-    out = []
+    out, evidence = [], []
     for arm, g in rows[rows.family == "spec"].groupby("arm", sort=False):
         gr, sa = g[g.condition == "greedy"], g[g.condition == "sampled"]
         exact_floor = bool(gr.floor_first_diff.isna().all() and gr.floor_first_lp_diff.isna().all())
@@ -160,6 +189,7 @@ def spec_table(rows: pd.DataFrame) -> pd.DataFrame:
         k = _served_k(gr)
         sampled_flag = p < ALPHA
         length, per = _accept(gr)
+        counts = accept_counts(gr)
         flagged = bool(greedy_flag or sampled_flag or n_inj or len(off) > base_off)
         why = []
         if greedy_flag:
@@ -193,12 +223,36 @@ def spec_table(rows: pd.DataFrame) -> pd.DataFrame:
                     "first_off_top1": min(off_steps) if off_steps else None, "k_served": k,
                     "accept_length": length,
                     "accept_per_position": None if per is None else " / ".join(f"{x:.2f}" for x in per),
-                    "flagged": flagged,
-                    "looks_like": _looks_like(greedy_flag, sampled_flag,
-                                              int(lp.min()) if lp.notna().any() else None, off, base_off,
-                                              inj_tokens, k),
-                    "why": "; ".join(why) or "lossless"})
+                    "accept_first": None if counts is None else f"{counts[1]}/{counts[0]}",
+                    "accept_reference": None, "p_accept_above": None,
+                    "flagged": flagged, "looks_like": "", "why": "; ".join(why) or "lossless"})
+        evidence.append((counts, (greedy_flag, sampled_flag, int(lp.min()) if lp.notna().any() else None,
+                                  off, base_off, inj_tokens, k)))
+    for r, (counts, ev) in zip(out, evidence):
+        more = _against_reference(r, counts, out, evidence)
+        r["looks_like"] = _looks_like(*ev, accepts_more=more) if r["flagged"] else ""
     return pd.DataFrame(out, columns=cols)
+
+
+def _against_reference(r: dict, counts, out: list[dict], evidence: list) -> str:
+    """For a flagged arm with acceptance counts: fill its reference columns from the first
+    lossless arm of the run with the same baseline and the same drafts per verify, and
+    return the acceptance above it in words when p < ALPHA ("" otherwise)."""
+    if not r["flagged"] or counts is None or r["k_served"] is None:
+        return ""
+    ref = next(((o, c) for o, (c, _) in zip(out, evidence)
+                if not o["flagged"] and c is not None and o["k_served"] == r["k_served"]
+                and o["baseline"] == r["baseline"]), None)
+    if ref is None:
+        return ""
+    o, c = ref
+    p = reference_acceptance(counts, c)
+    r["accept_reference"], r["p_accept_above"] = o["arm"], p
+    if p >= ALPHA:
+        return ""
+    return (f"its first draft is accepted in {counts[1]}/{counts[0]} verifies ({counts[1] / counts[0]:.2f}), "
+            f"the lossless `{o['arm']}`'s at the same drafts per verify in {c[1]}/{c[0]} "
+            f"({c[1] / c[0]:.2f}; one-sided p = {p:.2g})")
 
 
 def spec_lines(t: pd.DataFrame) -> list[str]:
