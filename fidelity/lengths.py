@@ -172,6 +172,69 @@ def period_label(length: int, b: Boundaries) -> str:
     return " = ".join(parts)
 
 
+def periods(b: Boundaries) -> list[int]:
+    """The config's own length periods, ascending: each compress ratio, the window and each
+    indexer's capacity index_topk x ratio (period_label's set)."""
+    return sorted({p for p in (b.window, *b.ratios, *(c for _, c in b.index_capacities)) if p and p > 1})
+
+
+def separating_lengths(acted: list[int], b: Boundaries) -> list[int]:
+    """Lengths that tell the config's periods apart for a toggle that acted at `acted` only:
+    each acting length L, L + p for every period p (same residue mod p and mod every period
+    dividing p, another mod the rest) and L + 1 (another residue for all of them). Run at
+    these, the lengths it acts at read off its period (`period_reading`); acting at L alone
+    means that one length."""
+    return sorted({x for L in acted for x in (L, L + 1, *(L + p for p in periods(b)))})
+
+
+def period_reading(acted: list[int], tried: list[int], b: Boundaries) -> str:
+    """Which of the config's periods explain where a toggle acted, in words: the one period
+    that fits (`fits`), or the several this run cannot tell apart. With one acting length
+    and no period fitting: the periods ruled out (another length of the run shares its
+    residue and did not act) and those this run cannot rule out. '' when the grid says
+    nothing (a single length tried, or acting lengths of mixed residues)."""
+    acted, tried = sorted(set(acted)), sorted(set(tried) | set(acted))
+    if not acted:
+        return ""
+    fit = fits(acted, tried, b)
+    if fit:
+        p = fit[0]
+        same = [L for L in tried if L % p == acted[0] % p]
+        said = (f"it acted at every length {acted[0] % p} mod {p} of this run ({', '.join(map(str, same))}) and at "
+                f"no other: a condition with period {p}{_period_name(p, b)}")
+        if len(fit) > 1:
+            said += f", or {' or '.join(map(str, fit[1:]))}: this run cannot tell them apart"
+        return said
+    if len(acted) > 1:
+        return ""
+    L = acted[0]
+    out = [p for p in periods(b) if any(x != L and x % p == L % p for x in tried)]
+    if not out:
+        return ""
+    left = [p for p in periods(b) if p not in out]
+    return (f"length {L} alone: lengths sharing its residue mod {', '.join(map(str, out))} did not act"
+            + (f"; a period of {', '.join(map(str, left))} is not ruled out by this run" if left else ""))
+
+
+def fits(acted: list[int], tried: list[int], b: Boundaries) -> list[int]:
+    """The config's periods p (ascending) that explain where a toggle acted: every acting
+    length has one residue r mod p, and every tried length with that residue acted (two
+    lengths at least: one length alone fits no period)."""
+    acted, tried = sorted(set(acted)), set(tried) | set(acted)
+    out = []
+    for p in periods(b):
+        same = {L for L in tried if L % p == acted[0] % p}
+        if all(L % p == acted[0] % p for L in acted) and same == set(acted) and len(same) >= 2:
+            out.append(p)
+    return out
+
+
+def _period_name(p: int, b: Boundaries) -> str:
+    names = [n for n, v in (("the window", b.window), *((f"compress ratio {r}", r) for r in b.ratios),
+                            *((f"index_topk x{r}", c) for r, c in b.index_capacities)) if v == p]
+    return f" ({', '.join(names)})" if names else ""
+
+
 def default_max(b: Boundaries, min_len: int = 2) -> int:
     """Twice the largest structural length (window, index_topk x ratio, the largest ratio,
     the shortest prompt allowed), plus the rest of that anchor's block: every boundary

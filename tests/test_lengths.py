@@ -207,3 +207,43 @@ def test_a_length_is_labelled_by_every_period_it_is_a_multiple_of():
     assert period_label(288, b) == "9x32 (window) = 72x4" and period_label(255, b) == ""
     g = grid_frame([288, 255, 384], b).set_index("length")
     assert g.loc[288, "residue"] == g.loc[384, "residue"] == "0 mod 4" and g.loc[384, "periods"].startswith("3x128")
+
+
+def test_separating_lengths_and_the_period_they_read():
+    """A toggle that acted at 384 only on the boundary grid: the suggested lengths put 384 + p
+    beside it for each period (same residue mod p and every period dividing p, another mod the
+    larger ones), so the lengths it acts at on the next run name its period. Hand-derived on
+    window 32, ratios 4 and 128, index_topk x4 = 64."""
+    from fidelity.lengths import period_reading, periods, separating_lengths
+    b = Boundaries(32, (4, 128), 16, (4,))
+    assert periods(b) == [4, 32, 64, 128]
+    run = separating_lengths([384], b)
+    assert run == [384, 385, 388, 416, 448, 512]
+    # each hypothesis acts at its own subset of those lengths; the reading names it
+    for p, acts in ((4, [384, 388, 416, 448, 512]), (32, [384, 416, 448, 512]), (64, [384, 448, 512]),
+                    (128, [384, 512])):
+        said = period_reading(acts, run, b)
+        assert f"period {p}" in said and f"0 mod {p}" in said, (p, said)
+    said = period_reading([384], run, b)            # none of them: that length alone
+    assert said.startswith("length 384 alone") and "4, 32, 64, 128 did not act" in said
+    assert "not ruled out" not in said
+    # on a grid where nothing shares 384's residue mod 128, period 128 stays open
+    said = period_reading([384], [320, 384, 385], b)     # 320 = 5x64: 0 mod 4, 32, 64, not 128
+    assert "residue mod 4, 32, 64 did not act" in said and "a period of 128 is not ruled out" in said
+    # a residue that is not 0: 255, 259 and 287 act, 256-258 do not -> 3 mod 4 (not 31 mod 32)
+    assert "every length 3 mod 4 of this run" in period_reading([255, 259, 287], [255, 256, 257, 258, 259, 287], b)
+    assert period_reading([255, 259], [255, 256, 257, 258, 259, 287], b) == ""   # 287 is 3 mod 4 and did not act
+    assert period_reading([255, 256], [255, 256, 257], b) == ""          # mixed residues: silent
+
+
+def test_the_verdict_suggests_the_separating_run(tiny):
+    from fidelity.verdict.findings import with_never_acted
+    b = Boundaries.of(tiny)
+    v = with_never_acted({"sentence": ""}, [], {"t": [384]}, [250, 384, 511], b)
+    assert v["separating_lengths"]["t"][0] == 384 and "--lengths 384," in v["never_acted_sentence"]
+    # 384 and 512 acted, 448 not tried: periods 64 and 128 both fit -> not settled, asked for
+    v = with_never_acted({"sentence": ""}, [], {"t": [384, 512]}, [384, 385, 388, 416, 512], b)
+    assert "period 64" in v["never_acted_sentence"] and "or 128: this run cannot tell" in v["never_acted_sentence"]
+    assert 448 in v["separating_lengths"]["t"]
+    v = with_never_acted({"sentence": ""}, [], {"t": [384, 512]}, [384, 385, 388, 416, 448, 512], b)
+    assert v["separating_lengths"] == {} and "a condition with period 128" in v["never_acted_sentence"]

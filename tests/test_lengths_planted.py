@@ -111,8 +111,35 @@ def test_boundary_grid_vs_default_grid(plugin):
     assert res["verdict"]["never_acted"] == [LEN1]                  # ... and is said untested
     assert res["verdict"]["acted_only_at"] == {LEN3: [511]}         # the one length it acted at
     assert f"{LEN3} only at length 511" in res["verdict"]["sentence"]
+    # one length cannot say which period: the verdict asks for the lengths that can
+    assert res["verdict"]["separating_lengths"][LEN3] == [511, 512, 515, 543, 575, 639]
     named = {n["toggle"] for n in res["verdict"]["named"]} | {f["toggle"] for f in res["verdict"]["mechanism"]}
     assert LEN1 not in named
+
+
+@pytest.mark.slow           # a few minutes on a busy 2-core machine: CI runs it in make test-slow
+def test_the_suggested_lengths_name_each_bugs_period(plugin):
+    """Bugs tied to other periods of the config than 4 -- a multiple of the window (32), of
+    the larger ratio (128), the one length 384 -- and the residue-3 bug, run at the lengths
+    the verdict suggests for a toggle that acted at 384 only (384 and 384 + each period):
+    each is read as its own period, the one-length bug as that length alone."""
+    from fidelity.lengths import Boundaries, separating_lengths
+    w, _ = load_weights(None)
+    lengths = separating_lengths([384], Boundaries.of(w.cfg))
+    assert lengths == [384, 385, 388, 416, 448, 512]
+    bugs = ["mut_ape_shift_mult32", "mut_ape_shift_mult128", "mut_ape_shift_at384", LEN3]
+    s = ABSettings.of(arms=bugs, lengths=tuple(lengths), prompts_per_length=1, decode_steps=1,
+                      shapley_top=0, n_boot=200)
+    v = run_ab(w, s, ReportTarget(None), RunSite(), tokenizer=load_tokenizer_for(None))["verdict"]
+    print(v["never_acted_sentence"])
+    assert v["acted_only_at"] == {"mut_ape_shift_mult32": [384, 416, 448, 512],
+                                  "mut_ape_shift_mult128": [384, 512], "mut_ape_shift_at384": [384]}
+    assert LEN3 in v["never_acted"]                     # no length of these is 3 mod 4
+    said = v["never_acted_sentence"]
+    assert "a condition with period 32 (the window)" in said
+    assert "a condition with period 128 (compress ratio 128)" in said
+    assert "length 384 alone: lengths sharing its residue mod 4, 32, 64, 128 did not act" in said
+    assert v["separating_lengths"] == {}                # this run settles all three
 
 
 @pytest.mark.slow           # a minute or more on a busy 2-core machine: CI runs it in make test-slow

@@ -250,6 +250,34 @@ def test_a_departure_below_the_bar_is_said_as_such_and_the_largest_is_found():
     assert "departs first" not in headline({"sentence": "", "departures": [d]})
 
 
+def test_a_below_the_bar_departure_is_said_only_when_steady_across_prompts():
+    """Six prompts at ~9x their floor: above it on 6/6, sign test p = 1/64, said with the
+    per-prompt range. One prompt at 50x and five below their floors: the mean over prompts
+    is ~9x too, but the departure is one prompt's, not steady: not said."""
+    from fidelity.ab.drift import largest_departure, steadiness
+    from fidelity.verdict.findings import near_enough, near_sentence
+
+    def drift(values):
+        return pd.DataFrame([{"arm": arm, "phase": "decode", "bucket": "all", "layer": 2, "tap": "attn.out",
+                              "rel_l2": v, "prompt": f"p{i}", "step": s}
+                             for i, x in enumerate(values) for s in (0, 1)
+                             for arm, v in (("t", x * 1e-6), ("floor:fp32-accum", 1e-6))])
+    steady = drift([8.6, 9.0, 9.3, 8.9, 9.1, 9.2])
+    near = largest_departure(steady, "t", "floor:fp32-accum")
+    st = steadiness(steady, "t", "floor:fp32-accum", "decode", 2, "attn.out")
+    assert (st["n"], st["above"]) == (6, 6) and st["p"] == pytest.approx(1 / 64)
+    assert (st["lo"], st["hi"]) == (pytest.approx(8.6), pytest.approx(9.3)) and near_enough(near["ratio"], st)
+    said = near_sentence([{**near, "toggle": "t", "steady": st}])
+    assert "above the floor on 6/6 prompts (per prompt 8.6-9.3x; sign test p = 0.016)" in said
+    spike = drift([50, 0.5, 0.5, 0.5, 0.5, 0.5])
+    near = largest_departure(spike, "t", "floor:fp32-accum")
+    st = steadiness(spike, "t", "floor:fp32-accum", "decode", 2, "attn.out")
+    assert near["ratio"] == pytest.approx(52.5 / 6) and st["above"] == 1 and not near_enough(near["ratio"], st)
+    # two prompts can show no test: said only when both are above the floor
+    assert near_enough(9.0, {"n": 2, "above": 2, "p": 0.25, "median": 9.0})
+    assert not near_enough(9.0, {"n": 2, "above": 1, "p": 0.75, "median": 9.0})
+
+
 def test_the_floor_to_beat_is_the_one_with_the_largest_p_whatever_its_name():
     """The worst floor is chosen by its p-value (it once was by the floor's name: the
     alphabetically last floor, right only when that was also the worst)."""

@@ -89,6 +89,27 @@ def largest_departure(drift: pd.DataFrame, arm: str, floor_arm: str) -> dict | N
     return best
 
 
+def steadiness(drift: pd.DataFrame, arm: str, floor_arm: str, phase: str, layer: int, tap: str) -> dict | None:
+    """Is a departure steady across prompts? At one place: per prompt, the arm's departure
+    over the floor arm's (means over that prompt's steps); `above`: prompts where the arm
+    departs further than the floor, of `n`; `p`: one-sided sign test of that count (a
+    departure the size of the floor's noise is above it on about half the prompts);
+    `lo`/`median`/`hi`: the per-prompt multiples (finite ones). None without rows."""
+    from scipy.stats import binomtest
+    d = drift[(drift.phase == phase) & (drift.bucket == "all") & (drift.layer == layer) & (drift.tap == tap)]
+    a = _departure(d[d.arm == arm]).groupby(d[d.arm == arm].prompt).mean()
+    f = _departure(d[d.arm == floor_arm]).groupby(d[d.arm == floor_arm].prompt).mean()
+    both = pd.concat([a.rename("a"), f.rename("f")], axis=1).dropna()
+    if both.empty:
+        return None
+    above = int((both.a > both.f).sum())
+    x = (both.a / both.f.replace(0, np.nan))
+    x = x[np.isfinite(x)]
+    return {"n": len(both), "above": above, "p": float(binomtest(above, len(both), 0.5, alternative="greater").pvalue),
+            "lo": float(x.min()) if len(x) else np.nan, "median": float(x.median()) if len(x) else np.nan,
+            "hi": float(x.max()) if len(x) else np.nan}
+
+
 def departure_at(drift: pd.DataFrame, arm: str, phase: str, layer: int, tap: str) -> float | None:
     """The arm's mean departure from golden at one place (None where it has no row)."""
     d = drift[(drift.arm == arm) & (drift.phase == phase) & (drift.bucket == "all")

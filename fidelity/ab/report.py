@@ -244,7 +244,8 @@ def next_steps(result, sus: pd.DataFrame) -> list[str]:
     `needle` and `kld` parse them (tests/test_report_pages.py parses every one): the
     culprit the outcome names is taken out of the base it is part of (`engine-t`), or, when
     it was added to the base, run alone and on the base at longer context; a mechanism-only
-    finding is asked whether it reaches the outcome at longer context."""
+    finding is asked whether it reaches the outcome at longer context; a toggle that acted at
+    some lengths only is run first at the lengths that tell the config's periods apart."""
     m = result["manifest"]
     v = result["verdict"]
     ck = "" if str(m["checkpoint"]).startswith("embedded:") else f" --checkpoint {shlex.quote(m['checkpoint'])}"
@@ -258,9 +259,11 @@ def next_steps(result, sus: pd.DataFrame) -> list[str]:
         t, sched = sus.iloc[0].toggle, ""
     else:
         t, sched = None, ""
-    if t is None or not _is_toggle(t):    # nothing, or a weights variant: more context and prompts
-        return [f"fidelity ab{ck} --long --reps 18   # more context, more prompts"]
     q = shlex.quote
+    periods = [f"fidelity ab{ck} --arm {q(name)} --lengths {','.join(map(str, L))}"
+               f"   # which of the config's periods {name} acts at" for name, L in v.get("separating_lengths", {}).items()]
+    if t is None or not _is_toggle(t):    # nothing, or a weights variant: more context and prompts
+        return periods + [f"fidelity ab{ck} --long --reps 18   # more context, more prompts"]
     at = f"@{sched}" if sched else ""
     if named:
         base, with_t, without_t = _base_with_and_without(m["settings"]["design"]["base"], t, m)
@@ -279,7 +282,7 @@ def next_steps(result, sus: pd.DataFrame) -> list[str]:
     out.append(f"fidelity needle{ck} --arm golden=golden --arm {q(f'{t}={t}{at}')}   # does {t} cost recall?")
     out.append(f"fidelity kld{ck} --arm golden=golden --arm {q(f'{t}={t}{at}')} --exact"
                f"   # exact KL of {t} on the same prompts")
-    return out
+    return periods + out
 
 
 def _is_toggle(name: str) -> bool:

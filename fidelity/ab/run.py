@@ -17,15 +17,18 @@ from kernel_toggles.arms import version_of
 from reference_model.schedule import Schedule
 
 from ..arms import check_schedules
+from ..lengths import Boundaries
 from ..prompts import Prompt, all_token_ids, builtin_prompts, describe, file_prompts
 from ..verdict.attribution import attribute, bootstrap_mean_ci, outcome_matrix, prompt_outcomes
 from ..verdict.judge import Bootstrap, Design, judge
-from ..verdict.findings import DEPARTURE_X, NEAR_X, acted_only_at, never_acted, with_departures, with_never_acted
+from ..verdict.findings import (DEPARTURE_X, acted_only_at, near_enough, never_acted, with_departures,
+                                with_never_acted)
 from ..verdict.signals import SCHEDULE_FACTOR, direct_effects, prompt_signals, with_longest
 from .design import (FLOOR, FLOOR_ORDER, GOLDEN, WEIGHTS_PREFIX, ABSettings, RunnerSettings,
                      Statistics, arm_sets, base_toggles, factorial_arms, floor_arms,
                      golden_arm, schedule_arms, toggle_arms, top_toggles, vs_pairs, weight_arms)
-from .drift import DISCRETE_TAPS, departure_at, first_divergence, largest_departure, with_floor_multiple
+from .drift import (DISCRETE_TAPS, departure_at, first_divergence, largest_departure, steadiness,
+                    with_floor_multiple)
 from .lockstep import LockstepResult, LockstepRunner
 from .runner_settings import RunSite
 from .report import write_report
@@ -64,7 +67,8 @@ def run_ab(weights, settings: ABSettings, report: ReportTarget = ReportTarget(),
     with_departures(judged["verdict"], _departures(tables["drift"], st.sets))
     kld = tables["kld"]
     with_never_acted(judged["verdict"], never_acted(kld, st.sets), acted_only_at(kld, st.sets),
-                     sorted({int(L) for L in kld.length}) if len(kld) and "length" in kld else [])
+                     sorted({int(L) for L in kld.length}) if len(kld) and "length" in kld else [],
+                     Boundaries.of(cfg))
     result = {"manifest": _manifest(cfg, settings, st, run_id, t_start, site.stage),
               "verdict": judged["verdict"], "noise_floor": _noise_floor(st.outcomes, settings),
               "floors": judged["floors"].to_dict("records"),
@@ -200,8 +204,9 @@ def _on_its_path(f: dict, factors) -> dict:
 def _departures(drift, sets) -> list[dict]:
     """Per arm holding a toggle: its first tensor tap at DEPARTURE_X x the reduction-order
     floor, with the QAT floor's multiple there (a kernel change the size of QAT's is
-    expected); a one-toggle arm that never gets there but reaches NEAR_X somewhere, its
-    largest multiple (`below_bar`: 9x is not noise either, only below the bar). Indexer
+    expected); a one-toggle arm that never gets there, its largest multiple when it is
+    steady across prompts (`below_bar`, `steady`: findings.near_enough; 9x is not noise
+    either, only below the bar). Indexer
     picks and expert sets are left to the mechanism signals, judged against floors that are
     noise for them (their reduction-order floor is often 0)."""
     drift = drift[~drift.tap.isin(DISCRETE_TAPS)]
@@ -211,8 +216,10 @@ def _departures(drift, sets) -> list[dict]:
         f = first_divergence(drift, a, FLOOR_ORDER, DEPARTURE_X) if toggles else None
         if f is None and len(toggles) == 1:          # below the bar: said when it is steady
             near = largest_departure(drift, a, FLOOR_ORDER)
-            if near and near["ratio"] >= NEAR_X:
-                out.append({**near, "toggle": toggles[0], "below_bar": True})
+            if near:
+                st = steadiness(drift, a, FLOOR_ORDER, near["phase"], near["layer"], near["tap"])
+                if near_enough(near["ratio"], st):
+                    out.append({**near, "toggle": toggles[0], "below_bar": True, "steady": st})
             continue
         if f:
             qat = departure_at(drift, FLOOR, f["phase"], f["layer"], f["tap"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pandas as pd
 
 from .signals import MECHANISM, MECHANISM_WHAT, SCHEDULE_FACTOR
@@ -110,6 +111,30 @@ def findings_table(findings: list[dict]) -> pd.DataFrame:
 # outcome stays inside its floors (a kernel that is wrong at layer 0 by 20x is a finding)
 DEPARTURE_X = 10.0
 NEAR_X = 3.0            # below DEPARTURE_X but said: a steady 9x is no more noise than 10x
+STEADY_P = 0.05         # the per-prompt sign test's bar for "steady"
+STEADY_MIN_N = 5        # fewer prompts: a sign test cannot reach STEADY_P (1/32 at 5)
+
+
+def near_enough(mean_ratio: float, steady: dict | None) -> bool:
+    """Say a below-the-bar departure? Its mean multiple or its per-prompt median at least
+    NEAR_X, and steady: above the floor on more prompts than chance (sign test p < STEADY_P),
+    or, with fewer than STEADY_MIN_N prompts (no test can tell), on every one."""
+    if steady is None:
+        return mean_ratio >= NEAR_X
+    big = max(mean_ratio, steady["median"] if np.isfinite(steady["median"]) else 0.0) >= NEAR_X
+    if steady["n"] < STEADY_MIN_N:
+        return big and steady["above"] == steady["n"]
+    return big and steady["p"] < STEADY_P
+
+
+def steady_words(st: dict | None) -> str:
+    """'; above the floor on 18/18 prompts (per prompt 8.4-9.9x; sign test p = 3.8e-06)'."""
+    if not st:
+        return ""
+    rng = f"per prompt {st['lo']:.3g}-{st['hi']:.3g}x; " if np.isfinite(st["lo"]) else ""
+    test = (f"sign test p = {st['p']:.2g}" if st["n"] >= STEADY_MIN_N
+            else f"{st['n']} prompt{'s' if st['n'] != 1 else ''}: too few for a sign test")
+    return f"; above the floor on {st['above']}/{st['n']} prompts ({rng}{test})"
 
 
 def departure_sentence(deps: list[dict], named: set[str]) -> str:
@@ -138,13 +163,14 @@ def departure_sentence(deps: list[dict], named: set[str]) -> str:
 
 def near_sentence(near: list[dict]) -> str:
     """"Below the 10x bar: t departs at most 9.1x the reduction-order floor (layer 2 `attn.out`,
-    prefill)." -- one-toggle arms whose largest departure is NEAR_X..DEPARTURE_X."""
+    prefill, ...)." -- one-toggle arms whose largest departure is below DEPARTURE_X and
+    steady across prompts (near_enough), with the per-prompt evidence (steady_words)."""
     if not near:
         return ""
     near = sorted(near, key=lambda d: -d["ratio"])[:SENTENCE_TOGGLES]
     return (f"Below the {DEPARTURE_X:g}x bar: " + "; ".join(
         f"{d['arm']} departs at most {d['ratio']:.3g}x the reduction-order floor (layer {d['layer']} "
-        f"`{d['tap']}`, {d['phase']}, mean over prompts)" for d in near) + ".")
+        f"`{d['tap']}`, {d['phase']}, mean over prompts{steady_words(d.get('steady'))})" for d in near) + ".")
 
 
 def with_departures(v: dict, deps: list[dict]) -> dict:
@@ -185,13 +211,35 @@ def acted_only_at(kld: pd.DataFrame, sets: dict[str, frozenset]) -> dict[str, li
     return out
 
 
-def acted_only_sentence(acted: dict[str, list[int]], lengths: list[int]) -> str:
+def acted_only_sentence(acted: dict[str, list[int]], lengths: list[int], b=None) -> str:
+    """`b` (fidelity.lengths.Boundaries, optional): per toggle, the config's period its
+    lengths read as (lengths.period_reading) or, when this run cannot say, the lengths that
+    would (`separating_to_run`)."""
     if not acted:
         return ""
-    parts = [f"{t} only at length{'s' if len(L) > 1 else ''} {', '.join(map(str, L))}" for t, L in acted.items()]
+    parts = []
+    for t, L in acted.items():
+        part = f"{t} only at length{'s' if len(L) > 1 else ''} {', '.join(map(str, L))}"
+        if b is not None:
+            from ..lengths import period_reading
+            reading, more = period_reading(L, lengths, b), separating_to_run(L, lengths, b)
+            part += (f" ({reading})" if reading else "") + (
+                f"; to tell the config's periods apart, run it at --lengths {','.join(map(str, more))}"
+                if more else "")
+        parts.append(part)
     return (f"Acted at some lengths only: {'; '.join(parts)} -- bit-identical to the golden at every other "
-            f"length of this run ({', '.join(map(str, lengths))}): a condition on the length; "
-            "docs/lengths.md says which lengths separate the config's periods.")
+            f"length of this run ({', '.join(map(str, lengths))}): a condition on the length "
+            "(docs/lengths.md: which lengths separate the config's periods).")
+
+
+def separating_to_run(acted: list[int], lengths: list[int], b) -> list[int]:
+    """The lengths that separate the config's periods for these acting lengths
+    (lengths.separating_lengths), [] when exactly one period fits this run or it holds them all."""
+    from ..lengths import fits, separating_lengths
+    if len(fits(acted, lengths, b)) == 1:
+        return []
+    want = separating_lengths(acted, b)
+    return want if set(want) - set(lengths) else []
 
 
 def never_acted(kld: pd.DataFrame, sets: dict[str, frozenset]) -> list[str]:
@@ -217,13 +265,17 @@ def never_acted_sentence(names: list[str]) -> str:
 
 
 def with_never_acted(v: dict, names: list[str], acted: dict[str, list[int]] | None = None,
-                     lengths: list[int] = ()) -> dict:
+                     lengths: list[int] = (), b=None) -> dict:
     """The verdict with the toggles that never acted (v["never_acted"], and the sentence)
-    and those that acted at some lengths only (v["acted_only_at"], acted_only_at)."""
+    and those that acted at some lengths only (v["acted_only_at"], acted_only_at), with the
+    lengths that would tell the config's periods apart for each (v["separating_lengths"]:
+    {toggle: lengths}, when `b` is given and this run does not settle it)."""
     v["never_acted"] = names
     v["acted_only_at"] = acted or {}
+    v["separating_lengths"] = ({t: separating_to_run(L, list(lengths), b) for t, L in (acted or {}).items()
+                                if separating_to_run(L, list(lengths), b)} if b is not None else {})
     v["never_acted_sentence"] = " ".join(filter(None, [never_acted_sentence(names),
-                                                      acted_only_sentence(acted or {}, list(lengths))]))
+                                                      acted_only_sentence(acted or {}, list(lengths), b)]))
     if v["never_acted_sentence"]:
         v["sentence"] += " " + v["never_acted_sentence"]
     return v
