@@ -277,6 +277,21 @@ def test_acted_only_at_names_the_lengths_a_toggle_moved():
     assert "a only at length 256" in said and "(250, 256, 511)" in said
 
 
+def test_the_arms_table_names_its_floors_and_does_not_colour_them(small_report):
+    """The QAT floor's size against the other floors is not a finding: its row in the Arms
+    table says which floor it is and carries no ratio colour; the arms' rows keep theirs."""
+    from fidelity.ab.report import SUMMARY_SIGNALS, summary_ratios
+    out, res = small_report
+    summary = pd.read_csv(Path(res["path"]) / "summary.csv")
+    r = summary_ratios(summary, pd.read_csv(Path(res["path"]) / "signal_summary.csv"),
+                       pd.DataFrame(res["floors"]))
+    floors = summary.arm.str.startswith("floor:").to_numpy()
+    assert floors.any() and r[floors].isna().all().all()
+    assert r[~floors][list(SUMMARY_SIGNALS)].notna().any().any()
+    html = (Path(res["path"]) / "index.html").read_text()
+    assert "floor:exact (QAT floor)" in html.split(">Arms<", 1)[1]
+
+
 def test_the_headline_multiple_is_the_suspects_tables(small_report):
     """One number per finding: the headline's "N× the highest floor" is the suspects table's
     x_floor (value / floor) for the same row, and the lower end it quotes is x_floor_ci_low."""
@@ -290,3 +305,6 @@ def test_the_headline_multiple_is_the_suspects_tables(small_report):
     x, lo = (float(m) for m in re.search(r"([\d.e+-]+)× the highest floor .*?, ([\d.e+-]+)× at its 95% interval", head).groups())
     assert f"{x:.3g}" == f"{row.x_floor:.3g}" and f"{lo:.3g}" == f"{row.x_floor_ci_low:.3g}", (head, row.to_dict())
     assert row.x_floor > row.x_floor_ci_low > 1
+    # the value is named by what it is: an effect added to the engine is not the bug's own KLD
+    if v["named"][0]["method"] == "added_to_base":
+        assert "added to the base arm, it raises" in head, head

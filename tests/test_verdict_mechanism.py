@@ -317,3 +317,19 @@ def test_the_headline_departure_is_the_arm_the_finding_is_about():
     assert "layer 0 `attn.out`" in _first_place("t", fd, sets, "prefix_hit(130)")
     assert "layer 3 `ffn.out`" in _first_place("t", fd, sets, "")
     assert "layer 0 `attn.out`" in _first_place("t", fd[1:], sets, "")     # the only one there is
+
+
+@pytest.mark.parametrize("method,words", [
+    ("one_at_a_time", "changes the outcome: mean final-logit KLD is 0.0122"),
+    ("added_to_base", "changes the outcome: added to the base arm, it raises mean final-logit KLD by 0.0122"),
+    ("leave_one_out", "changes the outcome: taken out of the arm holding every toggle, it lowers mean final-logit KLD by 0.0122"),
+    ("shapley", "changes the outcome: its Shapley share of mean final-logit KLD is 0.0122"),
+])
+def test_the_headline_names_an_effect_as_an_effect(method, words):
+    """A value that is a difference one toggle makes to another arm is said as one, not as
+    the toggle's own KLD; the multiple beside it is the same either way."""
+    from fidelity.verdict.board import headline
+    named = [{"toggle": "t", "method": method, "signal": "kld_mean", "where": "final logits", "value": 0.0122,
+              "lo": 0.0082, "hi": 0.016, "floor_hi": 0.00125, "floor_arm": "floor:exact"}]
+    said = headline({"named": named})
+    assert said.startswith(f"t {words}, 9.76× the highest floor (0.0013, floor:exact), 6.56× at its 95%"), said

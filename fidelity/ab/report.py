@@ -19,7 +19,8 @@ import torch
 from infra.report_page import Page, Section, Table
 from infra.report_writer import ReportWriter
 
-from ..verdict.board import SUSPECTS_CAPTION, headline, signal_board, signal_ratios, suspects
+from ..verdict.board import (SUSPECTS_CAPTION, floor_label, headline, is_floor_arm, signal_board, signal_ratios,
+                             suspects)
 from ..verdict.findings import findings_table, verdict_lines
 from ..lengths import Boundaries
 from ..residues import CAPTION as RESIDUE_CAPTION
@@ -229,13 +230,14 @@ def _longest_place(sa: pd.DataFrame) -> str:
 
 def summary_ratios(summary: pd.DataFrame, sig_summary: pd.DataFrame, floors: pd.DataFrame) -> pd.DataFrame:
     """For each arm row of the summary table and each signal column: the worst place's mean
-    over that place's highest floor (what colours the arms table)."""
+    over that place's highest floor (what colours the arms table); none for a floor's row
+    (the QAT floor against the other floors is the floor's own size, not a finding)."""
     board = signal_ratios(sig_summary, floors, list(summary.arm))
     out = pd.DataFrame(index=range(len(summary)))
     for col, (signal, _) in SUMMARY_SIGNALS.items():
         cols = [c for c in board.columns if c.startswith(signal + " @ ")]
         worst = board[cols].max(axis=1) if cols else pd.Series(dtype=float)
-        out[col] = [worst.get(a, np.nan) for a in summary.arm]
+        out[col] = [np.nan if is_floor_arm(a) else worst.get(a, np.nan) for a in summary.arm]
     return out
 
 
@@ -358,8 +360,10 @@ def build_page(tables, result, sets) -> Page:
     sections = [
         Section("Drift vs layer", "", [], ["drift_vs_layer"]),
         Section("Arms", "Per arm: final-logit KLD (prefill), decode KLD and the worst place of each "
-                "verdict signal. Colour: the worst place's value over that place's highest floor.",
-                [Table(summary, ratio=summary_ratios(summary, tables["signal_summary"], floors), fold=False)]),
+                "verdict signal. Colour: the worst place's value over that place's highest floor; the "
+                "floors' rows (named so, the QAT floor too) are not coloured.",
+                [Table(summary.assign(arm=summary.arm.map(floor_label)),
+                       ratio=summary_ratios(summary, tables["signal_summary"], floors), fold=False)]),
         Section("Outcome: named by the verdict", "A toggle is named when, for some outcome signal "
                 "(KLD, answer KLD), its one-at-a-time / leave-one-out / Shapley interval (95% paired "
                 f"bootstrap over prompts) lies wholly above the highest of the floors "

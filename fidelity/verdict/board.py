@@ -171,11 +171,20 @@ def _named_headline(named: list[dict], fd, sets) -> str:
         lo = f", {c['lo'] / c['floor_hi']:.3g}× at its 95% interval's lower end" if c["floor_hi"] > 0 else ""
         vs = (f"{c['value'] / c['floor_hi']:.3g}× the highest floor ({c['floor_hi']:.2g}, {c['floor_arm']}){lo}"
               if c["floor_hi"] > 0 else f"where the highest floor ({c['floor_arm']}) is exactly 0")
-        how = (f"changes the outcome{under}: {SHORT.get(c['signal'], c['signal'])}{place_words(c['where'])} "
-               f"is {c['value']:.3g}, {vs}")
+        how = f"changes the outcome{under}: {_effect_words(c)} {c['value']:.3g}, {vs}"
     dep = _first_place(c["toggle"], fd, sets, c.get("schedule") or "")
     more = f" {len(named) - 1} more toggle(s) are named too." if len(named) > 1 else ""
     return f"{c['toggle']} {how}" + (f"; it first departs {dep}" if dep else "") + "." + more
+
+
+def _effect_words(c: dict) -> str:
+    """What the named value is, by its method: the arm's own signal (one at a time), or an
+    effect -- a difference the toggle makes to another arm, not a KLD of its own."""
+    what = f"{SHORT.get(c['signal'], c['signal'])}{place_words(c['where'])}"
+    return {"added_to_base": f"added to the base arm, it raises {what} by",
+            "under_schedule": f"added to golden under the same schedule, it raises {what} by",
+            "leave_one_out": f"taken out of the arm holding every toggle, it lowers {what} by",
+            "shapley": f"its Shapley share of {what} is"}.get(c["method"], f"{what} is")
 
 
 def _mechanism_headline(findings: list[dict]) -> str:
