@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from fidelity.llamacpp import flags as LF  # noqa: E402
 from fidelity.llamacpp import paths  # noqa: E402
+from fidelity.llamacpp import variants_report as VR  # noqa: E402
 from fidelity.llamacpp.prepare import gguf  # noqa: E402
 from fidelity.llamacpp.server import ServerFailed, serving  # noqa: E402
 
@@ -68,26 +69,31 @@ def twin(extra: tuple) -> str:
 
 
 def kld(name: str, url: str, ck: Path, extra: tuple = ()) -> dict:
-    """One run folder per variant; the golden's and floors' scores are stored once and reused.
-    Then the same prompts scored against llama.cpp's in-process twin (--baseline twin)."""
+    """One run folder per variant (the golden's and floors' scores stored once and reused),
+    judged twice by kld itself: against the golden, and against llama.cpp's in-process twin
+    under these flags (`--twin`, read as its scores are: fidelity.llamacpp.flags) in
+    <run>-vs-<twin> -- what the twin leaves unexplained leads."""
     run_id = f"kld-{name}"
-    args = ("--endpoint", f"llama-{name}={url}", "--checkpoint", str(ck), "--lengths", KLD_LENGTHS,
-            "--reps", str(KLD_REPS), "--decode-steps", "4", "--top-k", "512", "--no-captures", "--out", str(OUT), "--quiet")
-    fidelity("kld", "--arm", "golden=golden", *args, "--run-id", run_id)
-    fidelity("kld", "--arm", f"twin-{name}={twin(extra)}", "--arm", "golden=golden",
-             "--baseline", f"twin-{name}", "--no-floors", *args, "--run-id", f"twin-{name}")
-    tw = pd.read_csv(OUT / "kld" / f"twin-{name}" / "kld_by_position.csv")
-    tw = tw[tw.bucket == "all"].set_index("arm").kld_mean
+    arm = f"llama-{name}"
+    fidelity("kld", "--arm", "golden=golden", "--endpoint", f"{arm}={url}", "--checkpoint", str(ck),
+             "--twin", f"{arm}={twin(extra)}",
+             "--lengths", KLD_LENGTHS, "--reps", str(KLD_REPS), "--decode-steps", "4", "--top-k", "512",
+             "--no-captures", "--out", str(OUT), "--quiet", "--run-id", run_id)
     d = OUT / "kld" / run_id
+    m = json.loads((d / "manifest.json").read_text())
     t = pd.read_csv(d / "kld_by_position.csv")
     allk = t[t.bucket == "all"].set_index("arm")
     floors = [a for a in allk.index if a.startswith("floor:")]
-    v = json.loads((d / "manifest.json").read_text())["verdict"]["sentence"]
-    r = allk.loc[f"llama-{name}"]
+    tw = m["twins"][0]
+    vs = pd.read_csv(OUT / "kld" / f"{run_id}-vs-{tw['name']}" / "kld_by_position.csv")
+    vs = vs[vs.bucket == "all"].set_index("arm").kld_mean
+    r = allk.loc[arm]
     return {"kld_mean": r.kld_mean, "kld_lo": r.kld_lo, "kld_hi": r.kld_hi, "kld_p99": r.kld_p99,
             "kld_max": r.kld_max, "same_top1": r.same_top1, "positions": int(r.positions),
-            "floor_kld_hi": float(allk.loc[floors].kld_hi.max()), "verdict": v,
-            "twin": twin(extra), "vs_twin": float(tw[f"llama-{name}"]), "golden_vs_twin": float(tw["golden"])}
+            "floor_kld_hi": float(allk.loc[floors].kld_hi.max()), "verdict": m["verdict"]["sentence"],
+            "twin": tw["twin"], "vs_twin": float(vs[arm]), "twin_unexplained": bool(tw["unexplained"]),
+            "twin_verdict": tw["sentence"], "golden_vs_twin": float(allk.loc[tw["name"]].kld_mean)
+            if tw["name"] in allk.index else None}
 
 
 def prefill(name: str, model: Path, ck: Path, extra: tuple = ()) -> dict:
@@ -271,10 +277,12 @@ def render(res: dict) -> str:
                     f"{r['kld']['floor_kld_hi']:.3g}", f"{r['kld']['kld_p99']:.3g}", f"{r['kld']['kld_max']:.3g}",
                     f"{r['kld']['same_top1']:.4f}"] for n, r in v.items()]), "",
            "Verdicts: " + " ".join(f"*{n}*: {r['kld']['verdict']}" for n, r in v.items()), "",
-           "**Against llama.cpp's in-process twin** (the same prompts, `--baseline twin`: the exact "
-           "profile with the toggles its flags map to, `fidelity.llamacpp.flags`; mean KLD):", "",
-           _table(["GGUF", "twin", "llama.cpp vs twin", "golden vs twin"],
-                  [[n, f"`{r['kld']['twin']}`", f"{r['kld']['vs_twin']:.3g}", f"{r['kld']['golden_vs_twin']:.3g}"]
+           "**Against llama.cpp's in-process twin** (the same prompts, kld's second judgement: the exact "
+           "profile with the toggles its flags map to, `fidelity.llamacpp.flags`; mean KLD; the twin's "
+           "own distance from the golden is the by-design gap):", "",
+           _table(["GGUF", "twin", "llama.cpp vs twin", "twin vs golden", "verdict vs twin"],
+                  [[n, f"`{r['kld']['twin']}`", f"{r['kld']['vs_twin']:.3g}",
+                    _num(r["kld"].get("golden_vs_twin")), r["kld"].get("twin_verdict", "-")]
                    for n, r in v.items() if "vs_twin" in r["kld"]]), "",
            "**Next-token KLD, prefill path** (llama-perplexity's own logits file, 4 chunks of 512, "
            "scored against the golden by `fidelity llamacpp kld-base --compare`):", "",
@@ -309,43 +317,24 @@ def render(res: dict) -> str:
     return "\n".join(out)
 
 
-def _verdict(v: str) -> str:
-    """A verdict sentence cut to its finding: within the floors, or what breaks and which signals."""
-    if v.startswith("No toggle stands out"):
-        return "within the golden's floors"
-    head, _, rest = v.partition(":")
-    cleared = rest.split("outcome signals cleared:")[-1].strip().rstrip(".") if "cleared:" in rest else ""
-    return head.split(" breaks ")[0].split("llama-")[-1] + " breaks coherence" + (f" ({cleared})" if cleared else "")
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
 
 
 def variants_table(res: dict) -> str:
-    """The page's opening table: one row per GGUF variant, every number from the results JSON."""
-    rows = []
-    needles = [r["needle"] for r in res["variants"].values() if "needle" in r]
-    recall = needles[-1]["recall"] if needles else {}
-    longest = NEEDLE_LENGTHS.split(",")[-1]
-    for n, r in res["variants"].items():
-        if "failed" in r:
-            rows.append([n, "llama-server did not start: " + r["failed"].replace("|", "/")[:120], "", "", "", ""])
-            continue
-        k, arm = r["kld"], "llama-" + n.replace(" ", "").replace("+", "-")
-        own = r.get("needle", {})
-        rec = own.get("recall", {}).get(arm)
-        rows.append([n, f"{k['kld_mean']:.3g} [{k['kld_lo']:.3g}, {k['kld_hi']:.3g}] vs {k['floor_kld_hi']:.3g} "
-                        f"({k['kld_mean'] / k['floor_kld_hi']:.2g}x)", f"{k['same_top1']:.4f}",
-                     "{:.2f} [{:.2f}, {:.2f}]".format(*rec) + f"; {own['by_length'].get(f'{arm}@{longest}', float('nan')):.2f} at {longest}"
-                     if rec else "-", f"{k['vs_twin']:.3g} (`{k['twin']}`)" if "vs_twin" in k else "-",
-                     _verdict(k["verdict"])])
-    g = recall.get("golden")
+    """The doc's opening table: one row per GGUF variant (variants_report.variants_frame,
+    the same rows the variants page shows)."""
+    t = VR.variants_frame(res, NEEDLE_LENGTHS.split(",")[-1])
+    g = next((r["needle"]["recall"].get("golden") for r in reversed(res["variants"].values()) if "needle" in r), None)
     return "\n".join([
         f"Every GGUF variant of tiny-needle-v2 ({res['build']}) served by llama-server and measured by "
-        "`bench/bench_llama_cpp.py` on this machine; details under *Measured* below. KLD: decode path, "
+        "`bench/bench_llama_cpp.py` on this machine; details under *Measured* below, the same table as a "
+        "[report page](../reports/llamacpp-variants/index.html). KLD: decode path, "
         f"{KLD_LENGTHS} tokens, mean [95% CI] against the highest in-process floor's upper bound "
         "(the point estimate over that bound in brackets). Needle: recall over "
         f"{NEEDLE_LENGTHS} tokens [95% CI]" + (f" (golden {g[0]:.2f} [{g[1]:.2f}, {g[2]:.2f}])" if g else "")
-        + ", and at the longest.", "",
-        _table(["GGUF", "mean KLD vs golden [CI] vs floor", "same top-1", "needle recall", "mean KLD vs its twin",
-                "verdict vs golden"], rows)])
+        + ", and at the longest.", "", VR.headline(res), "",
+        _table(list(t.columns), t.values.tolist())])
 
 
 DOC = ROOT / "docs" / "real-engines.md"
@@ -357,7 +346,9 @@ def _between(text: str, tag: str, body: str) -> str:
 
 
 def write_doc(res: dict) -> None:
+    """docs/real-engines.md's two generated parts and the variants page (reports/llamacpp-variants)."""
     DOC.write_text(_between(_between(DOC.read_text(), "measured", render(res)), "variants", variants_table(res)))
+    VR.write(res, ROOT / "reports", KLD_LENGTHS, NEEDLE_LENGTHS)
 
 
 if __name__ == "__main__":

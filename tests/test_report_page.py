@@ -105,7 +105,7 @@ def render_probe(page: Path, width=1400, height=900) -> dict:
 
 
 @pytest.mark.skipif(not _chromium(), reason="Debian's chromium is not installed")
-@pytest.mark.parametrize("report", ["reports/example", "reports/needle/example"])
+@pytest.mark.parametrize("report", ["reports/example", "reports/needle/example", "reports/llamacpp-variants"])
 def test_example_report_fits_the_screen_with_a_picture_on_it(report):
     got = render_probe(ROOT / report / "index.html")
     assert got["width"] <= 1400, f"{report} is {got['width']} px wide at a 1400 px viewport"
