@@ -159,6 +159,21 @@ def test_openai_dialect_alone_works_on_greedy_text(url, tmp_path):
     assert any("read through the OpenAI dialect" in v and "looser" in v for v in res["verdict"])
 
 
+def test_progress_says_where_the_whole_run_stands(url, tmp_path):
+    """Every family line carries the run's requests sent of those planned and the time, an
+    ETA while requests remain; the count only grows."""
+    import re
+    lines = []
+    run_consistency([_arm("golden", url)], TARGET, ConsistencySettings(("prefix",), PLAN), tmp_path, "p",
+                    progress=lines.append)
+    planned = int(re.search(r"; (\d+) requests in all", lines[0]).group(1))
+    counts = [re.search(r"\[(\d+)/(\d+) requests, \d+ s(, eta ~\d+ s)?\]$", ln) for ln in lines[1:]]
+    assert counts and all(counts), lines
+    done = [int(m.group(1)) for m in counts]
+    assert all(int(m.group(2)) == planned for m in counts) and done == sorted(done) and done[-1] > 0
+    assert any(m.group(3) for m in counts[:-1]) or len(counts) == 1
+
+
 def test_store_skips_a_torn_line(tmp_path):
     p = tmp_path / "probes.jsonl"
     p.write_text(json.dumps({"key": "a", "x": 1}) + "\n" + '{"key": "b", "x"')

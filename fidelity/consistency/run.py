@@ -64,12 +64,13 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
     names = {a.name for a in arms}
     for fam in (f for fams in runs for f in fams if isinstance(f, SpecFamily)):
         fam.baseline_live = settings.spec.baseline in names        # else recorded by an earlier run
-    _preflight(runs, progress)
+    planned = _preflight(runs, progress)
+    say = with_totals(progress, arms, planned, time.monotonic())
     described = []
     for arm, fams in zip(arms, runs):
         described.append({**arm.ep.describe(), **arm.sizes()})
         for fam in fams:
-            fam.run(progress)
+            fam.run(say)
             if fam.name == "prefix":
                 described[-1]["cold_by"] = fam.flush_route or "two random leading tokens (no flush route)"
         described[-1]["retries"] = dict(arm.ep.retries)
@@ -102,10 +103,22 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
     return result
 
 
-def _preflight(runs: list[list], progress) -> None:
+def with_totals(progress, arms: list[LiveArm], planned: int, t0: float):
+    """`progress` with the whole run's count on every line: requests sent so far of those
+    planned, the time since the first and an ETA at the rate so far, so a family that runs
+    for minutes says where the run stands. The plan counts every request, the count only
+    those sent (probes stored by an earlier run are not sent again): an estimate, said as one."""
+    def say(msg: str) -> None:
+        done, el = sum(a.sent for a in arms), time.monotonic() - t0
+        eta = f", eta ~{el / done * (planned - done):.0f} s" if 0 < done < planned else ""
+        progress(f"{msg} [{done}/{planned} requests, {el:.0f} s{eta}]")
+    return say
+
+
+def _preflight(runs: list[list], progress) -> int:
     """Before any probe request: every family checked on every arm (one FamilyError naming
     each that cannot run as asked, and the option to change), then what each arm will be
-    sent, said."""
+    sent, said; returns the requests planned in all."""
     errors = []
     for fams in runs:
         for fam in fams:
@@ -115,11 +128,14 @@ def _preflight(runs: list[list], progress) -> None:
                 errors.append(f"{fam.arm.name}: {e}" if len(runs) > 1 else str(e))
     if errors:
         raise FamilyError("; ".join(dict.fromkeys(errors)))
+    planned = 0
     for fams in filter(None, runs):
         costs = [(fam.name, fam.cost()) for fam in fams]
         total = sum(c.requests for _, c in costs)
+        planned += total
         progress(f"plan: {fams[0].arm.name}: " + "; ".join(c.words(n) for n, c in costs)
                  + f"; {total} requests in all (fewer when probes are stored)")
+    return planned
 
 
 def _dialect_caveats(described: list[dict]) -> list[str]:
