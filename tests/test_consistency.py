@@ -174,6 +174,19 @@ def test_progress_says_where_the_whole_run_stands(url, tmp_path):
     assert any(m.group(3) for m in counts[:-1]) or len(counts) == 1
 
 
+def test_an_arm_that_does_not_speculate_is_left_out_of_the_spec_family(url, tmp_path):
+    """A plain server's arm beside the spec baseline: its server says it does not speculate,
+    so it is not compared (its replies against the baseline's would read as a spec fault) and
+    the verdict says why; nothing is sent for it."""
+    from fidelity.consistency.spec import SpecPlan
+    arm = _arm("restore_window_one_off", url)
+    s = ConsistencySettings(("spec",), spec=SpecPlan(baseline="golden", probes=1, length=200, max_tokens=4, seeds=2))
+    res = run_consistency([_arm("golden", url), arm], TARGET, s, tmp_path, "s", progress=lambda m: None)
+    assert res["spec"].empty and arm.sent == 0
+    assert any(ln.startswith("`restore_window_one_off` does not decode speculatively (/get_server_info "
+                             "speculative.enabled = False)") for ln in res["verdict"]), res["verdict"]
+
+
 def test_store_skips_a_torn_line(tmp_path):
     p = tmp_path / "probes.jsonl"
     p.write_text(json.dumps({"key": "a", "x": 1}) + "\n" + '{"key": "b", "x"')

@@ -74,8 +74,11 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
             if fam.name == "prefix":
                 described[-1]["cold_by"] = fam.flush_route or "two random leading tokens (no flush route)"
         described[-1]["retries"] = dict(arm.ep.retries)
+    plain = {f.arm.name: f.not_speculating() for fams in runs for f in fams
+             if isinstance(f, SpecFamily) and f.not_speculating()}
     current = [r for r in store.rows if _current(r, settings)]
-    recorded = [r for r in current if r["family"] == "spec" and r["arm"] in names | {settings.spec.baseline}]
+    recorded = [r for r in current if r["family"] == "spec" and r["arm"] not in plain
+                and r["arm"] in names | {settings.spec.baseline}]
     spec_rows = pd.DataFrame([r for r in compared(recorded, settings.spec.baseline, specials(target.tokenizer))
                               if r["arm"] in names])
     kept = [r for r in current if r["arm"] in names and r["family"] != "spec"]
@@ -90,7 +93,9 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
                            "seconds": round(time.time() - t0, 1),
                            "requests": _requests(pd.DataFrame([r for r in current if r["arm"] in names]))},
               "verdict": verdict_lines(table) + rerun_lines(rows) + longgen_lines(behaviour)
-              + spec_lines(spec) + _dialect_caveats(described),
+              + spec_lines(spec) + [f"`{a}` does not decode speculatively ({how}): left out of the spec "
+                                    "family, which compares speculating arms with the baseline"
+                                    for a, how in plain.items()] + _dialect_caveats(described),
               "conditions": table,
               "behaviour": behaviour, "spec": spec,
               "probes": pd.concat([rows, spec_rows]) if len(spec_rows) else rows,

@@ -158,6 +158,13 @@ class SpecFamily(Family):
                               "serve the same model without speculation")
         super().check()
 
+    def not_speculating(self) -> str:
+        """How the server says this (non-baseline) arm decodes without speculation ("" when it
+        speculates or does not say): such an arm is not compared -- its replies against the
+        baseline's would be read as a speculative fault's."""
+        served = self.served()
+        return served["how"] if served and not served["on"] and not self.is_baseline else ""
+
     def served(self) -> dict | None:
         """The arm's speculation as its server reports it (served_speculation)."""
         info = getattr(getattr(self.arm, "ep", None), "info", None) or {}
@@ -165,11 +172,14 @@ class SpecFamily(Family):
 
     def cost(self) -> Cost:
         p, n = self.plan.probes, self.plan.length
-        per = (2 if self.is_baseline else 1) + self.plan.seeds
+        per = 0 if self.not_speculating() else (2 if self.is_baseline else 1) + self.plan.seeds
         return Cost(p * per, p * per * n, p * per * self.plan.max_tokens)
 
     def run(self, progress=lambda m: None) -> None:
         self.check()
+        if self.not_speculating():
+            progress(f"{self.arm.name}: not speculating ({self.not_speculating()}): left out of the spec family")
+            return
         greedy = ("greedy", "greedy-again") if self.is_baseline else ("greedy",)
         for probe in range(self.plan.probes):
             if self.store.has(self._key(probe, "sampled")):
