@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pandas as pd
 
+from ..lengths import fits, period_reading, separating_lengths
 from .signals import MECHANISM, MECHANISM_WHAT, SCHEDULE_FACTOR
 
 
@@ -221,7 +222,6 @@ def acted_only_sentence(acted: dict[str, list[int]], lengths: list[int], b=None)
     for t, L in acted.items():
         part = f"{t} only at length{'s' if len(L) > 1 else ''} {', '.join(map(str, L))}"
         if b is not None:
-            from ..lengths import period_reading
             reading, more = period_reading(L, lengths, b), separating_to_run(L, lengths, b)
             part += (f" ({reading})" if reading else "") + (
                 f"; to tell the config's periods apart, run it at --lengths {','.join(map(str, more))}"
@@ -235,7 +235,6 @@ def acted_only_sentence(acted: dict[str, list[int]], lengths: list[int], b=None)
 def separating_to_run(acted: list[int], lengths: list[int], b) -> list[int]:
     """The lengths that separate the config's periods for these acting lengths
     (lengths.separating_lengths), [] when exactly one period fits this run or it holds them all."""
-    from ..lengths import fits, separating_lengths
     if len(fits(acted, lengths, b)) == 1:
         return []
     want = separating_lengths(acted, b)
@@ -272,8 +271,8 @@ def with_never_acted(v: dict, names: list[str], acted: dict[str, list[int]] | No
     {toggle: lengths}, when `b` is given and this run does not settle it)."""
     v["never_acted"] = names
     v["acted_only_at"] = acted or {}
-    v["separating_lengths"] = ({t: separating_to_run(L, list(lengths), b) for t, L in (acted or {}).items()
-                                if separating_to_run(L, list(lengths), b)} if b is not None else {})
+    more = {t: separating_to_run(L, list(lengths), b) for t, L in (acted or {}).items()} if b is not None else {}
+    v["separating_lengths"] = {t: L for t, L in more.items() if L}
     v["never_acted_sentence"] = " ".join(filter(None, [never_acted_sentence(names),
                                                       acted_only_sentence(acted or {}, list(lengths), b)]))
     if v["never_acted_sentence"]:
