@@ -126,3 +126,18 @@ def test_a_baseline_that_is_the_twin_is_judged_once(tmp_path, url):
     assert rc == 0
     m = json.loads((out / "kld" / "r" / "manifest.json").read_text())
     assert "twins" not in m["verdict"] and [a["name"] for a in m["manifest"]["arms"]] == ["twin", "clean"]
+
+
+def test_the_match_sentence_quotes_the_mean_not_a_tail_row():
+    """A twin judgement that matches quotes the mean effect and its interval; a tail row (one
+    prompt's value, zero-width interval) is not a mean (bench_llama_cpp once read 'largest mean
+    KLD: 7.95e-05 [7.95e-05, 7.95e-05]' for a mean of 1.26e-05)."""
+    import pandas as pd
+    from fidelity.kld.twin import Twin, sentence
+    att = pd.DataFrame([
+        {"signal": "kld_mean", "toggle": "llama", "method": "tail", "value": 7.95e-05, "lo": 7.95e-05,
+         "hi": 7.95e-05, "floor_hi": 1.87e-06, "floor_arm": "twin~floor:fp32-accum"},
+        {"signal": "kld_mean", "toggle": "llama", "method": "one_at_a_time", "value": 1.26e-05, "lo": 4.84e-06,
+         "hi": 2.39e-05, "floor_hi": 0.000123, "floor_arm": "twin~floor:fp32-accum"}])
+    said = sentence(Twin("exact", "derived", ["llama"]), {"verdict": {}, "attribution": att})
+    assert "llama, 1.26e-05 [4.84e-06, 2.39e-05]" in said and "7.95e-05" not in said

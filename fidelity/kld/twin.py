@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from fidelity import servers
 from fidelity.llamacpp.flags import scored_twin as llama_twin
 from fidelity.verdict.judge import floor_words
+from fidelity.verdict.tail import METHOD as TAIL
 
 
 NONE = "none"
@@ -92,7 +93,9 @@ def sentence(twin: Twin, judged: dict) -> str:
     if v.get("named"):
         return f"Unexplained (vs its twin `{twin.spelling}`): {v['outcome_sentence']}"
     t = judged["attribution"]
-    k = t[(t.signal == "kld_mean")] if len(t) else t
+    # the mean's effect, not a tail row (one prompt's value, quoted as "largest mean KLD"
+    # with a zero-width interval, 42x a floor the mean stays under)
+    k = t[(t.signal == "kld_mean") & (t.method != TAIL)] if len(t) else t
     worst = k.sort_values("value", ascending=False).iloc[0] if len(k) else None
     detail = (f" (largest mean KLD: {worst.toggle}, {worst.value:.3g} [{worst.lo:.3g}, {worst.hi:.3g}] "
               f"{floor_words(worst.floor_hi, worst.get('floor_arm'), 'vs the highest floor')})"
