@@ -36,6 +36,9 @@ def test_the_unexplained_judgement_leads():
     for n in served:
         res["variants"][n]["kld"].update(twin_unexplained=False, twin_verdict="matches")
     assert VR.headline(res).startswith(f"All {len(served)} variants match the in-process twin")
+    del res["variants"][served[0]]["kld"]["twin_unexplained"]                 # one not judged yet
+    assert f"({served[0]} not judged against its twin yet)" in VR.headline(res)
+    res["variants"][served[0]]["kld"]["twin_unexplained"] = False
     bad = served[-1]
     res["variants"][bad]["kld"].update(twin_unexplained=True,
                                        twin_verdict="Unexplained (vs its twin `exact`): x breaks coherence; more")

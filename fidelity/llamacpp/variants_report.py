@@ -76,6 +76,9 @@ def headline(res: dict) -> str:
                 "the in-process twin of their own flags beyond its floors)")
     else:
         twin = f"All {len(judged)} variants match the in-process twin of their own flags within its floors"
+    unjudged = [n for n in ok if n not in judged]
+    if judged and unjudged:
+        twin += f" ({', '.join(unjudged)} not judged against its twin yet)"
     broke = [n for n, r in ok.items() if not r["kld"]["verdict"].startswith("No toggle stands out")]
     golden = (f"against the golden, {', '.join(broke)} break{'s' if len(broke) == 1 else ''} coherence by design"
               if broke else "against the golden every variant stays within the golden's floors")
