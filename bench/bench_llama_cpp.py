@@ -84,13 +84,14 @@ def kld(name: str, url: str, ck: Path, extra: tuple = ()) -> dict:
     t = pd.read_csv(d / "kld_by_position.csv")
     allk = t[t.bucket == "all"].set_index("arm")
     floors = [a for a in allk.index if a.startswith("floor:")]
-    tw = m["twins"][0]
+    tw = m["manifest"]["twins"][0]
     vs = pd.read_csv(OUT / "kld" / f"{run_id}-vs-{tw['name']}" / "kld_by_position.csv")
     vs = vs[vs.bucket == "all"].set_index("arm").kld_mean
     r = allk.loc[arm]
     return {"kld_mean": r.kld_mean, "kld_lo": r.kld_lo, "kld_hi": r.kld_hi, "kld_p99": r.kld_p99,
             "kld_max": r.kld_max, "same_top1": r.same_top1, "positions": int(r.positions),
-            "floor_kld_hi": float(allk.loc[floors].kld_hi.max()), "verdict": m["verdict"]["sentence"],
+            "floor_kld_hi": float(allk.loc[floors].kld_hi.max()),
+            "verdict": m["verdict"].get("golden_sentence", m["verdict"]["sentence"]),
             "twin": tw["twin"], "vs_twin": float(vs[arm]), "twin_unexplained": bool(tw["unexplained"]),
             "twin_verdict": tw["sentence"], "golden_vs_twin": float(allk.loc[tw["name"]].kld_mean)
             if tw["name"] in allk.index else None}
@@ -183,7 +184,8 @@ def main() -> int:
     if "--once" in sys.argv:                        # only chat-check and consistency again
         return rerun_once()
     if "--kld" in sys.argv:                         # only the kld scoring again (e.g. a new twin)
-        return rerun_kld()
+        rest = sys.argv[sys.argv.index("--kld") + 1:]  # optionally: the variants, comma-separated
+        return rerun_kld(rest[0].split(",") if rest else None)
     ck, f32, variants = _variants()
     res = {"build": paths.PINNED, "model": f"{MODEL.name} widened to head_dim 512", "variants": {}}
     for port, (name, model, extra) in enumerate(variants, 18700):   # fixed ports: a rerun resumes
@@ -225,14 +227,15 @@ def _key(name: str) -> str:
     return name.replace(" ", "").replace("+", "-")
 
 
-def rerun_kld() -> int:
-    """`fidelity kld` again on every variant that served (its stored golden and floor scores
-    reused; a new twin scored), the other measurements kept; results and doc rewritten."""
+def rerun_kld(only: list[str] | None = None) -> int:
+    """`fidelity kld` again on every variant that served, or on `only` (its stored golden and
+    floor scores reused; a new twin scored), the other measurements kept; results and doc
+    rewritten."""
     res = json.loads(RESULTS.read_text())
     ck, _, variants = _variants()
     for port, (name, model, extra) in enumerate(variants, 18700):
         row = res["variants"].get(name)
-        if row is None or "failed" in row:
+        if row is None or "failed" in row or (only and name not in only):
             continue
         with serving(model, OUT / f"{_key(name)}.log", ctx=CTX, extra=extra, port=port) as url:
             row["kld"] = kld(_key(name), url, ck, extra)
@@ -333,7 +336,7 @@ def variants_table(res: dict) -> str:
         f"{KLD_LENGTHS} tokens, mean [95% CI] against the highest in-process floor's upper bound "
         "(the point estimate over that bound in brackets). Needle: recall over "
         f"{NEEDLE_LENGTHS} tokens [95% CI]" + (f" (golden {g[0]:.2f} [{g[1]:.2f}, {g[2]:.2f}])" if g else "")
-        + ", and at the longest.", "", VR.headline(res), "",
+        + ", and at the longest. " + VR.TWIN_NOTE, "", VR.headline(res), "",
         _table(list(t.columns), t.values.tolist())])
 
 

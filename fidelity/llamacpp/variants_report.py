@@ -16,6 +16,11 @@ from infra.report_page import Page, Section, Table
 from infra.report_writer import ReportWriter
 
 REPORT = "llamacpp-variants"
+# what the twin can and cannot model: its toggles come from the server's flags (cache type,
+# repacking), none from the GGUF's weight type
+TWIN_NOTE = ("A variant's twin is the exact profile with the toggles its llama-server flags map to "
+             "(fidelity.llamacpp.flags); no toggle models a GGUF's weight type, so a quantized GGUF is "
+             "judged against the F32 twin and its weight quantization is part of what stays unexplained.")
 COLUMNS = ["GGUF", "mean KLD vs golden [CI] vs floor", "same top-1", "needle recall", "mean KLD vs its twin",
            "verdict vs its twin (unexplained)", "verdict vs golden (by design)"]
 
@@ -149,7 +154,8 @@ def write(res: dict, out_dir: str | Path, kld_lengths: str, needle_lengths: str)
             Section("Variants", "One row per variant. KLD against the golden: mean [95% CI] against the highest "
                     "in-process floor's upper bound (the mean over that bound in brackets). Against its twin: the "
                     "mean KLD and kld's judgement against the twin's own floors (`unexplained` = beyond them). "
-                    "Needle: overall recall [95% CI] and at the longest length.", [Table(table, fold=False)]),
+                    "Needle: overall recall [95% CI] and at the longest length. " + TWIN_NOTE,
+                    [Table(table, fold=False)]),
         ]
         head = headline(res)
         w.page(Page("dsv4-fidelity llama.cpp variants", compared, [head], ["variants"], None,
