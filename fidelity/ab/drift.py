@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 # Order of the taps inside one layer, as the forward produces them.
 TAP_ORDER = ("hc_attn.comb", "attn.kv", "attn.index.topk", "attn.out", "hc_ffn.comb",
@@ -95,7 +96,6 @@ def steadiness(drift: pd.DataFrame, arm: str, floor_arm: str, phase: str, layer:
     departs further than the floor, of `n`; `p`: one-sided sign test of that count (a
     departure the size of the floor's noise is above it on about half the prompts);
     `lo`/`median`/`hi`: the per-prompt multiples (finite ones). None without rows."""
-    from scipy.stats import binomtest
     d = drift[(drift.phase == phase) & (drift.bucket == "all") & (drift.layer == layer) & (drift.tap == tap)]
     a = _departure(d[d.arm == arm]).groupby(d[d.arm == arm].prompt).mean()
     f = _departure(d[d.arm == floor_arm]).groupby(d[d.arm == floor_arm].prompt).mean()
@@ -105,7 +105,8 @@ def steadiness(drift: pd.DataFrame, arm: str, floor_arm: str, phase: str, layer:
     above = int((both.a > both.f).sum())
     x = (both.a / both.f.replace(0, np.nan))
     x = x[np.isfinite(x)]
-    return {"n": len(both), "above": above, "p": float(binomtest(above, len(both), 0.5, alternative="greater").pvalue),
+    return {"n": len(both), "above": above,
+            "p": float(stats.binomtest(above, len(both), 0.5, alternative="greater").pvalue),
             "lo": float(x.min()) if len(x) else np.nan, "median": float(x.median()) if len(x) else np.nan,
             "hi": float(x.max()) if len(x) else np.nan}
 

@@ -206,9 +206,9 @@ def _departures(drift, sets) -> list[dict]:
     floor, with the QAT floor's multiple there (a kernel change the size of QAT's is
     expected); a one-toggle arm that never gets there, its largest multiple when it is
     steady across prompts (`below_bar`, `steady`: findings.near_enough; 9x is not noise
-    either, only below the bar). Indexer
-    picks and expert sets are left to the mechanism signals, judged against floors that are
-    noise for them (their reduction-order floor is often 0)."""
+    either, only below the bar). Indexer picks and expert sets are left to the mechanism
+    signals, judged against floors that are noise for them (their reduction-order floor is
+    often 0)."""
     drift = drift[~drift.tap.isin(DISCRETE_TAPS)]
     out = []
     for a, factors in sets.items():
