@@ -190,7 +190,7 @@ def main() -> int:
     res = {"build": paths.PINNED, "model": f"{MODEL.name} widened to head_dim 512", "variants": {}}
     for port, (name, model, extra) in enumerate(variants, 18700):   # fixed ports: a rerun resumes
         t0 = time.time()
-        key = _key(name)
+        key = VR.key(name)
         try:
             with serving(model, OUT / f"{key}.log", ctx=CTX, extra=extra, port=port) as url:
                 row = {"kld": kld(key, url, ck, extra), "needle": needle(key, url, ck)}
@@ -223,10 +223,6 @@ def _variants():
                      ("Q4_K_M --no-repack", q4, ("--no-repack",))]
 
 
-def _key(name: str) -> str:
-    return name.replace(" ", "").replace("+", "-")
-
-
 def rerun_kld(only: list[str] | None = None) -> int:
     """`fidelity kld` again on every variant that served, or on `only` (its stored golden and
     floor scores reused; a new twin scored), the other measurements kept; results and doc
@@ -237,8 +233,8 @@ def rerun_kld(only: list[str] | None = None) -> int:
         row = res["variants"].get(name)
         if row is None or "failed" in row or (only and name not in only):
             continue
-        with serving(model, OUT / f"{_key(name)}.log", ctx=CTX, extra=extra, port=port) as url:
-            row["kld"] = kld(_key(name), url, ck, extra)
+        with serving(model, OUT / f"{VR.key(name)}.log", ctx=CTX, extra=extra, port=port) as url:
+            row["kld"] = kld(VR.key(name), url, ck, extra)
         RESULTS.write_text(json.dumps(res, indent=1, default=float))
         print(name, json.dumps(row["kld"])[:300], flush=True)
     write_doc(res)

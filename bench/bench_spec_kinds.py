@@ -38,7 +38,8 @@ KINDS = (("accepts drafts the target rejects", "wrong acceptance"), ("logits row
 
 
 def kind(looks_like: str) -> str:
-    """The kind a spec row names, in two or three words ('' for an arm not flagged)."""
+    """The kind a flagged spec row names, in two or three words (its first 40 characters when
+    none of KINDS matches)."""
     return next((short for key, short in KINDS if key in str(looks_like)), str(looks_like)[:40])
 
 

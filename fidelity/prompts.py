@@ -92,10 +92,14 @@ def grid_prompts(tokenizer, lengths, depths, reps: int, seed: int) -> list[Promp
     for L in lengths:
         for d in depths:
             for r in range(reps):
-                ids, needle = haystack_ids(tokenizer, L, d, prompt_seed(seed, L, r, d))
-                out.append(Prompt(f"L{L}-d{int(d)}-r{r}", torch.tensor(ids), group=f"L{L}",
-                                  needle_tokens=needle))
+                out.append(_grid_point(tokenizer, L, d, r, seed))
     return out
+
+
+def _grid_point(tokenizer, L: int, d, r: int, seed: int) -> Prompt:
+    """The grid's haystack at length L, needle depth d (percent), repetition r."""
+    ids, needle = haystack_ids(tokenizer, L, d, prompt_seed(seed, L, r, d))
+    return Prompt(f"L{L}-d{int(d)}-r{r}", torch.tensor(ids), group=f"L{L}", needle_tokens=needle)
 
 
 def grid_prompt(tokenizer, prompt_id: str, seed: int) -> Prompt:
@@ -104,9 +108,7 @@ def grid_prompt(tokenizer, prompt_id: str, seed: int) -> Prompt:
     m = re.fullmatch(r"L(\d+)-d(\d+)-r(\d+)", prompt_id)
     if not m:
         raise ValueError(f"{prompt_id!r} is not a grid prompt id (L<length>-d<depth>-r<rep>, e.g. L511-d90-r0)")
-    L, d, r = (int(x) for x in m.groups())
-    ids, needle = haystack_ids(tokenizer, L, d, prompt_seed(seed, L, r, d))
-    return Prompt(prompt_id, torch.tensor(ids), group=f"L{L}", needle_tokens=needle)
+    return _grid_point(tokenizer, *(int(x) for x in m.groups()), seed)
 
 
 def file_prompts(path: str | Path, tokenizer, vocab_size: int, group: str | None = None) -> list[Prompt]:

@@ -66,15 +66,22 @@ def permutation_p(groups: list[tuple[list, list]], seed: int = 0, of=agreement) 
     return d, (1 + hits) / (1 + PERMUTATIONS)
 
 
+def _spec_metas(greedy: pd.DataFrame) -> tuple[list[dict], list | None]:
+    """The greedy probes' spec_* counts that hold verifies, and their accepted-per-draft-position
+    lists (None unless every one reports them)."""
+    metas = [m for m in greedy.get("spec_meta", []) if isinstance(m, dict) and m.get("spec_verify_ct")]
+    per = [m.get("spec_accepted_per_position") for m in metas]
+    return metas, per if all(isinstance(p, list) for p in per) else None
+
+
 def _accept(greedy: pd.DataFrame) -> tuple[float | None, list[float] | None]:
     """Mean accepted tokens per verify + 1 and the acceptance rate per draft position, from
     the engine's spec_* counts (None where it reports none)."""
-    metas = [m for m in greedy.get("spec_meta", []) if isinstance(m, dict) and m.get("spec_verify_ct")]
+    metas, per = _spec_metas(greedy)
     if not metas:
         return None, None
     length = float(np.mean([m.get("spec_accept_length", np.nan) for m in metas]))
-    per = [m.get("spec_accepted_per_position") for m in metas]
-    if not all(isinstance(p, list) for p in per):
+    if per is None:
         return length, None
     verifies = sum(m["spec_verify_ct"] for m in metas)
     return length, [float(x) / verifies for x in np.sum(np.array(per, dtype=float), 0)]
@@ -84,9 +91,8 @@ def accept_counts(greedy: pd.DataFrame) -> tuple[int, int] | None:
     """(verifies, first drafts accepted) summed over the greedy probes' spec_* counts (None
     where the engine reports no per-position counts). The first draft position is the one
     every verify tries, so its count is a plain proportion over verifies."""
-    metas = [m for m in greedy.get("spec_meta", []) if isinstance(m, dict) and m.get("spec_verify_ct")]
-    per = [m.get("spec_accepted_per_position") for m in metas]
-    if not metas or not all(isinstance(p, list) and p for p in per):
+    metas, per = _spec_metas(greedy)
+    if not metas or per is None or not all(per):
         return None
     return int(sum(m["spec_verify_ct"] for m in metas)), int(sum(p[0] for p in per))
 

@@ -25,9 +25,14 @@ COLUMNS = ["GGUF", "mean KLD vs golden [CI] vs floor", "same top-1", "needle rec
            "verdict vs its twin (unexplained)", "verdict vs golden (by design)"]
 
 
+def key(variant: str) -> str:
+    """A variant's name in file and run names ('F32 + KV q8_0' -> 'F32-KVq8_0')."""
+    return variant.replace(" ", "").replace("+", "-")
+
+
 def arm_of(variant: str) -> str:
     """The kld/needle arm name of a variant ('F32 + KV q8_0' -> 'llama-F32-KVq8_0')."""
-    return "llama-" + variant.replace(" ", "").replace("+", "-")
+    return "llama-" + key(variant)
 
 
 def golden_verdict(v: str) -> str:
