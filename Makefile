@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo example test test-slow notebook llama-cpp test-llama bench clean
+.PHONY: setup demo example test test-slow notebook llama-cpp test-llama mlx-vlm test-mlx bench clean
 
 $(STAMP): pyproject.toml scripts/install_torch.sh
 	$(PY) -m venv $(VENV)
@@ -52,6 +52,15 @@ llama-cpp: $(STAMP)
 
 test-llama: llama-cpp
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m llama tests
+
+# mlx-vlm (MLX's DeepSeek-V4, what Mac users run) from PyPI into a venv of its own in the per-user
+# cache (~/.cache/dsv4-fidelity/mlx-vlm-0.7.10, or MLX_VLM_HOME); its tests are marked `mlx`.
+MLX_HOME = $$($(BIN)/python -c 'from fidelity.mlxvlm import paths; print(paths.pinned().home)')
+mlx-vlm: $(STAMP)
+	bash scripts/install_mlx_vlm.sh "$(MLX_HOME)"
+
+test-mlx: mlx-vlm
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m mlx tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py

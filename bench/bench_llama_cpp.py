@@ -33,6 +33,7 @@ from fidelity.llamacpp import paths  # noqa: E402
 from fidelity.llamacpp import variants_report as VR  # noqa: E402
 from fidelity.llamacpp.prepare import gguf  # noqa: E402
 from fidelity.llamacpp.server import ServerFailed, serving  # noqa: E402
+from engine_bench import fidelity, kld_row  # noqa: E402
 
 MODEL = ROOT / "models" / "tiny-needle-v2"
 OUT = Path("/tmp/bench-llama")
@@ -40,14 +41,6 @@ RESULTS = ROOT / "bench" / "results" / "llama_cpp.json"
 KLD_LENGTHS, KLD_REPS = "256,511,1023", 2
 NEEDLE_LENGTHS, NEEDLE_REPS = "512,1024,2048,4096,8192,16384", 3
 CTX = 16384 + 1024                                  # the longest needle prompt and its answer
-
-
-def fidelity(*args) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "fidelity.cli", *args, "--threads", "1"],
-                       capture_output=True, text=True, cwd=ROOT)
-    if r.returncode not in (0, 1):
-        raise RuntimeError(f"fidelity {' '.join(args[:2])} failed ({r.returncode}): {r.stderr[-2000:]}")
-    return r
 
 
 def q4_k_m(f32: Path) -> Path:
@@ -79,22 +72,7 @@ def kld(name: str, url: str, ck: Path, extra: tuple = ()) -> dict:
              "--twin", f"{arm}={twin(extra)}",
              "--lengths", KLD_LENGTHS, "--reps", str(KLD_REPS), "--decode-steps", "4", "--top-k", "512",
              "--no-captures", "--out", str(OUT), "--quiet", "--run-id", run_id)
-    d = OUT / "kld" / run_id
-    m = json.loads((d / "manifest.json").read_text())
-    t = pd.read_csv(d / "kld_by_position.csv")
-    allk = t[t.bucket == "all"].set_index("arm")
-    floors = [a for a in allk.index if a.startswith("floor:")]
-    tw = m["manifest"]["twins"][0]
-    vs = pd.read_csv(OUT / "kld" / f"{run_id}-vs-{tw['name']}" / "kld_by_position.csv")
-    vs = vs[vs.bucket == "all"].set_index("arm").kld_mean
-    r = allk.loc[arm]
-    return {"kld_mean": r.kld_mean, "kld_lo": r.kld_lo, "kld_hi": r.kld_hi, "kld_p99": r.kld_p99,
-            "kld_max": r.kld_max, "same_top1": r.same_top1, "positions": int(r.positions),
-            "floor_kld_hi": float(allk.loc[floors].kld_hi.max()),
-            "verdict": m["verdict"].get("golden_sentence", m["verdict"]["sentence"]),
-            "twin": tw["twin"], "vs_twin": float(vs[arm]), "twin_unexplained": bool(tw["unexplained"]),
-            "twin_verdict": tw["sentence"], "golden_vs_twin": float(allk.loc[tw["name"]].kld_mean)
-            if tw["name"] in allk.index else None}
+    return kld_row(OUT, run_id, arm)
 
 
 def prefill(name: str, model: Path, ck: Path, extra: tuple = ()) -> dict:

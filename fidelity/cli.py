@@ -33,6 +33,7 @@ COMMANDS = {
     "plan-memory": "plan_memory",
     "weights-diff": "weights_diff",
     "llamacpp": "llamacpp",
+    "mlxvlm": "mlxvlm",
 }
 
 

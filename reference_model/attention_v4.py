@@ -94,6 +94,8 @@ class V4Attention(Attention):
                              kind="index", phase=phase)
         if new.shape[0]:
             st.index_keys = cat(st.index_keys, new)
+            if t:
+                t("attn.index.keys", new)
         wts = nx.bf16_linear(x, w["attn.indexer.weights_proj.weight"])
         wts = nx.index_weights(wts, d ** -0.5 * h ** -0.5)
         keys = st.index_keys
@@ -109,10 +111,7 @@ class V4Attention(Attention):
         step = max(1, self.m.attn_budget // max(1, h * n_keys))
         for a in range(0, n, step):
             b = min(a + step, n)
-            s = nx.index_scores(q[a:b], keys, wts[a:b])
-            cols = torch.arange(n_keys, device=x.device)
-            s = s.masked_fill(cols.unsqueeze(0) >= visible[a:b].unsqueeze(1), float("-inf"))
-            out[a:b, :k] = nx.index_topk(s, k)
+            s, out[a:b, :k] = nx.index_select(q[a:b], keys, wts[a:b], visible[a:b], k)
         if t:
             t("attn.index.topk", out)
             # the chunk's last query's scores over every key (-inf: not visible): at the

@@ -29,7 +29,7 @@ V4_KERNELS = (
     "window_first", "kv_store", "compressor_proj", "compress_score_bias", "compress_state",
     "compress_pool", "compressed_positions", "compressed_visible",
     "index_rotate", "index_query", "index_key_store", "index_weights", "index_scores",
-    "index_topk",
+    "index_topk", "index_select",
     "sparse_attention", "wo_a", "hc_pre", "hc_post", "hc_head",
     "moe_gate", "moe_select", "route_weights", "swiglu", "expert_ffn", "moe_combine", "lm_head",
     "chat_request", "chat_render", "chunk_boundary", "state_restore",
@@ -363,6 +363,16 @@ class Numerics(MixMoeKernels, V41Kernels, SpecKernels):
         s = r(s)
         s = r(s.relu() * w.unsqueeze(-1))
         return s.sum(1)
+
+    def index_select(self, q, keys, w, visible, k: int):
+        """The indexer's choice for rows of queries: (scores over every key with the keys a row
+        cannot see at -inf, picks [rows, k]): the exact top-k of index_scores. Its own kernel so
+        an engine's approximate selection (mlx-vlm's HISA) replaces the choice while the exact
+        scores stay what margins are measured on."""
+        s = self.index_scores(q, keys, w)
+        cols = torch.arange(keys.shape[0], device=keys.device)
+        s = s.masked_fill(cols.unsqueeze(0) >= visible.unsqueeze(1), float("-inf"))
+        return s, self.index_topk(s, k)
 
     def index_topk(self, scores, k: int):
         """Top-k of each row (-inf = not visible); ties broken by the lower index. Returns

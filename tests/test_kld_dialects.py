@@ -90,3 +90,40 @@ def test_openai_text_keys_mapped_and_ambiguous_dropped():
     with pytest.raises(ScoringError, match="shorter than the prompt"):
         openai_parse({"choices": [{"logprobs": {"tokens": ["a"], "token_logprobs": [None],
                                                 "top_logprobs": [None]}}]}, IDS, REQ, pieces)
+
+
+def _mlx(ids=IDS, k=2):
+    """A /score answer of fidelity's mlx-vlm harness, written by hand: top-k per position and
+    per ladder step as base64 arrays (ids int32, log-probs float64)."""
+    import base64
+
+    def b64(a, dt):
+        return base64.b64encode(np.asarray(a, dt).tobytes()).decode()
+    return {"ids": list(ids), "k": k, "route": "decode", "calls": [1] * len(ids),
+            "top_ids": b64([[7, 3], [9, 4], [11, 2]], np.int32),
+            "top_logprobs": b64([[-0.1, -2.5], [-0.5, -1.5], [-0.1, -2.5]], np.float64),
+            "actual": b64([-0.1, -0.5], np.float64), "ladder_tokens": [11, 12],
+            "ladder_ids": b64([[11, 2], [12, 1]], np.int32), "ladder_logprobs": b64([[-0.1, -2.5], [-0.3, -1.6]], np.float64)}
+
+
+def test_mlx_vlm_positions_and_ladder():
+    from fidelity.servers.mlx_vlm import parse as mlx_parse
+    s = mlx_parse(_mlx(), IDS)
+    assert len(s.known) == 3 and s.ladder_tokens == [11, 12] and len(s.ladder) == 2
+    assert dict(zip(s.known[0].ids.tolist(), s.known[0].logp.tolist())) == {7: -0.1, 3: -2.5}
+    assert s.actual == [-0.1, -0.5, None] and s.known[1].get(9) == -0.5
+    assert dict(zip(s.ladder[1].ids.tolist(), s.ladder[1].logp.tolist())) == {12: -0.3, 1: -1.6}
+
+
+@pytest.mark.parametrize("mutate,frag", [
+    (lambda d: d.__setitem__("ids", [5, 7, 8]), "does not echo the prompt's ids"),
+    (lambda d: d.pop("top_logprobs"), "`top_logprobs` is missing"),
+    (lambda d: d.__setitem__("k", 3), "`top_ids` is missing or is not an int32 array of shape (3, 3)"),
+    (lambda d: d.pop("ladder_tokens"), "lacks `k` or `ladder_tokens`"),
+])
+def test_mlx_vlm_errors_name_the_problem(mutate, frag):
+    from fidelity.servers.mlx_vlm import parse as mlx_parse
+    d = _mlx()
+    mutate(d)
+    with pytest.raises(ScoringError, match=frag.replace("(", r"\(").replace(")", r"\)")):
+        mlx_parse(d, IDS)

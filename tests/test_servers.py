@@ -62,9 +62,11 @@ def test_detection_order_and_fallback():
     assert servers.detect(Found(model_info={"x": 1}, version="0.9")) == "sglang"
     assert servers.detect(Found(version={"version": "0.9"})) == "vllm"
     assert servers.detect(Found(llama_server=True)) == "llamacpp"
+    assert servers.detect(Found(props={"engine": "mlx-vlm", "route": "decode"})) == "mlxvlm"
+    assert servers.detect(Found(props={"engine": "other"})) == "openai"
     assert servers.detect(Found()) == "openai"
-    assert servers.DIALECTS == ("sglang", "vllm", "llamacpp", "openai")
-    assert set(servers.launchable()) == {"sglang", "vllm", "llamacpp", "fidelity"}
+    assert servers.DIALECTS == ("sglang", "vllm", "llamacpp", "mlxvlm", "openai")
+    assert set(servers.launchable()) == {"sglang", "vllm", "llamacpp", "mlxvlm", "fidelity"}
     with pytest.raises(ValueError, match="unknown engine 'tgi'"):
         servers.get("tgi")
     assert servers.find("vllm") is servers.REGISTRY["vllm"]
@@ -88,7 +90,9 @@ def test_generation_requests_in_each_dialect():
     assert "ignore_eos" not in body and "return_tokens_as_token_ids" not in body and body["model"] == "m"
     path, body, _ = servers.get("llamacpp").generation([1, 2], g, Ep())
     assert path == "/completion" and "id_slot" not in body and body["n_probs"] == 2
-    assert [s.takes_ignore_eos for s in map(servers.get, servers.DIALECTS)] == [True, True, True, False]
+    path, body, _ = servers.get("mlxvlm").generation([1, 2], g, Ep())
+    assert path == "/v1/completions" and body["prompt"] == [1, 2] and body["logprobs"] == 2 and body["ignore_eos"]
+    assert [s.takes_ignore_eos for s in map(servers.get, servers.DIALECTS)] == [True, True, True, True, False]
 
 
 def test_twins_of_endpoints_come_from_their_engine():
@@ -100,3 +104,11 @@ def test_twins_of_endpoints_come_from_their_engine():
     assert servers.served_as(own).name == "fidelity" and servers.served_as(own).twin_of_endpoint(own)[0] == "fp8-kv"
     assert servers.served_as(Ep("openai", llama=True)).name == "llamacpp"
     assert servers.served_as(Ep("openai")).twin_of_endpoint(Ep("openai")) is None
+    # mlx-vlm: the exact profile, computed in the calls its route makes
+    # mlx-vlm: the exact profile with its HISA setting, computed in the calls its route makes
+    hisa = {"index_topk": 8, "index_block": 64, "index_keep": 16}
+    mlx = lambda route, h=hisa: Ep("mlxvlm", {"props": {"route": route, "hisa": h}})  # noqa: E731
+    twin = lambda ep: servers.served_as(ep).twin_of_endpoint(ep)[0]  # noqa: E731
+    assert twin(mlx("decode")) == "exact:hisa(block=64,keep=16)@decode_from(1)"
+    assert twin(mlx("prefill")) == "exact:hisa(block=64,keep=16)"
+    assert twin(mlx("chunked:64", {**hisa, "index_block": 0})) == "exact:@chunked(64)"   # HISA off

@@ -22,12 +22,13 @@ FIRST_TAP = {
     "kv_cache_ggml(type=q8_0)": "layers.0.attn.out",         # stored rotated, inside attention
     "kv_cache_ggml(type=q8_0,rotate=false)": "layers.0.attn.kv",
     "compress_state_bf16": "layers.1.attn.compressed_kv",    # layer 1: first compressed layer
-    "index_no_hadamard": "layers.1.attn.index.topk",
-    "index_hadamard_q_only": "layers.1.attn.index.topk",
+    "index_no_hadamard": "layers.1.attn.index.keys",         # the stored keys, before any pick
+    "index_hadamard_q_only": "layers.1.attn.index.keys",
     "index_scores_fp32": "layers.1.attn.index.topk",
-    "index_keys_fp8": "layers.1.attn.index.topk",
-    "index_keys_fp8(scale=pow2)": "layers.1.attn.index.topk",
-    "index_keys_bf16": "layers.1.attn.index.topk",
+    "index_keys_fp8": "layers.1.attn.index.keys",
+    "index_keys_fp8(scale=pow2)": "layers.1.attn.index.keys",
+    "index_keys_bf16": "layers.1.attn.index.keys",
+    "hisa(block=4,keep=4)": "layers.1.attn.index.topk",      # 32 entries >= 4 x 4 >= index_topk 16
     "splitk_decode": "layers.0.attn.out",
     "splitk_decode(splits=2,partials=fp32)": "layers.0.attn.out",
     "decode_positions_wrap(at=100)": "layers.0.attn.q",      # the decode step at 128 rotates as at 28

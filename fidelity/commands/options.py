@@ -64,6 +64,9 @@ VOCABULARY = {
     "--out": "the output folder", "--run-id": "the run's folder name under it",
     "--fresh": "discard stored results instead of resuming", "--quiet": "no progress lines",
     "--batch": "prompts of one length run together in one pass",
+    "--host": "the interface a server started here listens on", "--port": "the port it listens on",
+    "--tokens": "a replay's prompt length in tokens",
+    "--prompt": "one prompt of `fidelity kld`'s grid by its id (L<length>-d<depth>-r<rep>)",
     "--json": "print one JSON object", "--threads": "CPU threads", "--plugin": "a toggle plugin module",
 }
 # spellings retired for the vocabulary's: accepted for one release, with a note

@@ -9,6 +9,7 @@ Research engine-integration.md §4: SGLang is ready when GET /health_generate an
 connection errors mean "not yet"; a process that exits is a failure at once."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -253,6 +254,27 @@ class EngineProcess:
         if _group_alive(pgid):
             _signal_group(pgid, signal.SIGKILL)
         return self.proc.wait()
+
+
+@contextlib.contextmanager
+def running(plan: LaunchPlan, log: Path, poll: float = 0.25, fail=lambda e: e):
+    """`plan` started with this start's output alone in `log`, ready, its URL yielded; stopped
+    however the block ends. A start that fails stops the process and raises fail(LaunchError)
+    (the error names its exit code or timeout and the log's last lines)."""
+    log = Path(log)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_bytes(b"")
+    proc = EngineProcess(plan, log)
+    try:
+        proc.start()
+        proc.wait_ready(poll=poll)
+    except LaunchError as e:
+        proc.stop()
+        raise fail(e) from None
+    try:
+        yield plan.url
+    finally:
+        proc.stop()
 
 
 def describe_exit(code: int | None) -> str:

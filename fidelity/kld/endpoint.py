@@ -150,12 +150,12 @@ class Endpoint:
         props = None if info is not None or version is not None else self.call("GET", "/props", ok404=True)
         self.llama_server = L.is_llama_server(props)
         if self.dialect is None:
-            self.dialect = servers.detect(servers.Found(info, version, self.llama_server))
+            self.dialect = servers.detect(servers.Found(info, version, self.llama_server, props))
         self.shape = capture_shape(info)         # None: no captures, or learnt when they come
         self.info = {"models": ids, "model_info": info, "version": version,
                      "server_info": self.call("GET", "/get_server_info", ok404=True)}
         if props is not None:
-            self.info["props"] = L.props_summary(props)
+            self.info["props"] = servers.props_summary(props)
         return self
 
     def check_vocab(self, n_vocab: int) -> None:
@@ -204,6 +204,7 @@ class Endpoint:
         v = i.get("version")
         got = {"build": (i.get("props") or {}).get("build_info"),
                "model_file": (i.get("props") or {}).get("model_file"),
+               "route": (i.get("props") or {}).get("route"), "weights": (i.get("props") or {}).get("weights"),
                "version": v.get("version") if isinstance(v, dict) else v,
                "serves": (((i.get("server_info") or {}).get("arms") or {}).get(self.model)
                           if isinstance(i.get("server_info"), dict) else None)}

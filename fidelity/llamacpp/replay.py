@@ -117,16 +117,20 @@ def _how(d: dict) -> str:
 
 
 def compare(engine: dict[str, np.ndarray], arms: dict[str, Taps], n_layers: int,
-            twin: str | None = None) -> pd.DataFrame:
-    """One row per (layer, tensor): the engine's error against every arm (GOLDEN among them),
-    the golden's reduction-order floor (when FLOOR is) and (given the `twin`'s name) the twin's."""
+            twin: str | None = None, pairs=PAIRS, engine_name: str = "llama.cpp") -> pd.DataFrame:
+    """One row per (layer, tensor) of `pairs` (golden tap, engine tensor): the engine's error
+    against every arm (GOLDEN among them), the golden's reduction-order floor (when FLOOR is)
+    and (given the `twin`'s name) the twin's. A tap the golden did not write at a layer (no
+    compressed entry yet) is skipped."""
     rows = []
     for i in range(n_layers):
-        for gname, lname in PAIRS:
+        for gname, lname in pairs:
+            if f"layers.{i}.{gname}" not in arms[GOLDEN]:
+                continue
             got = engine.get(f"{lname}-{i}")
             ref = arms[GOLDEN][f"layers.{i}.{gname}"].double().numpy()
             if got is None or np.asarray(got).size != ref.size:
-                raise D.DumpError(f"llama.cpp tensor {lname}-{i} is missing or has another size "
+                raise D.DumpError(f"{engine_name} tensor {lname}-{i} is missing or has another size "
                                   f"than the golden's layers.{i}.{gname} {tuple(ref.shape)}")
             got = np.asarray(got, np.float64).reshape(ref.shape)
             row = {"layer": i, "tensor": gname, "engine_tensor": f"{lname}-{i}"}

@@ -9,7 +9,7 @@ import contextlib
 import socket
 from pathlib import Path
 
-from fidelity.engines.launch import EngineProcess, LaunchError, LaunchPlan
+from fidelity.engines.launch import LaunchError, LaunchPlan, running
 
 from . import paths
 
@@ -41,22 +41,11 @@ def serving(gguf: Path, log: Path, ctx: int = 4096, slots: int = 1, threads: int
     """Yield the root URL of a running llama-server of `build` (default the pinned one) on
     `port`, else a free one; stop it on exit."""
     port = port or free_port()
-    log = Path(log)
     plan = LaunchPlan("llama-server", Path(gguf).stem, "llamacpp", f"http://127.0.0.1:{port}",
                       command(gguf, port, ctx, slots, threads, extra, build), ready_path="/health",
                       start_timeout=ready_timeout, stop_grace=15.0)
-    log.write_bytes(b"")                           # this start's lines only (EngineProcess appends)
-    proc = EngineProcess(plan, log)
-    try:
-        proc.start()
-        proc.wait_ready(poll=0.25)
-    except LaunchError as e:
-        proc.stop()
-        raise _failed(e, log) from None
-    try:
-        yield plan.url
-    finally:
-        proc.stop()
+    with running(plan, log, fail=lambda e: _failed(e, Path(log))) as url:
+        yield url
 
 
 def _failed(e: LaunchError, log: Path) -> ServerFailed:

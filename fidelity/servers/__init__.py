@@ -1,5 +1,5 @@
 """One module per engine, behind one registry: what fidelity knows about SGLang, vLLM,
-llama.cpp, plain OpenAI-compatible servers and `fidelity serve` -- detection, scoring and
+llama.cpp, mlx-vlm, plain OpenAI-compatible servers and `fidelity serve` -- detection, scoring and
 generation requests and their parsers, tokenize route, launch recipe and toggle-to-setting
 mapping, twin. Commands ask the registry (`get(name)`, `detect(found)`) and call methods;
 they do not branch on an engine's name.
@@ -13,12 +13,13 @@ from __future__ import annotations
 from .base import Found, Generation, Reply, Server
 from .fidelity_serve import FidelityServe
 from .llamacpp import LlamaCpp
+from .mlx_vlm import MlxVlm
 from .openai import OpenAI
 from .sglang import SGLang
 from .vllm import VLLM
 
 # detection order: the first whose `claims` holds (OpenAI last: it claims everything)
-REGISTRY: dict[str, Server] = {s.name: s for s in (SGLang(), VLLM(), LlamaCpp(), FidelityServe(), OpenAI())}
+REGISTRY: dict[str, Server] = {s.name: s for s in (SGLang(), VLLM(), LlamaCpp(), MlxVlm(), FidelityServe(), OpenAI())}
 DIALECTS = tuple(n for n, s in REGISTRY.items() if s.wire)
 
 
@@ -50,9 +51,14 @@ def served_as(ep) -> Server:
     return REGISTRY.get(ep.dialect) or REGISTRY["openai"]
 
 
+def props_summary(props) -> dict | None:
+    """What a report keeps of a /props answer, by the engine whose shape it has."""
+    return next((got for s in REGISTRY.values() if (got := s.props_summary(props)) is not None), None)
+
+
 def launchable() -> tuple[str, ...]:
     """The engine kinds an engines TOML can launch."""
     return tuple(n for n, s in REGISTRY.items() if type(s).command is not Server.command)
 
 
-__all__ = ["Found", "Generation", "Reply", "Server", "REGISTRY", "DIALECTS", "get", "find", "detect", "served_as", "launchable"]
+__all__ = ["Found", "Generation", "Reply", "Server", "REGISTRY", "DIALECTS", "get", "find", "detect", "served_as", "props_summary", "launchable"]

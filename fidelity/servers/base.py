@@ -42,6 +42,7 @@ class Found:
     model_info: dict | None = None        # GET /get_model_info (SGLang, fidelity serve)
     version: object = None                # GET /version (vLLM)
     llama_server: bool = False            # GET /props answered as llama-server does
+    props: dict | None = None             # GET /props, whoever answered it
 
 
 class Server:
@@ -64,6 +65,10 @@ class Server:
     def claims(self, found: Found) -> bool:
         """This server answered discovery as this engine does."""
         return False
+
+    def props_summary(self, props) -> dict | None:
+        """What a report keeps of a /props answer in this engine's shape (None: not its shape)."""
+        return None
 
     # ---- scoring (fidelity kld) ---------------------------------------------------------
     def scoring_request(self, ids: list[int], r) -> tuple[str, dict]:

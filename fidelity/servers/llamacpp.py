@@ -158,6 +158,9 @@ class LlamaCpp(Server):
     def claims(self, found: Found) -> bool:
         return found.llama_server
 
+    def props_summary(self, props):
+        return props_summary(props) if is_llama_server(props) else None
+
     def score(self, ep, ids, r, retry):
         """Teacher-forced: the prefixes in batches, in order on one slot, then the full
         prompt's greedy ladder. Only one batch of prefixes is ever built (all of them at once

@@ -1,0 +1,119 @@
+"""mlx-vlm (MLX's DeepSeek-V4, the pinned release) against the golden, measured here: each way
+a program can drive it (route x weights) served by fidelity's harness and scored by the
+toolkit's own commands.
+
+Configurations: the generation path (decode: one token per call) and one-call prefill, each
+with DeepSeek's native FP8/FP4 weights (mlx-vlm's own loader: MXFP8 attention, MXFP4 experts,
+bf16 activations) and with our exact float32 dequantisation. Per configuration:
+  kld      `fidelity kld`, golden + floors in-process vs the harness, judged against the golden
+           and against its twin (the exact profile computed in the same calls)
+and once: `fidelity mlxvlm explain` (f32; every route, its replay and causality probe).
+Writes bench/results/mlx_vlm.json and docs/mlx-vlm.md's measured table (`--render`: the table
+again from the stored JSON). Needs `make mlx-vlm`. About 20 minutes on 2 cores."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fidelity.mlxvlm import paths  # noqa: E402
+from fidelity.mlxvlm.server import serving  # noqa: E402
+from engine_bench import fidelity, kld_row  # noqa: E402
+
+MODEL = ROOT / "models" / "tiny-needle-v2"
+OUT = Path("/tmp/bench-mlx")
+RESULTS = ROOT / "bench" / "results" / "mlx_vlm.json"
+DOC = ROOT / "docs" / "mlx-vlm.md"
+KLD_LENGTHS, KLD_REPS = "256,511,1023", 2
+CONFIGS = {"native, decode": ("native", "decode"), "native, prefill": ("native", "prefill"),
+           "f32, decode": ("f32", "decode"), "f32, prefill": ("f32", "prefill")}
+
+
+def kld(name: str, url: str) -> dict:
+    """One kld run: the arm against the golden (with the golden's floors) and against its twin."""
+    run_id = "kld-" + name.replace(", ", "-")
+    fidelity("kld", "--arm", "golden=golden", "--endpoint", f"mlx={url}", "--checkpoint", str(MODEL),
+             "--lengths", KLD_LENGTHS, "--reps", str(KLD_REPS), "--decode-steps", "4", "--exact", "--no-captures",
+             "--out", str(OUT), "--quiet", "--run-id", run_id)
+    return kld_row(OUT, run_id, "mlx")
+
+
+def explain() -> dict:
+    r = fidelity("mlxvlm", "explain", "--checkpoint", str(MODEL), "--out", str(OUT))
+    e = json.loads((OUT / "mlxvlm-explain" / "findings.json").read_text())
+    return {"sentence": e["sentence"], "twin_floor_kl": e["twin_floor_kl"], "tokens": e["tokens"],
+            "routes": [{k: x[k] for k in ("route", "kl_mean", "kl_max", "same_top1", "x_floor", "departs")}
+                       | {"causal": x["causality"]["first_moved"] is None} for x in e["routes"]],
+            "exit": r.returncode}
+
+
+def main() -> int:
+    install = paths.pinned()
+    install.python()                                   # NotInstalled names `make mlx-vlm`
+    OUT.mkdir(parents=True, exist_ok=True)
+    res = {"release": f"mlx-vlm=={install.version}", "mlx": paths.MLX, "configs": {}}
+    for name, (weights, route) in CONFIGS.items():
+        print(f"{name}: serving and scoring", flush=True)
+        with serving(MODEL, OUT / f"harness-{weights}-{route}.log", weights, route, name="mlx") as url:
+            res["configs"][name] = {"weights": weights, "route": route, "kld": kld(name, url)}
+    print("explain", flush=True)
+    res["explain"] = explain()
+    RESULTS.write_text(json.dumps(res, indent=1, default=float))
+    write_doc(res)
+    return 0
+
+
+def _table(head: list[str], rows: list[list]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                     + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def table(res: dict) -> str:
+    """The doc's opening table: one row per configuration."""
+    rows = []
+    for name, c in res["configs"].items():
+        k = c["kld"]
+        judged = ("**unexplained**: " + k["twin_verdict"].split("): ", 1)[-1]) if k["twin_unexplained"] \
+            else "matches its twin within the twin's floors"
+        rows.append([f"{res['release']} ({name})",
+                     f"{k['kld_mean']:.3g} [{k['kld_lo']:.3g}, {k['kld_hi']:.3g}] vs {k['floor_kld_hi']:.3g} "
+                     f"({k['kld_mean'] / k['floor_kld_hi']:.2g}x)",
+                     f"{k['same_top1']:.4f}", f"{k['vs_twin']:.3g} [{k['vs_twin_lo']:.3g}, {k['vs_twin_hi']:.3g}] "
+                     f"(`{k['twin']}`)", judged])
+    return "\n".join([
+        f"mlx-vlm {res['release'].split('==')[1]} on mlx {res['mlx']} (CPU), served by fidelity's harness and measured "
+        "by `bench/bench_mlx_vlm.py` on this machine. KLD: `fidelity kld --exact` (the whole vocabulary) over "
+        f"{KLD_LENGTHS} tokens x 3 depths x {KLD_REPS}, mean [95% CI over prompts] against the golden's highest "
+        "in-process floor's upper bound (the multiple in brackets); against its twin, the exact profile computed "
+        "in the same calls as the route.", "",
+        _table(["engine (weights, route)", "mean KLD vs golden [CI] vs floor", "same top-1",
+                "mean KLD vs its twin", "verdict vs its twin (unexplained)"], rows)])
+
+
+def explained(res: dict) -> str:
+    e = res["explain"]
+    rows = [[x["route"], f"{x['kl_mean']:.3g}", f"{x['kl_max']:.3g}", f"{x['same_top1']:.4f}",
+             "yes" if x["departs"] else "no", "yes" if x["causal"] else "no"] for x in e["routes"]]
+    return "\n".join(["`fidelity mlxvlm explain` (f32 weights, " + f"{e['tokens']} tokens), as it printed:", "",
+                      *[f"> {s}" for s in e["sentence"]], "",
+                      _table(["route", "mean KL vs twin", "max KL", "same top-1", "departs", "causal"], rows)])
+
+
+def _between(text: str, tag: str, body: str) -> str:
+    a, b = text.index(f"<!-- {tag}:start -->"), text.index(f"<!-- {tag}:end -->")
+    return text[:a] + f"<!-- {tag}:start -->\n" + body + "\n" + text[b:]
+
+
+def write_doc(res: dict) -> None:
+    DOC.write_text(_between(_between(DOC.read_text(), "measured", table(res)), "explained", explained(res)))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--render"]:
+        write_doc(json.loads(RESULTS.read_text()))
+        sys.exit(0)
+    sys.exit(main())

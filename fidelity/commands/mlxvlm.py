@@ -1,0 +1,120 @@
+"""`fidelity mlxvlm`: MLX's DeepSeek-V4 (mlx-vlm, the pinned release: `make mlx-vlm`) against the golden.
+
+  serve    the harness in the foreground: mlx-vlm's model and cache behind /score and
+           /v1/completions, for `fidelity kld --endpoint`, `fidelity needle --endpoint`, ...
+  replay   mlx-vlm's tensors vs the golden's taps by one route, propagated and isolated
+  explain  every route against its twin, each departing route replayed and probed for
+           causality: where and why mlx-vlm departs, in sentences (fidelity.mlxvlm.explain)"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from fidelity.errors import CommandError
+
+HELP = "mlx-vlm (MLX's DeepSeek-V4) against the golden: serve, tensor replay, explain"
+EXAMPLES = """\
+    fidelity mlxvlm serve --port 8090                   # then: fidelity kld --arm golden=golden --endpoint mlx=http://127.0.0.1:8090
+    fidelity mlxvlm serve --route prefill --load f32    # the whole prompt in one call, dense float32 weights
+    fidelity mlxvlm replay --route decode --tokens 240  # where mlx-vlm's generation path departs, per tensor
+    fidelity mlxvlm explain                             # every route vs its twin: which depart, where, why
+    fidelity mlxvlm explain --patch carry-window        # ... with the candidate fix of what it found
+"""
+
+
+def add_arguments(p):
+    p.add_argument("action", choices=("serve", "replay", "explain"))
+    p.add_argument("--checkpoint", default="tiny-needle-v2",
+                   help="DeepSeek-native checkpoint folder or embedded model name (default: %(default)s)")
+    p.add_argument("--load", choices=("native", "f32"), default=None,
+                   help="how mlx-vlm loads it: native (DeepSeek's FP8/FP4 through mlx-vlm's loader; serve's "
+                        "default) or f32 (our exact dequantisation, float32: replay's and explain's default)")
+    p.add_argument("--route", default="decode",
+                   help="serve, replay: decode (one token per call), prefill, chunked:N, generate or nocache")
+    p.add_argument("--routes", default=",".join(("prefill", "chunked:64", "decode", "nocache")),
+                   help="explain: the routes compared (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=240, help="replay, explain: prompt length (default: %(default)s)")
+    p.add_argument("--prompt", default=None, metavar="ID",
+                   help="replay, explain: one prompt of `fidelity kld`'s grid by its id (e.g. L511-d50-r0)")
+    p.add_argument("--seed", type=int, default=0, help="--prompt: the kld run's --seed (default 0)")
+    p.add_argument("--port", type=int, default=8090, help="serve: port (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="serve: interface (default: %(default)s)")
+    p.add_argument("--name", default="mlx-vlm", help="serve: the model id it answers to (default: %(default)s)")
+    p.add_argument("--patch", action="append", default=[], choices=("carry-window",),
+                   help="a candidate fix of a departure found here, applied to mlx-vlm at run time (repeatable; "
+                        "carry-window: the overlapping compressor given the previous window across calls)")
+    p.add_argument("--out", default="reports", help="replay, explain: writes <out>/mlxvlm-<action>/")
+
+
+def run(args) -> int:
+    from fidelity.mlxvlm import convert, paths
+    from fidelity.mlxvlm.harness import routes
+    from fidelity.weights.source import resolve_checkpoint
+    src = Path(resolve_checkpoint(args.checkpoint))
+    if not (src / "config.json").is_file():
+        raise CommandError(f"{src} is not a checkpoint folder (no config.json)", 2)
+    for r in [args.route, *args.routes.split(",")]:
+        try:
+            routes(r.strip(), 2)
+        except SystemExit as e:
+            raise CommandError(str(e), 2) from None
+    weights = args.load or ("native" if args.action == "serve" else "f32")
+    try:
+        paths.pinned().python()
+    except paths.NotInstalled as e:
+        raise CommandError(str(e), 2) from None
+    model = convert.model_dir(src, weights)
+    if args.action == "serve":
+        cmd = paths.harness_command(model, args.port, weights, args.route, args.name, args.host, patches=args.patch)
+        sys.stdout.flush()
+        os.execv(cmd[0], cmd)
+    ids = _ids(args, src)
+    from fidelity.weights.source import load_weights
+    w, _ = load_weights(str(src), mode="dense")
+    out = Path(args.out) / f"mlxvlm-{args.action}"
+    if args.action == "replay":
+        return _replay(model, w, ids, args.route, weights, out, args.patch)
+    from fidelity.mlxvlm import explain as E
+    e = E.explain(model, w, ids, weights, [r.strip() for r in args.routes.split(",")],
+                  progress=lambda m: print(m, file=sys.stderr, flush=True), patches=args.patch)
+    E.write(e, out)
+    print("\n".join(e["sentence"]) + f"\nreport: {out}")
+    return 1 if any(x["departs"] or x["causality"]["first_moved"] is not None for x in e["routes"]) else 0
+
+
+def _ids(args, src: Path) -> list[int]:
+    from fidelity.prompts import grid_prompt, haystack_ids
+    from fidelity.weights.source import load_tokenizer_for
+    tok = load_tokenizer_for(str(src))
+    if args.prompt:
+        try:
+            return grid_prompt(tok, args.prompt, args.seed).tokens.tolist()
+        except ValueError as e:
+            raise CommandError(f"--prompt: {e}", 2) from None
+    if args.tokens < 2:
+        raise CommandError("--tokens must be at least 2", 2)
+    ids, _ = haystack_ids(tok, max(args.tokens, 1024), 50, args.seed)        # long enough for any template
+    return list(ids[:args.tokens])
+
+
+def _replay(model: Path, w, ids: list[int], route: str, weights: str, out: Path, patches=()) -> int:
+    from fidelity.mlxvlm import replay as X
+    r = X.run(model, w, ids, route, weights, patches=patches)
+    f = X.findings(r, route, weights)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = route.replace(":", "")
+    r.table.to_csv(out / f"replay-{tag}.csv", index=False)
+    r.compressors.to_csv(out / f"compressors-{tag}.csv", index=False)
+    (out / f"findings-{tag}.json").write_text(json.dumps(f, indent=1, default=str))
+    fmt = lambda v: f"{v:.3g}"  # noqa: E731
+    print(r.table.to_string(index=False, float_format=fmt))
+    print("\nEach compressor fed mlx-vlm's own attention input (entries that depart from every modelled arm):")
+    print(r.compressors.to_string(index=False, float_format=fmt))
+    for block, t in r.iso.items():
+        if len(t):
+            print(f"\nEach layer's {block} fed mlx-vlm's own inputs (relative error):")
+            print(t.to_string(index=False, float_format=fmt))
+    print("\n" + "\n".join(X.headline(f)))
+    return 1 if f["compressors"] or f["block"] or f["unexplained"] else 0

@@ -1,0 +1,124 @@
+"""mlx-vlm's DeepSeek-V4 (MLX; what Mac users run), served by fidelity's harness
+(fidelity/mlxvlm/harness.py in mlx-vlm's own venv: `fidelity mlxvlm serve`). Detected by its
+/props (`engine: mlx-vlm`). mlx-vlm's own server returns at most 20 log-probs of generated
+tokens only, so the harness drives mlx-vlm's model and cache directly and answers POST /score
+with every prompt position's log-probs (the whole vocabulary in exact mode) computed by its
+route -- `decode` by default (one token per call on mlx-vlm's cache: the generation path),
+or prefill, chunked:N, generate, nocache -- then a greedy ladder on the same cache; its
+/v1/completions runs a prompt as mlx-vlm's generate does (chunks of 2048, the last token
+alone, then one token per step)."""
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+
+from fidelity.kld.bounds import Known
+from fidelity.kld.dialects import PromptScores, ScoringError
+
+from .base import Found, Generation, Server, completions_body, completions_reply
+
+# mlx-vlm skips DeepSeek's QAT simulation and selects by HISA past index_keep x index_block entries:
+# its twin is the exact profile with the hisa toggle as its config sets it, read by the same route
+PROFILE = "exact"
+SCHEDULES = {"decode": "@decode_from(1)", "prefill": "", "nocache": ""}
+
+
+def twin(route: str | None, props: dict | None = None) -> str:
+    """The in-process twin of the harness on `route`: the exact profile with mlx-vlm's HISA when
+    its config has it on (index_block > 0), scored the same way (position by position for
+    decode, in the same chunks for chunked:N and generate)."""
+    hisa = (props or {}).get("hisa") or {}
+    block, keep = hisa.get("index_block") or 0, hisa.get("index_keep") or 0
+    toggles = f"hisa(block={block},keep={keep})" if block > 0 and keep > 0 else ""
+    route = route or "decode"
+    if route.startswith("chunked:"):
+        return f"{PROFILE}:{toggles}@chunked({route[8:]})"
+    if route == "generate":
+        return f"{PROFILE}:{toggles}@chunked(2048)"
+    return f"{PROFILE}:{toggles}{SCHEDULES.get(route, '')}"
+
+
+def is_harness(props) -> bool:
+    return isinstance(props, dict) and props.get("engine") == "mlx-vlm"
+
+
+def _article(word: str) -> str:
+    return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+def _array(d: dict, key: str, dtype, shape) -> np.ndarray:
+    try:
+        a = np.frombuffer(base64.b64decode(d[key]), dtype=dtype)
+        return a.reshape(shape)
+    except (KeyError, TypeError, ValueError):
+        raise ScoringError(f"/score's `{key}` is missing or is not {_article(np.dtype(dtype).name)} array of shape {shape}") from None
+
+
+def parse(d: dict, ids: list[int]) -> PromptScores:
+    """PromptScores from a /score answer (top-k ids and log-probs per position, base64)."""
+    if not isinstance(d, dict) or d.get("ids") != list(ids):
+        raise ScoringError("the /score answer does not echo the prompt's ids")
+    n, k, toks = len(ids), d.get("k"), d.get("ladder_tokens")
+    if not isinstance(k, int) or not isinstance(toks, list):
+        raise ScoringError("the /score answer lacks `k` or `ladder_tokens`")
+    ti, tv = _array(d, "top_ids", np.int32, (n, k)), _array(d, "top_logprobs", np.float64, (n, k))
+    li, lv = (_array(d, "ladder_ids", np.int32, (len(toks), k)),
+              _array(d, "ladder_logprobs", np.float64, (len(toks), k)))
+    actual = _array(d, "actual", np.float64, (n - 1,))
+    known = [Known(ti[j].astype(np.int64), tv[j]) for j in range(n)]
+    return PromptScores(list(ids), known, [float(a) for a in actual] + [None], [None] * n, [int(t) for t in toks],
+                        [Known(li[j].astype(np.int64), lv[j]) for j in range(len(toks))])
+
+
+class MlxVlm(Server):
+    name = "mlxvlm"
+    hint = "mlx-vlm through fidelity's harness (`fidelity mlxvlm serve`): POST /score"
+    takes_ignore_eos = True
+    exact = "full_vocab"
+    reading = ("every position computed by the harness's route on mlx-vlm's own model and cache (decode: one "
+               "token per call, the generation path; the route is in the endpoint's server facts)")
+    launch_needs = "model = a checkpoint folder (DeepSeek's own layout), and `make mlx-vlm`"
+
+    def claims(self, found: Found) -> bool:
+        return is_harness(found.props)
+
+    def props_summary(self, props) -> dict | None:
+        if not is_harness(props):
+            return None
+        return {"build_info": f"mlx-vlm {props.get('mlx_vlm')} / mlx {props.get('mlx')}",
+                "model_file": props.get("model_dir"), "route": props.get("route"),
+                "weights": props.get("weights") + "".join(f"+{p}" for p in props.get("patches") or []),
+                "loader": props.get("loader"),
+                "hisa": {k: props.get(k) for k in ("index_topk", "index_block", "index_keep")}}
+
+    def score(self, ep, ids, r, retry):
+        k = 1 << 30 if r.full_vocab or r.score_ids else r.k
+        return ep.call("POST", "/score", {"ids": list(ids), "k": k, "steps": r.steps},
+                       retry_malformed=retry, parse=lambda d: parse(d, list(ids)))
+
+    def generation(self, ids, g: Generation, ep):
+        body = completions_body(ids, g, ep.model, {"ignore_eos": g.ignore_eos})
+        return "/v1/completions", body, lambda d: completions_reply(d, None)
+
+    def twin_of_endpoint(self, ep):
+        props = (ep.info or {}).get("props") or {}
+        return twin(props.get("route"), props), (
+            f"mlx-vlm's arithmetic without DeepSeek's QAT simulation (the exact profile) with its HISA setting, "
+            f"read by its route ({props.get('route') or 'unstated'})")
+
+    def twin_of_arm(self, e, arm):
+        return twin(e.env.get("MLX_VLM_ROUTE")), "mlx-vlm's arithmetic without DeepSeek's QAT simulation"
+
+    def check(self, e, where):
+        if not e.model:
+            return f"{where}: an mlxvlm engine needs {self.launch_needs}"
+        return None
+
+    def command(self, e):
+        from pathlib import Path
+
+        from fidelity.mlxvlm import convert, paths
+        weights = e.env.get("MLX_VLM_WEIGHTS", "native")
+        return paths.harness_command(convert.model_dir(Path(e.model), weights), e.port, weights,
+                                     e.env.get("MLX_VLM_ROUTE", "decode"), host=e.host)
