@@ -8,13 +8,20 @@ bf16 activations) and with our exact float32 dequantisation. Per configuration:
   kld      `fidelity kld`, golden + floors in-process vs the harness, judged against the golden
            and against its twin (the exact profile computed in the same calls)
 and once: `fidelity mlxvlm explain` (f32; every route, its replay and causality probe).
-Writes bench/results/mlx_vlm.json and docs/mlx-vlm.md's measured table (`--render`: the table
-again from the stored JSON). Needs `make mlx-vlm`. About 20 minutes on 2 cores."""
+`--needle`: recall vs context across HISA's switch (index_keep x index_block entries, ~4K tokens
+at ratio 4): mlx-vlm with HISA on (its default) and off (index_block 0) over HTTP, the golden,
+its twin with HISA and without in-process (with the needle entry's fate per CSA layer); the
+report is reports/mlx-vlm-hisa/ (committed).
+Writes bench/results/mlx_vlm.json and docs/mlx-vlm.md's measured tables (`--render`: the
+tables again from the stored JSON). Needs `make mlx-vlm`. About 20 minutes on 2 cores, the
+needle sweep more (its own time is written down with it)."""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+
+import pandas as pd
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +36,8 @@ OUT = Path("/tmp/bench-mlx")
 RESULTS = ROOT / "bench" / "results" / "mlx_vlm.json"
 DOC = ROOT / "docs" / "mlx-vlm.md"
 KLD_LENGTHS, KLD_REPS = "256,511,1023", 2
+NEEDLE_LENGTHS, NEEDLE_DEPTHS, NEEDLE_REPS = "2048,3584,4096,4608,6144,8192,12288,16384", "10,50,90", 2
+HISA_REPORT = ROOT / "reports" / "mlx-vlm-hisa"
 CONFIGS = {"native, decode": ("native", "decode"), "native, prefill": ("native", "prefill"),
            "f32, decode": ("f32", "decode"), "f32, prefill": ("f32", "prefill")}
 
@@ -51,10 +60,37 @@ def explain() -> dict:
             "exit": r.returncode}
 
 
+def needle() -> dict:
+    """The recall sweep across HISA's switch; the report copied to reports/mlx-vlm-hisa."""
+    import shutil
+    import time
+    t0 = time.time()
+    with serving(MODEL, OUT / "harness-hisa.log", "native", "decode", name="mlx") as on, \
+            serving(MODEL, OUT / "harness-nohisa.log", "native", "decode", name="mlx-nohisa", index_block=0) as off:
+        fidelity("needle", "--arm", "golden=golden", "--arm", "twin=exact:hisa", "--arm", "twin-nohisa=exact:",
+                 "--endpoint", f"mlx={on}", "--endpoint", f"mlx-nohisa={off}", "--checkpoint", str(MODEL),
+                 "--lengths", NEEDLE_LENGTHS, "--depths", NEEDLE_DEPTHS, "--reps", str(NEEDLE_REPS),
+                 "--out", str(OUT), "--run-id", "hisa", "--results", str(OUT / "needle-hisa.jsonl"), "--quiet")
+    src = OUT / "needle" / "hisa"
+    shutil.rmtree(HISA_REPORT, ignore_errors=True)
+    shutil.copytree(src, HISA_REPORT)
+    s = json.loads((src / "summary.json").read_text())["tables"]
+    cells = pd.DataFrame(s["cells"])
+    by_len = cells.groupby(["arm", "length"]).apply(lambda g: g.correct.sum() / max(g.n_scored.sum(), 1))
+    return {"recall": {a["arm"]: [a["recall"], a["ci_low"], a["ci_high"]] for a in s["arms"]},
+            "by_length": {f"{a}@{n}": float(v) for (a, n), v in by_len.items()}, "seconds": time.time() - t0}
+
+
 def main() -> int:
     install = paths.pinned()
     install.python()                                   # NotInstalled names `make mlx-vlm`
     OUT.mkdir(parents=True, exist_ok=True)
+    if sys.argv[1:] == ["--needle"]:
+        res = json.loads(RESULTS.read_text())
+        res["needle"] = needle()
+        RESULTS.write_text(json.dumps(res, indent=1, default=float))
+        write_doc(res)
+        return 0
     res = {"release": f"mlx-vlm=={install.version}", "mlx": paths.MLX, "configs": {}}
     for name, (weights, route) in CONFIGS.items():
         print(f"{name}: serving and scoring", flush=True)
@@ -108,8 +144,23 @@ def _between(text: str, tag: str, body: str) -> str:
     return text[:a] + f"<!-- {tag}:start -->\n" + body + "\n" + text[b:]
 
 
+def recall(res: dict) -> str:
+    n = res.get("needle")
+    if not n:
+        return "(run `python bench/bench_mlx_vlm.py --needle`)"
+    lengths = NEEDLE_LENGTHS.split(",")
+    arms = list(n["recall"])
+    rows = [[a, f"{n['recall'][a][0]:.2f} [{n['recall'][a][1]:.2f}, {n['recall'][a][2]:.2f}]"]
+            + [f"{n['by_length'].get(f'{a}@{L}', float('nan')):.2f}" for L in lengths] for a in arms]
+    return "\n".join([f"`bench/bench_mlx_vlm.py --needle` ({n['seconds'] / 60:.0f} min here): depths {NEEDLE_DEPTHS}, "
+                      f"{NEEDLE_REPS} needles each; the page with its pictures and the needle entry's fate per CSA "
+                      "layer: [reports/mlx-vlm-hisa](../reports/mlx-vlm-hisa/index.html).", "",
+                      _table(["arm", "recall [95% CI]"] + [f"{L}" for L in lengths], rows)])
+
+
 def write_doc(res: dict) -> None:
-    DOC.write_text(_between(_between(DOC.read_text(), "measured", table(res)), "explained", explained(res)))
+    text = _between(_between(DOC.read_text(), "measured", table(res)), "explained", explained(res))
+    DOC.write_text(_between(text, "recall", recall(res)))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ expected values (multivalue, multiquery) `values_in_topk` counts the values with
 picked, since one value dropping out of top-k is the failure to see. The picks come from
 the `layers.{i}.attn.index.topk` tap; the rank needs the scores, which no tap exposes,
 so the last prompt token is run through a copy of the arm's Numerics whose
-`index_scores` kernel records what the arm's own kernel returns (same values the arm's
-top-k sees; rank = 1 + #visible entries scoring higher + #lower-index ties, i.e. the
+`index_select` kernel records the exact scores the arm's own kernels return (the values the
+exact top-k ranks; an approximate selection such as HISA picks from them or not; rank = 1 + #visible entries scoring higher + #lower-index ties, i.e. the
 golden top-k's tie rule). The prompt is prefilled as tokens[:-1] and then the last token
 (still in prefill phase): chunked prefill, which the golden forward treats identically."""
 from __future__ import annotations
@@ -74,13 +74,8 @@ class InProcessRunner:
         cache: dict = {}                     # resident weights converted once, for both models
         self.model = build_model(target.weights, self.arm.numerics(profile, **kw), devices=devices,
                                  schedule=sched, weight_cache=cache)
-        rec = self.model.nx.with_kernels("index-score-recorder", index_scores=self._record)
+        rec = self.model.nx.recording_index_scores(lambda s: self._scores.append(s))   # the current sink
         self.model_rec = build_model(target.weights, rec, devices=devices, schedule=sched, weight_cache=cache)
-
-    def _record(self, golden, q, keys, w):
-        s = golden.index_scores(q, keys, w)
-        self._scores.append(s.detach().cpu())
-        return s
 
     def counter(self):
         return LocalCounter(self.target.tokenizer)
@@ -191,7 +186,7 @@ def mechanism(cfg, taps: Taps, scores: list[torch.Tensor], value_tok: list[int],
     per value: `per_value`) had an entry picked (module doc)."""
     layers = [i for i in cfg.indexer_layers() if f"layers.{i}.attn.index.topk" in taps]
     if len(layers) != len(scores):
-        raise RuntimeError(f"recorded {len(scores)} index_scores calls for {len(layers)} indexer layers")
+        raise RuntimeError(f"recorded {len(scores)} index_select calls for {len(layers)} indexer layers")
     in_window = any(t > pos - cfg.window_size for t in value_tok)
     out = []
     for i, s in zip(layers, scores):

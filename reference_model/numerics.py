@@ -374,6 +374,16 @@ class Numerics(MixMoeKernels, V41Kernels, SpecKernels):
         s = s.masked_fill(cols.unsqueeze(0) >= visible.unsqueeze(1), float("-inf"))
         return s, self.index_topk(s, k)
 
+    def recording_index_scores(self, record) -> "Numerics":
+        """A copy that hands `record` the exact scores (keys a row cannot see at -inf) of each
+        of its index_select calls, whatever selects the picks (a needle's mechanism ranks the
+        needle's entries on them)."""
+        def recorder(golden, q, keys, w, visible, k):
+            s, picks = golden.index_select(q, keys, w, visible, k)
+            record(s.detach().cpu())
+            return s, picks
+        return self.with_kernels("index-score-recorder", index_select=recorder)
+
     def index_topk(self, scores, k: int):
         """Top-k of each row (-inf = not visible); ties broken by the lower index. Returns
         indices [c, k] with -1 where fewer than k entries are visible."""

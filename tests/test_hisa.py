@@ -81,3 +81,13 @@ def test_matches_an_fp64_transcription_on_random_rows():
         torch.tensor(q), torch.tensor(keys), torch.tensor(w), torch.tensor(visible), 5)[1]
     want = _oracle(keys, q, w, visible, 5, 4, 3)
     assert [sorted(x for x in row if x >= 0) for row in got.tolist()] == want
+
+
+def test_a_recording_copy_records_the_exact_scores_while_hisa_picks():
+    """needle's mechanism ranks the needle's entries on the recorded scores: they must be the
+    exact ones, also on an arm whose picks come from HISA (its copy records every call)."""
+    got = []
+    keys = [[4, 0], [-4, 0], [1, 0], [1, 0]]
+    scores, picks = _select(_arm("hisa(block=2,keep=1)").recording_index_scores(got.append), keys, [[1, 0]], [3], 1)
+    assert len(got) == 1 and got[0].tolist() == [[4, 0, 1, -INF]]          # entry 3 not visible
+    assert picks.tolist() == [[2]]                                         # HISA's pick, not entry 0

@@ -18,6 +18,7 @@ HELP = "mlx-vlm (MLX's DeepSeek-V4) against the golden: serve, tensor replay, ex
 EXAMPLES = """\
     fidelity mlxvlm serve --port 8090                   # then: fidelity kld --arm golden=golden --endpoint mlx=http://127.0.0.1:8090
     fidelity mlxvlm serve --route prefill --load f32    # the whole prompt in one call, dense float32 weights
+    fidelity mlxvlm serve --index-block 0 --port 8091   # HISA off (mlx-vlm's own switch): the exact top-k
     fidelity mlxvlm replay --route decode --tokens 240  # where mlx-vlm's generation path departs, per tensor
     fidelity mlxvlm explain                             # every route vs its twin: which depart, where, why
     fidelity mlxvlm explain --patch carry-window        # ... with the candidate fix of what it found
@@ -45,6 +46,9 @@ def add_arguments(p):
     p.add_argument("--patch", action="append", default=[], choices=("carry-window",),
                    help="a candidate fix of a departure found here, applied to mlx-vlm at run time (repeatable; "
                         "carry-window: the overlapping compressor given the previous window across calls)")
+    p.add_argument("--index-block", type=int, default=None, metavar="N",
+                   help="serve: mlx-vlm's HISA block size instead of its config's (its own switch; 0: HISA off, "
+                        "the exact top-k)")
     p.add_argument("--out", default="reports", help="replay, explain: writes <out>/mlxvlm-<action>/")
 
 
@@ -67,7 +71,8 @@ def run(args) -> int:
         raise CommandError(str(e), 2) from None
     model = convert.model_dir(src, weights)
     if args.action == "serve":
-        cmd = paths.harness_command(model, args.port, weights, args.route, args.name, args.host, patches=args.patch)
+        cmd = paths.harness_command(model, args.port, weights, args.route, args.name, args.host, patches=args.patch,
+                                    index_block=args.index_block)
         sys.stdout.flush()
         os.execv(cmd[0], cmd)
     ids = _ids(args, src)

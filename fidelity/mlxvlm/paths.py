@@ -47,9 +47,12 @@ def of(version: str) -> Install:
 
 
 def harness_command(model: Path, port: int, weights: str = "native", route: str = "decode", name: str = "mlx-vlm",
-                    host: str = "127.0.0.1", install: Install | None = None, patches=()) -> list[str]:
-    """The harness's serve command on `install`'s Python (NotInstalled, naming how, when missing)."""
+                    host: str = "127.0.0.1", install: Install | None = None, patches=(),
+                    index_block: int | None = None) -> list[str]:
+    """The harness's serve command on `install`'s Python (NotInstalled, naming how, when missing);
+    `index_block` overrides the config's HISA block (0: HISA off)."""
     py = (install or pinned()).python()
     return [str(py), str(HARNESS), "serve", "--model", str(model), "--weights", weights,
             "--route", route, "--name", name, "--host", host, "--port", str(port),
-            *[a for p in patches for a in ("--patch", p)]]
+            *[a for p in patches for a in ("--patch", p)],
+            *(["--index-block", str(index_block)] if index_block is not None else [])]

@@ -30,11 +30,7 @@ class Recipe:
         fn, *args = self.numerics
         nx = fn(*args)
         if self.record_index_scores:
-            def recorder(golden, q, keys, w):
-                s = golden.index_scores(q, keys, w)
-                record(s.detach().cpu())
-                return s
-            nx = nx.with_kernels("index-score-recorder", index_scores=recorder)
+            nx = nx.recording_index_scores(record)
         return build_model(weights, nx, chunk_tokens=self.chunk_tokens, devices=devices,
                            schedule=self.schedule, weight_cache=cache)
 
