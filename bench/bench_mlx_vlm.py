@@ -42,13 +42,16 @@ CONFIGS = {"native, decode": ("native", "decode"), "native, prefill": ("native",
            "f32, decode": ("f32", "decode"), "f32, prefill": ("f32", "prefill")}
 
 
-def kld(name: str, url: str) -> dict:
-    """One kld run: the arm against the golden (with the golden's floors) and against its twin."""
-    run_id = "kld-" + name.replace(", ", "-")
-    fidelity("kld", "--arm", "golden=golden", "--endpoint", f"mlx={url}", "--checkpoint", str(MODEL),
+def kld(name: str, url: str, weights: str, route: str) -> dict:
+    """One kld run: the arm against the golden (with the golden's floors) and against its twin.
+    One output folder per route (its twin and the twin's floors are the route's, scored once
+    for both weights); the endpoint named by its weights."""
+    arm, run_id = f"mlx-{weights}", "kld-" + name.replace(", ", "-")
+    out = OUT / route.replace(":", "")
+    fidelity("kld", "--arm", "golden=golden", "--endpoint", f"{arm}={url}", "--checkpoint", str(MODEL),
              "--lengths", KLD_LENGTHS, "--reps", str(KLD_REPS), "--decode-steps", "4", "--exact", "--no-captures",
-             "--out", str(OUT), "--quiet", "--run-id", run_id)
-    return kld_row(OUT, run_id, "mlx")
+             "--out", str(out), "--quiet", "--run-id", run_id)
+    return kld_row(out, run_id, arm)
 
 
 def explain() -> dict:
@@ -94,8 +97,8 @@ def main() -> int:
     res = {"release": f"mlx-vlm=={install.version}", "mlx": paths.MLX, "configs": {}}
     for name, (weights, route) in CONFIGS.items():
         print(f"{name}: serving and scoring", flush=True)
-        with serving(MODEL, OUT / f"harness-{weights}-{route}.log", weights, route, name="mlx") as url:
-            res["configs"][name] = {"weights": weights, "route": route, "kld": kld(name, url)}
+        with serving(MODEL, OUT / f"harness-{weights}-{route}.log", weights, route, name=f"mlx-{weights}") as url:
+            res["configs"][name] = {"weights": weights, "route": route, "kld": kld(name, url, weights, route)}
     print("explain", flush=True)
     res["explain"] = explain()
     RESULTS.write_text(json.dumps(res, indent=1, default=float))

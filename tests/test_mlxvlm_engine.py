@@ -80,7 +80,7 @@ def test_kld_finds_the_one_call_prefill_matching_its_twin(prefill, tmp_path):
 
 def test_explain_puts_the_departure_at_the_compressors_call_boundary(installed, tmp_path):
     r = subprocess.run([*fidelity_cmd(), "mlxvlm", "explain", "--checkpoint", str(MODEL), "--tokens", "64",
-                        "--routes", "prefill,decode,nocache", "--out", str(tmp_path), "--threads", "1"],
+                        "--routes", "prefill,decode,chunked:4,nocache", "--out", str(tmp_path), "--threads", "1"],
                        capture_output=True, text=True)
     assert r.returncode == 1, r.stderr[-2000:]                        # a route departs: a finding
     e = json.loads((tmp_path / "mlxvlm-explain" / "findings.json").read_text())
@@ -92,6 +92,10 @@ def test_explain_puts_the_departure_at_the_compressors_call_boundary(installed, 
     # 64 tokens at ratio 4: 16 entries per compressor, 15 of them after a window completed in an earlier call
     assert {(c["layer"], c["tensor"]) for c in comps} == {(1, "kv_comp"), (1, "lid_comp"), (3, "kv_comp"), (3, "lid_comp")}
     assert all(c["entries"] == 16 and c["departing"] == c["departing_crossing"] == c["crossing"] == 15 for c in comps)
+    # calls of 4 tokens (mlx-vlm runs them token by token inside: the taps keep whole calls):
+    # every window is its own call, so again every entry after the first crosses a call
+    ch = by["chunked:4"]["findings"]["compressors"]
+    assert len(ch) == 4 and all(c["departing"] == c["departing_crossing"] == c["crossing"] == 15 for c in ch)
     assert by["nocache"]["causality"]["first_moved"] == 0               # position 0 reads later tokens
     assert "do not carry the previous window across calls" in r.stdout and "it is not causal" in r.stdout
 

@@ -309,7 +309,7 @@ def handler(svc: Service):
 
 
 # ---- taps ------------------------------------------------------------------------------------
-def capture(model, n_layers: int):
+def capture(model):
     """Wrap mlx-vlm's DeepSeek-V4 classes so each layer's tensors are recorded per call, under
     the replay's names: attn_norm / attn_out (the attention's input and output), kv_comp /
     lid_comp (new compressed entries of the attention's and the indexer's compressor),
@@ -335,10 +335,18 @@ def capture(model, n_layers: int):
         rec.setdefault(key, []).append(np.array(value.astype(mx.float32)))
 
     def wrap(cls, what):
-        orig = cls.__call__
+        """Record `what` of each outermost call (mlx-vlm runs 2-8 token calls token by token
+        through the same module: only the whole call is recorded)."""
+        orig, inside = cls.__call__, set()
 
         def call(self, *a, **k):
-            out = orig(self, *a, **k)
+            if id(self) in inside:
+                return orig(self, *a, **k)
+            inside.add(id(self))
+            try:
+                out = orig(self, *a, **k)
+            finally:
+                inside.discard(id(self))
             i, role = names.get(id(self), (None, None))
             if i is not None:
                 what(i, role, self, a, k, out)
@@ -375,13 +383,11 @@ def capture(model, n_layers: int):
         cls.__call__ = call
 
     def indexer(i, role, s, a, k, out):
-        x = a[0]
-        kk = int(s.index_topk)
-        if out is None:
-            picks = np.full((x.shape[1], kk), -1, np.int32)
-        else:
-            got = np.array(out[0]).astype(np.int32).reshape(x.shape[1], -1)
-            picks = np.full((x.shape[1], kk), -1, np.int32)
+        """Picks per row, -1 where it picked fewer than index_topk (none before an entry exists)."""
+        rows = a[0].shape[1]
+        picks = np.full((rows, int(s.index_topk)), -1, np.int32)
+        if out is not None:
+            got = np.array(out[0]).astype(np.int32).reshape(rows, -1)
             picks[:, :got.shape[1]] = got
         rec.setdefault(f"lid_top_k-{i}", []).append(picks)
 
@@ -397,7 +403,7 @@ def capture(model, n_layers: int):
 
 def taps(args) -> None:
     model, _ = load(Path(args.model), args.weights, args.patch, args.index_block)
-    rec = capture(model, len(model.language_model.model.layers))
+    rec = capture(model)
     ids = [int(i) for i in np.load(args.ids)]
     lp, _, calls = Runner(model, args.route).prompt(ids)
     out = {k: np.concatenate(v, axis=0) for k, v in rec.items() if v}

@@ -193,7 +193,9 @@ def run(model_dir: Path, weights_src, ids: list[int], route: str, engine_weights
     calls = routes(route, len(ids))
     engine = rotated(engine_taps(model_dir, engine_weights, route, ids, install, patches))
     taps = {name: golden_taps(weights_src, nx, ids, calls) for name, nx in arms_.items()}
-    table = R.compare(engine, taps, weights_src.cfg.n_layers, TWIN, PAIRS, "mlx-vlm")
+    # a tensor mlx-vlm does not expose on this route (its fused 2-8 token MoE returns the stream) is left out
+    pairs = [(g, e) for g, e in PAIRS if any(k.startswith(f"{e}-") for k in engine)]
+    table = R.compare(engine, taps, weights_src.cfg.n_layers, TWIN, pairs, "mlx-vlm")
     iso = {"attention": R.isolated_attention(engine, weights_src, arms_, TWIN),
            "router": R.isolated_router(engine, weights_src, arms_, ids, TWIN),
            "MoE": R.isolated_moe(engine, weights_src, arms_, TWIN)}
