@@ -167,3 +167,16 @@ def test_hisa_toggle_picks_what_mlx_vlms_own_kernel_picks(installed, tmp_path):
         assert mine == sorted(int(x) for x in theirs[j] if x < z["visible"][j]), j
     # the comparison has teeth: on most rows HISA's picks are not the exact top-k
     assert sum(set(ours[j]) != set(flat[j]) for j in range(rows)) > rows // 2
+
+
+def test_engines_launches_mlx_vlm_three_ways_each_against_its_own_twin(installed, tmp_path):
+    """examples/engines/mlx-vlm.toml: the generation path, one-call prefill and HISA off, each arm's
+    twin derived from its flags (route, --index-block) and the checkpoint's HISA setting."""
+    r = subprocess.run([*fidelity_cmd(), "engines", "run", str(REPO / "examples" / "engines" / "mlx-vlm.toml"),
+                        "--out", str(tmp_path), "--quiet", "--threads", "1"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode in (0, 1), r.stderr[-3000:]
+    m = json.loads(next(tmp_path.rglob("kld-report/manifest.json")).read_text())
+    twins = {t["engines"][0]: (t["twin"], t["unexplained"]) for t in m["verdict"]["twins"]}
+    assert twins["mlx-decode"] == ("exact:hisa@decode_from(1)", True)
+    assert twins["mlx-nohisa"] == ("exact:golden@decode_from(1)", True)       # HISA off: the exact top-k
+    assert twins["mlx-prefill"][0] == "exact:hisa"

@@ -20,6 +20,7 @@ from reference_model.checkpoint_read import decode_fp4, decode_fp8
 from fidelity.llamacpp.paths import cache_root
 
 WEIGHTS = ("native", "f32")
+HISA_DEFAULTS = {"index_block": 64, "index_keep": 16}    # mlx-vlm's ModelConfig, when a config omits them
 
 
 def model_dir(src: Path, weights: str) -> Path:
@@ -83,3 +84,19 @@ def _dequantised(shard: Path) -> dict[str, torch.Tensor]:
                 t = decode(t, f.get_tensor(scale))
             out[k] = t.float() if t.is_floating_point() else t
     return out
+
+
+def hisa_setting(model_dir, index_block: int | None = None) -> dict:
+    """How mlx-vlm will run HISA on a checkpoint folder: its config's index_block and index_keep,
+    mlx-vlm's defaults where the config is silent, `index_block` overriding (0: off)."""
+    cfg = dict(HISA_DEFAULTS)
+    if model_dir and (Path(model_dir) / "config.json").is_file():
+        cfg.update(json.loads((Path(model_dir) / "config.json").read_text()))
+    return {"index_block": cfg["index_block"] if index_block is None else index_block,
+            "index_keep": cfg["index_keep"]}
+
+
+def hisa_toggle(setting: dict) -> str:
+    """The golden's hisa toggle spelled for a HISA setting ('' when it is off)."""
+    block, keep = setting.get("index_block") or 0, setting.get("index_keep") or 0
+    return f"hisa(block={block},keep={keep})" if block > 0 and keep > 0 else ""

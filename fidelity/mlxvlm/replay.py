@@ -31,19 +31,15 @@ from reference_model.taps import Taps
 from fidelity.llamacpp import replay as R
 
 from . import paths
+from .convert import hisa_setting, hisa_toggle
 from .harness import routes
 
 TWIN = "exact"
-HISA_DEFAULTS = {"index_block": 64, "index_keep": 16}    # mlx-vlm's ModelConfig, when a config omits them
 
 
 def hisa_of(model_dir: Path, index_block: int | None = None) -> str:
-    """The hisa toggle as mlx-vlm runs `model_dir` ('' when off): its config's index_block and
-    index_keep, mlx-vlm's defaults where the config is silent, `index_block` overriding."""
-    import json
-    cfg = {**HISA_DEFAULTS, **json.loads((Path(model_dir) / "config.json").read_text())}
-    block = cfg["index_block"] if index_block is None else index_block
-    return f"hisa(block={block},keep={cfg['index_keep']})" if block > 0 and cfg["index_keep"] > 0 else ""
+    """The hisa toggle as mlx-vlm runs `model_dir` ('' when off; convert.hisa_setting)."""
+    return hisa_toggle(hisa_setting(model_dir, index_block))
 
 
 def arms(hisa: str = "") -> dict:

@@ -28,9 +28,8 @@ def twin(route: str | None, props: dict | None = None) -> str:
     """The in-process twin of the harness on `route`: the exact profile with mlx-vlm's HISA when
     its config has it on (index_block > 0), scored the same way (position by position for
     decode, in the same chunks for chunked:N and generate)."""
-    hisa = (props or {}).get("hisa") or {}
-    block, keep = hisa.get("index_block") or 0, hisa.get("index_keep") or 0
-    toggles = f"hisa(block={block},keep={keep})" if block > 0 and keep > 0 else ""
+    from fidelity.mlxvlm.convert import hisa_toggle
+    toggles = hisa_toggle((props or {}).get("hisa") or {})
     route = route or "decode"
     if route.startswith("chunked:"):
         return f"{PROFILE}:{toggles}@chunked({route[8:]})"
@@ -108,7 +107,12 @@ class MlxVlm(Server):
             f"read by its route ({props.get('route') or 'unstated'})")
 
     def twin_of_arm(self, e, arm):
-        return twin(e.env.get("MLX_VLM_ROUTE")), "mlx-vlm's arithmetic without DeepSeek's QAT simulation"
+        flags = [*e.flags, *arm.flags]
+        block = flag(flags, "--index-block")
+        from fidelity.mlxvlm.convert import hisa_setting
+        props = {"hisa": hisa_setting(e.model, None if block is None else int(block))}
+        return twin(flag(flags, "--route") or "decode", props), \
+            "mlx-vlm's arithmetic without DeepSeek's QAT simulation, with its HISA setting, read by its route"
 
     def check(self, e, where):
         if not e.model:
@@ -116,9 +120,21 @@ class MlxVlm(Server):
         return None
 
     def command(self, e):
+        """The harness on the engine's checkpoint, loaded as its `--weights` flag says (the
+        engine's flags; an arm's flags follow the command: --route, --index-block, --patch)."""
         from pathlib import Path
 
         from fidelity.mlxvlm import convert, paths
-        weights = e.env.get("MLX_VLM_WEIGHTS", "native")
-        return paths.harness_command(convert.model_dir(Path(e.model), weights), e.port, weights,
-                                     e.env.get("MLX_VLM_ROUTE", "decode"), host=e.host)
+        weights = flag(e.flags, "--weights") or "native"
+        return paths.harness_command(convert.model_dir(Path(e.model), weights), e.port, weights, host=e.host)
+
+
+def flag(flags: list[str], name: str) -> str | None:
+    """The last value of `--name VALUE` / `--name=VALUE` in a flag list (None: not given)."""
+    got = None
+    for j, f in enumerate(flags):
+        if f == name and j + 1 < len(flags):
+            got = flags[j + 1]
+        elif f.startswith(name + "="):
+            got = f.split("=", 1)[1]
+    return got
