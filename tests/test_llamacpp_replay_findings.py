@@ -66,3 +66,17 @@ def test_a_non_finite_engine_tensor_departs_everywhere_it_appears():
     assert lines[0].startswith(f"llama.cpp (prefill) departs from its twin ({TWIN}) at layer 0 MoE, fed its own "
                                "inputs: non-finite values (NaN or infinity)")
     assert "non-finite values" in lines[-1]
+
+
+def test_an_engine_keeping_fewer_picks_than_top_k_is_replayed_with_its_own():
+    """The replay's isolated attention takes the engine's picks: a build whose indexer keeps 4
+    where the golden keeps 8 is fed 4 and -1 (it crashed with 'expanded size (8) must match (4)')."""
+    import numpy as np
+    import torch
+
+    from fidelity.llamacpp.replay import _engine_picks
+    scores = torch.tensor([[0.5, 0.1, 0.9, 0.3, 0.2, 0.8, 0.7, 0.6, 0.4, float("-inf")]] * 2)
+    picks = np.array([[2, 5, 6, 9], [0, 1, 2, 3]])             # row 0's entry 9 is not visible here
+    got = _engine_picks(picks)(None, scores, 8)
+    assert got.shape == (2, 8)
+    assert got[0].tolist() == [-1, -1, -1, -1, -1, 2, 5, 6] and got[1].tolist() == [-1] * 4 + [0, 1, 2, 3]

@@ -84,3 +84,4 @@ def test_f32_copy_holds_our_loaders_values_exactly_under_deepseeks_names(tmp_pat
     assert convert.model_dir(src, "native") == src.resolve()
     with pytest.raises(ValueError, match="weights must be one of native, f32"):
         convert.model_dir(src, "q4")
+
