@@ -30,6 +30,20 @@ def test_top_k_is_every_id_when_k_exceeds_the_vocabulary():
     assert harness.top(lp, 1 << 30)[0].shape == (2, 3)
 
 
+def test_generation_samples_at_the_requested_temperature_with_its_seed():
+    lp = np.log(np.array([0.7, 0.2, 0.1]))
+    assert harness.sampler(0.0, 1.0, 0) is None                                   # greedy
+    draws = [harness.sampler(1.0, 1.0, 7)(lp) for _ in range(3)]
+    assert len(set(draws)) == 1                                                   # one seed, one first draw
+    pick = harness.sampler(1.0, 1.0, 0)
+    freq = np.bincount([pick(lp) for _ in range(4000)], minlength=3) / 4000
+    assert np.allclose(freq, [0.7, 0.2, 0.1], atol=0.03)                          # softmax(lp / 1)
+    nucleus = harness.sampler(1.0, 0.75, 0)
+    assert {nucleus(lp) for _ in range(300)} == {0, 1}                           # top_p 0.75: 0.7 + 0.2 kept
+    cold = harness.sampler(0.25, 1.0, 0)
+    assert np.mean([cold(lp) == 0 for _ in range(500)]) > 0.95                    # sharper at T 0.25
+
+
 def test_entries_whose_preceding_window_crossed_a_call():
     # ratio 4, 6 entries: entry j is tokens 4j..4j+3, completed by the call holding token 4j+3
     assert X.crossing(4, 6, [1] * 24).tolist() == [False] + [True] * 5          # one token per call

@@ -41,7 +41,7 @@ def explain(model_dir: Path, weights_src, ids: list[int], engine_weights: str = 
     for route in route_list:
         progress(f"route {route}: mlx-vlm's taps and the golden's arms over {len(ids)} tokens")
         r = X.run(model_dir, weights_src, ids, route, engine_weights, install, patches)
-        kl = X.route_kl(r.engine, weights_src, ids, r.calls, X.arms(X.hisa_of(model_dir))[X.TWIN])
+        kl = X.route_kl(r.engine, weights_src, ids, r.calls, X.replay_arms(X.hisa_of(model_dir))[X.TWIN])
         causal = X.causality(model_dir, engine_weights, route, ids, len(ids) // 2, install, r.engine, patches)
         f = X.findings(r, route, engine_weights)
         floor = max(out["twin_floor_kl"], FLOOR_MIN)

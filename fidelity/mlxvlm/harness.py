@@ -3,12 +3,13 @@ Python (it imports mlx, mlx_vlm, numpy and the standard library only, never this
 
   serve  an HTTP server: /health, /v1/models, /props (what it runs: versions, weights, route),
          POST /score (every prompt position's log-probs by one route, then a greedy ladder),
-         POST /v1/completions (text or token-id prompts, greedy, as mlx-vlm's generate runs a
-         prompt), POST /v1/chat/completions (rendered by mlx-vlm's DeepSeek-V4 chat template),
+         POST /v1/completions (text or token-id prompts run as mlx-vlm's generate runs a prompt;
+         greedy, or sampled at the request's temperature / top_p / seed), POST
+         /v1/chat/completions (rendered by mlx-vlm's DeepSeek-V4 chat template),
          POST /tokenize (the checkpoint's tokenizer.json, nothing added)
   taps   one prompt's intermediate tensors by one route, written as .npz under the replay's
          tensor names (fidelity.mlxvlm.replay), captured by wrapping mlx-vlm's module classes
-         at run time: the installed package is never edited
+         at run time (harness_capture.py): the installed package is never edited
 
 Weights: `native` loads the checkpoint folder as DeepSeek ships it (FP8 e4m3 blocks, FP4
 experts) through mlx-vlm's own loader, whose shared FP8 helper (mlx_vlm/fp8.py) otherwise
@@ -146,12 +147,13 @@ class Runner:
             a += c
         return np.concatenate(parts), cache, calls
 
-    def ladder(self, ids: list[int], first: np.ndarray, cache, steps: int):
-        """Greedy continuation after the prompt: tokens and the log-probs before each."""
+    def ladder(self, ids: list[int], first: np.ndarray, cache, steps: int, pick=None):
+        """The continuation after the prompt (greedy unless `pick(log-probs) -> token`): tokens
+        and the log-probs before each."""
         import mlx.core as mx
         toks, dists, cur, seq = [], [first], first, list(ids)
         for s in range(steps):
-            t = int(np.argmax(cur))
+            t = int(np.argmax(cur)) if pick is None else pick(cur)
             toks.append(t)
             seq.append(t)
             if s == steps - 1:
@@ -162,6 +164,22 @@ class Runner:
                 cur = self.logprobs(self.lm(mx.array([t])[None], cache=cache).logits[0, -1])
             dists.append(cur)
         return toks, np.stack(dists)
+
+
+def sampler(temperature: float, top_p: float, seed: int):
+    """None (greedy) at temperature 0, else a seeded draw from softmax(log-probs / T) kept to
+    the top_p nucleus (as mlx-vlm's own sampler defines them)."""
+    if temperature <= 0:
+        return None
+    rng = np.random.default_rng(seed)
+
+    def pick(lp: np.ndarray) -> int:
+        p = np.exp((lp - lp.max()) / temperature)
+        p /= p.sum()
+        order = np.argsort(-p, kind="stable")
+        keep = order[: int(np.searchsorted(np.cumsum(p[order]), top_p) + 1)]
+        return int(rng.choice(keep, p=p[keep] / p[keep].sum()))
+    return pick
 
 
 def b64(a: np.ndarray) -> str:
@@ -243,7 +261,8 @@ class Service:
                 "ladder_tokens": toks, "ladder_ids": b64(li), "ladder_logprobs": b64(lv)}
 
     def complete(self, body: dict) -> dict:
-        """Greedy generation after a token-id prompt, the prompt run as mlx-vlm's generate runs it."""
+        """Generation after a prompt run as mlx-vlm's generate runs it: greedy, or sampled at the
+        request's temperature / top_p with its seed."""
         ids = body.get("prompt")
         if isinstance(ids, str):
             ids = self.encode(ids)
@@ -252,7 +271,8 @@ class Service:
         n, k = int(body.get("max_tokens", 16)), int(body.get("logprobs") or 0)
         run = Runner(self.model, "generate")
         lp, cache, _ = run.prompt(ids)
-        toks, dists = run.ladder(ids, lp[-1], cache, n)
+        pick = sampler(float(body.get("temperature") or 0.0), float(body.get("top_p") or 1.0), int(body.get("seed") or 0))
+        toks, dists = run.ladder(ids, lp[-1], cache, n, pick)
         eos = self.cfg.get("eos_token_id")
         stop = [j for j, t in enumerate(toks) if t == eos and not body.get("ignore_eos")]
         if stop:
@@ -308,100 +328,9 @@ def handler(svc: Service):
     return H
 
 
-# ---- taps ------------------------------------------------------------------------------------
-def capture(model):
-    """Wrap mlx-vlm's DeepSeek-V4 classes so each layer's tensors are recorded per call, under
-    the replay's names: attn_norm / attn_out (the attention's input and output), kv_comp /
-    lid_comp (new compressed entries of the attention's and the indexer's compressor),
-    lid_top_k (indexer picks), ffn_norm / ffn_out, ffn_moe_topk / ffn_moe_weights_scaled,
-    l_out (the stream after the block)."""
-    import mlx.core as mx
-    from mlx_vlm.models.deepseek_v4 import language as L
-    rec: dict[str, list] = {}
-    names: dict[int, tuple[int, str]] = {}
-    layers = model.language_model.model.layers
-    for i, lay in enumerate(layers):
-        names[id(lay)] = (i, "block")
-        names[id(lay.attn)] = (i, "attn")
-        names[id(lay.ffn)] = (i, "ffn")
-        names[id(lay.ffn.gate)] = (i, "gate")
-        if hasattr(lay.attn, "compressor"):
-            names[id(lay.attn.compressor)] = (i, "kv_comp")
-        if hasattr(lay.attn, "indexer"):
-            names[id(lay.attn.indexer)] = (i, "indexer")
-            names[id(lay.attn.indexer.compressor)] = (i, "lid_comp")
-
-    def put(key, value):
-        rec.setdefault(key, []).append(np.array(value.astype(mx.float32)))
-
-    def wrap(cls, what):
-        """Record `what` of each outermost call (mlx-vlm runs 2-8 token calls token by token
-        through the same module: only the whole call is recorded)."""
-        orig, inside = cls.__call__, set()
-
-        def call(self, *a, **k):
-            if id(self) in inside:
-                return orig(self, *a, **k)
-            inside.add(id(self))
-            try:
-                out = orig(self, *a, **k)
-            finally:
-                inside.discard(id(self))
-            i, role = names.get(id(self), (None, None))
-            if i is not None:
-                what(i, role, self, a, k, out)
-            return out
-        cls.__call__ = call
-
-    def block(i, role, s, a, k, out):
-        put(f"l_out-{i}", out[0])
-
-    def attn(i, role, s, a, k, out):
-        put(f"attn_norm-{i}", a[0][0])
-        put(f"attn_out-{i}", out[0])
-
-    def ffn(i, role, s, a, k, out):
-        put(f"ffn_norm-{i}", a[0][0])
-        if "residual" not in k:                      # mlx-vlm's fused 2..8-token path returns the stream
-            put(f"ffn_out-{i}", out[0])
-
-    def gate(i, role, s, a, k, out):
-        put(f"ffn_moe_topk-{i}", out[0][0])
-        put(f"ffn_moe_weights_scaled-{i}", out[1][0])
-
-    def comp(i, role, s, a, k, out):
-        put(f"{role}-{i}", out[0][s._fid_before:])
-
-    def pool_length(cls):
-        """Compressor calls return the whole pool: remember its length before each call."""
-        orig = cls.__call__
-
-        def call(self, x, pool_cache, offset):
-            pooled = None if pool_cache is None else pool_cache.pooled
-            self._fid_before = 0 if pooled is None else pooled.shape[1]
-            return orig(self, x, pool_cache, offset)
-        cls.__call__ = call
-
-    def indexer(i, role, s, a, k, out):
-        """Picks per row, -1 where it picked fewer than index_topk (none before an entry exists)."""
-        rows = a[0].shape[1]
-        picks = np.full((rows, int(s.index_topk)), -1, np.int32)
-        if out is not None:
-            got = np.array(out[0]).astype(np.int32).reshape(rows, -1)
-            picks[:, :got.shape[1]] = got
-        rec.setdefault(f"lid_top_k-{i}", []).append(picks)
-
-    pool_length(L.Compressor)
-    wrap(L.DeepseekV4Block, block)
-    wrap(L.LocalAttention, attn)
-    wrap(L.DeepseekV4MoE, ffn)
-    wrap(L.MoEGate, gate)
-    wrap(L.Compressor, comp)
-    wrap(L.Indexer, indexer)
-    return rec
-
-
 def taps(args) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))   # harness_capture beside this file (run as a script)
+    from harness_capture import capture
     model, _ = load(Path(args.model), args.weights, args.patch, args.index_block)
     rec = capture(model)
     ids = [int(i) for i in np.load(args.ids)]

@@ -35,6 +35,12 @@ from .convert import hisa_setting, hisa_toggle
 from .harness import routes
 
 TWIN = "exact"
+# (golden tap under layers.{i}., mlx-vlm tensor before -{i}), in graph order
+PAIRS = [("attn.compressed_kv", "kv_comp"), ("attn.index.keys", "lid_comp"), ("attn.out", "attn_out"),
+         ("ffn.out", "ffn_out"), ("out", "l_out")]
+CROSS_RATIO = 10.0       # entries across calls departing this much more than the others: the call boundary
+COMPRESSORS = {"kv_comp": ("attn.compressed_kv", "the attention's compressor"),
+               "lid_comp": ("attn.index.keys", "the indexer's compressor")}
 
 
 def hisa_of(model_dir: Path, index_block: int | None = None) -> str:
@@ -42,19 +48,14 @@ def hisa_of(model_dir: Path, index_block: int | None = None) -> str:
     return hisa_toggle(hisa_setting(model_dir, index_block))
 
 
-def arms(hisa: str = "") -> dict:
+def replay_arms(hisa: str = "") -> dict:
     """The replay's in-process arms: golden, its fp32-accumulation floor, the twin (the exact
     profile with mlx-vlm's HISA setting) and the twin in fp64 (the twin's floor)."""
     from kernel_toggles import ToggleSet
     ts = ToggleSet.parse(hisa)
     return {R.GOLDEN: Numerics("reference"), R.FLOOR: Numerics("reference", torch.float32),
             TWIN: ts.numerics("exact"), R.TWIN_FLOOR: ts.numerics("exact", compute_dtype=torch.float64)}
-# (golden tap under layers.{i}., mlx-vlm tensor before -{i}), in graph order
-PAIRS = [("attn.compressed_kv", "kv_comp"), ("attn.index.keys", "lid_comp"), ("attn.out", "attn_out"),
-         ("ffn.out", "ffn_out"), ("out", "l_out")]
-CROSS_RATIO = 10.0       # entries across calls departing this much more than the others: the call boundary
-COMPRESSORS = {"kv_comp": ("attn.compressed_kv", "the attention's compressor"),
-               "lid_comp": ("attn.index.keys", "the indexer's compressor")}
+
 
 
 class TapsError(RuntimeError):
@@ -185,17 +186,17 @@ def run(model_dir: Path, weights_src, ids: list[int], route: str, engine_weights
         install: paths.Install | None = None, patches=()) -> Run:
     """mlx-vlm (`engine_weights`, loaded from `model_dir`, with candidate fixes `patches`) by
     `route` against the golden's arms on `weights_src` (the same checkpoint, read by our loader)."""
-    arms_ = arms(hisa_of(model_dir))
+    arms = replay_arms(hisa_of(model_dir))
     calls = routes(route, len(ids))
     engine = rotated(engine_taps(model_dir, engine_weights, route, ids, install, patches))
-    taps = {name: golden_taps(weights_src, nx, ids, calls) for name, nx in arms_.items()}
+    taps = {name: golden_taps(weights_src, nx, ids, calls) for name, nx in arms.items()}
     # a tensor mlx-vlm does not expose on this route (its fused 2-8 token MoE returns the stream) is left out
     pairs = [(g, e) for g, e in PAIRS if any(k.startswith(f"{e}-") for k in engine)]
     table = R.compare(engine, taps, weights_src.cfg.n_layers, TWIN, pairs, "mlx-vlm")
-    iso = {"attention": R.isolated_attention(engine, weights_src, arms_, TWIN),
-           "router": R.isolated_router(engine, weights_src, arms_, ids, TWIN),
-           "MoE": R.isolated_moe(engine, weights_src, arms_, TWIN)}
-    return Run(engine, taps, table, iso, isolated_compressors(engine, weights_src, arms_, calls), calls)
+    iso = {"attention": R.isolated_attention(engine, weights_src, arms, TWIN),
+           "router": R.isolated_router(engine, weights_src, arms, ids, TWIN),
+           "MoE": R.isolated_moe(engine, weights_src, arms, TWIN)}
+    return Run(engine, taps, table, iso, isolated_compressors(engine, weights_src, arms, calls), calls)
 
 
 def route_kl(engine: dict, weights, ids: list[int], calls, twin: Numerics) -> dict:
