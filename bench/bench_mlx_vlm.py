@@ -33,6 +33,8 @@ from engine_bench import fidelity, kld_row  # noqa: E402
 
 MODEL = ROOT / "models" / "tiny-needle-v2"
 OUT = Path("/tmp/bench-mlx")
+# needle results where the committed page can name them (repo-relative, git-ignored)
+NEEDLE_RESULTS = Path("bench") / "out" / "needle-hisa.jsonl"
 RESULTS = ROOT / "bench" / "results" / "mlx_vlm.json"
 DOC = ROOT / "docs" / "mlx-vlm.md"
 KLD_LENGTHS, KLD_REPS = "256,511,1023", 2
@@ -75,16 +77,47 @@ def needle() -> dict:
         fidelity("needle", "--arm", "golden=golden", "--arm", "twin=exact:hisa", "--arm", "twin-nohisa=exact:",
                  "--endpoint", f"mlx={on}", "--endpoint", f"mlx-nohisa={off}", "--checkpoint", str(MODEL),
                  "--lengths", NEEDLE_LENGTHS, "--depths", NEEDLE_DEPTHS, "--reps", str(NEEDLE_REPS),
-                 "--temperature", "0", "--out", str(OUT), "--run-id", "hisa", "--results", str(OUT / "needle-hisa.jsonl"),
-                 "--quiet")
+                 "--temperature", "0", "--out", str(OUT), "--run-id", "hisa", "--results", str(NEEDLE_RESULTS),
+                 # the harness answers one request at a time: queued requests would time out at 8K
+                 "--concurrency", "1", "--timeout", "1800", "--quiet")
     src = OUT / "needle" / "hisa"
     shutil.rmtree(HISA_REPORT, ignore_errors=True)
     shutil.copytree(src, HISA_REPORT)
     s = json.loads((src / "summary.json").read_text())["tables"]
     cells = pd.DataFrame(s["cells"])
     by_len = cells.groupby(["arm", "length"]).apply(lambda g: g.correct.sum() / max(g.n_scored.sum(), 1))
+    rows = trials(ROOT / NEEDLE_RESULTS)
     return {"recall": {a["arm"]: [a["recall"], a["ci_low"], a["ci_high"]] for a in s["arms"]},
-            "by_length": {f"{a}@{n}": float(v) for (a, n), v in by_len.items()}, "seconds": time.time() - t0}
+            "by_length": {f"{a}@{n}": float(v) for (a, n), v in by_len.items()}, "seconds": time.time() - t0,
+            "trial_seconds": trial_seconds(rows),
+            "same_answer": {f"{a} vs {b}": same_answers(rows, a, b) for a, b in (("mlx", "twin"),
+                                                                                  ("mlx-nohisa", "twin-nohisa"))}}
+
+
+def trials(path: Path) -> list[dict]:
+    """The latest row of each (arm, trial) of a needle results log."""
+    got = {}
+    for ln in path.read_text().splitlines():
+        r = json.loads(ln) if ln.strip() else {}
+        if "arm" in r and "trial_id" in r:
+            got[r["arm"], r["trial_id"]] = r
+    return list(got.values())
+
+
+def trial_seconds(rows: list[dict]) -> dict:
+    """Mean compute seconds of one trial per arm and length (a batch's time shared by its trials)."""
+    out: dict = {}
+    for r in rows:
+        if r.get("outcome") != "server_error" and r.get("latency_s"):
+            out.setdefault(f"{r['arm']}@{r['length']}", []).append(r["latency_s"] / (r.get("batch_trials") or 1))
+    return {k: round(sum(v) / len(v), 1) for k, v in out.items()}
+
+
+def same_answers(rows: list[dict], a: str, b: str) -> list[int]:
+    """[trials where arms a and b gave the same answer, trials both answered]."""
+    by = {(r["arm"], r["trial_id"]): r.get("response") for r in rows if r.get("outcome") != "server_error"}
+    both = [t for (arm, t) in by if arm == a and (b, t) in by]
+    return [sum(by[a, t] == by[b, t] for t in both), len(both)]
 
 
 def needle_long() -> dict:
@@ -94,16 +127,14 @@ def needle_long() -> dict:
     fidelity("needle", "--arm", "twin=exact:hisa", "--arm", "twin-nohisa=exact:", "--checkpoint", str(MODEL),
              "--lengths", LONG_LENGTHS, "--depths", LONG_DEPTHS, "--reps", "1", "--out", str(OUT), "--run-id",
              "hisa-long", "--results", str(OUT / "needle-hisa-long.jsonl"), "--quiet", "--no-plots")
-    rows = [json.loads(ln) for ln in (OUT / "needle-hisa-long.jsonl").read_text().splitlines()[1:] if ln.strip()]
+    rows = trials(OUT / "needle-hisa-long.jsonl")
     out = {}
     for r in rows:
-        if "arm" not in r:
-            continue
         m = {x["layer"]: x for x in r.get("mechanism") or []}
         out.setdefault(r["arm"], []).append({"length": r["length"], "depth": r["depth"], "outcome": r["outcome"],
                                             "layer1_in_topk": (m.get(1) or {}).get("in_topk"),
                                             "layer1_rank": (m.get(1) or {}).get("best_rank")})
-    return {"trials": out, "seconds": time.time() - t0}
+    return {"trials": out, "trial_seconds": trial_seconds(rows)}
 
 
 def main() -> int:
@@ -180,9 +211,12 @@ def recall(res: dict) -> str:
     arms = list(n["recall"])
     rows = [[a, f"{n['recall'][a][0]:.2f} [{n['recall'][a][1]:.2f}, {n['recall'][a][2]:.2f}]"]
             + [f"{n['by_length'].get(f'{a}@{L}', float('nan')):.2f}" for L in lengths] for a in arms]
-    return "\n".join([f"`bench/bench_mlx_vlm.py --needle` ({n['seconds'] / 60:.0f} min here): depths {NEEDLE_DEPTHS}, "
-                      f"{NEEDLE_REPS} needles each; the page with its pictures and the needle entry's fate per CSA "
-                      "layer: [reports/mlx-vlm-hisa](../reports/mlx-vlm-hisa/index.html).", "",
+    same = "; ".join(f"{k}: {v[0]} of {v[1]}" for k, v in n["same_answer"].items())
+    secs = ", ".join(f"{a} {n['trial_seconds'].get(f'{a}@{lengths[-1]}', float('nan')):.0f} s" for a in arms)
+    return "\n".join([f"`bench/bench_mlx_vlm.py --needle`: depths {NEEDLE_DEPTHS}, one needle each, every arm greedy; "
+                      "the page with its pictures and the needle entry's fate per CSA layer: "
+                      "[reports/mlx-vlm-hisa](../reports/mlx-vlm-hisa/index.html). Same answer as its twin, trial by "
+                      f"trial (right or wrong): {same}. One trial at {lengths[-1]} tokens here: {secs}.", "",
                       _table(["arm", "recall [95% CI]"] + [f"{L}" for L in lengths], rows)])
 
 
@@ -198,8 +232,9 @@ def recall_long(res: dict) -> str:
             best_not_kept = sum(x["layer1_rank"] == 1 and x["layer1_in_topk"] is False for x in t)
             rows.append([arm, L, f"{found} of {len(t)}",
                          f"{sum(bool(x['layer1_in_topk']) for x in t)} of {len(t)}", f"{best_not_kept}"])
-    return "\n".join([f"`bench/bench_mlx_vlm.py --needle-long` ({n['seconds'] / 60:.0f} min here): the twins in-process "
-                      f"at depths {LONG_DEPTHS}, one needle each; layer 1 is the first CSA layer.", "",
+    secs = ", ".join(f"{k} {v:.0f} s" for k, v in n["trial_seconds"].items())
+    return "\n".join([f"`bench/bench_mlx_vlm.py --needle-long`: the twins in-process at depths {LONG_DEPTHS}, one "
+                      f"needle each; layer 1 is the first CSA layer. One trial here: {secs}.", "",
                       _table(["arm", "length", "needle found", "its entry picked at layer 1",
                               "ranked 1st by the exact score, yet not picked"], rows)])
 
