@@ -119,20 +119,21 @@ class SourcedAttention(Attention):
             keys = keys.to(x.device)
             visible = nx.compressed_visible(pos, ratio)
             kk = min(cfg.index_topk, n_keys)
-            cols = torch.arange(n_keys, device=x.device)
             cand = (state.layers[cfg.candidate_source_layer].blocks[pos0]
                     if cfg.uses_candidates(i) else None)
             step = max(1, self.m.attn_budget // max(1, h * n_keys))
             for a in range(0, n, step):
                 b = min(a + step, n)
-                s = nx.index_scores(q[a:b], keys, wts[a:b])
-                s = s.masked_fill(cols.unsqueeze(0) >= visible[a:b].unsqueeze(1), float("-inf"))
+                # V4's index_select (exact scores masked to visible entries, and their top-k)
+                # on every layer, so a recorder or a selection toggle sees each indexer call;
+                # a layer behind the candidate source then picks within its blocks instead
+                s, picks = nx.index_select(q[a:b], keys, wts[a:b], visible[a:b], kk)
                 if cand_src:
                     C = nx.index_candidates(s, pos[a:b], ratio, cfg.candidate_block_size,
                                             cfg.candidate_topk_blocks)
                     blocks.append(_to_blocks(C, cfg.candidate_block_size))
                 if cand is None:
-                    out[a:b, :kk] = nx.index_topk(s, kk)
+                    out[a:b, :kk] = picks
                 else:
                     C = _from_blocks(cand[a:b].to(x.device), cfg.candidate_block_size, n_keys)
                     out[a:b, :kk] = nx.candidate_topk(s, C, visible[a:b], kk)

@@ -5,7 +5,7 @@ hand-tested in tests/test_v41_kernels.py).
 
 Where V4.1 computes what V4 computes, ModelV41 calls V4's kernel of that name (rms_norm,
 bf16_linear, rope_inv_freq, rope_apply, window_first, compressed_positions,
-compressed_visible, index_weights, index_scores, index_topk, sparse_attention, wo_a,
+compressed_visible, index_weights, index_scores, index_select, index_topk, sparse_attention, wo_a,
 hc_post, moe_gate, moe_select, route_weights, swiglu, moe_combine, lm_head, chunk_boundary,
 state_restore), so toggles on those act on both versions. The names below are only V4.1's.
 
@@ -27,8 +27,8 @@ V41_KERNELS = (
 # one of these acts on both versions, a toggle on any other V4 kernel on V4 only.
 V4_KERNELS_SHARED = (
     "rms_norm", "bf16_linear", "rope_inv_freq", "rope_apply", "window_first",
-    "compressed_positions", "compressed_visible", "index_weights", "index_scores", "index_topk",
-    "sparse_attention", "wo_a", "hc_post", "moe_gate", "moe_select", "route_weights", "swiglu",
+    "compressed_positions", "compressed_visible", "index_weights", "index_scores", "index_select",
+    "index_topk", "sparse_attention", "wo_a", "hc_post", "moe_gate", "moe_select", "route_weights", "swiglu",
     "moe_combine", "lm_head", "chat_request", "chat_render", "chunk_boundary", "state_restore",
 )
 
