@@ -12,6 +12,8 @@ and once: `fidelity mlxvlm explain` (f32; every route, its replay and causality 
 at ratio 4): mlx-vlm with HISA on (its default) and off (index_block 0) over HTTP, the golden,
 its twin with HISA and without in-process (with the needle entry's fate per CSA layer); the
 report is reports/mlx-vlm-hisa/ (committed).
+`--history`: `fidelity mlxvlm history` over PyPI's releases (resumes from the committed ledger,
+reports/mlxvlm-history/), its table and change points into docs/mlx-vlm.md.
 Writes bench/results/mlx_vlm.json and docs/mlx-vlm.md's measured tables (`--render`: the
 tables again from the stored JSON). Needs `make mlx-vlm`. About 20 minutes on 2 cores, the
 needle sweep more (its own time is written down with it)."""
@@ -42,6 +44,8 @@ NEEDLE_LENGTHS, NEEDLE_DEPTHS, NEEDLE_REPS = "2048,4608,8192", "10,50,90", 1   #
 # the twins alone (in-process, minutes where mlx-vlm over HTTP takes hours) further past the switch
 LONG_LENGTHS, LONG_DEPTHS = "8192,16384", "10,30,50,70,90"
 HISA_REPORT = ROOT / "reports" / "mlx-vlm-hisa"
+HISTORY = ROOT / "reports" / "mlxvlm-history"
+HISTORY_ARGS = ("--releases", "spread:6", "--lengths", "256", "--reps", "1")
 CONFIGS = {"native, decode": ("native", "decode"), "native, prefill": ("native", "prefill"),
            "f32, decode": ("f32", "decode"), "f32, prefill": ("f32", "prefill")}
 
@@ -122,8 +126,6 @@ def same_answers(rows: list[dict], a: str, b: str) -> list[int]:
 
 def needle_long() -> dict:
     """The twins with HISA and without, in-process, further past the switch and at more depths."""
-    import time
-    t0 = time.time()
     fidelity("needle", "--arm", "twin=exact:hisa", "--arm", "twin-nohisa=exact:", "--checkpoint", str(MODEL),
              "--lengths", LONG_LENGTHS, "--depths", LONG_DEPTHS, "--reps", "1", "--out", str(OUT), "--run-id",
              "hisa-long", "--results", str(OUT / "needle-hisa-long.jsonl"), "--quiet", "--no-plots")
@@ -141,6 +143,11 @@ def main() -> int:
     install = paths.pinned()
     install.python()                                   # NotInstalled names `make mlx-vlm`
     OUT.mkdir(parents=True, exist_ok=True)
+    if sys.argv[1:] == ["--history"]:
+        r = fidelity("mlxvlm", "history", *HISTORY_ARGS, "--out", "reports")
+        print(r.stdout[-3000:], r.stderr[-3000:], sep="\n")
+        write_doc(json.loads(RESULTS.read_text()))
+        return r.returncode
     if sys.argv[1:] in (["--needle"], ["--needle-long"]):
         res = json.loads(RESULTS.read_text())
         if sys.argv[1] == "--needle":
@@ -239,8 +246,32 @@ def recall_long(res: dict) -> str:
                               "ranked 1st by the exact score, yet not picked"], rows)])
 
 
+def history() -> str:
+    """The history's releases table and change points, from its committed page."""
+    rep = HISTORY / "report"
+    if not (rep / "builds.csv").is_file():
+        return "Not run yet: `python bench/bench_mlx_vlm.py --history`."
+    t = pd.read_csv(rep / "builds.csv").fillna("")
+    cols = ["release", "status", "loads DeepSeek's checkpoint", "KLD vs golden [95% CI]", "golden floor",
+            "KLD vs twin [95% CI]", "vs twin", "same top-1"]
+    rows = [[r[c] if not isinstance(r[c], float) else f"{r[c]:.3g}" for c in cols] for _, r in t.iterrows()]
+    from fidelity.history import report as R
+    from fidelity.mlxvlm import history as H
+    head = R.headline(H.History(HISTORY, H.Settings(MODEL), progress=lambda m: None))
+    pairs = pd.read_csv(rep / "pairs.csv") if (rep / "pairs.csv").stat().st_size > 1 else pd.DataFrame()
+    prow = [[r["from"], r["to"], r["kind"], r["mean KL [95% CI]"], r["twin's floor (mean, upper)"]]
+            for _, r in pairs.iterrows()]
+    return "\n\n".join(x for x in (
+        f"`fidelity mlxvlm history {' '.join(HISTORY_ARGS)}` (`bench/bench_mlx_vlm.py --history`; page: "
+        f"[reports/mlxvlm-history](../reports/mlxvlm-history/report/index.html)). " + head,
+        _table(cols, rows),
+        _table(["from", "to", "kind", "mean KL [95% CI]", "twin's floor (mean, upper)"], prow) if prow else "",
+    ) if x)
+
+
 def write_doc(res: dict) -> None:
     text = _between(_between(DOC.read_text(), "measured", table(res)), "explained", explained(res))
+    text = _between(text, "history", history())
     DOC.write_text(_between(_between(text, "recall", recall(res)), "recall-long", recall_long(res)))
 
 

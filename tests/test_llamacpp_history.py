@@ -10,6 +10,8 @@ import pytest
 
 from fidelity.commands.llamacpp_history import parse_bisect, parse_builds
 from fidelity.errors import CommandError
+from fidelity.history import pairs as P
+from fidelity.history.ledger import Ledger, failure_reason
 from fidelity.kld.bounds import Known
 from fidelity.kld.dialects import PromptScores
 from fidelity.kld.store import ScoreStore
@@ -41,23 +43,23 @@ def test_build_selections_and_their_errors():
 
 def test_a_build_failure_is_named_by_its_error_line():
     log = "[ 40%] Building CXX\nsrc/x.cpp:12: error: 'ggml_dsv4_hc_pre' was not declared\nmake: *** failed\n"
-    assert "ggml_dsv4_hc_pre" in B.failure_reason(log)
-    assert B.failure_reason("") == "no output"
+    assert "ggml_dsv4_hc_pre" in failure_reason(log)
+    assert failure_reason("") == "no output"
 
 
 def test_the_ledger_appends_resumes_and_names_a_broken_line(tmp_path):
-    led = H.Ledger(tmp_path / "h.jsonl")
+    led = Ledger(tmp_path / "h.jsonl")
     led.add("built", 9905, ok=False, reason="x")
     led.add("built", 9905, ok=True)
     led.add("pair", [9905, 9917], kind="identical")
-    again = H.Ledger(tmp_path / "h.jsonl")
+    again = Ledger(tmp_path / "h.jsonl")
     assert again.get("built", 9905)["ok"] is True          # the latest line of a key wins
     assert again.get("pair", [9905, 9917])["kind"] == "identical"
     assert len(again.all("built")) == 1 and again.get("built", 1) is None
     with open(tmp_path / "h.jsonl", "a") as f:
         f.write('{"stage": "built", "ke')
     with pytest.raises(ValueError, match=r"h.jsonl:4 is not JSON"):
-        H.Ledger(tmp_path / "h.jsonl")
+        Ledger(tmp_path / "h.jsonl")
 
 
 def _scores(logits: np.ndarray) -> PromptScores:
@@ -87,12 +89,12 @@ def test_two_builds_compared_against_the_twins_floors(tmp_path):
     st = _store(tmp_path, {"twin": base, "twin~floor:fp32-accum": near, "twin~floor:tie-order": base,
                            "b1": base, "b2": base, "b3": {p: x + 5e-5 * rng.normal(size=x.shape) for p, x in base.items()},
                            "b4": far, "b5": nan})
-    floors = D.floors_by_prompt(st)
-    same = D.pair(st, "b1", "b2", floors)
-    assert (same.kind, same.identical, same.prompts, same.signals["kld_mean"].kl[0]) == (D.IDENTICAL, 4, 4, 0.0)
-    assert D.pair(st, "b1", "b3", floors).kind == D.WITHIN
-    beyond = D.pair(st, "b1", "b4", floors)
-    assert beyond.kind == D.BEYOND and beyond.signals["kld_mean"].beyond == 4 and "beyond the floors" in beyond.sentence()
+    floors = P.floors_by_prompt(st)
+    same = P.pair(st, "b1", "b2", floors)
+    assert (same.kind, same.identical, same.prompts, same.signals["kld_mean"].kl[0]) == (P.IDENTICAL, 4, 4, 0.0)
+    assert P.pair(st, "b1", "b3", floors).kind == P.WITHIN
+    beyond = P.pair(st, "b1", "b4", floors)
+    assert beyond.kind == P.BEYOND and beyond.signals["kld_mean"].beyond == 4 and "beyond the floors" in beyond.sentence()
 
     def kl(p, q):                                           # fp64 by hand: mean over positions
         lp = p - np.log(np.exp(p).sum(-1, keepdims=True))
@@ -104,8 +106,8 @@ def test_two_builds_compared_against_the_twins_floors(tmp_path):
     assert beyond.signals["answer_kld"].kl[0] == pytest.approx(last, rel=1e-9)
     assert floors["kld_mean"]["p0"] == pytest.approx(max(1e-6, kl(base["p0"], near["p0"])), rel=1e-9)
     assert floors["answer_kld"]["p0"] == pytest.approx(max(1e-6, kl(base["p0"][-1:], near["p0"][-1:])), rel=1e-9)
-    bad = D.pair(st, "b1", "b5", floors)
-    assert bad.kind == D.BEYOND and bad.nonfinite == 1 and "non-finite on 1" in bad.sentence()
+    bad = P.pair(st, "b1", "b5", floors)
+    assert bad.kind == P.BEYOND and bad.nonfinite == 1 and "non-finite on 1" in bad.sentence()
 
 
 def test_a_few_prompts_far_above_their_floors_are_beyond_though_the_mean_is_not(tmp_path):
@@ -121,17 +123,17 @@ def test_a_few_prompts_far_above_their_floors_are_beyond_though_the_mean_is_not(
     st = _store(tmp_path, {"b1": base, "b2": few, "b3": one})
     fl = {"kld_mean": {p: 1e-5 for p in base}, "answer_kld": {p: 1e-6 for p in base}}
     fl["kld_mean"]["p00"] = 5.0                          # one prompt's floor: a near tie flipped
-    d = D.pair(st, "b1", "b2", fl)
+    d = P.pair(st, "b1", "b2", fl)
     k = d.signals["kld_mean"]
     assert k.kl[1] < k.floor[2]                          # the means alone would say "within"
-    assert k.broken == 3 and k.p_value < 0.05 and d.kind == D.BEYOND
+    assert k.broken == 3 and k.p_value < 0.05 and d.kind == P.BEYOND
     assert "3 of 12 prompts at >= 10x their own floor" in d.sentence()
-    v, _ = D.prompt_kl(st.get("b1", "p05", "k" * 16), st.get("b3", "p05", "k" * 16))
+    v, _ = P.prompt_kl(st.get("b1", "p05", "k" * 16), st.get("b3", "p05", "k" * 16))
     fl1 = {"kld_mean": {p: 1.0 for p in base}, "answer_kld": {p: 1.0 for p in base}}
     fl1["kld_mean"]["p05"], fl1["answer_kld"]["p05"] = v["kld_mean"] / 20, v["answer_kld"] * 2
-    d1 = D.pair(st, "b1", "b3", fl1)
+    d1 = P.pair(st, "b1", "b3", fl1)
     assert d1.signals["kld_mean"].broken == 1 and d1.signals["kld_mean"].p_value == pytest.approx(1 - (19 / 20) ** 12)   # P(Bin(12, 1/20) >= 1)
-    assert d1.kind == D.WITHIN
+    assert d1.kind == P.WITHIN
 
 
 def test_tensor_diff_names_the_first_tensor_that_parts():
@@ -150,7 +152,7 @@ class FakeHistory(H.History):
 
     def __init__(self, out):
         self.out, self.say, self.runs = out, lambda m: None, []
-        self.ledger = H.Ledger(out / "history.jsonl")
+        self.ledger = Ledger(out / "history.jsonl")
 
     def run_build(self, n, needle=True):
         if self.ledger.get("built", n) is None:
@@ -177,7 +179,7 @@ class FakeHistory(H.History):
 
     def compare(self, a, b):
         (ca, wa), (cb, wb) = self._level(a), self._level(b)
-        kind = D.BEYOND if ca != cb else D.WITHIN if wa != wb else D.IDENTICAL
+        kind = P.BEYOND if ca != cb else P.WITHIN if wa != wb else P.IDENTICAL
         return {"kind": kind, "sentence": f"b{b} vs b{a}: {kind}"}
 
 

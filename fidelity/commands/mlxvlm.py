@@ -4,11 +4,14 @@
            /v1/completions, for `fidelity kld --endpoint`, `fidelity needle --endpoint`, ...
   replay   mlx-vlm's tensors vs the golden's taps by one route, propagated and isolated
   explain  every route against its twin, each departing route replayed and probed for
-           causality: where and why mlx-vlm departs, in sentences (fidelity.mlxvlm.explain)"""
+           causality: where and why mlx-vlm departs, in sentences (fidelity.mlxvlm.explain)
+  history  PyPI's releases with DeepSeek-V4, each installed, scored against the golden and the twin,
+           adjacent releases compared, a change bisected and attributed (fidelity.mlxvlm.history)"""
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -22,11 +25,14 @@ EXAMPLES = """\
     fidelity mlxvlm replay --route decode --tokens 240  # where mlx-vlm's generation path departs, per tensor
     fidelity mlxvlm explain                             # every route vs its twin: which depart, where, why
     fidelity mlxvlm explain --patch carry-window        # ... with the candidate fix of what it found
+    fidelity mlxvlm history --releases 0.6.0,0.6.4,0.7.0,0.7.10   # releases scored, compared, changes bisected
+    fidelity mlxvlm history --bisect 0.7.0..0.7.10      # the first release whose numbers change between two
 """
+DEFAULT_RELEASES = "spread:6"
 
 
 def add_arguments(p):
-    p.add_argument("action", choices=("serve", "replay", "explain"))
+    p.add_argument("action", choices=("serve", "replay", "explain", "history"))
     p.add_argument("--checkpoint", default="tiny-needle-v2",
                    help="DeepSeek-native checkpoint folder or embedded model name (default: %(default)s)")
     p.add_argument("--load", choices=("native", "f32"), default=None,
@@ -49,7 +55,10 @@ def add_arguments(p):
     p.add_argument("--index-block", type=int, default=None, metavar="N",
                    help="serve: mlx-vlm's HISA block size instead of its config's (its own switch; 0: HISA off, "
                         "the exact top-k)")
-    p.add_argument("--out", default="reports", help="replay, explain: writes <out>/mlxvlm-<action>/")
+    from fidelity.commands.engine_history import add_arguments as history_arguments
+    history_arguments(p.add_argument_group("history"), "--releases", "release", "0.6.0,0.7.0,0.7.10",
+                      DEFAULT_RELEASES, 0)
+    p.add_argument("--out", default="reports", help="replay, explain, history: writes <out>/mlxvlm-<action>/")
 
 
 def run(args) -> int:
@@ -65,6 +74,8 @@ def run(args) -> int:
         except SystemExit as e:
             raise CommandError(str(e), 2) from None
     weights = args.load or ("native" if args.action == "serve" else "f32")
+    if args.action == "history":
+        return _history(args, src, weights)
     try:
         paths.pinned().python()
     except paths.NotInstalled as e:
@@ -123,3 +134,40 @@ def _replay(model: Path, w, ids: list[int], route: str, weights: str, out: Path,
             print(t.to_string(index=False, float_format=fmt))
     print("\n" + "\n".join(X.headline(f)))
     return 1 if f["compressors"] or f["block"] or f["unexplained"] else 0
+
+
+def _release(text: str) -> str:
+    from fidelity.mlxvlm.history import FIRST, version_key
+    v = text.lstrip("v")
+    if not re.fullmatch(r"\d+(\.\d+)+", v):
+        raise ValueError(f"give mlx-vlm releases such as 0.6.0,0.7.10 or spread:6 ({text!r} is not one)")
+    if version_key(v) < version_key(FIRST):
+        raise ValueError(f"mlx-vlm {v} predates DeepSeek-V4 in mlx-vlm (first: {FIRST})")
+    return v
+
+
+def _history(args, src: Path, weights: str) -> int:
+    from fidelity.commands import engine_history as E
+    from fidelity.history import report as R
+    from fidelity.mlxvlm import history as H
+    available = E.listed_once(H.available, H.ReleasesError)
+
+    bis = E.parse_bisect(args.bisect, _release, lambda a, b: H.version_key(a) < H.version_key(b), "0.7.0..0.7.10",
+                         "release")
+    keys = E.parse_keys(args.releases or (None if bis else DEFAULT_RELEASES), available, _release, "--releases",
+                        "release")
+    s = H.Settings(src, lengths=args.lengths, reps=args.reps, needle_length=args.needle_length, weights=weights,
+                   route=args.route, threads=args.threads or 1)
+    h = H.History(Path(args.out) / "mlxvlm-history", s, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    if bis:          # a bisection walks PyPI's list: both ends must be on it
+        missing = [v for v in bis if v not in available()]
+        if missing:
+            raise CommandError(f"--bisect: mlx-vlm {missing[0]} is not on PyPI's list ({', '.join(available())})", 2)
+
+    def loads():                     # where mlx-vlm's own loader stops loading DeepSeek's checkpoint
+        for a, b in h.load_changes(keys):
+            r = h.bisect_load(available(), a, b)
+            if r["adjacent"]:
+                h.cause(*r["change"])
+            yield r["sentence"]
+    return E.run(h, R, h.order(keys), bis, available, args.no_bisect, more=loads)

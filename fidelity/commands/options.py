@@ -67,6 +67,9 @@ VOCABULARY = {
     "--host": "the interface a server started here listens on", "--port": "the port it listens on",
     "--tokens": "a replay's prompt length in tokens",
     "--prompt": "one prompt of `fidelity kld`'s grid by its id (L<length>-d<depth>-r<rep>)",
+    "--bisect": "a history's two releases A..B: the first after A whose numbers change as B's do",
+    "--no-bisect": "a history's releases compared, their changes not bisected",
+    "--needle-length": "a history's needle recall length per release (0: none)",
     "--json": "print one JSON object", "--threads": "CPU threads", "--plugin": "a toggle plugin module",
 }
 # spellings retired for the vocabulary's: accepted for one release, with a note

