@@ -243,7 +243,7 @@ def test_replay_places_the_departure_and_names_what_reproduces_it(f32, tmp_path)
     assert len(iso["mHC"]) == len(iso["router"]) == w.cfg.n_layers
     assert all(e["error"] < 10 * max(e["floor"], R.F32_ROUNDING) for e in found["errors"]["router"]), found
     assert R.headline(found)[0].startswith("Fed llama.cpp's own inputs, every block"), R.headline(found)
-    assert attn.picks_differ.dropna().max() <= 0.05 * attn.rows.dropna().min(), attn
+    assert R.selections(attn) and not any(x["beyond"] for x in R.selections(attn)), attn   # ties at most
     assert R.headline(found)[-1].startswith("By design: llama.cpp (prefill) first departs from the golden")
 
 

@@ -26,8 +26,9 @@ def test_a_block_is_unexplained_only_beyond_every_modelled_arm():
 
 
 def test_the_first_block_in_graph_order_leads_and_by_design_comes_last():
-    attn = _iso({"golden": [0.03] * 3, TWIN: [1e-5, 1e-5, 0.2]}, [1e-5] * 3).assign(rows=[None, 200, 200],
-                                                                                    picks_differ=[None, 3, 0])
+    sel = [None, {"layer": 1, "rows": 200, "k": 4, "engine_k": 4, "differ": 3, "beyond": 0, "worst": None},
+           {"layer": 2, "rows": 200, "k": 4, "engine_k": 4, "differ": 0, "beyond": 0, "worst": None}]
+    attn = _iso({"golden": [0.03] * 3, TWIN: [1e-5, 1e-5, 0.2]}, [1e-5] * 3).assign(selection=sel)
     moe = _iso({"golden": [0.02] * 3, TWIN: [1e-7, 1e-7, 0.5]}, [1e-7] * 3)
     table = pd.DataFrame({"layer": [0, 0], "tensor": ["attn.q", "attn.out"], "engine_tensor": ["q-0", "attn_out-0"],
                           "vs golden": [0.03, 0.03], f"vs {R.FLOOR}": [0.03, 0.03], f"vs {TWIN}": [1e-6, 0.1],
@@ -37,7 +38,7 @@ def test_the_first_block_in_graph_order_leads_and_by_design_comes_last():
     lines = R.headline(f)
     assert lines[0].startswith(f"llama.cpp (prefill) departs from its twin ({TWIN}) at layer 2 attention")
     assert "the MoE at layer 2 too" in lines[0]
-    assert "3 of 200 rows at layer 1" in lines[1]
+    assert "only at ties (within the scores' floor) on 3 of 200 rows at layer 1" in lines[1]
     assert "to layer 0 attn.q, then departs from every one at layer 0 attn.out" in lines[2]
     assert lines[-1].startswith("By design: llama.cpp (prefill) first departs from the golden at layer 0 attn.q")
 
@@ -80,3 +81,18 @@ def test_an_engine_keeping_fewer_picks_than_top_k_is_replayed_with_its_own():
     got = _engine_picks(picks)(None, scores, 8)
     assert got.shape == (2, 8)
     assert got[0].tolist() == [-1, -1, -1, -1, -1, 2, 5, 6] and got[1].tolist() == [-1] * 4 + [0, 1, 2, 3]
+
+
+def test_a_selection_beyond_the_scores_floor_leads_the_headline_though_every_block_matches():
+    """The seeds' class: an index-key precision bug moves the picks while every block, fed the
+    engine's own picks, matches its twin -- the selection is said first, with its rows."""
+    worst = {"row": 7, "lost": 1, "entry": 30, "loss": 0.2, "floor": 1e-4, "x_floor": 2000.0}
+    sel = [None, {"layer": 1, "rows": 209, "k": 8, "engine_k": 8, "differ": 11, "beyond": 11, "worst": worst}]
+    ok = _iso({TWIN: [1e-6] * 2}, [1e-6] * 2).assign(selection=sel)
+    table = pd.DataFrame({"layer": [0], "tensor": ["attn.q"], "engine_tensor": ["q-0"], "vs golden": [1e-7],
+                          f"vs {TWIN}": [1e-7], "floor": [4e-5], "twin floor": [1e-7]})
+    lines = R.headline(R.findings(table, {"attention": ok, "MoE": ok}, "prefill", "f16"))
+    assert lines[0].startswith("llama.cpp's indexer selects other entries than its twin, fed the same inputs: "
+                               "11 of 209 rows at layer 1 lose an entry beyond the scores' floor"), lines
+    assert "2e+03x the floor" in lines[0]
+    assert lines[1].startswith("Fed llama.cpp's own inputs, every block")

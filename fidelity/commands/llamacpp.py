@@ -106,22 +106,30 @@ def _golden(ck: Path):
 
 
 def _text_ids(args, tok, n: int) -> list[int]:
+    return _text_and_needle(args, tok, n)[0]
+
+
+def _text_and_needle(args, tok, n: int) -> tuple[list[int], tuple[int, ...]]:
+    """The ids a replay runs on (a grid prompt, a text file or a haystack) and the needle
+    value's token positions among them (none for a text file)."""
     from fidelity.prompts import grid_prompt, haystack_ids
     if getattr(args, "prompt", None):
         try:
-            return grid_prompt(tok, args.prompt, args.seed).tokens.tolist()
+            p = grid_prompt(tok, args.prompt, args.seed)
         except ValueError as e:
             raise CommandError(f"--prompt: {e}", 2) from None
+        return p.tokens.tolist(), p.needle_tokens
+    needle: tuple[int, ...] = ()
     if args.text:
         try:
             ids = tok.encode(Path(args.text).read_text())
         except OSError as e:
             raise CommandError(f"cannot read --text {args.text}: {e.strerror}", 2) from None
     else:                                         # a haystack at least as long as the template needs
-        ids, _ = haystack_ids(tok, max(n, 1024), 50, 0)
+        ids, needle = haystack_ids(tok, max(n, 1024), 50, 0)
     if len(ids) < n:
         raise CommandError(f"the text has {len(ids)} tokens, {n} needed", 2)
-    return list(ids[:n])
+    return list(ids[:n]), tuple(p for p in needle if p < n)
 
 
 def _replay(args, ck: Path, model: Path, build=None) -> int:
@@ -131,10 +139,10 @@ def _replay(args, ck: Path, model: Path, build=None) -> int:
     except ValueError as e:
         raise CommandError(str(e), 2) from None
     w, tok, _ = _golden(ck)
-    ids = _text_ids(args, tok, args.tokens)
+    ids, needle = _text_and_needle(args, tok, args.tokens)
     out = Path(args.out or "reports") / "llamacpp-replay"
     out.mkdir(parents=True, exist_ok=True)
-    r = R.run(model, w, ids, arms, out, args.path, args.cache_type, build)
+    r = R.run(model, w, ids, arms, out, args.path, args.cache_type, build, needle_positions=needle)
     table, iso = r.table, r.iso
     searched = None
     if args.search:

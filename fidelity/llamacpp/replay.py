@@ -244,13 +244,15 @@ def _engine_picks(picks: np.ndarray):
     return topk
 
 
-def isolated_attention(engine: dict[str, np.ndarray], weights, arms: dict, twin: str | None = None) -> pd.DataFrame:
+def isolated_attention(engine: dict[str, np.ndarray], weights, arms: dict, twin: str | None = None,
+                       needle_positions=()) -> pd.DataFrame:
     """Each layer's attention fed llama.cpp's own input (attn_norm) from an empty cache and,
     at CSA layers, its own indexer picks (lid_top_k), once per in-process arm: the arm's
     relative error to llama.cpp's attn_out. Upstream differences and near-tie selection
     flips drop out, so what remains is the attention's own arithmetic. Also per CSA layer
-    the rows whose picks differ from the arm's own (`picks_differ` of `rows`, rows with all
-    k entries visible). `floor`: the `twin` in fp64 against the twin (prefill only)."""
+    llama.cpp's picks against the twin's on the same input (fidelity.llamacpp.selection:
+    `selection`, with the needle's entries when `needle_positions` are given).
+    `floor`: the `twin` in fp64 against the twin (prefill only)."""
     from reference_model import build_model
     rows = []
     models = {name: build_model(weights, nx) for name, nx in arms.items()}
@@ -268,23 +270,25 @@ def isolated_attention(engine: dict[str, np.ndarray], weights, arms: dict, twin:
                                     "prefill").double().numpy()
             row[f"vs {name}"] = rel(out.reshape(ys[name].shape), ys[name])
         _floored(row, ys, twin, rel)
-        if picks is not None and twin in models:
-            row.update(_picks_differ(models[twin], i, x, picks))
+        if picks is not None and twin in models and TWIN_FLOOR in models:
+            row["selection"] = _selection(models[twin], models[TWIN_FLOOR], i, x, picks,
+                                          weights.cfg.compress_ratios[i], needle_positions)
         rows.append(row)
     return pd.DataFrame(rows)
 
 
-def _picks_differ(model, i: int, x: np.ndarray, picks: np.ndarray) -> dict:
-    """Rows (all k entries visible to `model`) whose indexer picks at layer i, fed llama.cpp's
-    input, are not llama.cpp's."""
-    from reference_model.taps import Taps
-    taps = Taps([f"layers.{i}.attn.index.topk"])
-    model.attention(i, model._weights(i), torch.tensor(x).to(model.nx.cd), model.new_state(), 0,
-                    lambda name, v: taps.put(f"layers.{i}.{name}", v), "prefill")
-    own = taps[f"layers.{i}.attn.index.topk"].numpy()
-    full = (own >= 0).all(1)
-    differ = [j for j in np.flatnonzero(full) if set(own[j]) != set(picks[j, :own.shape[1]])]
-    return {"rows": int(full.sum()), "picks_differ": len(differ)}
+def selections(attn: pd.DataFrame) -> list[dict]:
+    """The isolated attention's per-layer selection records (CSA layers only)."""
+    return [r for r in attn.get("selection", pd.Series(dtype=object)) if isinstance(r, dict)]
+
+
+def _selection(twin, twin64, i: int, x: np.ndarray, picks: np.ndarray, ratio: int, needle_positions) -> dict:
+    """llama.cpp's picks at layer i against the twin's, judged on the twin's scores (selection.py)."""
+    from . import selection as S
+    s, own = S.scores_and_picks(twin, i, x)
+    s64, _ = S.scores_and_picks(twin64, i, x)
+    ents = S.needle_entries(needle_positions, ratio) if len(needle_positions) else None
+    return {"layer": i, **S.compare(picks, own, s, s64, ents)}
 
 
 def _floored(row: dict, ys: dict, twin: str | None, err) -> dict:
@@ -364,7 +368,7 @@ class Run:
 
 
 def run(gguf: Path, weights, ids: list[int], arms: dict, workdir: Path, path: str = "prefill",
-        cache: str = "f16", build=None) -> Run:
+        cache: str = "f16", build=None, needle_positions=()) -> Run:
     """llama.cpp on `gguf` with its KV cache in `cache` vs in-process `arms` (name ->
     Numerics; must hold GOLDEN and FLOOR) over `ids` by `path`, dumped by `build`
     (fidelity.llamacpp.paths.Build; default the pinned one). The isolated blocks:
@@ -374,7 +378,8 @@ def run(gguf: Path, weights, ids: list[int], arms: dict, workdir: Path, path: st
     taps = {name: taps_of(weights, nx, ids, path) for name, nx in arms.items()}
     twin = twin_of(cache)
     table = compare(engine, taps, weights.cfg.n_layers, twin)
-    attn = isolated_attention(engine, weights, arms, twin) if path == "prefill" else pd.DataFrame()
+    attn = (isolated_attention(engine, weights, arms, twin, needle_positions) if path == "prefill"
+            else pd.DataFrame())
     iso = {"attention": attn, "mHC": isolated_mhc(engine, weights, arms, twin),
            "router": isolated_router(engine, weights, arms, ids, twin),
            "MoE": isolated_moe(engine, weights, arms, twin)}
@@ -409,8 +414,7 @@ def findings(table: pd.DataFrame, iso: dict[str, pd.DataFrame], path: str, cache
     blocks = [b for b in (block_unexplained(t, name) for name, t in iso.items()) if b]
     first = min(blocks, key=lambda b: (b["layer"], order.index(b["block"]))) if blocks else None
     attn = iso.get("attention", pd.DataFrame())
-    picks = ([{"layer": int(r.layer), "differ": int(r.picks_differ), "rows": int(r.rows)}
-              for _, r in attn.iterrows() if "picks_differ" in attn and pd.notna(r.picks_differ)])
+    picks = selections(attn)
     errors = {name: [{"layer": int(r.layer), "error": float(r[modelled(t)].min()), "floor": float(r.floor)}
                      for _, r in t.iterrows()] for name, t in iso.items() if not t.empty and "floor" in t}
     return {"twin": twin_of(cache), "path": path, "block": first, "blocks": blocks, "errors": errors,
@@ -425,7 +429,9 @@ def headline(f: dict) -> list[str]:
     and the indexer picks as context, what differs by design last."""
     b, u, twin, path = f["block"], f["unexplained"], f["twin"], f["path"]
     fed = ", ".join(k for k, v in f["isolated"].items() if v) or "no"
-    lines = []
+    from .selection import sentence as selection_sentence
+    chose = selection_sentence(f["picks"])
+    lines = [chose] if chose else []              # the seeds' class first: it loses needles at length
     if b is not None:
         more = [x for x in f["blocks"] if x is not b]
         also = "".join(f"; the {x['block']} at layer {x['layer']} too ({_times(x['x_floor'])})" for x in more)
@@ -434,11 +440,10 @@ def headline(f: dict) -> list[str]:
     elif fed != "no":
         lines.append(f"Fed llama.cpp's own inputs, every block of llama.cpp ({path}) compared ({fed}) matches "
                      f"its twin ({twin}) within {FACTOR:g}x the twin's floor.")
-    flips = [p for p in f["picks"] if p["differ"]]
-    if flips:
-        lines.append("Its indexer picks differ from the twin's on " + ", ".join(
-            f"{p['differ']} of {p['rows']} rows at layer {p['layer']}" for p in flips)
-            + " (fed the same inputs; the isolated attention above uses llama.cpp's own picks).")
+    ties = [p for p in f["picks"] if p["differ"] and not p["beyond"]]
+    if ties:
+        lines.append("Its indexer picks differ from the twin's only at ties (within the scores' floor) on " + ", ".join(
+            f"{p['differ']} of {p['rows']} rows at layer {p['layer']}" for p in ties) + ".")
     if u is None:
         lines.append(f"Propagated, it stays within {FACTOR:g}x the twin's floor of a modelled arm at every tensor.")
     else:

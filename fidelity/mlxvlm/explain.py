@@ -74,10 +74,10 @@ def sentence(e: dict) -> list[str]:
         if crossing:
             why.append("its overlapping (ratio-4) compressors do not carry the previous window across calls: "
                        + X.compressor_words(crossing))
-        flips = [p for p in f["picks"] if p["differ"]]
+        flips = [p for p in f["picks"] if p["beyond"]]
         if flips:
-            why.append("its indexer, fed the same inputs, then picks other entries on " + ", ".join(
-                f"{p['differ']} of {p['rows']} rows at layer {p['layer']}" for p in flips))
+            why.append("its indexer, fed the same inputs, then picks other entries (beyond the scores' floor) on "
+                       + ", ".join(f"{p['beyond']} of {p['rows']} rows at layer {p['layer']}" for p in flips))
         rest = [k for k in f["compressors"] if k not in crossing]
         if rest:
             why.append(("and" if crossing else "its") + " compressors depart: " + X.compressor_words(rest))

@@ -222,8 +222,7 @@ def findings(r: Run, route: str, weights: str) -> dict:
     blocks = [b for b in (R.block_unexplained(t, name) for name, t in r.iso.items()) if b]
     comps = [c for c in r.compressors.to_dict("records") if c["departing"]]
     attn = r.iso.get("attention", pd.DataFrame())
-    picks = ([{"layer": int(x.layer), "differ": int(x.picks_differ), "rows": int(x.rows)}
-              for _, x in attn.iterrows() if "picks_differ" in attn and pd.notna(x.picks_differ)])
+    picks = R.selections(attn)
     return {"route": route, "weights": weights, "calls": len(r.calls) if r.calls else 1, "twin": TWIN,
             "compressors": comps, "compressors_checked": len(r.compressors),
             "block": min(blocks, key=lambda b: (b["layer"], order.index(b["block"]))) if blocks else None,
@@ -290,10 +289,10 @@ def headline(f: dict) -> list[str]:
     b = f["block"]
     if b is not None:
         lines.append(f"First block that departs fed its own inputs: layer {b['layer']} {b['block']}, {R._how(b)}.")
-    flips = [p for p in f["picks"] if p["differ"]]
-    if flips:
-        lines.append("Its indexer picks differ from the twin's (fed the same inputs) on " + ", ".join(
-            f"{p['differ']} of {p['rows']} rows at layer {p['layer']}" for p in flips) + ".")
+    from fidelity.llamacpp.selection import sentence as selection_sentence
+    chose = selection_sentence(f["picks"], "mlx-vlm")
+    if chose:
+        lines.insert(0, chose)
     u = f["unexplained"]
     lines.append(f"Propagated, it stays within {R.FACTOR:g}x the twin's floor at every tensor compared." if u is None
                  else f"Propagated, it first departs at layer {u['layer']} {u['tensor']}: {R._how(u)}.")
