@@ -98,11 +98,12 @@ def test_attribute_with_bootstrap_ci():
     assert r["lo"] <= 0.25 <= r["hi"] and r["hi"] - r["lo"] < 1e-9      # paired: noise cancels
 
 
-def test_one_factor_is_not_also_called_leave_one_out():
+def test_one_factor_is_not_also_called_leave_one_out_or_a_shapley_share():
     """An endpoint arm against its baseline is one factor: its effect is one-at-a-time
-    (leave-one-out would be the same number under a name that suggests an engine minus t)."""
+    (leave-one-out, or a Shapley share, would be the same number under a name that suggests
+    an engine minus t, or a share of several)."""
     rows = A.attribute(["x"], {frozenset(): np.zeros(4), frozenset({"x"}): np.arange(4.0)}, n_boot=50)
-    assert {r["method"] for r in rows} == {"one_at_a_time", "shapley"}
+    assert {r["method"] for r in rows} == {"one_at_a_time"}
     assert all(r["value"] == pytest.approx(1.5) for r in rows)
 
 

@@ -333,3 +333,39 @@ def test_the_headline_names_an_effect_as_an_effect(method, words):
               "lo": 0.0082, "hi": 0.016, "floor_hi": 0.00125, "floor_arm": "floor:exact"}]
     said = headline({"named": named})
     assert said.startswith(f"t {words}, 9.76× the highest floor (0.0013, floor:exact), 6.56× at its 95%"), said
+
+
+def test_a_small_departure_certain_on_every_prompt_is_named_as_such_and_a_null_never_is():
+    """Sixteen prompts each 8.6-9.4x their floor: below the 10x bar but above it on 16/16
+    (sign test p = 2^-16 = 1.5e-05 < 1e-4): a finding of its own class, in the verdict and the
+    headline when nothing larger is found. Six prompts at the same multiples are only 'below
+    the bar' (p = 1/64), and a null (bit-identical, 0x) or a re-association (~1x, half the
+    prompts below their floor) reaches neither."""
+    from fidelity.ab.drift import largest_departure, steadiness
+    from fidelity.verdict.board import headline
+    from fidelity.verdict.findings import certain, with_departures
+
+    def dep(values):
+        drift = pd.DataFrame([{"arm": arm, "phase": "prefill", "bucket": "all", "layer": 0, "tap": "attn.out",
+                               "rel_l2": v, "prompt": f"p{i}", "step": -1}
+                              for i, x in enumerate(values) for arm, v in (("t", x * 1e-6), ("floor:fp32-accum", 1e-6))])
+        near = largest_departure(drift, "t", "floor:fp32-accum")
+        st = steadiness(drift, "t", "floor:fp32-accum", "prefill", 0, "attn.out")
+        return {**near, "toggle": "t", "below_bar": True, "steady": st} if near else None
+    sure = dep([8.6 + 0.05 * i for i in range(16)])
+    assert sure["steady"]["p"] == pytest.approx(2 ** -16) and certain(sure)
+    v = with_departures({"sentence": "Nothing.", "named": []}, [sure])
+    assert v["small_certain"] == [sure]
+    assert "Small but certain: t departs 8.97x the reduction-order floor at layer 0 `attn.out` (prefill) on " \
+           "16/16 prompts (per prompt 8.6-9.35x; sign test p = 1.5e-05)" in v["sentence"]
+    assert "Below the 10x bar" not in v["sentence"]                  # said once, in its own class
+    h = headline(v)
+    assert h.startswith("No toggle changes the outcome beyond its floors; small but certain: t departs 8.97×")
+    assert "16/16 prompts (sign test p = 1.5e-05)" in h
+    few = dep([8.6, 9.0, 9.3, 8.9, 9.1, 9.2])
+    assert not certain(few) and not with_departures({"sentence": "", "named": []}, [few])["small_certain"]
+    reassociated = dep([0.5, 1.5] * 8)
+    assert reassociated is None or not certain(reassociated)
+    assert dep([0.0] * 16) is None or not certain(dep([0.0] * 16))   # a null: bit-identical
+    named = with_departures({"sentence": "", "named": [{"toggle": "t"}]}, [sure])
+    assert named["small_certain"] == []                              # already named by its outcome

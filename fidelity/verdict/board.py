@@ -138,7 +138,8 @@ def place_words(where: str) -> str:
 def headline(v: dict, first_divergence=None, sets: dict | None = None) -> str:
     """The verdict in one sentence: the culprit the outcome names (signal, place, value
     against its floor, where it first departs); else the strongest mechanism finding; else
-    the strongest departure; else that nothing moves. Read from the verdict dict alone
+    the strongest departure; else a small but certain one (below the bar, above its floor on
+    every prompt); else that nothing moves. Read from the verdict dict alone
     (judge.verdict, findings.with_departures), so the page can never say more than it."""
     caution = " Caution: too few prompts for the intervals to mean much." if v.get("few_prompts") else ""
     if v.get("named"):
@@ -151,6 +152,12 @@ def headline(v: dict, first_divergence=None, sets: dict | None = None) -> str:
         return (f"No toggle changes the outcome or the mechanism beyond its floors; {d['arm']} departs "
                 f"first at layer {d['layer']} `{d['tap']}` ({d['phase']}), {_times(d['ratio'])} the "
                 f"reduction-order floor.{caution}")
+    if v.get("small_certain"):                  # below the bar, above the floor on every prompt
+        d = max(v["small_certain"], key=lambda d: d["ratio"])
+        st = d["steady"]
+        return (f"No toggle changes the outcome beyond its floors; small but certain: {d['arm']} departs "
+                f"{_times(d['ratio'])} the reduction-order floor at layer {d['layer']} `{d['tap']}` "
+                f"({d['phase']}) on {st['above']}/{st['n']} prompts (sign test p = {st['p']:.2g}).{caution}")
     if "No attribution" in v.get("sentence", ""):
         return v["sentence"]
     return "No toggle changes the outcome or the mechanism beyond its floors." + caution

@@ -114,6 +114,8 @@ DEPARTURE_X = 10.0
 NEAR_X = 3.0            # below DEPARTURE_X but said: a steady 9x is no more noise than 10x
 STEADY_P = 0.05         # the per-prompt sign test's bar for "steady"
 STEADY_MIN_N = 5        # fewer prompts: a sign test cannot reach STEADY_P (1/32 at 5)
+CERTAIN_P = 1e-4        # below the bar but above its floor on every prompt at this p: a finding
+                        # of its own class ("small, certain"); needs >= 14 prompts (2^-14 < 1e-4)
 
 
 def near_enough(mean_ratio: float, steady: dict | None) -> bool:
@@ -126,6 +128,29 @@ def near_enough(mean_ratio: float, steady: dict | None) -> bool:
     if steady["n"] < STEADY_MIN_N:
         return big and steady["above"] == steady["n"]
     return big and steady["p"] < STEADY_P
+
+
+def certain(d: dict) -> bool:
+    """A below-the-bar departure that is no accident: above its floor on every prompt, with a
+    sign test at CERTAIN_P (a null or a re-association never gets there: its multiple stays
+    under NEAR_X, or some prompts fall below the floor)."""
+    st = d.get("steady")
+    return bool(d.get("below_bar") and st and st["n"] >= STEADY_MIN_N and st["above"] == st["n"]
+                and st["p"] < CERTAIN_P)
+
+
+def certain_sentence(deps: list[dict]) -> str:
+    """The small-and-certain departures in words: Small but certain: t departs 9.31x the
+    reduction-order floor at layer 0 `attn.out` (prefill) on 36/36 prompts (..., sign test
+    p = 1.5e-11); below the 10x bar, the outcome within floors."""
+    if not deps:
+        return ""
+    return "Small but certain: " + "; ".join(
+        f"{d['arm']} departs {d['ratio']:.3g}x the reduction-order floor at layer {d['layer']} `{d['tap']}` "
+        f"({d['phase']}) on {d['steady']['above']}/{d['steady']['n']} prompts (per prompt "
+        f"{d['steady']['lo']:.3g}-{d['steady']['hi']:.3g}x; sign test p = {d['steady']['p']:.2g})"
+        for d in sorted(deps, key=lambda d: -d["ratio"])[:SENTENCE_TOGGLES]) + \
+        f"; below the {DEPARTURE_X:g}x bar, the outcome within floors."
 
 
 def steady_words(st: dict | None) -> str:
@@ -145,7 +170,8 @@ def departure_sentence(deps: list[dict], named: set[str]) -> str:
     at DEPARTURE_X with `toggle` (None for an arm of several) and an optional `qat_ratio`."""
     # one-toggle arms only: an arm holding several toggles departs where one of them does
     # (`engine-t` at kv_fp8_from_fp32's place), which its own arm already says
-    near = near_sentence([d for d in deps if d.get("below_bar") and d.get("toggle") not in named])
+    near = near_sentence([d for d in deps if d.get("below_bar") and d.get("toggle") not in named
+                          and not certain(d)])
     quiet = sorted((d for d in deps if d.get("toggle") and d["toggle"] not in named and not d.get("below_bar")),
                    key=lambda d: -d["ratio"])
     if not quiet:
@@ -178,7 +204,9 @@ def with_departures(v: dict, deps: list[dict]) -> dict:
     """The verdict with its departure findings in words (v["departures"], and the sentence)."""
     named = {n["toggle"] for n in v.get("named", [])}
     v["departures"] = deps
-    v["departure_sentence"] = departure_sentence(deps, named)
+    v["small_certain"] = [d for d in deps if certain(d) and d.get("toggle") not in named]
+    v["departure_sentence"] = " ".join(filter(None, [certain_sentence(v["small_certain"]),
+                                                     departure_sentence(deps, named)]))
     if v["departure_sentence"]:
         v["sentence"] += " " + v["departure_sentence"]
     return v
