@@ -36,6 +36,7 @@ def _tables(res):
     return {k: pd.DataFrame(getattr(res, k)) for k in ("drift", "kld", "pairs", "pair_kld")}
 
 
+@pytest.mark.slow          # ~150 s: the default run keeps test_kld_rows_equal_whole_prompt_logits
 def test_chunked_head_tables_equal_one_chunk(weights):
     whole = LockstepRunner(weights, _arms(), RunnerSettings(decode_steps=2), {"bug": "engine"},
                            chunking=Chunking(head=10**6)).run(_prompts())

@@ -45,7 +45,9 @@ def _run(tmp_path, url, *extra):
     return pd.read_csv(out / "kld" / "r" / "positions.csv.gz")
 
 
-@pytest.mark.parametrize("dialect", ["sglang", "vllm", "openai"])
+# the default run keeps the OpenAI dialect; SGLang's and vLLM's (~60-150 s each) run with -m slow
+@pytest.mark.parametrize("dialect", [pytest.param("sglang", marks=pytest.mark.slow),
+                                     pytest.param("vllm", marks=pytest.mark.slow), "openai"])
 def test_http_kl_bounded_by_and_exactly_equal_to_in_process(tmp_path, url, exact_kl, dialect):
     pos = _run(tmp_path / "topk", url, "--dialect", f"engine={dialect}")
     pre = pos[(pos.arm == "engine") & (pos.phase == "prefill")]
@@ -67,6 +69,7 @@ def test_http_kl_bounded_by_and_exactly_equal_to_in_process(tmp_path, url, exact
         assert abs(lb - kl).max() < 1e-6
 
 
+@pytest.mark.slow          # ~150 s; tests/test_kld_twin.py names an in-process bug in the default run
 def test_verdict_names_the_planted_bug_and_report_is_complete(tmp_path, url):
     out = tmp_path / "out"
     rc = main(["kld", "--arm", "golden=golden", "--endpoint", f"engine={url}",
