@@ -11,30 +11,34 @@ from __future__ import annotations
 import pandas as pd
 
 from .lengths import Boundaries, label_length, period_label, residue_label
+from .verdict.signals import SCHEDULE_FACTOR, mechanism_floors
 from .verdict.tail import broken, prompt_floors
 
 COLUMNS = ["arm", "residue", "lengths", "prompts", "breaks", "mean", "max", "floor_max"]
 
 
-def residue_table(sig: pd.DataFrame, prompt_length: dict[str, int], arms: list[str],
+def residue_table(sig: pd.DataFrame, prompt_length: dict[str, int], arms,
                   floors: list[str], b: Boundaries,
                   place: tuple[str, str] = ("answer_kld", "final logits")) -> pd.DataFrame:
     """Per arm and residue: the lengths there, prompts, how many break (tail.broken: at
-    least 10x every floor on that prompt), the signal's mean and max, and the floors' max
-    (raw, before the floor's FLOOR_EPS). `sig`: tidy
-    signals (arm, prompt, signal, where, value), as fidelity.verdict.signals makes them;
-    `place`: the (signal, where) the table reads."""
+    least 10x every floor that judges the arm on that prompt -- under a schedule the serving
+    floors, as the verdict's tail judges it), the signal's mean and max, and those floors' max
+    (raw, before the floor's FLOOR_EPS). `arms`: names, or name -> factors (a schedule
+    factor marks a scheduled arm); `sig`: tidy signals (arm, prompt, signal, where, value),
+    as fidelity.verdict.signals makes them; `place`: the (signal, where) the table reads."""
     signal, where = place
     s = sig[(sig.signal == signal) & (sig["where"] == where)]
     if s.empty:
         return pd.DataFrame(columns=COLUMNS)
     v = s.pivot_table(index="prompt", columns="arm", values="value", aggfunc="first")
-    have = [f for f in floors if f in v]
-    raw = v[have].max(axis=1) if have else pd.Series(float("nan"), index=v.index)
-    bar = prompt_floors(v, have, signal)[0] if have else raw
+    factors = arms if isinstance(arms, dict) else {a: () for a in arms}
     m = b.modulus
     rows = []
-    for arm in [a for a in arms if a in v]:
+    for arm in [a for a in factors if a in v]:
+        scheduled = any(str(f).startswith(SCHEDULE_FACTOR) for f in factors[arm])
+        have = [f for f in (mechanism_floors(floors) if scheduled else floors) if f in v]
+        raw = v[have].max(axis=1) if have else pd.Series(float("nan"), index=v.index)
+        bar = prompt_floors(v, have, signal)[0] if have else raw
         by_res: dict[int, list[str]] = {}
         for p in v.index:
             if p in prompt_length and pd.notna(v.at[p, arm]):

@@ -172,6 +172,24 @@ def test_residue_table_counts_the_prompts_the_verdict_counts():
     assert int(tail.set_index("signal").loc["answer_kld", "b"]) == int(t.breaks.sum()) == 2
 
 
+def test_a_scheduled_arm_breaks_against_the_serving_floors_in_the_table_as_in_the_verdict():
+    """A scheduled arm is judged against the serving floors (every floor but QAT's) by the
+    verdict's tail; the residue table counts its broken prompts on the same floors (it once
+    judged every arm against QAT's too: 0 broken in the table, 2 in the verdict)."""
+    from fidelity.verdict.signals import QAT_FLOOR, SCHEDULE_FACTOR
+    from fidelity.verdict.tail import tail_tests
+    lengths = {"a": 255, "b": 259, "c": 256}
+    v = {(QAT_FLOOR, p): 0.5 for p in lengths} | {("floor:x", p): 0.001 for p in lengths}
+    v |= {("t@S", "a"): 0.1, ("t@S", "b"): 0.2, ("t@S", "c"): 0.005, ("t", "a"): 0.1, ("t", "b"): 0.2, ("t", "c"): 0.0}
+    sig = _sig(v)
+    arms = {"t@S": frozenset({"t", SCHEDULE_FACTOR + "chunked(64)"}), "t": frozenset({"t"})}
+    floors = [QAT_FLOOR, "floor:x"]
+    t = residue_table(sig, lengths, arms, floors, Boundaries(32, (4, 128), 16, (4,))).set_index(["arm", "residue"])
+    tail = tail_tests(sig, arms, floors, serving=["floor:x"]).set_index(["signal", "schedule"])
+    assert t.loc[("t@S", "3 mod 4")].breaks == int(tail.loc[("answer_kld", "chunked(64)"), "b"]) == 2
+    assert t.loc[("t", "3 mod 4")].breaks == int(tail.loc[("answer_kld", ""), "b"]) == 0   # one-shot: QAT's floor
+
+
 def test_needle_residue_and_window_tables():
     rows = [{"arm": "a", "length": L, "outcome": o, "recall": float(o == "correct"),
              "n_tokens": L, "value_token_positions": [L - 1 - d]}

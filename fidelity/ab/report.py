@@ -89,7 +89,7 @@ def residues(signals: pd.DataFrame, manifest: dict) -> tuple[pd.DataFrame, pd.Da
     and boundary, from the run's signals and manifest (config, prompts, arms, floors)."""
     b = Boundaries.of(manifest["config"])
     lengths = {p["id"]: p["length"] for p in manifest["prompts"]}
-    return (residue_table(signals, lengths, list(manifest["arms"]), manifest["floors"], b),
+    return (residue_table(signals, lengths, dict(manifest["arms"]), manifest["floors"], b),
             grid_frame(lengths.values(), b))
 
 
