@@ -60,3 +60,12 @@ def test_the_needle_entry_on_the_last_row_with_its_margin():
     assert S.needle_entries([8, 9, 13], 4) == [2, 3]
     out = S.compare(np.array([[0, 1, 2], [3, 2, 4]]), twin, s, s, needle_entries=[0])
     assert out["needle"]["margin"] == -2.0 and not out["needle"]["twin_kept"]   # 1 below the kth (3)
+
+
+def test_more_picks_than_top_k_lose_nothing_and_are_named():
+    """An engine with index_topk raised keeps every entry the twin keeps and more: no row
+    loses an entry, and the count itself is the finding."""
+    s = _s([5, 4, 3, 2, 1])
+    r = S.compare(np.array([[0, 1, 2, 3, 4]]), np.array([[0, 1, 2]]), s, s + 1e-9)
+    assert (r["differ"], r["beyond"], r["engine_k"], r["k"]) == (1, 0, 5, 3)
+    assert "it keeps 5 picks per row where the twin keeps 3 (layer 2)." in S.sentence([{"layer": 2, **r}])

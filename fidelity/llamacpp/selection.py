@@ -8,8 +8,8 @@ instead is *gained*; the row's loss is the best lost entry's score minus the wor
 (minus the twin's boundary, the best score it did not pick, when the engine gained none): what
 the engine gave up, 0 for a tie reordered. A row departs when that loss exceeds the scores' own
 floor: twice the largest difference between the twin's scores and the twin's in fp64 on that row
-(either side of a swap can move by it). An engine that keeps fewer picks than k is named so
-whatever its losses: that difference is itself the finding. With the needle's token positions, the entries that hold the
+(either side of a swap can move by it). An engine that keeps fewer (or more) picks than k is
+named so whatever its losses: that difference is itself the finding. With the needle's token positions, the entries that hold the
 needle are followed on the last row (the answer's position): picked or not by each, and their
 margin to the boundary (how close the selection is to changing what the answer can see)."""
 from __future__ import annotations
@@ -90,7 +90,7 @@ def needle_entries(positions, ratio: int) -> list[int]:
 def sentence(rows: list[dict], engine: str = "llama.cpp") -> str | None:
     """The selection finding in words ('' parts left out); None when no layer departs."""
     bad = [r for r in rows if r["beyond"]]
-    fewer = [r for r in rows if r["engine_k"] < r["k"]]
+    fewer = [r for r in rows if r["engine_k"] != r["k"]]        # fewer, or more (an index_topk override)
     if not bad and not fewer:
         return None
     words = f"{engine}'s indexer selects other entries than its twin, fed the same inputs:"
