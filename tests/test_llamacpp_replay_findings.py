@@ -75,7 +75,7 @@ def test_an_engine_keeping_fewer_picks_than_top_k_is_replayed_with_its_own():
     import numpy as np
     import torch
 
-    from fidelity.llamacpp.replay import _engine_picks
+    from fidelity.llamacpp.selection import engine_picks as _engine_picks
     scores = torch.tensor([[0.5, 0.1, 0.9, 0.3, 0.2, 0.8, 0.7, 0.6, 0.4, float("-inf")]] * 2)
     picks = np.array([[2, 5, 6, 9], [0, 1, 2, 3]])             # row 0's entry 9 is not visible here
     got = _engine_picks(picks)(None, scores, 8)

@@ -29,6 +29,7 @@ from reference_model import build_model
 from reference_model.taps import Taps
 
 from . import flags, tensor_dump as D
+from .selection import engine_picks
 
 # (golden tap under layers.{i}., llama.cpp tensor name before -{i}), in graph order
 PAIRS = [("attn.q", "q"), ("attn.kv", "kv"), ("attn.out", "attn_out"), ("ffn.out", "ffn_out")]
@@ -230,20 +231,6 @@ def isolated_moe(engine: dict[str, np.ndarray], weights, arms: dict, twin: str |
     return pd.DataFrame(rows)
 
 
-def _engine_picks(picks: np.ndarray):
-    """An index_topk kernel returning the engine's own picks (rows x k) where an entry is
-    visible to the in-process arm, -1 elsewhere (llama.cpp fills rows with fewer visible
-    entries than k with indices its mask hides). An engine that keeps fewer picks per row
-    than k has its rows padded with -1 (what it did not pick is not attended)."""
-    def topk(golden, scores, k):
-        p = np.asarray(picks)[:, :k]
-        p = np.pad(p, ((0, 0), (0, k - p.shape[1])), constant_values=-1)
-        idx = torch.tensor(p, dtype=torch.long, device=scores.device)
-        seen = torch.gather(torch.isfinite(scores), 1, idx.clamp(0, scores.shape[1] - 1)) & (idx < scores.shape[1])
-        return torch.where(seen, idx, torch.full_like(idx, -1)).sort(1).values
-    return topk
-
-
 def isolated_attention(engine: dict[str, np.ndarray], weights, arms: dict, twin: str | None = None,
                        needle_positions=()) -> pd.DataFrame:
     """Each layer's attention fed llama.cpp's own input (attn_norm) from an empty cache and,
@@ -265,7 +252,7 @@ def isolated_attention(engine: dict[str, np.ndarray], weights, arms: dict, twin:
         picks = None if picks is None else np.asarray(picks).reshape(x.shape[0], -1)
         row, ys = {"layer": i}, {}
         for name, m in models.items():
-            mi = m if picks is None else m.with_numerics(m.nx.with_kernels("engine picks", index_topk=_engine_picks(picks)))
+            mi = m if picks is None else m.with_numerics(m.nx.with_kernels("engine picks", index_topk=engine_picks(picks)))
             ys[name] = mi.attention(i, mi._weights(i), torch.tensor(x).to(mi.nx.cd), mi.new_state(), 0, None,
                                     "prefill").double().numpy()
             row[f"vs {name}"] = rel(out.reshape(ys[name].shape), ys[name])

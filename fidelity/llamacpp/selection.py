@@ -113,3 +113,17 @@ def sentence(rows: list[dict], engine: str = "llama.cpp") -> str | None:
             words += (f"; its smallest margin to the boundary is {close['needle']['margin']:.3g} at layer "
                       f"{close['layer']}.")
     return words
+
+
+def engine_picks(picks: np.ndarray):
+    """An index_topk kernel returning the engine's own picks (rows x k) where an entry is
+    visible to the in-process arm, -1 elsewhere (llama.cpp fills rows with fewer visible
+    entries than k with indices its mask hides). An engine that keeps fewer picks per row
+    than k has its rows padded with -1 (what it did not pick is not attended)."""
+    def topk(golden, scores, k):
+        p = np.asarray(picks)[:, :k]
+        p = np.pad(p, ((0, 0), (0, k - p.shape[1])), constant_values=-1)
+        idx = torch.tensor(p, dtype=torch.long, device=scores.device)
+        seen = torch.gather(torch.isfinite(scores), 1, idx.clamp(0, scores.shape[1] - 1)) & (idx < scores.shape[1])
+        return torch.where(seen, idx, torch.full_like(idx, -1)).sort(1).values
+    return topk
