@@ -323,6 +323,8 @@ def _run(args, driver=None) -> int:
                         [p.length for p in prompts])          # before any arm is scored
         from fidelity.kld.run import TOKENIZER_PROBE, arm_record, check_tokenizers
         check_tokenizers(entries, tok, TOKENIZER_PROBE)
+        from fidelity.kld.identity import check_models
+        check_models(entries, prompts[0].tokens.tolist(), args.checkpoint or "the embedded checkpoint")
         if args.fresh:
             import shutil
             from pathlib import Path
