@@ -58,7 +58,7 @@ def _cov(m, arm="engine"):
 def test_capture_faults_are_retried_reported_and_filled_on_resume(url, clean, tmp_path, capsys):
     out = tmp_path / "o"
     faults = {"/get_model_info": [lambda d: {"model_path": "x"}],       # start-up: wrong shape
-              "/generate": ["ok", _strip, _strip, _strip]}              # prompt 2: 1 + 2 retries
+              "/generate": ["ok", "ok", _strip, _strip, _strip]}        # the identity probe, prompt 1, prompt 2: 1 + 2 retries
     px = FaultProxy(url, faults).__enter__()                 # one proxy: arms keep their URL
     try:
         assert _kld(out, px.url, quiet=False) == 0
@@ -76,10 +76,11 @@ def test_capture_faults_are_retried_reported_and_filled_on_resume(url, clean, tm
         assert cap.err.count("retry 1/2") == 1 and cap.err.count("retry 2/2") == 1
         assert caps.prompt.nunique() == N - 1 < clean[1].prompt.nunique()
         pd.testing.assert_frame_equal(pos, clean[2])                   # KL itself unaffected
-        # resume (the faults are used up): only the prompt without captures is asked again
+        # resume (the faults are used up): the identity probe, then only the prompt without
+        # captures is asked again
         n = px.count("/generate")
         assert _kld(out, px.url) == 0
-        assert px.count("/generate") - n == 1
+        assert px.count("/generate") - n == 2
     finally:
         px.__exit__()
     m, caps, pos, md = _read(out)
@@ -105,15 +106,15 @@ def test_tokenize_without_tokens_is_retried_then_named(url, tmp_path, capsys):
 
 def test_malformed_generate_is_retried_then_named_without_dialect_hint(url, clean, tmp_path, capsys):
     bad = lambda d: {"meta_info": {"id": "x"}}                           # noqa: E731
-    with FaultProxy(url, {"/generate": ["ok", bad]}) as px:
+    with FaultProxy(url, {"/generate": ["ok", "ok", bad]}) as px:       # the identity probe's request first
         assert _kld(tmp_path / "a", px.url) == 0
-        assert px.count("/generate") == N + 1
+        assert px.count("/generate") == N + 2
     m, caps, pos, _ = _read(tmp_path / "a")
     assert m["manifest"]["retries"]["engine"]["routes"] == {"POST /generate": 1}
     pd.testing.assert_frame_equal(pos, clean[2])
     pd.testing.assert_frame_equal(caps, clean[1])
     capsys.readouterr()
-    with FaultProxy(url, {"/generate": ["ok"] + [bad] * 3}) as px:
+    with FaultProxy(url, {"/generate": ["ok", "ok"] + [bad] * 3}) as px:
         assert _kld(tmp_path / "b", px.url) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "--dialect" not in err
