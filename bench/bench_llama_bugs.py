@@ -12,7 +12,8 @@ The edits live only in .llama/bugs/ (git-ignored) and never reach the repository
 clean variant is the same private tree unedited. Results append to
 bench/results/llama_bugs.json (a rerun resumes; `--fresh VARIANT` measures one again) and
 render into docs/real-engines.md between its `bugs:` markers (`--render`: only that;
-`--replay`: the replay again on every variant measured).
+`--replay`: the replay again on every variant measured; `--headlines`: each replay headline
+again from its findings file).
 Takes about 5 minutes per variant on 2 cores after a first build of about 8."""
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fidelity.llamacpp import paths  # noqa: E402
+from fidelity.llamacpp import replay as R  # noqa: E402
 from fidelity.llamacpp.prepare import gguf  # noqa: E402
 from fidelity.llamacpp.server import serving  # noqa: E402
 
@@ -65,6 +67,12 @@ BUGS = [
     Bug("indexer_q_rope_base", "indexer", "the indexer query's RoPE base doubled",
         "rope_type, n_ctx_orig, hparams.dsv4_compress_rope_base, freq_scale,",
         "rope_type, n_ctx_orig, hparams.dsv4_compress_rope_base * 2, freq_scale,"),
+    Bug("index_key_bf16", "indexer", "the lightning indexer's keys rounded to bf16 before scoring (a lower-precision key store)",
+        "    cb(indexer_k, \"lid_k\", il);\n\n    const int64_t n_stream",
+        "    indexer_k = ggml_cast(ctx0, ggml_cast(ctx0, indexer_k, GGML_TYPE_BF16), indexer_k->type);\n"
+        "    cb(indexer_k, \"lid_k\", il);\n\n    const int64_t n_stream"),
+    Bug("index_fewer_picks", "indexer", "the indexer keeps half its top-k",
+        "? indexer_score->ne[0] : hparams.indexer_top_k;", "? indexer_score->ne[0] : hparams.indexer_top_k / 2;"),
     Bug("mhc_post_scale", "mHC", "hc_post's 2 sigmoid scale 2.01",
         "*post = ggml_scale(ctx0, *post, 2.0f);", "*post = ggml_scale(ctx0, *post, 2.01f);"),
     Bug("routed_scaling", "MoE (routed)", "the routed scaling factor 2% high",
@@ -157,11 +165,10 @@ def measure(bug: Bug, home: Path, ck: Path, model: Path, port: int) -> dict:
 
 def replay(bug: Bug, home: Path, ck: Path, model: Path) -> dict:
     """`fidelity llamacpp replay` on the variant: its findings and headline."""
-    r = fidelity(home, "llamacpp", "replay", "--checkpoint", str(ck), "--gguf", str(model), "--tokens", "240",
-                 "--search", "--out", str(OUT / bug.name))
+    fidelity(home, "llamacpp", "replay", "--checkpoint", str(ck), "--gguf", str(model), "--tokens", "240",
+             "--search", "--out", str(OUT / bug.name))
     found = json.loads((OUT / bug.name / "llamacpp-replay" / "findings-prefill-f16.json").read_text())
-    lines = r.stdout.strip().splitlines()
-    head = lines[next(i for i, ln in enumerate(lines) if ln.startswith(("llama.cpp (", "Fed llama.cpp"))):]
+    head = R.headline(found)                     # what the command printed last, from its findings
     return {"block": found["block"], "blocks": found["blocks"], "errors": found.get("errors", {}),
             "picks": found["picks"], "propagated": found["unexplained"], "headline": head,
             "search": {k: v for k, v in (found.get("search") or {}).items() if k != "tried"}}
@@ -203,8 +210,15 @@ def _searched(r: dict) -> str:
                                      f" (to layer {s['to']['layer']} {s['to']['tensor']})")
 
 
-def _flips(r: dict) -> int:
-    return sum(p["differ"] for p in r["replay"]["picks"])
+def _flips(r: dict) -> str:
+    """Rows whose picks differ from the twin's, and of those the ones beyond the scores' floor
+    (fidelity.llamacpp.selection; '?' for a replay measured before it judged ties)."""
+    picks = r["replay"]["picks"]
+    differ = sum(p["differ"] for p in picks)
+    if not all("beyond" in p for p in picks):
+        return f"{differ} (ties not judged)"
+    fewer = next((f"; keeps {p['engine_k']} of {p['k']}" for p in picks if p["engine_k"] < p["k"]), "")
+    return f"{differ}, {sum(p['beyond'] for p in picks)} beyond the floor{fewer}"
 
 
 def render(res: dict) -> str:
@@ -218,7 +232,7 @@ def render(res: dict) -> str:
             "unexplained? | p99 vs twin / clean's | replay headline: first block that departs from the twin | "
             "replay: blocks fed llama.cpp's own inputs that depart (the clean build: from the twin; a variant: "
             "10x beyond the clean build) | twin search: toggle added to the twin that reproduces the propagated "
-            "departure | indexer picks differing |", "|---|---|---|---|---|---|---|---|---|"]
+            "departure | indexer picks: rows differing from the twin's, beyond the scores' floor |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in v.items():
         g, t = r["vs_golden"], r["vs_twin"]
         nf = f", non-finite on {t['nonfinite']:.0%} of positions" if t.get("nonfinite") else ""
@@ -259,6 +273,14 @@ def main() -> int:
     res = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"build": paths.PINNED, "variants": {}}
     ck, model = gguf(MODEL, "f32")
     src, pristine = private_tree()
+    if "--headlines" in sys.argv:                   # each stored headline again from its replay's findings file
+        for name, v in res["variants"].items():
+            f = OUT / name / "llamacpp-replay" / "findings-prefill-f16.json"
+            if f.is_file():
+                v["replay"]["headline"] = R.headline(json.loads(f.read_text()))
+        RESULTS.write_text(json.dumps(res, indent=1, default=float))
+        write_doc(res)
+        return 0
     if "--replay" in sys.argv:                      # the replay again on every built variant
         for bug in BUGS:
             if bug.name in res["variants"]:

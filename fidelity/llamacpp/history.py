@@ -201,8 +201,9 @@ class History(engine_history.EngineHistory):
                 return self.ledger.add("localised", [a, b], ok=False, prompt=worst,
                                        reason=f"replay of b{n}: " + failure_reason(r.stderr))
             found = self.out / "replay" / arm(n) / "llamacpp-replay" / "findings-prefill-f16.json"
-            rec[n] = {"findings": json.loads(found.read_text()),
-                      "headline": [ln for ln in r.stdout.splitlines() if ln.startswith(("llama.cpp (", "Fed "))]}
+            from .replay import headline
+            findings = json.loads(found.read_text())
+            rec[n] = {"findings": findings, "headline": headline(findings)}
         from . import tensor_dump as D
         dumps = {n: D.read(self.out / "replay" / arm(n) / "llamacpp-replay" / "dump-prefill-f16.bin")
                  for n in (a, b)}
