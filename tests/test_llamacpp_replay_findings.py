@@ -3,6 +3,8 @@ a block fed llama.cpp's own inputs is unexplained only when it is further than 1
 twin's floor from *every* modelled arm (the floors are not models), the first such block
 in graph order leads (attention before the MoE of the same layer), and the by-design
 departure from the golden comes last."""
+import json
+
 import pandas as pd
 
 from fidelity.llamacpp import replay as R
@@ -36,6 +38,7 @@ def test_the_first_block_in_graph_order_leads_and_by_design_comes_last():
     f = R.findings(table, {"attention": attn, "MoE": moe}, "prefill", "f16")
     assert (f["block"]["block"], f["block"]["layer"]) == ("attention", 2)
     lines = R.headline(f)
+    assert R.headline(json.loads(json.dumps(f, default=float))) == lines       # the same read back from its file
     assert lines[0].startswith(f"llama.cpp (prefill) departs from its twin ({TWIN}) at layer 2 attention")
     assert "the MoE at layer 2 too" in lines[0]
     assert "only at ties (within the scores' floor) on 3 of 200 rows at layer 1" in lines[1]

@@ -420,7 +420,7 @@ def headline(f: dict) -> list[str]:
     chose = selection_sentence(f["picks"])
     lines = [chose] if chose else []              # the seeds' class first: it loses needles at length
     if b is not None:
-        more = [x for x in f["blocks"] if x is not b]
+        more = [x for x in f["blocks"] if (x["block"], x["layer"]) != (b["block"], b["layer"])]   # also read back from JSON
         also = "".join(f"; the {x['block']} at layer {x['layer']} too ({_times(x['x_floor'])})" for x in more)
         lines.append(f"llama.cpp ({path}) departs from its twin ({twin}) at layer {b['layer']} {b['block']}, fed "
                      f"its own inputs: {_how(b)}{also}.")
