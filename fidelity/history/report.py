@@ -317,7 +317,9 @@ def write(h) -> Path:
                      f"KLD and recall per {h.UNIT}" if needle else f"KLD per {h.UNIT}",
                      f"Per {h.ENGINE} {h.UNIT}: mean KLD against the golden (blue) and against its twin (red), "
                      "95% bootstrap CI over prompts, with each comparison's highest floor (dashed); dotted "
-                     "lines: change points found by bisection; below, needle recall with the golden's band.")
+                     "lines: change points of the numbers found by bisection"
+                     + ("; orange dash-dot lines: the engine's own change points" if h.marks() else "")
+                     + ("; below, needle recall with the golden's band." if needle else "."))
             figs = ["timeline"]
         compared = h.describe()
         sections = [
