@@ -100,3 +100,13 @@ def test_bisect_walks_releases_in_release_order_and_steps_over_failures(tmp_path
     h2.FAIL = {"0.6.9"}
     r2 = h2.bisect(pool, "0.6.0", "0.6.17")
     assert r2["change"] == ["0.6.8", "0.6.10"] and not r2["adjacent"] and r2["skipped"] == ["0.6.9"]
+
+
+def test_lengths_where_hisa_would_engage_are_refused_with_the_reason(tmp_path, capsys):
+    """One twin judges every release only while HISA cannot engage (it ships from 0.6.4 on):
+    past 4096 tokens the command refuses and says where long contexts are measured."""
+    from fidelity.cli import main
+    assert main(["mlxvlm", "history", "--lengths", "256,8192", "--releases", "0.7.10", "--out", str(tmp_path)]) == 2
+    assert "HISA engages from 0.6.4 on" in capsys.readouterr().err
+    assert main(["mlxvlm", "history", "--lengths", "boundaries", "--releases", "0.7.10", "--out", str(tmp_path)]) == 2
+    assert "the history takes token counts" in capsys.readouterr().err

@@ -148,6 +148,7 @@ def _release(text: str) -> str:
 
 def _history(args, src: Path, weights: str) -> int:
     from fidelity.commands import engine_history as E
+    from fidelity.mlxvlm import convert
     from fidelity.history import report as R
     from fidelity.mlxvlm import history as H
     available = E.listed_once(H.available, H.ReleasesError)
@@ -156,6 +157,15 @@ def _history(args, src: Path, weights: str) -> int:
                          "release")
     keys = E.parse_keys(args.releases or (None if bis else DEFAULT_RELEASES), available, _release, "--releases",
                         "release")
+    try:
+        longest = max(int(x) for x in args.lengths.split(","))
+    except ValueError:
+        raise CommandError(f"--lengths {args.lengths}: the history takes token counts, e.g. 256,511", 2) from None
+    hisa = convert.HISA_DEFAULTS
+    if longest // 4 > hisa["index_block"] * hisa["index_keep"]:      # one twin for every release only without HISA
+        raise CommandError(f"--lengths {args.lengths}: past {4 * hisa['index_block'] * hisa['index_keep']} tokens "
+                           "mlx-vlm's HISA engages from 0.6.4 on and releases would need different twins; measure "
+                           "long contexts with --needle-length", 2)
     s = H.Settings(src, lengths=args.lengths, reps=args.reps, needle_length=args.needle_length, weights=weights,
                    route=args.route, threads=args.threads or 1)
     h = H.History(Path(args.out) / "mlxvlm-history", s, progress=lambda m: print(m, file=sys.stderr, flush=True))
