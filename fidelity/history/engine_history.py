@@ -47,10 +47,6 @@ def _shown(p: Path) -> str:
     return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)
 
 
-class ServeFailed(RuntimeError):
-    """A release that could not be served (its message is the reason the ledger keeps)."""
-
-
 class EngineHistory:
     ENGINE = "engine"                     # as sentences name it
     UNIT = "release"                      # what one key is: a build, a release
@@ -58,6 +54,8 @@ class EngineHistory:
     REPLAYS = False                       # whether a change point is placed tensor by tensor ("localised")
     AXIS = "release"                      # the timeline's x axis
     BISECT_HINT = ""                      # the page's command for a bisection
+    SERVE_ERRORS: tuple = ()              # what `serving` raises when a release does not start (its
+                                          # message is the reason the ledger keeps)
 
     def __init__(self, out: Path, s: Settings, progress=print):
         self.out, self.s, self.say = Path(out), s, progress
@@ -78,7 +76,7 @@ class EngineHistory:
         return True
 
     def serving(self, key, log: Path, ctx: int):
-        """A context manager yielding the root URL of the release's server (ServeFailed)."""
+        """A context manager yielding the root URL of the release's server (SERVE_ERRORS)."""
         raise NotImplementedError
 
     def extra_args(self, key) -> list[str]:
@@ -138,7 +136,7 @@ class EngineHistory:
                         self._score(key, url)
                     if need_needle:
                         self._needle(key, url)
-            except ServeFailed as e:
+            except self.SERVE_ERRORS as e:
                 for stage, need in (("scored", need_kld), ("needle", need_needle)):
                     if need:
                         self.ledger.add(stage, key, ok=False, reason=f"serve: {failure_reason(str(e))}")
@@ -238,18 +236,9 @@ class EngineHistory:
         found, kept, not_it = self.shortcut(span, changed)
         if found is not None:
             return self.ledger.add("bisect", key, ok=True, **found, **kept)
-        lo, hi, tested, failed = 0, len(span) - 1, [a, b], []
-        while hi - lo > 1:
-            probe = self._first_passing(span, (lo + hi) // 2, lo, hi, failed, self._scorable)
-            if probe is None:
-                break
-            tested.append(span[probe])
-            if changed(self.compare(a, span[probe])["kind"]):
-                hi = probe
-            else:
-                lo = probe
+        lo, hi, probed, skipped = self._first_change(span, self._scorable,
+                                                     lambda n: changed(self.compare(a, n)["kind"]))
         before, after = span[lo], span[hi]
-        skipped = [n for n in failed if span.index(before) < span.index(n) < span.index(after)]
         change = self.compare(before, after)
         adjacent = hi - lo == 1
         lb0, la1 = self.label(before), self.label(after)
@@ -258,11 +247,30 @@ class EngineHistory:
                  f"the change lies between {lb0} and {la1}; {self.UNIT}s between them failed "
                  f"({', '.join(self.label(n) for n in skipped)})")
         return self.ledger.add("bisect", key, ok=True, change=[before, after], adjacent=adjacent, via="engine",
-                               tested=self.order(set(tested)), skipped=skipped, **kept, sentence=words + not_it)
+                               tested=self.order({a, b, *probed}), skipped=skipped, **kept,
+                               sentence=words + not_it)
 
     def _scorable(self, key) -> bool:
         self.run_build(key, needle=False)
         return self.scored(key)
+
+    def _first_change(self, span: list, usable, differs) -> tuple[int, int, list, list]:
+        """Binary search of `span` (span[0] as it was, span[-1] changed) for the first entry that
+        `differs`, stepping over entries not `usable` as git bisect skip does: the indices of
+        the last unchanged and the first changed entry, the entries probed, and the entries
+        skipped between those two. Every bisection of a history (the numbers, llama.cpp's
+        converter, mlx-vlm's loader) is this search with its own two questions."""
+        lo, hi, probed, failed = 0, len(span) - 1, [], []
+        while hi - lo > 1:
+            probe = self._first_passing(span, (lo + hi) // 2, lo, hi, failed, usable)
+            if probe is None:
+                break
+            probed.append(span[probe])
+            if differs(span[probe]):
+                hi = probe
+            else:
+                lo = probe
+        return lo, hi, probed, [n for n in failed if lo < span.index(n) < hi]
 
     @staticmethod
     def _first_passing(span, mid, lo, hi, failed, ok) -> int | None:

