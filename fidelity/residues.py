@@ -32,13 +32,15 @@ def residue_table(sig: pd.DataFrame, prompt_length: dict[str, int], arms,
         return pd.DataFrame(columns=COLUMNS)
     v = s.pivot_table(index="prompt", columns="arm", values="value", aggfunc="first")
     factors = arms if isinstance(arms, dict) else {a: () for a in arms}
+    judging = {}                 # one-shot arms: every floor; scheduled ones: the serving floors
+    for scheduled, fl in ((False, floors), (True, mechanism_floors(floors))):
+        have = [f for f in fl if f in v]
+        raw = v[have].max(axis=1) if have else pd.Series(float("nan"), index=v.index)
+        judging[scheduled] = have, raw, (prompt_floors(v, have, signal)[0] if have else raw)
     m = b.modulus
     rows = []
     for arm in [a for a in factors if a in v]:
-        scheduled = any(str(f).startswith(SCHEDULE_FACTOR) for f in factors[arm])
-        have = [f for f in (mechanism_floors(floors) if scheduled else floors) if f in v]
-        raw = v[have].max(axis=1) if have else pd.Series(float("nan"), index=v.index)
-        bar = prompt_floors(v, have, signal)[0] if have else raw
+        have, raw, bar = judging[any(str(f).startswith(SCHEDULE_FACTOR) for f in factors[arm])]
         by_res: dict[int, list[str]] = {}
         for p in v.index:
             if p in prompt_length and pd.notna(v.at[p, arm]):

@@ -148,8 +148,8 @@ def _release(text: str) -> str:
 
 def _history(args, src: Path, weights: str) -> int:
     from fidelity.commands import engine_history as E
-    from fidelity.mlxvlm import convert
     from fidelity.history import report as R
+    from fidelity.mlxvlm import convert
     from fidelity.mlxvlm import history as H
     available = E.listed_once(H.available, H.ReleasesError)
 
@@ -175,7 +175,7 @@ def _history(args, src: Path, weights: str) -> int:
             raise CommandError(f"--bisect: mlx-vlm {missing[0]} is not on PyPI's list ({', '.join(available())})", 2)
 
     def loads():                     # where mlx-vlm's own loader stops loading DeepSeek's checkpoint
-        for a, b in h.load_changes(keys):
+        for a, b in h.load_changes(h.asked()):          # over every run's releases, as the timeline
             r = h.bisect_load(available(), a, b)
             if r["adjacent"]:
                 h.cause(*r["change"])

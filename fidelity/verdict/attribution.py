@@ -102,12 +102,11 @@ def attribute(names: list[str], per_prompt: Mapping[frozenset, np.ndarray], n_bo
         methods["leave_one_out"] = lambda v: leave_one_out(loo, v, full)
     # with one factor Shapley's share is one-at-a-time's value too: a design of one endpoint
     # or one toggle is said as what it is (its own signal), not as a share
-    if len(names) < 2:
-        pass
-    elif len(names) <= 6 and all(frozenset(s) in arrays for r in range(len(names) + 1)
-                               for s in itertools.combinations(names, r)):
+    several = len(names) >= 2
+    if several and len(names) <= 6 and all(frozenset(s) in arrays for r in range(len(names) + 1)
+                                           for s in itertools.combinations(names, r)):
         methods["shapley"] = lambda v: shapley_exact(names, v)
-    elif n_perm and all(s in arrays for s in sampled_subsets(names, n_perm, seed)):
+    elif several and n_perm and all(s in arrays for s in sampled_subsets(names, n_perm, seed)):
         methods["shapley"] = lambda v: shapley_sampled(names, v, n_perm, seed)
 
     def evaluate(idx):
