@@ -12,7 +12,7 @@ import pandas as pd
 
 from .lengths import Boundaries, label_length, period_label, residue_label
 from .verdict.signals import SCHEDULE_FACTOR, mechanism_floors
-from .verdict.tail import broken, prompt_floors
+from .verdict.tail import broken, judging_floors
 
 COLUMNS = ["arm", "residue", "lengths", "prompts", "breaks", "mean", "max", "floor_max"]
 
@@ -21,9 +21,8 @@ def residue_table(sig: pd.DataFrame, prompt_length: dict[str, int], arms,
                   floors: list[str], b: Boundaries,
                   place: tuple[str, str] = ("answer_kld", "final logits")) -> pd.DataFrame:
     """Per arm and residue: the lengths there, prompts, how many break (tail.broken: at
-    least 10x every floor that judges the arm on that prompt -- under a schedule the serving
-    floors, as the verdict's tail judges it), the signal's mean and max, and those floors' max
-    (raw, before the floor's FLOOR_EPS). `arms`: names, or name -> factors (a schedule
+    least 10x the floor that judges the arm on that prompt, tail.judging_floors, as the
+    verdict's tail judges it), the signal's mean and max, and those floors' max. `arms`: names, or name -> factors (a schedule
     factor marks a scheduled arm); `sig`: tidy signals (arm, prompt, signal, where, value),
     as fidelity.verdict.signals makes them; `place`: the (signal, where) the table reads."""
     signal, where = place
@@ -31,16 +30,12 @@ def residue_table(sig: pd.DataFrame, prompt_length: dict[str, int], arms,
     if s.empty:
         return pd.DataFrame(columns=COLUMNS)
     v = s.pivot_table(index="prompt", columns="arm", values="value", aggfunc="first")
-    factors = arms if isinstance(arms, dict) else {a: () for a in arms}
-    judging = {}                 # one-shot arms: every floor; scheduled ones: the serving floors
-    for scheduled, fl in ((False, floors), (True, mechanism_floors(floors))):
-        have = [f for f in fl if f in v]
-        raw = v[have].max(axis=1) if have else pd.Series(float("nan"), index=v.index)
-        judging[scheduled] = have, raw, (prompt_floors(v, have, signal)[0] if have else raw)
+    factors = arms if isinstance(arms, dict) else {a: frozenset() for a in arms}
+    judged = judging_floors(v, factors, floors, mechanism_floors(floors), signal)
     m = b.modulus
     rows = []
     for arm in [a for a in factors if a in v]:
-        have, raw, bar = judging[any(str(f).startswith(SCHEDULE_FACTOR) for f in factors[arm])]
+        pf = judged.get(arm)
         by_res: dict[int, list[str]] = {}
         for p in v.index:
             if p in prompt_length and pd.notna(v.at[p, arm]):
@@ -50,9 +45,9 @@ def residue_table(sig: pd.DataFrame, prompt_length: dict[str, int], arms,
             x = v.loc[ps, arm]
             rows.append({"arm": arm, "residue": f"{r} mod {m}",
                          "lengths": ",".join(map(str, sorted({prompt_length[p] for p in ps}))),
-                         "prompts": len(ps), "breaks": int(broken(x, bar).sum()) if have else 0,
+                         "prompts": len(ps), "breaks": int(broken(x, pf.value).sum()) if pf else 0,
                          "mean": float(x.mean()), "max": float(x.max()),
-                         "floor_max": float(raw.loc[ps].max()) if have else float("nan")})
+                         "floor_max": float(pf.value.loc[ps].max()) if pf else float("nan")})
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -74,7 +69,9 @@ def grid_frame(lengths, b: Boundaries) -> pd.DataFrame:
 
 CAPTION = ("Per arm and length residue: a prompt *breaks* when the arm's answer KLD (where "
            "the answer is produced: the question's last token and the decode steps) is at least "
-           "10x every floor's on that prompt -- the verdict's per-prompt count, so the two agree; "
+           "10x the floor judging it on that prompt (every floor's largest, never below their median "
+           "over prompts; under a schedule the serving floors and the toggle's own one-shot value) -- "
+           "the verdict's per-prompt count, so the two agree; "
            "the verdict says whether that many could be noise. A bug of one residue (vllm #55927: "
            "lengths 3 mod 4) moves only its row (max 0 in the others'); a residue is one period "
            "among several (the window, each ratio: docs/lengths.md).")

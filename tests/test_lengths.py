@@ -172,22 +172,47 @@ def test_residue_table_counts_the_prompts_the_verdict_counts():
     assert int(tail.set_index("signal").loc["answer_kld", "b"]) == int(t.breaks.sum()) == 2
 
 
-def test_a_scheduled_arm_breaks_against_the_serving_floors_in_the_table_as_in_the_verdict():
-    """A scheduled arm is judged against the serving floors (every floor but QAT's) by the
-    verdict's tail; the residue table counts its broken prompts on the same floors (it once
-    judged every arm against QAT's too: 0 broken in the table, 2 in the verdict)."""
+def test_a_scheduled_arm_breaks_against_the_serving_floors_and_its_one_shot_arm():
+    """A scheduled arm is judged against the serving floors (every floor but QAT's) and its
+    own one-shot arm on the same prompt, in the residue table as in the verdict's tail: the
+    table once judged every arm against QAT's too (0 broken there, 2 in the verdict), and
+    the tail once named a toggle under a schedule whose one-shot arm broke the same prompts'
+    values 0 times against QAT (its serving floors are lower, not the schedule worse)."""
     from fidelity.verdict.signals import QAT_FLOOR, SCHEDULE_FACTOR
     from fidelity.verdict.tail import tail_tests
     lengths = {"a": 255, "b": 259, "c": 256}
     v = {(QAT_FLOOR, p): 0.5 for p in lengths} | {("floor:x", p): 0.001 for p in lengths}
-    v |= {("t@S", "a"): 0.1, ("t@S", "b"): 0.2, ("t@S", "c"): 0.005, ("t", "a"): 0.1, ("t", "b"): 0.2, ("t", "c"): 0.0}
+    v |= {("t@S", "a"): 0.1, ("t@S", "b"): 0.2, ("t@S", "c"): 0.005, ("t", "a"): 0.1, ("t", "b"): 0.2, ("t", "c"): 0.0,
+          ("u@S", "a"): 0.1, ("u@S", "b"): 0.2, ("u@S", "c"): 0.005, ("u", "a"): 0.0, ("u", "b"): 0.001, ("u", "c"): 0.0}
     sig = _sig(v)
-    arms = {"t@S": frozenset({"t", SCHEDULE_FACTOR + "chunked(64)"}), "t": frozenset({"t"})}
+    s = SCHEDULE_FACTOR + "chunked(64)"
+    arms = {"t@S": frozenset({"t", s}), "t": frozenset({"t"}), "u@S": frozenset({"u", s}), "u": frozenset({"u"})}
     floors = [QAT_FLOOR, "floor:x"]
     t = residue_table(sig, lengths, arms, floors, Boundaries(32, (4, 128), 16, (4,))).set_index(["arm", "residue"])
-    tail = tail_tests(sig, arms, floors, serving=["floor:x"]).set_index(["signal", "schedule"])
-    assert t.loc[("t@S", "3 mod 4")].breaks == int(tail.loc[("answer_kld", "chunked(64)"), "b"]) == 2
-    assert t.loc[("t", "3 mod 4")].breaks == int(tail.loc[("answer_kld", ""), "b"]) == 0   # one-shot: QAT's floor
+    tail = tail_tests(sig, arms, floors, serving=["floor:x"]).set_index(["toggle", "schedule"])
+    # u: 0.1 and 0.2 against 0.001 (serving) and u's own 0 and 0.001 one-shot: 2 broken under S
+    assert t.loc[("u@S", "3 mod 4")].breaks == int(tail.loc[("u", "chunked(64)"), "b"]) == 2
+    # t: the same values as its one-shot arm's, so nothing breaks *under* the schedule
+    assert t.loc[("t@S", "3 mod 4")].breaks == int(tail.loc[("t", "chunked(64)"), "b"]) == 0
+    assert t.loc[("t", "3 mod 4")].breaks == int(tail.loc[("t", ""), "b"]) == 0   # one-shot: QAT's floor
+    assert tail.loc[("t", "chunked(64)"), "floor_arm"] == "t"          # the floor holding it is named
+
+
+def test_a_floor_is_never_a_lone_prompt_near_zero_and_a_clamp_says_so():
+    """Each prompt's floor is at least the floors' median over prompts (a prompt where the
+    floors happened to land near 0 cannot turn a small value into a break), and only when
+    every floor is bit-identical is it FLOOR_EPS, labelled as a clamp."""
+    from fidelity.verdict.signals import FLOOR_EPS
+    from fidelity.verdict.tail import prompt_floors
+    wide = pd.DataFrame({"floor:x": [1e-5, 2e-5, 0.0, 1e-9], "floor:y": [0.0, 1e-5, 0.0, 0.0]},
+                        index=list("abcd"))
+    value, arm = prompt_floors(wide, ["floor:x", "floor:y"], "answer_kld")
+    m = (1e-9 + 1e-5) / 2                                              # median of 1e-5, 2e-5, 0, 1e-9
+    assert list(value) == pytest.approx([1e-5, 2e-5, m, m])
+    assert list(arm) == ["floor:x", "floor:x", "floors' median over prompts", "floors' median over prompts"]
+    zero = pd.DataFrame({"floor:x": [0.0, 0.0]}, index=list("ab"))
+    value, arm = prompt_floors(zero, ["floor:x"], "answer_kld")
+    assert list(value) == [FLOOR_EPS["answer_kld"]] * 2 and arm.iloc[0].startswith("clamp 1e-06")
 
 
 def test_needle_residue_and_window_tables():

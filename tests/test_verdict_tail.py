@@ -142,21 +142,25 @@ def test_broken_prompts_too_few_to_name_are_said_not_hidden():
 def test_a_scheduled_arm_is_judged_against_the_serving_floors_not_qat():
     """t@chunked(64) breaks 3 of 18 prompts at ~1e-3: 100x the reduction-order floor, but
     under the QAT floor (1e-2, a property of the weights, the same on both sides of a chunk
-    boundary). The tail judges the scheduled arm against the serving floors and names it; the
-    same values in a one-shot arm stay judged against every floor, QAT included."""
+    boundary), where t alone stays at the floors. The tail judges the scheduled arm against
+    the serving floors and names it; the same values in a one-shot arm (v) stay judged
+    against every floor, QAT included; and u, whose one-shot arm already has those values,
+    breaks nothing *under* the schedule (the schedule does not make it worse)."""
     n = 18
     rows = []
     for i in range(n):
         p = f"p{i:02d}"
+        hit = 1e-3 if i in (2, 7, 11) else 5e-6
         vals = {"floor:exact": 1e-2, "floor:fp32-accum": 1e-5, "floor:tie-order": 8e-6,
-                "t@chunked(64)": 1e-3 if i in (2, 7, 11) else 5e-6,
-                "t": 1e-3 if i in (2, 7, 11) else 5e-6}
+                "t@chunked(64)": hit, "t": 5e-6, "v": hit, "u@chunked(64)": hit, "u": hit}
         rows += [{"arm": a, "prompt": p, "signal": "answer_kld", "where": "final logits", "value": v}
                  for a, v in vals.items()]
     sig = pd.DataFrame(rows)
-    arms = {"t@chunked(64)": frozenset({"t", "@chunked(64)"}), "t": frozenset({"t"})}
+    arms = {"t@chunked(64)": frozenset({"t", "@chunked(64)"}), "t": frozenset({"t"}), "v": frozenset({"v"}),
+            "u@chunked(64)": frozenset({"u", "@chunked(64)"}), "u": frozenset({"u"})}
     floors = ["floor:exact", "floor:fp32-accum", "floor:tie-order"]
-    t = tail_tests(sig, arms, floors, serving=floors[1:]).set_index("schedule")
-    sched, oneshot = t.loc["chunked(64)"], t.loc[""]
+    t = tail_tests(sig, arms, floors, serving=floors[1:]).set_index(["toggle", "schedule"])
+    sched, oneshot = t.loc[("t", "chunked(64)")], t.loc[("v", "")]
     assert sched.b == 3 and sched.p_value < 0.05 and sched.floor_arm == "floor:fp32-accum"
     assert oneshot.b == 0 and oneshot.floor_arm == "floor:exact"
+    assert t.loc[("u", "chunked(64)")].b == 0

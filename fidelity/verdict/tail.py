@@ -5,8 +5,9 @@ untouched, so a bug that is wrong only at some lengths or positions (the field's
 V4 bugs) went unnamed with an answer KLD 2000x its floor on two prompts. Here each
 prompt is judged against what the floors reach on that same prompt:
 
-- F_p, the largest value any floor arm reaches on prompt p (at least FLOOR_EPS), and the
-  arm's ratio r_p = V_p / F_p;
+- F_p, the largest value any floor arm reaches on prompt p (never below the floors' median
+  over prompts; under a schedule, also the toggle's own one-shot value: judging_floors),
+  and the arm's ratio r_p = V_p / F_p;
 - a prompt is broken when r_p >= BROKEN (10x: far beyond the floors, not a wobble);
 - the exact test: under "the arm is noise like the floors" a prompt's expected value is
   at most F_p, so by Markov's inequality P(r_p >= r) <= 1/r for a nonnegative signal,
@@ -35,44 +36,87 @@ COLUMNS = ["signal", "where", "toggle", "method", "value", "lo", "hi", "floor_hi
            "b", "n", "p_value", "schedule", "prompts", "worst"]
 
 
+@dataclass(frozen=True)
+class PromptFloors:
+    """Each prompt's floor and the floor arm it came from, set beside an arm's values."""
+    value: pd.Series                    # per prompt: the floor judging it (judging_floors)
+    arm: pd.Series                      # per prompt: the floor arm holding it
+
+
 def tail_tests(sig: pd.DataFrame, arms: dict[str, frozenset], floors: list[str],
                describe: dict[str, str] | None = None, serving: list[str] | None = None) -> pd.DataFrame:
     """One row per (arm with one toggle, tail signal): X = b broken prompts of n, value /
     hi the worst prompt's value, lo the least broken one's, floor_hi the largest floor
     among the broken prompts, p_value as in the module docstring; `prompts` names the
-    broken prompts (with `describe[prompt]`, e.g. "511 tokens, needle at 70%").
-
-    An arm under a schedule is judged against the `serving` floors (reduction and tie
-    order, the golden's own schedule floor: the golden is exact under every schedule, so
-    what separates t@S from it is t and the kernels' shapes, never QAT -- a property of the
-    weights, the same on both sides), when the run has them."""
+    broken prompts (with `describe[prompt]`, e.g. "511 tokens, needle at 70%"). Each
+    prompt's floor is judging_floors'."""
     describe = describe or {}
     s = sig[sig.signal.isin(TAIL_SIGNALS) & (sig["where"] == "final logits")]
     rows = []
     for signal, grp in s.groupby("signal", sort=False):
         wide = grp.pivot_table(index="prompt", columns="arm", values="value", aggfunc="first")
-        have = [f for f in floors if f in wide]
-        quiet = [f for f in serving or () if f in wide] or have
-        if not have:
-            continue
-        by_kind = {False: prompt_floors(wide, have, signal), True: prompt_floors(wide, quiet, signal)}
-        for arm, factors in arms.items():
-            toggles = [f for f in factors if not f.startswith(SCHEDULE_FACTOR)]
-            if len(toggles) != 1 or arm not in wide:
+        judged = judging_floors(wide, arms, floors, serving, signal)
+        for arm, pf in judged.items():
+            toggles = [f for f in arms[arm] if not f.startswith(SCHEDULE_FACTOR)]
+            if len(toggles) != 1:
                 continue
-            schedule = _schedule(factors)
-            floor, floor_arm = by_kind[bool(schedule)]
             v = wide[arm].dropna()
-            f = floor.reindex(v.index)
-            rows.append(_row(signal, toggles[0], schedule, v, PromptFloors(f, floor_arm), describe))
+            rows.append(_row(signal, toggles[0], _schedule(arms[arm]), v,
+                             PromptFloors(pf.value.reindex(v.index), pf.arm.reindex(v.index)), describe))
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def judging_floors(wide: pd.DataFrame, arms, floors: list[str], serving: list[str] | None,
+                   signal: str) -> dict[str, PromptFloors]:
+    """Per arm with values in `wide` (prompts x arms): each prompt's floor, the one
+    definition the verdict's tail and the residue table share.
+
+    A one-shot arm is judged against every floor. An arm under a schedule is judged against
+    the `serving` floors (reduction and tie order, the golden's own schedule floor: the
+    golden is exact under every schedule, so what separates t@S from it is t and the
+    kernels' shapes, never QAT -- a property of the weights, the same on both sides), and
+    against the same toggles' one-shot arm on that prompt when the run has it: a prompt
+    breaks *under* the schedule only when the schedule makes it 10x worse than the toggle
+    alone does, never because the serving floors are lower than QAT's. `arms`: names, or
+    name -> factors (a schedule factor marks a scheduled arm)."""
+    factors = arms if isinstance(arms, dict) else {a: frozenset() for a in arms}
+    have = [f for f in floors if f in wide]
+    if not have:
+        return {}
+    quiet = [f for f in serving or () if f in wide] or have
+    by_kind = {False: prompt_floors(wide, have, signal), True: prompt_floors(wide, quiet, signal)}
+    oneshot = {frozenset(f): a for a, f in factors.items() if not _schedule(f)}
+    out = {}
+    for arm, fs in factors.items():
+        if arm not in wide:
+            continue
+        scheduled = bool(_schedule(fs))
+        pf = PromptFloors(*by_kind[scheduled])
+        alone = oneshot.get(frozenset(f for f in fs if not f.startswith(SCHEDULE_FACTOR)))
+        if scheduled and alone in wide:
+            own = wide[alone].fillna(0.0)
+            worse = own > pf.value
+            pf = PromptFloors(pf.value.where(~worse, own), pf.arm.where(~worse, alone))
+        out[arm] = pf
+    return out
 
 
 def prompt_floors(wide: pd.DataFrame, floors: list[str], signal: str) -> tuple[pd.Series, pd.Series]:
     """Per prompt (rows of `wide`, one column per arm): the largest value any floor arm
-    reaches (at least the signal's FLOOR_EPS) and the floor arm holding it."""
+    reaches and the floor arm holding it -- never below the floors' median over the run's
+    prompts (one prompt's floor is one sample: near 0 it would make any change look large).
+    Only when no floor moved anywhere (every floor arm bit-identical) is the floor the
+    signal's FLOOR_EPS, labelled as the clamp it is."""
     fl = wide[floors]
-    return fl.max(axis=1).clip(lower=FLOOR_EPS.get(signal, 1e-9)), fl.idxmax(axis=1)
+    top, arm = fl.max(axis=1), fl.idxmax(axis=1)
+    low = float(top.median()) if top.notna().any() else 0.0
+    label = "floors' median over prompts"
+    if not low > 0:
+        moved = top[top > 0]
+        low, label = ((float(moved.min()), "smallest floor measured") if len(moved) else
+                      (FLOOR_EPS.get(signal, 1e-9), f"clamp {FLOOR_EPS.get(signal, 1e-9):.0e} (floors bit-identical)"))
+    lifted = ~(top >= low)
+    return top.where(~lifted, low), arm.astype(object).where(~lifted, label)
 
 
 def broken(values: pd.Series, floor: pd.Series) -> pd.Series:
@@ -92,13 +136,6 @@ def p_value(ratios: np.ndarray, n: int) -> float:
         return 1.0
     ps = [stats.binom.sf(j - 1, n, 1.0 / r[j - 1]) for j in range(1, len(r) + 1)]
     return float(min(1.0, min(ps) * len(r)))
-
-
-@dataclass(frozen=True)
-class PromptFloors:
-    """Each prompt's floor and the floor arm it came from, set beside an arm's values."""
-    value: pd.Series                    # per prompt: the largest floor (clipped at FLOOR_EPS)
-    arm: pd.Series                      # per prompt: the floor arm holding it
 
 
 def _row(signal, toggle, schedule, v: pd.Series, floors: PromptFloors, describe: dict) -> dict:
