@@ -141,3 +141,21 @@ def test_the_match_sentence_quotes_the_mean_not_a_tail_row():
          "hi": 2.39e-05, "floor_hi": 0.000123, "floor_arm": "twin~floor:fp32-accum"}])
     said = sentence(Twin("exact", "derived", ["llama"]), {"verdict": {}, "attribution": att})
     assert "llama, 1.26e-05 [4.84e-06, 2.39e-05]" in said and "7.95e-05" not in said
+
+
+def test_a_change_inside_against_the_twin_leads_the_headline():
+    """The seeds' class: an engine whose indexer picks move against its twin's while every
+    outcome stays within the floors is said first ("Inside, against its twin"), not as a
+    match (a lower-precision index-key build once read "matches the twin" with its picks
+    moved on 11 of 209 rows)."""
+    mech = [{"toggle": "keys", "outcome_named": False,
+             "signals": [{"signal": "topk_loss", "places": ["layer 1", "layer 3"], "method": "one_at_a_time",
+                          "where": "layer 1", "value": 0.04, "lo": 0.03, "hi": 0.05, "floor_hi": 0.0,
+                          "floor_arm": "twin~floor:tie-order", "schedule": ""}]}]
+    twin = {"twin": SAME, "unexplained": False, "mechanism": mech, "matches": "keys matches the twin",
+            "named": []}
+    h = T.headline({"twins": [twin]}, "golden words.")
+    assert h.startswith(f"Inside, against its twin `{SAME}`: Nothing changes the outcome beyond its floors; "
+                        "inside, keys changes indexer selection at layers 1 and 3")
+    assert "top-k recall 0.960 vs floor 1.000" in h and h.endswith("Against the golden: golden words.")
+    assert T.headline({"twins": [{**twin, "mechanism": []}]}, "g.").startswith("keys matches the twin.")

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from fidelity.verdict.board import headline, signal_ratios
+from fidelity.kld.twin import verdict_headline
+from fidelity.verdict.board import signal_ratios
 from fidelity.verdict.findings import verdict_lines
 from infra.report_page import FigureStore, Page, Section, Table, render_html, render_markdown
 from kernel_toggles import serving_settings as SS
@@ -65,7 +66,7 @@ def _headline(spec, v: dict | None, findings: pd.DataFrame) -> str:
     KLD verdict, how many arms a task flagged."""
     if v:
         holders = [a.name for a in spec.arms if v.get("culprit") and v["culprit"] in a.factors]
-        return (f"`{', '.join(holders)}`: " if holders else "") + headline(v)
+        return (f"`{', '.join(holders)}`: " if holders else "") + verdict_headline(v)
     flagged = findings[findings.finding == FLAGGED].arm.tolist()
     if flagged:
         return f"Flagged: {', '.join(f'`{a}`' for a in flagged)} (each arm's line says by which task)."

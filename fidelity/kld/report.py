@@ -14,7 +14,7 @@ import pandas as pd
 import matplotlib.pyplot as plt
 
 from fidelity.verdict.attribution import bootstrap_mean_ci
-from fidelity.verdict.board import SUSPECTS_CAPTION, headline, named_suspects, signal_board, suspects
+from fidelity.verdict.board import SUSPECTS_CAPTION, named_suspects, signal_board, suspects
 from fidelity.verdict.findings import findings_table, verdict_lines
 from infra.report_page import Page, Section, Table
 from infra.report_writer import ReportWriter
@@ -22,6 +22,7 @@ from infra.report_writer import ReportWriter
 from .health import incomplete
 from .margins import margin_summary
 from .settings import KldSettings
+from .twin import verdict_headline
 
 BUCKET0 = 128                   # position buckets [0,128), [128,512), [512,2048), ...
 EXACT_BELOW = 1e-9               # baseline mass left uncovered below which a position's KL is exact
@@ -286,12 +287,7 @@ def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov,
                  *(t["by_design"] for t in judged["verdict"].get("twins", [])),
                  *verdict_lines(judged["verdict"]), *_incomplete_lines(cov)],
                 lead, Table(sus, ratio=sus[["x_floor"]], fold=False, caption=SUSPECTS_CAPTION) if len(sus) else None,
-                _next_steps(m, sus, covered), sections, m, headline=_headline(judged["verdict"]))
-
-
-def _headline(v: dict) -> str:
-    from .twin import headline as twin_headline
-    return twin_headline(v, headline(v))
+                _next_steps(m, sus, covered), sections, m, headline=verdict_headline(judged["verdict"]))
 
 
 def _twin_section(v: dict) -> Section:

@@ -145,8 +145,10 @@ def combine(golden_judged: dict, results: list[dict], baseline: str) -> dict:
 
 
 def headline(v: dict, golden_headline: str) -> str:
-    """One sentence first: the unexplained finding when there is one, else the match to the
-    twin, then what differs by design."""
+    """One sentence first: the unexplained finding when there is one, else a change inside
+    against the twin (indexer picks, the needle's entry, experts: what loses a needle at
+    longer lengths while the outcome here stays within floors), else the match to the twin;
+    then what the golden judgement says."""
     tw = v.get("twins") or []
     bad = [x for x in tw if x["unexplained"]]
     if bad:
@@ -154,6 +156,18 @@ def headline(v: dict, golden_headline: str) -> str:
         x = bad[0]
         return (f"Unexplained (vs twin `{x['twin']}`): "
                 + board_headline({"named": x["named"]}) + f" Against the golden: {golden_headline}")
+    inside = [x for x in tw if x["mechanism"]]
+    if inside:                     # the seeds' class: picks move while the outcome stays within floors
+        from fidelity.verdict.board import mechanism_headline
+        x = inside[0]
+        return (f"Inside, against its twin `{x['twin']}`: " + mechanism_headline(x["mechanism"])
+                + f" Against the golden: {golden_headline}")
     if tw:
         return " ".join(x["matches"] + "." for x in tw) + f" Against the golden: {golden_headline}"
     return golden_headline
+
+
+def verdict_headline(v: dict) -> str:
+    """The page's one sentence for a verdict that may hold twin judgements (kld, engines)."""
+    from fidelity.verdict.board import headline as board_headline
+    return headline(v, board_headline(v))

@@ -145,7 +145,7 @@ def headline(v: dict, first_divergence=None, sets: dict | None = None) -> str:
     if v.get("named"):
         return _named_headline(v["named"], first_divergence, sets) + caution
     if v.get("mechanism"):
-        return _mechanism_headline(v["mechanism"]) + caution
+        return mechanism_headline(v["mechanism"]) + caution
     deps = sorted((d for d in v.get("departures") or [] if not d.get("below_bar")), key=lambda d: -d["ratio"])
     if deps:
         d = deps[0]
@@ -194,7 +194,7 @@ def _effect_words(c: dict) -> str:
             "shapley": f"its Shapley share of {what} is"}.get(c["method"], f"{what} is")
 
 
-def _mechanism_headline(findings: list[dict]) -> str:
+def mechanism_headline(findings: list[dict]) -> str:
     f = findings[0]
     s = f["signals"][0]
     under = f" under {s['schedule']}" if s.get("schedule") else ""
