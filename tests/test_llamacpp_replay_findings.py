@@ -99,3 +99,37 @@ def test_a_selection_beyond_the_scores_floor_leads_the_headline_though_every_blo
                                "11 of 209 rows at layer 1 lose an entry beyond the scores' floor"), lines
     assert "2e+03x the floor" in lines[0]
     assert lines[1].startswith("Fed llama.cpp's own inputs, every block")
+
+
+def test_the_isolated_moe_floor_holds_a_quantizer_a_rounding_apart():
+    """An engine computing the experts' quantized activations one float32 ulp apart (x * 1/d
+    for x / d) flips a Q8_0 step wherever a value sits on a boundary: fed such an input, the
+    twin itself must stay within 10x of the isolated MoE's floor (a clean llama.cpp build once
+    departed at one layer by 50x a floor of reduction order alone)."""
+    import numpy as np
+    import torch
+    from fidelity.pipeline.model import arm_numerics
+    from reference_model import random_weights, tiny
+    from reference_model.model import moe_experts
+    w = random_weights(tiny(), 0)
+    cfg, rng, n = w.cfg, np.random.default_rng(0), 200
+    arms = {R.TWIN_FLOOR: arm_numerics(TWIN, "reference", {"compute_dtype": torch.float64}, "v4"),
+            TWIN: arm_numerics(TWIN, "reference", {}, "v4")}
+    engine = {}
+    for i in range(cfg.n_layers):
+        x = rng.standard_normal((n, cfg.dim)).astype(np.float32)
+        idx = np.stack([rng.choice(cfg.n_routed_experts, cfg.n_activated_experts, replace=False) for _ in range(n)])
+        wt = rng.random(idx.shape).astype(np.float32)
+        nx = arms[TWIN]
+        other = moe_experts(nx, cfg, w.layer_weights(i), torch.tensor(R.nudged(x, 7)).to(nx.cd),
+                            torch.tensor(idx).long(), torch.tensor(wt).to(nx.cd)).double().numpy()
+        engine |= {f"ffn_norm-{i}": x, f"ffn_moe_topk-{i}": idx, f"ffn_moe_weights_scaled-{i}": wt,
+                   f"ffn_out-{i}": other}
+    moe = R.isolated_moe(engine, w, arms, TWIN)
+    flips = moe[moe[f"vs {TWIN}"] > 1e-5]
+    assert len(flips), "the nudge flips no quantizer step: the test shows nothing"
+    assert R.block_unexplained(moe, "MoE") is None
+    assert R.block_unexplained(moe.assign(floor=3e-7), "MoE") is not None   # reduction order alone: "departs"
+    x = engine["ffn_norm-0"]
+    d = np.abs(R.nudged(x).astype(np.float64) - x)
+    assert (d > 0).all() and (d == np.abs(np.spacing(x))).mean() > 0.4    # one ulp, either way

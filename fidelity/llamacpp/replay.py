@@ -40,6 +40,7 @@ GOLDEN, FLOOR = "golden", "floor:fp32-accum"
 TWIN_FLOOR = "twin:fp64-accum"         # the twin accumulating in fp64: its reduction-order floor
 FLOORS = (FLOOR, TWIN_FLOOR)
 F32_ROUNDING = 1e-6                    # the smallest floor a relative error is judged against
+NUDGE_SEEDS = (0, 1)                   # the isolated MoE's quantizer floor: two draws of one-ulp nudges
 # llama.cpp's CPU arithmetic as in-process arms: the reference's math without its QAT
 # simulation, with the routed experts' activations read as Q8_0 and the BF16-weight GEMMs'
 # input as bf16, then also its cache in llama-server's -ctk type (f16 by default; Q8_0
@@ -211,7 +212,11 @@ def isolated_moe(engine: dict[str, np.ndarray], weights, arms: dict, twin: str |
     (ffn_norm, ffn_moe_topk, ffn_moe_weights_scaled), once per in-process arm: the arm's
     relative error to llama.cpp's ffn_out there. Upstream differences drop out, so an arm
     that matches to float32 rounding computes the experts as llama.cpp does. `floor`: the
-    `twin` in fp64 against the twin on the same inputs."""
+    larger of the `twin` in fp64 against the twin on the same inputs (reduction order) and
+    the twin fed its input nudged by one float32 ulp (nudged, twice): the experts' activations are
+    quantized (Q8_0), and an engine that computes the same quantizer a rounding apart (x * 1/d
+    for x / d) flips a step wherever a value sits on a boundary -- which inputs happen to, so
+    without it a clean build departed at one layer by 50x a floor that has no such flips."""
     from reference_model.model import moe_experts
     rows = []
     for i in range(weights.cfg.n_layers):
@@ -221,14 +226,29 @@ def isolated_moe(engine: dict[str, np.ndarray], weights, arms: dict, twin: str |
         x, idx, wt, out = (np.asarray(engine[k]) for k in need)
         k = idx.size // x.shape[0]
         lw = weights.layer_weights(i)
+
+        def experts(nx, inp):
+            return moe_experts(nx, weights.cfg, lw, torch.tensor(inp).to(nx.cd), torch.tensor(idx.reshape(-1, k)).long(),
+                               torch.tensor(wt.reshape(-1, k)).to(nx.cd)).double().numpy()
         row, ys = {"layer": i}, {}
         for name, nx in arms.items():
-            ys[name] = moe_experts(nx, weights.cfg, lw, torch.tensor(x).to(nx.cd),
-                                   torch.tensor(idx.reshape(-1, k)).long(),
-                                   torch.tensor(wt.reshape(-1, k)).to(nx.cd)).double().numpy()
+            ys[name] = experts(nx, x)
             row[f"vs {name}"] = rel(out, ys[name])
-        rows.append(_floored(row, ys, twin, rel))
+        _floored(row, ys, twin, rel)
+        if "floor" in row:
+            row["floor"] = max([row["floor"]] + [rel(experts(arms[twin], nudged(x, seed)), ys[twin])
+                                                 for seed in NUDGE_SEEDS])
+        rows.append(row)
     return pd.DataFrame(rows)
+
+
+def nudged(x: np.ndarray, seed: int = 0) -> np.ndarray:
+    """x with every element moved one float32 ulp up or down (a fixed random sign): the
+    smallest difference two correct implementations of the same arithmetic can feed a
+    quantizer."""
+    x = np.asarray(x, np.float32)
+    up = np.random.default_rng(seed).random(x.shape) < 0.5
+    return np.where(up, np.nextafter(x, np.float32(np.inf)), np.nextafter(x, np.float32(-np.inf))).astype(np.float32)
 
 
 def isolated_attention(engine: dict[str, np.ndarray], weights, arms: dict, twin: str | None = None,
