@@ -70,7 +70,30 @@ def run_case(settings: dict) -> dict:
             "never_acted": v.get("never_acted", []), "acted_only_at": v.get("acted_only_at", {}),
             "periods": _periods(v.get("acted_only_at", {}), settings, w.cfg),
             "power": v.get("power_sentence", ""),
-            "sentence": v["sentence"], "seconds": round(time.perf_counter() - t0, 1)}
+            "small_certain": [d["arm"] for d in v.get("small_certain") or []],
+            "broken": _broken_counts(res), "sentence": v["sentence"],
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _broken_counts(res: dict) -> dict:
+    """arm -> [broken prompts in the residue table, in the verdict's answer-KLD tail] (the
+    one definition of broken: the two must agree); {} on a checkout without the table."""
+    try:
+        from fidelity.ab.report import residues
+        from fidelity.verdict.signals import SCHEDULE_FACTOR
+    except ImportError:
+        return {}
+    table, _ = residues(res["signals"], res["manifest"])
+    att = res["signal_attribution"]
+    tail = att[(att.method == "tail") & (att.signal == "answer_kld")]
+    out = {}
+    for arm, factors in res["manifest"]["arms"].items():
+        toggles = [f for f in factors if not f.startswith(SCHEDULE_FACTOR)]
+        sched = ", ".join(sorted(f[len(SCHEDULE_FACTOR):] for f in factors if f.startswith(SCHEDULE_FACTOR)))
+        row = tail[(tail.toggle == (toggles[0] if len(toggles) == 1 else None)) & (tail.schedule.fillna("") == sched)]
+        if len(row):
+            out[arm] = [int(table[table.arm == arm].breaks.sum()), int(row.b.iloc[0])]
+    return out
 
 
 def _periods(acted: dict, settings: dict, cfg) -> dict:
@@ -116,6 +139,13 @@ def write(label: str | None, got: dict) -> Path:
                      for t, L in (r.get("acted_only_at") or {}).items()]
             if r.get("power", "").startswith("Selection losses"):     # a loss seen, too few to name
                 said.append(f"*{r['power']}*")
+            if r.get("small_certain"):
+                said.append(f"small but certain: {', '.join(r['small_certain'])}")
+            if r.get("broken"):
+                off = {a: c for a, c in r["broken"].items() if c[0] != c[1]}
+                said.append("broken prompts, residue table vs verdict: " + (
+                    "; ".join(f"{a} {c[0]} vs {c[1]}" for a, c in off.items()) if off else
+                    f"equal on all {len(r['broken'])} arms ({sum(c[1] for c in r['broken'].values())} broken)"))
             cells.append(f"outcome: {out}" + (f"; mechanism: {mech}" if mech else "")
                          + "".join(f"; {x}" for x in said) + f" ({r['seconds']} s)")
         lines.append(f"| {case} | " + " | ".join(cells) + " |")
