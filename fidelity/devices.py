@@ -90,6 +90,28 @@ def accumulate_dtype(devices, choice: str = "auto") -> torch.dtype:
     return torch.float64 if all(has_fast_fp64(d) for d in devices) else torch.float32
 
 
+def arithmetic() -> dict:
+    """The machine a run's float32 floors were computed on, for its manifest: torch's CPU
+    vector dispatch, threads, processor and GPU. The same code and data gave the QAT-free
+    fp32 floor 38% apart on two machines while every fp64 arm matched to 1e-15
+    (bench/results/floors_by_machine.md): the cause is not found yet, and without this
+    record two runs could not even be told apart."""
+    import platform
+    cuda = torch.cuda.is_available()
+    return {"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "processor": _cpu_model(),
+            "gpu": torch.cuda.get_device_name(0) if cuda else None}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        import platform
+        return platform.processor()
+
+
 def default_threads() -> int:
     """The machine's cores not already busy (1-minute load average), at least one: all
     cores on an idle machine, one when other jobs share it."""

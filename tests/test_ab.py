@@ -89,6 +89,8 @@ def test_report_files_and_manifest(small_report):
         assert (d / f).exists(), f
     m = json.loads((d / "manifest.json").read_text())
     assert m["schema_version"] == 1 and m["manifest"]["config_hash"] == tiny().config_hash()
+    ar = m["manifest"]["arithmetic"]                  # what float32 floors depend on, machine to machine
+    assert ar["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability() and ar["threads"] >= 1
     assert (out / "latest").resolve() == d.resolve()
     assert "data:image/png;base64," in (d / "index.html").read_text()
     assert not [p for p in out.iterdir() if p.name.startswith(".")]       # no temp leftovers

@@ -16,6 +16,7 @@ from infra.report_writer import ReportTarget
 from kernel_toggles.arms import version_of
 from reference_model.schedule import Schedule
 
+from ..devices import arithmetic
 from ..arms import check_schedules
 from ..lengths import Boundaries
 from ..prompts import Prompt, all_token_ids, builtin_prompts, describe, file_prompts
@@ -170,6 +171,7 @@ def _manifest(cfg, settings, st: _Stages, run_id, t_start, stage=None) -> dict:
         "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in st.prompts],
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "numpy": np.__version__, "pandas": pd.__version__},
+        "arithmetic": arithmetic(),
         "seconds": round(time.time() - t_start, 1),
         "pipeline": None if stage is None else {"ranks": stage.world, "layers": [
             [r.start, r.stop - 1] for r in stage.ranges]},

@@ -8,6 +8,7 @@ import sys
 import time
 
 from infra.command import command_line
+from fidelity.devices import arithmetic
 from fidelity.commands.options import api_key, endpoint_pair, http_options, output_options, retired
 from fidelity.errors import CommandError
 from fidelity.lengths import HELP as LENGTHS_HELP
@@ -337,7 +338,7 @@ def _run(args, driver=None) -> int:
                     "servers": {e.name: getattr(e.scorer, "info", None) for e in entries},
                     "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in prompts],
                     "lengths": None if args.prompts else str(args.lengths),
-                    "boundaries": asdict(Boundaries.of(target.cfg))}
+                    "boundaries": asdict(Boundaries.of(target.cfg)), "arithmetic": arithmetic()}
         res = run_kld(entries, prompts, s, args.out, args.run_id or time.strftime("kld-%Y%m%d-%H%M%S"),
                       manifest, progress, twins)
     except (ValueError, RuntimeError, EndpointError, PromptFileError, DeviceError, LengthsError) as e:
