@@ -10,6 +10,17 @@ CommandError itself (fidelity.weights.source.WeightsError), so it reaches the us
 same way from any depth."""
 from __future__ import annotations
 
+# Every subcommand's exit code: 0 when it finds nothing, 1 when it flags something (a named
+# toggle, an engine unexplained by its twin, a flagged condition, lost recall: a CI gate),
+# 2 on bad input or an unreachable server (CommandError). Commands that only report
+# (plan, toggles list, serve) exit 0 when they did what was asked.
+CLEAN, FLAGGED = 0, 1
+
+
+def exit_code(flagged: bool) -> int:
+    """The exit code of a judging command: FLAGGED when it flagged anything, else CLEAN."""
+    return FLAGGED if flagged else CLEAN
+
 
 class CommandError(Exception):
     """What the user did wrong, in one message (no "error: " prefix: the CLI adds it)."""

@@ -73,3 +73,12 @@ def ok(r) -> dict:
     """The JSON of a 200 answer; anything else fails with the server's text."""
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def kld_exit(report: Path) -> int:
+    """The exit code a kld run must have given for the verdict its report holds
+    (fidelity.errors: 1 when flagged, 0 when not)."""
+    import json
+    from fidelity.errors import exit_code
+    from fidelity.kld.twin import flagged
+    return exit_code(flagged(json.loads((Path(report) / "manifest.json").read_text())["verdict"]))

@@ -16,7 +16,7 @@ def report(tmp_path_factory):
     rc = main(["kld", "--arm", "golden=golden", "--arm", "engine=engine",
                "--arm", "bug=engine,routed_scaling_double", "--lengths", "250", "--depths", "50,90",
                "--decode-steps", "2", "--n-boot", "100", "--out", str(out), "--run-id", "r", "--quiet"])
-    assert rc == 0
+    assert rc == 1                                   # flagged: the verdict names routed_scaling_double
     return out / "kld" / "r"
 
 

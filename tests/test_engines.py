@@ -122,7 +122,7 @@ def _check_sparse(stderr: str) -> None:
 def test_three_arms_kld_and_needle_name_the_bug(tmp_path):
     spec, port = _spec(tmp_path)
     p = _run(spec)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 1, p.stderr[-3000:]              # flagged: the bug arm
     assert "routed_scaling_double breaks coherence" in p.stdout
     st = _state(tmp_path)
     runs = st.pop("run log")                                                # the run's order of events
@@ -147,7 +147,7 @@ def test_three_arms_kld_and_needle_name_the_bug(tmp_path):
     assert p.stderr.count("stopped (ended by SIGTERM)") + p.stderr.count("stopped (exit code 0)") == 3
     # rerun: nothing is launched again, the same verdict
     p2 = _run(spec)
-    assert p2.returncode == 0 and p2.stderr.count("not launched") == 3
+    assert p2.returncode == 1 and p2.stderr.count("not launched") == 3
     assert json.loads((root / "kld-report" / "manifest.json").read_text())["verdict"] == m["verdict"]
 
 

@@ -286,7 +286,7 @@ def test_consistency_task_end_to_end(tmp_path):
     run = lambda: subprocess.run(fidelity_cmd("engines", "run", str(spec)), cwd=ROOT,   # noqa: E731
                                  capture_output=True, text=True, timeout=3 * HANG)
     p = run()
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 1, p.stderr[-3000:]          # flagged: batchdep's condition
     root = tmp_path / "out" / "engines" / "spec"
     st = json.loads((root / "state.json").read_text())
     assert st["golden"]["done"] == ["consistency"] and st["batchdep"]["done"] == ["consistency"]
@@ -307,4 +307,4 @@ def test_consistency_task_end_to_end(tmp_path):
     assert "| batchdep | **flagged**: consistency: batch/batch@1 |" in summary     # its one-line finding
     assert "prefix_cache=false chunked_prefill_size=256" in summary           # the arms table
     p2 = run()
-    assert p2.returncode == 0 and p2.stderr.count("not launched") == 2
+    assert p2.returncode == 1 and p2.stderr.count("not launched") == 2

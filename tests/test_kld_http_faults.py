@@ -13,7 +13,7 @@ import pytest
 from fidelity.cli import build_parser, main
 
 from fault_proxy import FaultProxy
-from needle_util import served
+from needle_util import kld_exit, served
 
 GRID = ["--lengths", "250,300", "--depths", "50,90", "--decode-steps", "2", "--n-boot", "100",
         "--no-floors", "--retries", "2", "--no-twin"]           # the twin is not what these tests are about
@@ -40,7 +40,7 @@ def _read(out):
 @pytest.fixture(scope="module")
 def clean(url, tmp_path_factory):
     out = tmp_path_factory.mktemp("clean")
-    assert _kld(out, url) == 0
+    assert _kld(out, url) == kld_exit(out / "kld" / "r")
     return _read(out)
 
 
@@ -61,7 +61,7 @@ def test_capture_faults_are_retried_reported_and_filled_on_resume(url, clean, tm
               "/generate": ["ok", "ok", _strip, _strip, _strip]}        # the identity probe, prompt 1, prompt 2: 1 + 2 retries
     px = FaultProxy(url, faults).__enter__()                 # one proxy: arms keep their URL
     try:
-        assert _kld(out, px.url, quiet=False) == 0
+        assert _kld(out, px.url, quiet=False) == kld_exit(out / "kld" / "r")
         assert px.count("/get_model_info", "GET") == 2       # asked again once captures came
         cap = capsys.readouterr()
         m, caps, pos, md = _read(out)
@@ -79,7 +79,7 @@ def test_capture_faults_are_retried_reported_and_filled_on_resume(url, clean, tm
         # resume (the faults are used up): the identity probe, then only the prompt without
         # captures is asked again
         n = px.count("/generate")
-        assert _kld(out, px.url) == 0
+        assert _kld(out, px.url) == kld_exit(out / "kld" / "r")
         assert px.count("/generate") - n == 2
     finally:
         px.__exit__()
@@ -91,7 +91,7 @@ def test_capture_faults_are_retried_reported_and_filled_on_resume(url, clean, tm
 
 def test_tokenize_without_tokens_is_retried_then_named(url, tmp_path, capsys):
     with FaultProxy(url, {"/tokenize": [lambda d: {"count": d["count"]}]}) as px:
-        assert _kld(tmp_path / "a", px.url) == 0
+        assert _kld(tmp_path / "a", px.url) == kld_exit(tmp_path / "a" / "kld" / "r")
         assert px.count("/tokenize") == 2
     m = _read(tmp_path / "a")[0]
     assert m["manifest"]["retries"]["engine"]["routes"] == {"POST /tokenize": 1}
@@ -107,7 +107,7 @@ def test_tokenize_without_tokens_is_retried_then_named(url, tmp_path, capsys):
 def test_malformed_generate_is_retried_then_named_without_dialect_hint(url, clean, tmp_path, capsys):
     bad = lambda d: {"meta_info": {"id": "x"}}                           # noqa: E731
     with FaultProxy(url, {"/generate": ["ok", "ok", bad]}) as px:       # the identity probe's request first
-        assert _kld(tmp_path / "a", px.url) == 0
+        assert _kld(tmp_path / "a", px.url) == kld_exit(tmp_path / "a" / "kld" / "r")
         assert px.count("/generate") == N + 2
     m, caps, pos, _ = _read(tmp_path / "a")
     assert m["manifest"]["retries"]["engine"]["routes"] == {"POST /generate": 1}

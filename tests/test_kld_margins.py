@@ -21,7 +21,7 @@ from fidelity.weights.target import load_target
 from needle.haystack import needle_entries
 from reference_model import Model
 
-from needle_util import served
+from needle_util import kld_exit, served
 
 INF = math.inf
 S = [5.0, 4.0, 3.0, 2.0, 1.0, -INF]          # entry 5 not visible; top-2 = {0, 1}
@@ -156,8 +156,8 @@ def test_served_arms_margins_and_implied_perturbation(tmp_path, url):
                "--endpoint", f"planted={url}", "--lengths", ",".join(map(str, LENGTHS)),
                "--depths", "50", "--decode-steps", "2", "--n-boot", "100", "--no-floors", "--no-twin",
                "--out", str(out), "--run-id", "r", "--quiet"])
-    assert rc == 0
     rep = out / "kld" / "r"
+    assert rc == kld_exit(rep)
     mg = pd.read_csv(rep / "margins.csv")
     summary = pd.read_csv(rep / "margin_summary.csv")
     csa, k = T.cfg.indexer_layers(), T.cfg.index_topk

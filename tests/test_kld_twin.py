@@ -15,7 +15,7 @@ from fidelity.cli import main
 from fidelity.twin import floor_numerics
 from fidelity.kld import twin as T
 
-from needle_util import served
+from needle_util import kld_exit, served
 
 TWIN = "exact:expert_act_q8_0,router_softplus_logf,bf16_gemm_input,kv_cache_ggml"
 SAME = "exact:kv_cache_ggml,expert_act_q8_0,router_softplus_logf,bf16_gemm_input"           # the twin spelled in another order
@@ -39,7 +39,7 @@ def test_inprocess_bug_named_against_the_twin_with_finite_floors(tmp_path):
     out = tmp_path / "out"
     rc = main(["kld", "--arm", f"twin={TWIN}", "--arm", f"bug={BUG}", "--arm", f"same={SAME}",
                "--baseline", "twin", *GRID, "--out", str(out), "--run-id", "r", "--quiet"])
-    assert rc == 0
+    assert rc == 1                                                  # flagged: bug is named
     m = json.loads((out / "kld" / "r" / "manifest.json").read_text())
     v, floors = m["verdict"], pd.DataFrame(m["floors"])
     floors = floors[floors.signal != "nonfinite"]                   # judged against 0, whatever the floors
@@ -92,7 +92,7 @@ def test_served_engines_judged_against_golden_and_twin(tmp_path, url):
     out = tmp_path / "out"
     rc = main(["kld", "--arm", "golden=golden", "--endpoint", f"clean={url}", "--endpoint", f"bug={url}",
                "--twin", f"bug={TWIN}", *GRID, "--no-captures", "--out", str(out), "--run-id", "r", "--quiet"])
-    assert rc == 0
+    assert rc == 1                                      # flagged: bug is unexplained by its twin
     m = json.loads((out / "kld" / "r" / "manifest.json").read_text())
     v = m["verdict"]
     (tw,) = v["twins"]                          # the served clean arm's twin is the same arm as --twin's
@@ -123,7 +123,7 @@ def test_a_baseline_that_is_the_twin_is_judged_once(tmp_path, url):
     rc = main(["kld", "--arm", f"twin={SAME}", "--endpoint", f"clean={url}", "--baseline", "twin",
                "--lengths", "250", "--depths", "50", "--decode-steps", "2", "--no-floors", "--no-captures",
                "--out", str(out), "--run-id", "r", "--quiet"])
-    assert rc == 0
+    assert rc == kld_exit(out / "kld" / "r")
     m = json.loads((out / "kld" / "r" / "manifest.json").read_text())
     assert "twins" not in m["verdict"] and [a["name"] for a in m["manifest"]["arms"]] == ["twin", "clean"]
 

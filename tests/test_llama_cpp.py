@@ -106,7 +106,7 @@ def test_kld_report_says_how_llamacpp_was_read(server, f32, tmp_path):
                         "--checkpoint", str(f32[0]), "--lengths", "200", "--reps", "1", "--decode-steps", "2",
                         "--top-k", "512", "--no-captures", "--no-floors", "--out", str(out),
                         "--run-id", "t", "--threads", "1", "--quiet"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode in (0, 1), r.stderr[-2000:]          # 1: a flagged verdict; this test reads positions
     import pandas as pd
     pos = pd.read_csv(out / "kld" / "t" / "positions.csv.gz")
     assert set(pos.arm) == {"golden", "llama"}                 # both scored against the twin

@@ -134,7 +134,7 @@ def test_cli_ab_runs_a_plugin_arm(tmp_path):
     r = cli("ab", "--plugin", str(f), "--arm", "my_toggle", "--lengths", "170",
             "--reps", "1", "--decode-steps", "1", "--shapley-top", "0",
             "--n-boot", "20", "--out", str(out), "--run-id", "r")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr                       # flagged: the verdict names my_toggle
     summary = pd.read_csv(out / "r" / "summary.csv").set_index("arm")
     assert "my_toggle" in summary.index
     assert summary.loc["my_toggle", "kld_mean"] > 0          # the 1.01 scaling changed logits

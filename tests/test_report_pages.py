@@ -38,7 +38,7 @@ from fidelity.commands.needle import _named  # noqa: E402
 from infra.plot_style import arm_styles  # noqa: E402
 from reference_model import random_weights, tiny  # noqa: E402
 
-from needle_util import served  # noqa: E402
+from needle_util import kld_exit, served  # noqa: E402
 from test_report_page import _chromium, render_probe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,7 +121,7 @@ def pages(tmp_path_factory) -> dict[str, Path]:
     eng = tmp / "engines"
     assert main(["kld", "--arm", "golden=golden", "--arm", "engine=engine",
                  "--arm", "bug=engine,routed_scaling_double", "--lengths", "250", "--depths", "50",
-                 "--reps", "3", "--decode-steps", "2", "--n-boot", "100", "--out", str(eng), "--run-id", "k", *Q]) == 0
+                 "--reps", "3", "--decode-steps", "2", "--n-boot", "100", "--out", str(eng), "--run-id", "k", *Q]) == 1
     assert main(["needle", "--arm", "golden", "--arm", "bug=engine,routed_scaling_double", "--lengths", "400",
                  "--depths", "50", "--reps", "2", "--max-tokens", "8", "--out", str(eng), "--run-id", "n", *Q]) == 0
     out.update(kld=eng / "kld" / "k", needle=eng / "needle" / "n", engines=_engines_index(eng))

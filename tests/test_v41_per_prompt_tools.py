@@ -23,7 +23,7 @@ from reference_model.v41.checkpoint_write import save_checkpoint
 from reference_model.v41.config import tiny_v41
 from reference_model.v41.weights import random_weights
 
-from needle_util import ok, served
+from needle_util import kld_exit, ok, served
 
 CFG = tiny_v41()
 PAGE = 16
@@ -87,9 +87,10 @@ def test_needle_mechanism_rows_are_v41_index_sources(checkpoint, tmp_path):
 def kld_run(checkpoint, tmp_path_factory):
     """One small in-process kld on the tiny V4.1 checkpoint, with captures."""
     out = tmp_path_factory.mktemp("kld")
-    assert main(["kld", "--threads", "1", "--checkpoint", str(checkpoint), "--arm", "golden=golden",
-                 "--arm", "eng=engine", "--no-floors", "--lengths", "200", "--depths", "50",
-                 "--reps", "1", "--n-boot", "20", "--out", str(out), "--run-id", "x"]) == 0
+    rc = main(["kld", "--threads", "1", "--checkpoint", str(checkpoint), "--arm", "golden=golden",
+               "--arm", "eng=engine", "--no-floors", "--lengths", "200", "--depths", "50",
+               "--reps", "1", "--n-boot", "20", "--out", str(out), "--run-id", "x"])
+    assert rc == kld_exit(next(out.rglob("x")))
     return next(out.rglob("x"))
 
 

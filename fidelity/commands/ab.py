@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from fidelity.commands.options import output_options, retired
-from fidelity.errors import CommandError
+from fidelity.errors import CommandError, exit_code
 from fidelity.lengths import HELP as LENGTHS_HELP
 from fidelity.lengths import argtype as lengths_arg
 
@@ -155,7 +155,7 @@ def run(args) -> int:
         print("answer KLD by length residue (breaks: prompts at 10x or more of every floor on that prompt):")
         print(by_res.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"report: {res['path']}")
-    return 0
+    return exit_code(bool(res["verdict"].get("named")))
 
 
 def _resolve_lengths(spec, cfg, tokenizer) -> tuple[int, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fidelity.commands.options import output_options
-from fidelity.errors import CommandError
+from fidelity.errors import CommandError, exit_code
 
 # Lazy imports inside the functions: building the parser imports every command module,
 # and only the command that runs should pay for its machinery (pandas, plots, readers).
@@ -62,4 +62,4 @@ def run(args) -> int:
     if "verdict" in out:
         print(out["verdict"]["sentence"])
     print(f"report: {out['root'] / 'summary.md'}")
-    return 0
+    return exit_code(bool(out.get("flagged")))

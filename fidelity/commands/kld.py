@@ -10,9 +10,10 @@ import time
 from infra.command import command_line
 from fidelity.devices import arithmetic
 from fidelity.commands.options import api_key, endpoint_pair, http_options, output_options, retired
-from fidelity.errors import CommandError
+from fidelity.errors import CommandError, exit_code
 from fidelity.lengths import HELP as LENGTHS_HELP
 from fidelity.lengths import argtype as lengths_arg
+from fidelity.kld.twin import flagged
 from fidelity.kld.settings import HttpSettings, KldSettings, PromptGrid
 
 HELP = ("KLD of live endpoints (and in-process arms) against a baseline over HTTP: "
@@ -350,7 +351,7 @@ def _run(args, driver=None) -> int:
         print(residues(res["signals"], manifest)[0].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     _health_lines(res)
     print(f"report: {res['path']}")
-    return 0
+    return exit_code(flagged(res["verdict"]))
 
 
 def _health_lines(res) -> None:

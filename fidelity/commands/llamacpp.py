@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from fidelity.errors import CommandError
+from fidelity.errors import CommandError, exit_code
 
 HELP = "llama.cpp against the golden: GGUF, tensor replay, llama-perplexity's KLD file"
 EXAMPLES = """\
@@ -162,7 +162,8 @@ def _replay(args, ck: Path, model: Path, build=None) -> int:
             print(f"\nEach layer's {block} fed llama.cpp's own inputs ({ISOLATED[block]}; relative error):")
             print(t.to_string(index=False, float_format=fmt))
     print("\n" + "\n".join(R.headline(found)))
-    return 0
+    moved = any(p["beyond"] or p.get("engine_k", p.get("k")) != p.get("k") for p in found["picks"])
+    return exit_code(bool(found["block"] or found["unexplained"] or moved))
 
 
 def _kld_base(args, ck: Path) -> int:

@@ -8,8 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from fidelity.commands.options import endpoint_pair, http_options, output_options
-from fidelity.errors import CommandError
+from fidelity.commands.options import api_key, endpoint_pair, http_options, output_options
+from fidelity.errors import CommandError, exit_code
 from fidelity.lengths import HELP as LENGTHS_HELP
 from fidelity.lengths import argtype as lengths_arg
 
@@ -174,6 +174,8 @@ def _runners(args, driver=None):
         if not name:
             raise CommandError(f"--endpoint must be NAME=URL with a plain NAME, got {s!r}")
     every, per_arm = model_options(args.model, [n for n, _ in endpoints])   # ValueError: exit 2
+    if endpoints:
+        api_key(args)                                   # an explicit --api-key-env that is unset: exit 2
     for name, url in endpoints:
         options = RequestOptions(temperature=1.0 if args.temperature is None else args.temperature,
                                  top_p=args.top_p, max_tokens=args.max_tokens, seed=not args.no_seed,
@@ -280,7 +282,8 @@ def _run(args, driver=None) -> int:
         print("retries: " + "; ".join(f"{a} {r['startup'] + r['trials']} (start-up {r['startup']}, "
                                       f"trials {r['trials']})" for a, r in meta["retries"].items()))
     print(f"report: {path}")
-    return 0
+    return exit_code(any(p["scope"] == "all" and p["p_value"] < 0.05 and p["recall_b"] < p["recall_a"]
+                         for p in pairs(rows)))
 
 
 def _grid(args, runners, spec, fmt, notes) -> tuple[list[int], dict, dict | None]:

@@ -67,10 +67,16 @@ def _headline(spec, v: dict | None, findings: pd.DataFrame) -> str:
     if v:
         holders = [a.name for a in spec.arms if v.get("culprit") and v["culprit"] in a.factors]
         return (f"`{', '.join(holders)}`: " if holders else "") + verdict_headline(v)
-    flagged = findings[findings.finding == FLAGGED].arm.tolist()
+    flagged = findings[findings.finding.str.startswith(FLAGGED)].arm.tolist()
     if flagged:
         return f"Flagged: {', '.join(f'`{a}`' for a in flagged)} (each arm's line says by which task)."
     return "No task flagged any arm."
+
+
+def flagged_arms(spec, state, out: dict) -> list[str]:
+    """The arms some task flagged (the command's exit code, fidelity.errors)."""
+    f = arm_findings(spec, state, out)
+    return f[f.finding.str.startswith(FLAGGED)].arm.tolist() if len(f) else []
 
 
 FLAGGED, ABOVE, INSIDE, QUIET, BASELINE = ("**flagged**", "**above floors**", "changes inside", "nothing flagged",

@@ -167,6 +167,16 @@ def headline(v: dict, golden_headline: str) -> str:
     return golden_headline
 
 
+def flagged(v: dict) -> bool:
+    """What the kld command's exit code reads (fidelity.errors): with twins, an engine
+    unexplained by its twin or changing inside against it (a by-design gap to the golden is
+    not a finding); without, a toggle the verdict names."""
+    tw = v.get("twins")
+    if tw:
+        return any(x["unexplained"] or x["mechanism"] for x in tw)
+    return bool(v.get("named"))
+
+
 def verdict_headline(v: dict) -> str:
     """The page's one sentence for a verdict that may hold twin judgements (kld, engines)."""
     from fidelity.verdict.board import headline as board_headline
