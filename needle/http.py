@@ -105,7 +105,7 @@ class HttpRunner:
                    else "failed" + (" (not retried)" if attempts == 1 else f" on attempt {attempts}"))
             raise StartupError(f"endpoint {self.name!r} ({redact_url(self.root)}): "
                                f"{method} {route} {why}: {e}"
-                               + (f"; {hint}" if hint and not e.retryable else ""),
+                               + (f"; {hint}" if hint and not e.retryable and e.status not in (401, 403) else ""),
                                e, attempts) from None
 
     def discover_model(self) -> str:

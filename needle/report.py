@@ -228,7 +228,9 @@ def _frame(rows: list[dict], key: str) -> pd.DataFrame:
 
 
 def _ci(r: dict) -> str:
-    return f"{r['recall']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
+    """Recall and its interval as the arms table prints them (3 significant digits), so the
+    verdict's numbers are the table's."""
+    return f"{r['recall']:.3g} [{r['ci_low']:.3g}, {r['ci_high']:.3g}]"
 
 
 def verdict(t: dict, arms: list[str]) -> list[str]:
@@ -241,7 +243,7 @@ def verdict(t: dict, arms: list[str]) -> list[str]:
     out = []
     b = by_arm[base]
     if b["recall"] is not None:
-        trend = ", ".join(f"{r['recall']:.2f} at {r['length']}" for r in t["lengths"]
+        trend = ", ".join(f"{r['recall']:.3g} at {r['length']}" for r in t["lengths"]
                           if r["arm"] == base and r["recall"] is not None)
         out.append(f"`{base}` recall {_ci(b)} over {b['n_scored']} scored trials ({trend}).")
     for a in arms[1:]:
@@ -254,11 +256,11 @@ def verdict(t: dict, arms: list[str]) -> list[str]:
         if overall and overall["n_pairs"]:
             disc = overall["a_only"] + overall["b_only"]
             sig = "significantly different" if overall["significant"] else "no significant difference"
-            line += (f"; {base} − {a} = {overall['delta']:+.2f} over {overall['n_pairs']} paired trials "
+            line += (f"; {base} − {a} = {overall['delta']:+.3g} over {overall['n_pairs']} paired trials "
                      f"({disc} discordant, McNemar p = {overall['p_value']:.3g}): {sig}")
         worse = [p for p in t["pairs"] if p["arm_b"] == a and p["scope"] == "length" and p["significant"]]
         if worse:
-            line += "; differs at " + ", ".join(f"{p['length']} tokens ({p['delta']:+.2f}, p = {p['p_value']:.2g})"
+            line += "; differs at " + ", ".join(f"{p['length']} tokens ({p['delta']:+.3g}, p = {p['p_value']:.3g})"
                                                 for p in worse)
         out.append(line + ".")
     out += _mechanism_lines(t, base)
@@ -384,7 +386,20 @@ def write_report(rows: list[dict], root: str | Path, meta: dict | None = None,
     root/<run_id> and point root/latest at it; returns the report directory."""
     meta = dict(meta or {})
     b = meta.get("boundaries") or {}
-    t = all_tables(rows, (b.get("ratios") or [4])[0], b.get("window"))
+    return _write(all_tables(rows, (b.get("ratios") or [4])[0], b.get("window")), root, meta, run_id,
+                  with_plots and bool(rows))
+
+
+def rerender(report: str | Path, root: str | Path, run_id: str) -> Path:
+    """A saved report written again from its summary.json (its tables and meta) by this
+    checkout's page code, to root/<run_id>: a committed page whose trials took hours (mlx-vlm
+    at 8K tokens) follows the page's wording without rerunning them."""
+    import json
+    s = json.loads((Path(report) / "summary.json").read_text())
+    return _write(s["tables"], root, s["meta"], run_id, True)
+
+
+def _write(t: dict, root, meta: dict, run_id: str | None, with_plots: bool) -> Path:
     arms = [a["arm"] for a in t["arms"]]
     w = ReportWriter(root, run_id or time.strftime("needle-%Y%m%d-%H%M%S"))
     try:
@@ -392,7 +407,7 @@ def write_report(rows: list[dict], root: str | Path, meta: dict | None = None,
             w.table(key, pd.DataFrame(tab) if tab else pd.DataFrame(columns=COLUMNS.get(key, [])))
         w.json("summary", {"meta": meta, "tables": t})
         stems = []
-        if with_plots and rows:
+        if with_plots:
             import matplotlib.pyplot as plt
             for fig, stem, title, cap in figures(t, arms):
                 w.figure(fig, stem, title, cap)

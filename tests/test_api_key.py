@@ -48,6 +48,7 @@ def test_every_command_reaches_it_with_the_key_only(command, url, tmp_path, monk
     rc = main([*COMMANDS[command](url), "--retries", "1", "--out", str(tmp_path / "without"), "--quiet"])
     err = capsys.readouterr().err
     assert rc == 2 and "HTTP 401" in err and "--api-key-env" in err, err[-800:]
+    assert "--model" not in err                     # a refused key is not a missing model name
     monkeypatch.setenv("MY_KEY", KEY)
     rc = main([*COMMANDS[command](url), "--api-key-env", "MY_KEY", "--out", str(tmp_path / "with"), "--quiet"])
     out = capsys.readouterr()
@@ -55,6 +56,17 @@ def test_every_command_reaches_it_with_the_key_only(command, url, tmp_path, monk
     assert KEY not in out.out + out.err
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert written and not [p for p in written if KEY.encode() in p.read_bytes()]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_an_api_key_variable_named_but_unset_is_named(command, url, tmp_path, monkeypatch, capsys):
+    """--api-key-env VAR with VAR unset: the user meant a key to be sent; exit 2 naming VAR
+    (it once went out without one and came back as a 401 that did not say why)."""
+    monkeypatch.delenv("NOT_SET_KEY", raising=False)
+    rc = main([*COMMANDS[command](url), "--api-key-env", "NOT_SET_KEY", "--out", str(tmp_path), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--api-key-env NOT_SET_KEY: that environment variable is not set" in err, err[-800:]
+    assert "HTTP 401" not in err
 
 
 def test_engines_reaches_a_keyed_engine_through_its_api_key_env(tmp_path, monkeypatch):

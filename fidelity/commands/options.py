@@ -118,9 +118,16 @@ def http_options(g, timeout: float = RetryPolicy.timeout) -> None:
 
 
 def api_key(args) -> str | None:
-    """The API key named by --api-key-env, or None when that variable is unset or empty."""
+    """The API key named by --api-key-env, or None when that variable is unset or empty.
+    A variable named explicitly (not the default) that is unset or empty is a usage error
+    naming it: the user meant a key to be sent, and a 401 later would not say why."""
     import os
-    return os.environ.get(args.api_key_env) or None
+    from fidelity.errors import CommandError
+    key = os.environ.get(args.api_key_env) or None
+    if key is None and args.api_key_env != API_KEY_ENV:
+        raise CommandError(f"--api-key-env {args.api_key_env}: that environment variable is not set "
+                           "(or is empty), so no API key would be sent")
+    return key
 
 
 def endpoint_url(text: str) -> str:
