@@ -181,12 +181,19 @@ def test_exhausted_calibration_probe_is_a_clear_error(tok, tmp_path):
 
 
 def test_models_list_4xx_is_not_retried(tok):
-    with StubServer(models_faults=["401"], tokenizer=tok) as s:
+    """A 4xx on the model list is final; a 400 hints at passing the model's name, a refused
+    key (401) says it was the credentials, not a model name."""
+    with StubServer(models_faults=["400"], tokenizer=tok) as s:
         r = HttpRunner("stub", s.url, policy=RetryPolicy(retries=3, **FAST))
-        with pytest.raises(StartupError, match=r"GET /v1/models failed \(not retried\): HTTP 401.*"
+        with pytest.raises(StartupError, match=r"GET /v1/models failed \(not retried\): HTTP 400.*"
                                                r"pass a model name"):
             r.discover_model()
         assert s.models_requests == 1 and r.startup_retries == 0
+    with StubServer(models_faults=["401"], tokenizer=tok) as s:
+        r = HttpRunner("stub", s.url, policy=RetryPolicy(retries=3, **FAST))
+        with pytest.raises(StartupError, match=r"HTTP 401: the server refused the request's credentials") as e:
+            r.discover_model()
+        assert "pass a model name" not in str(e.value) and s.models_requests == 1
 
 
 def test_cli_reports_persistent_startup_5xx_in_one_line(tok, tmp_path, capsys, monkeypatch):
