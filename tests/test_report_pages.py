@@ -230,6 +230,16 @@ def test_page_reads_cleanly(pages, name):
 
 
 @pytest.mark.parametrize("name", PAGES)
+def test_headline_numbers_are_in_the_pages_tables(pages, name):
+    """One number, one place (test_page_numbers.py's rule) on every kind of page, the
+    engines page and kld's included."""
+    from test_page_numbers import headline, missing_numbers
+    page = (pages[name] / "summary.md").read_text()
+    assert not missing_numbers(page), f"{name}: headline numbers in no table: {missing_numbers(page)}\n" \
+                                      f"headline: {headline(page)}"
+
+
+@pytest.mark.parametrize("name", PAGES)
 def test_every_suggested_command_parses(pages, name):
     for cmd in suggested(pages[name]):
         check_command(cmd)

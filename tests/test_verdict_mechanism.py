@@ -332,7 +332,7 @@ def test_the_headline_names_an_effect_as_an_effect(method, words):
     named = [{"toggle": "t", "method": method, "signal": "kld_mean", "where": "final logits", "value": 0.0122,
               "lo": 0.0082, "hi": 0.016, "floor_hi": 0.00125, "floor_arm": "floor:exact"}]
     said = headline({"named": named})
-    assert said.startswith(f"t {words}, 9.76× the highest floor (0.0013, floor:exact), 6.56× at its 95%"), said
+    assert said.startswith(f"t {words}, 9.76× the highest floor (0.00125, floor:exact), 6.56× at its 95%"), said
 
 
 def test_a_small_departure_certain_on_every_prompt_is_named_as_such_and_a_null_never_is():

@@ -152,8 +152,9 @@ def _figures(w: ReportWriter, tables, result, sets):
     w.figure(signal_board(tables["signal_summary"], tables["signal_attribution"], floor_arms + list(sets)),
              "signals", "Verdict signals vs their floors",
              "Each arm (a row; every arm of the run) against the highest floor's upper 95% bound for "
-             "each signal and place, log10(mean / floor): red above every floor, blue below, grey no "
-             "data. The signals are defined under Floors per signal.")
+             "each signal and place: white within it, red by how far above (log scale); the floors' own "
+             "rows in grey (the bar, not a finding), hatched no data. The signals are defined under "
+             "Floors per signal.")
     fig = plots.drift_vs_layer(drift, qat_floor, lines, floors=floor_arms)
     w.figure(fig, "drift_vs_layer", "Drift vs layer",
              "Relative L2 of the residual stream after each layer vs golden (prefill, mean over prompts); "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from fidelity.kld.twin import verdict_headline
@@ -32,18 +33,32 @@ def engines_page(spec, state, out: dict) -> Page:
     lead = ["signals"] if "kld" in out else ["recall_vs_length"]     # one lead plot, at full width
     return Page(f"fidelity engines: {spec.path.name}", compared, _verdict(out) or ["No task finished."], lead,
                 Table(findings, fold=False, markup=True, caption=FINDINGS_CAPTION) if len(findings) else None,
-                [], [Section("Reports", "\n".join(f"- {line}" for line in _links(out, root)))]
+                [], _named_section(v) + [Section("Reports", "\n".join(f"- {line}" for line in _links(out, root)))]
                 + ([Section("Needle recall", "", [], ["recall_vs_length"])] if {"kld", "needle"} <= set(out) else [])
                 + [Section("Arms as launched", "", [Table(_launched(spec, state), fold=False)])],
                 headline=_headline(spec, v, findings) if v or len(findings) else "",
                 suspects_title="Each arm in one line")
 
 
+def _named_section(v: dict | None) -> list[Section]:
+    """What the KLD verdict names, a row per toggle with the numbers its headline quotes (the
+    same value, interval and floor, so the page says each number once, in a table too)."""
+    named = (v or {}).get("named") or []
+    if not named:
+        return []
+    rows = pd.DataFrame([{"toggle": n["toggle"], "method": n["method"], "signal": n["signal"], "where": n["where"],
+                          "value": n["value"], "ci_low": n["lo"], "ci_high": n["hi"], "floor": n["floor_hi"],
+                          "floor arm": n.get("floor_arm") or "–"} for n in named])
+    return [Section("Named by the KLD verdict", "", [Table(rows, fold=False)])]
+
+
 FINDINGS_CAPTION = ("finding: **flagged** when a task flagged the arm (the KLD verdict names one of its "
                     "factors, a consistency condition is flagged, or its needle recall is below the "
                     "baseline's by the paired test); **above floors** when the KLD signals board has it "
                     "above every floor somewhere but the verdict names none of its factors (these arms "
-                    "do not separate them); **changes inside** when only a mechanism signal (indexer "
+                    "do not separate them); *differs (no noise floor)* when its only floors are "
+                    "bit-identical repeats, so any difference, by design or not, is a difference and "
+                    "nothing says how large is noise; **changes inside** when only a mechanism signal (indexer "
                     "picks, experts) moved; otherwise nothing flagged.")
 
 
@@ -81,6 +96,7 @@ def flagged_arms(spec, state, out: dict) -> list[str]:
 
 FLAGGED, ABOVE, INSIDE, QUIET, BASELINE = ("**flagged**", "**above floors**", "changes inside", "nothing flagged",
                                            "baseline")
+DIFFERS = "differs (no noise floor)"      # only bit-identical repeat floors: nothing to judge it against
 
 
 def arm_findings(spec, state, out: dict) -> pd.DataFrame:
@@ -101,7 +117,8 @@ def arm_findings(spec, state, out: dict) -> pd.DataFrame:
             + ([f"consistency: {', '.join(c['flagged'])}"] if c and c["flagged"] else []) \
             + ([loss[a.name]] if a.name in loss else [])
         above = board.get(a.name, "")
-        what = BASELINE if a.role == "baseline" and not flags else FLAGGED if flags else ABOVE if above \
+        what = BASELINE if a.role == "baseline" and not flags else FLAGGED if flags \
+            else ABOVE if above.startswith("above") else DIFFERS if above \
             else INSIDE if set(a.factors) & inside else QUIET
         words = flags or ([above] if above and a.role != "baseline" else [])
         rows.append({"arm": a.name, "finding": what + (": " + "; ".join(words) if words else ""),
@@ -126,12 +143,17 @@ def _board(out: dict, arms: list[str]) -> dict[str, str]:
     out_words = {}
     for arm, r in ratios.iterrows():
         r = r.dropna()
-        above = r[r > 1]
+        above = r[(r > 1) & np.isfinite(r)]
+        zero = r[~np.isfinite(r)]             # a floor of exactly 0 divides nothing: said as what it is
+        words = []
         if len(above):
-            worst = above.idxmax()
-            x = "∞" if above.max() == float("inf") else f"{above.max():.3g}"
-            out_words[arm] = (f"above every floor at {len(above)} of {len(r)} signal places "
-                              f"(worst: {worst}, {x}× its floor)")
+            words.append(f"above every floor at {len(above)} of {len(r)} signal places "
+                         f"(worst: {above.idxmax()}, {above.max():.3g}× its floor)")
+        if len(zero):
+            words.append(f"differs at {len(zero)} of {len(r)} signal places where every floor is "
+                         "bit-identical on repeat (0: no noise measured to judge it against)")
+        if words:
+            out_words[arm] = "; ".join(words)
     return out_words
 
 
@@ -206,7 +228,8 @@ def write_index(root: Path, page: Page, out: dict) -> None:
     figs = []
     if "kld" in out:
         figs.append((f"{Path(out['kld']).relative_to(root)}/signals.png", "KLD: signals vs their floors",
-                     "Each arm's mean of each signal over the highest floor (red: above every floor)."))
+                     "Each arm's mean of each signal over the highest floor (white within it, red above; "
+                     "floors' rows in grey)."))
     if "needle" in out:
         figs.append((f"{Path(out['needle']).relative_to(root)}/recall_vs_length.png",
                      "Needle recall vs context length", "95% Wilson intervals; the baseline arm dashed."))

@@ -132,7 +132,8 @@ def write(out_dir, run_id: str, tables: dict, judged: dict, manifest: dict, arms
         if len(judged["summary"]):
             w.figure(signal_board(judged["summary"], judged["attribution"], arms), "signals",
                      "Signals vs their floors", "Each arm's mean of each signal over the highest "
-                     "floor's upper 95% bound (log scale): red above every floor, grey no data.")
+                     "floor's upper 95% bound: white within it, red by how far above (log scale); the floors' "
+                     "own rows in grey, hatched no data.")
         by_res = residues(tables["signals"], manifest)
         if by_res is not None:
             w.table("residues", by_res[0])

@@ -75,20 +75,30 @@ def signal_ratios(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[s
 
 
 def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[str]):
-    """Arm × (signal, place) heat map of mean / highest floor's upper bound (log10); grey
-    where there is no data (or 0 against a 0 floor), so "nothing to say" never looks like
-    "far below the floor". The board is a page's lead plot, shown at its own size: labels
-    at 10 pt, the signals named above the rows (on the first screen however many arms)."""
+    """Arm × (signal, place) heat map of mean / highest floor's upper bound: an arm's cell is
+    white within the floor and red by how many times above it (log scale, 100x and beyond
+    darkest); a floor's row is in greys (its own size against the highest floor: the bar, never
+    a finding colour); light grey hatched where there is no data (or 0 against a 0 floor), so
+    "nothing to say" never looks like "far below the floor". The board is a page's lead plot,
+    shown at its own size: labels at 10 pt, the signals named above the rows (on the first
+    screen however many arms)."""
     piv = signal_ratios(sig_summary, verdict, arms)
-    z = np.ma.masked_invalid(np.log10(piv.to_numpy(dtype=float).clip(1e-3, 1e4)))
-    cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#cfcfcf")
+    r = piv.to_numpy(dtype=float)
+    floors = np.array([is_floor_arm(a) for a in piv.index], bool)[:, None]
+    under = np.ma.masked_invalid(np.where(floors, np.log10(r.clip(1e-2, 1e2)), np.nan))
+    z = np.ma.masked_invalid(np.where(floors, np.nan, np.log10(r.clip(1.0, 1e4))))
+    cmap = plt.get_cmap("Reds").with_extremes(bad=(0, 0, 0, 0))
     with plt.rc_context({"font.size": 10}):
         rows = max((len(str(a)) for a in piv.index), default=8)       # labels get their room
         cols = max((len(str(c)) for c in piv.columns), default=8)
         per_row = 0.32 if len(piv) <= 12 else 0.25
         fig, ax = plt.subplots(figsize=(1.6 + 0.5 * piv.shape[1] + 0.08 * rows,
                                         1.0 + per_row * len(piv) + 0.06 * cols))
-        im = ax.imshow(z, aspect="auto", cmap=cmap, vmin=-2, vmax=2)
+        ax.imshow(under, aspect="auto", cmap=plt.get_cmap("Greys").with_extremes(bad="#e6e6e6"), vmin=-3, vmax=2)
+        nodata = np.ma.getmaskarray(np.ma.masked_invalid(r))
+        for i, j in zip(*np.nonzero(nodata)):
+            ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///", edgecolor="#bbbbbb", lw=0))
+        im = ax.imshow(z, aspect="auto", cmap=cmap, vmin=0, vmax=2)
         ax.set_yticks(range(len(piv)), [floor_label(a) for a in piv.index], fontsize=10)
         for tick, arm in zip(ax.get_yticklabels(), piv.index):
             if is_floor_arm(arm):         # a floor is the bar, not a finding: said on its row
@@ -101,14 +111,18 @@ def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[st
         ax.xaxis.set_label_position("top")
         ax.set_xticks(range(piv.shape[1]), piv.columns, rotation=40, ha="left", rotation_mode="anchor",
                       fontsize=10)
-        ax.set_xlabel("signal @ place (grey: no data or 0 vs 0; italic rows: floors)")
-        fig.colorbar(im, ax=ax, label="log10(mean / floor)", shrink=min(1.0, 0.35 + 0.07 * len(piv)))
+        ax.set_xlabel("signal @ place (hatched: no data or 0 vs 0; italic grey rows: the floors themselves)")
+        cb = fig.colorbar(im, ax=ax, label="mean / highest floor (white: within it)",
+                          shrink=min(1.0, 0.35 + 0.07 * len(piv)), ticks=[0, 1, 2])
+        cb.ax.set_yticklabels(["≤1×", "10×", "≥100×"])
         fig.tight_layout()
     return fig
 
 
 def is_floor_arm(arm) -> bool:
-    return str(arm).startswith("floor:") or "~floor:" in str(arm)
+    """A floor: the golden's (floor:...), one around a twin (twin~floor:...), or an engine's
+    own repeat (engine~repeat)."""
+    return str(arm).startswith("floor:") or "~floor:" in str(arm) or str(arm).endswith("~repeat")
 
 
 def floor_label(arm) -> str:
@@ -173,10 +187,10 @@ def _named_headline(named: list[dict], fd, sets) -> str:
     if c["method"] == TAIL and "tail" in c:
         t = c["tail"]
         how = (f"breaks {int(t['b'])} of {int(t['n'])} prompts{under}: {SHORT.get(t['signal'], t['signal'])} "
-               f"{t['value']:.3g} vs a floor of at most {t['floor_hi']:.2g} (worst: {t['worst']})")
+               f"{t['value']:.3g} vs a floor of at most {t['floor_hi']:.3g} (worst: {t['worst']})")
     else:
         lo = f", {c['lo'] / c['floor_hi']:.3g}× at its 95% interval's lower end" if c["floor_hi"] > 0 else ""
-        vs = (f"{c['value'] / c['floor_hi']:.3g}× the highest floor ({c['floor_hi']:.2g}, {c['floor_arm']}){lo}"
+        vs = (f"{c['value'] / c['floor_hi']:.3g}× the highest floor ({c['floor_hi']:.3g}, {c['floor_arm']}){lo}"
               if c["floor_hi"] > 0 else f"where the highest floor ({c['floor_arm']}) is exactly 0")
         how = f"changes the outcome{under}: {_effect_words(c)} {c['value']:.3g}, {vs}"
     dep = _first_place(c["toggle"], fd, sets, c.get("schedule") or "")
