@@ -33,7 +33,7 @@ body{font-family:system-ui,sans-serif;max-width:1320px;margin:1.2em auto;padding
 h1{font-size:1.6em;margin:.2em 0}h2{margin-top:1.6em;border-bottom:1px solid #ddd}
 .compared{color:#444;margin:.2em 0 .8em}
 .verdict{font-size:1.1em;padding:.5em .8em;background:#fff6e0;border-left:4px solid #e0a000;margin:.4em 0}
-.verdict p{margin:.25em 0}.verdict p.headline{font-size:1.2em;font-weight:600}
+.verdict p{margin:.25em 0}.verdict p.headline{font-size:1.2em;font-weight:600;overflow-wrap:anywhere}
 .verdict details{font-size:.9em;color:#333}.verdict li{margin:.2em 0}
 .lead{display:flex;gap:1em;align-items:flex-start;flex-wrap:wrap}
 .lead figure{flex:1 1 560px;margin:.4em 0;min-width:0}

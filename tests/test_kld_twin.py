@@ -152,10 +152,10 @@ def test_a_change_inside_against_the_twin_leads_the_headline():
              "signals": [{"signal": "topk_loss", "places": ["layer 1", "layer 3"], "method": "one_at_a_time",
                           "where": "layer 1", "value": 0.04, "lo": 0.03, "hi": 0.05, "floor_hi": 0.0,
                           "floor_arm": "twin~floor:tie-order", "schedule": ""}]}]
-    twin = {"twin": SAME, "unexplained": False, "mechanism": mech, "matches": "keys matches the twin",
-            "named": []}
+    twin = {"name": "twin-keys", "twin": SAME, "unexplained": False, "mechanism": mech,
+            "matches": "keys matches the twin", "named": []}
     h = T.headline({"twins": [twin]}, "golden words.")
-    assert h.startswith(f"Inside, against its twin `{SAME}`: Nothing changes the outcome beyond its floors; "
+    assert h.startswith("Inside, against its twin `twin-keys`: Nothing changes the outcome beyond its floors; "
                         "inside, keys changes indexer selection at layers 1 and 3")
     assert "top-k recall 0.960 vs floor 1.000" in h and h.endswith("Against the golden: golden words.")
     assert T.headline({"twins": [{**twin, "mechanism": []}]}, "g.").startswith("keys matches the twin.")

@@ -294,7 +294,7 @@ def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov,
 def _twin_section(v: dict) -> Section:
     """Each engine judged against its twin: the unexplained finding or the match, the gap
     the twin explains, and its own report."""
-    rows = pd.DataFrame([{"engines": ", ".join(t["engines"]), "twin": t["twin"], "derived from": t["source"],
+    rows = pd.DataFrame([{"twin": t["name"], "engines": ", ".join(t["engines"]), "arm": t["twin"], "derived from": t["source"],
                           "unexplained": t["unexplained"], "report": t["report"]} for t in v["twins"]])
     text = "\n".join(f"- {t['sentence']} {t['by_design']} [Its report]({'../' + t['report'] + '/index.html'})."
                      for t in v["twins"])

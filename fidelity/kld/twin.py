@@ -154,13 +154,13 @@ def headline(v: dict, golden_headline: str) -> str:
     if bad:
         from fidelity.verdict.board import headline as board_headline
         x = bad[0]
-        return (f"Unexplained (vs twin `{x['twin']}`): "
+        return (f"Unexplained (vs twin `{x['name']}`, spelled out in the twin table): "
                 + board_headline({"named": x["named"]}) + f" Against the golden: {golden_headline}")
     inside = [x for x in tw if x["mechanism"]]
     if inside:                     # the seeds' class: picks move while the outcome stays within floors
         from fidelity.verdict.board import mechanism_headline
         x = inside[0]
-        return (f"Inside, against its twin `{x['twin']}`: " + mechanism_headline(x["mechanism"])
+        return (f"Inside, against its twin `{x['name']}`: " + mechanism_headline(x["mechanism"])
                 + f" Against the golden: {golden_headline}")
     if tw:
         return " ".join(x["matches"] + "." for x in tw) + f" Against the golden: {golden_headline}"
