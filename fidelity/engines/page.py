@@ -229,7 +229,7 @@ def write_index(root: Path, page: Page, out: dict) -> None:
     if "kld" in out:
         figs.append((f"{Path(out['kld']).relative_to(root)}/signals.png", "KLD: signals vs their floors",
                      "Each arm's mean of each signal over the highest floor (white within it, red above; "
-                     "floors' rows in grey)."))
+                     "floors' rows in grey; crossed where every floor is exactly 0: no scale)."))
     if "needle" in out:
         figs.append((f"{Path(out['needle']).relative_to(root)}/recall_vs_length.png",
                      "Needle recall vs context length", "95% Wilson intervals; the baseline arm dashed."))

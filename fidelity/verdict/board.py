@@ -79,14 +79,16 @@ def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[st
     white within the floor and red by how many times above it (log scale, 100x and beyond
     darkest); a floor's row is in greys (its own size against the highest floor: the bar, never
     a finding colour); light grey hatched where there is no data (or 0 against a 0 floor), so
-    "nothing to say" never looks like "far below the floor". The board is a page's lead plot,
+    "nothing to say" never looks like "far below the floor"; crossed where the arm differs and
+    every floor is exactly 0 (bit-identical repeats: no multiple exists). The board is a page's lead plot,
     shown at its own size: labels at 10 pt, the signals named above the rows (on the first
     screen however many arms)."""
     piv = signal_ratios(sig_summary, verdict, arms)
     r = piv.to_numpy(dtype=float)
     floors = np.array([is_floor_arm(a) for a in piv.index], bool)[:, None]
-    under = np.ma.masked_invalid(np.where(floors, np.log10(r.clip(1e-2, 1e2)), np.nan))
-    z = np.ma.masked_invalid(np.where(floors, np.nan, np.log10(r.clip(1.0, 1e4))))
+    zero = np.isinf(r)                    # a floor of exactly 0 divides nothing: crossed, not "∞× above"
+    under = np.ma.masked_invalid(np.where(floors & ~zero, np.log10(r.clip(1e-2, 1e2)), np.nan))
+    z = np.ma.masked_invalid(np.where(floors | zero, np.nan, np.log10(r.clip(1.0, 1e4))))
     cmap = plt.get_cmap("Reds").with_extremes(bad=(0, 0, 0, 0))
     with plt.rc_context({"font.size": 10}):
         rows = max((len(str(a)) for a in piv.index), default=8)       # labels get their room
@@ -95,9 +97,9 @@ def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[st
         fig, ax = plt.subplots(figsize=(1.6 + 0.5 * piv.shape[1] + 0.08 * rows,
                                         1.0 + per_row * len(piv) + 0.06 * cols))
         ax.imshow(under, aspect="auto", cmap=plt.get_cmap("Greys").with_extremes(bad="#e6e6e6"), vmin=-3, vmax=2)
-        nodata = np.ma.getmaskarray(np.ma.masked_invalid(r))
-        for i, j in zip(*np.nonzero(nodata)):
-            ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///", edgecolor="#bbbbbb", lw=0))
+        for mask, hatch, edge in ((np.isnan(r), "///", "#bbbbbb"), (zero, "xx", "#888888")):
+            for i, j in zip(*np.nonzero(mask)):
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch=hatch, edgecolor=edge, lw=0))
         im = ax.imshow(z, aspect="auto", cmap=cmap, vmin=0, vmax=2)
         ax.set_yticks(range(len(piv)), [floor_label(a) for a in piv.index], fontsize=10)
         for tick, arm in zip(ax.get_yticklabels(), piv.index):
@@ -111,7 +113,8 @@ def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[st
         ax.xaxis.set_label_position("top")
         ax.set_xticks(range(piv.shape[1]), piv.columns, rotation=40, ha="left", rotation_mode="anchor",
                       fontsize=10)
-        ax.set_xlabel("signal @ place (hatched: no data or 0 vs 0; italic grey rows: the floors themselves)")
+        ax.set_xlabel("signal @ place (hatched: no data or 0 vs 0; crossed: differs where every floor is exactly 0, "
+                      "no noise to scale it by; italic grey rows: the floors themselves)")
         cb = fig.colorbar(im, ax=ax, label="mean / highest floor (white: within it)",
                           shrink=min(1.0, 0.35 + 0.07 * len(piv)), ticks=[0, 1, 2])
         cb.ax.set_yticklabels(["≤1×", "10×", "≥100×"])
