@@ -213,6 +213,7 @@ def test_replay_places_the_departure_and_names_what_reproduces_it(f32, tmp_path)
     Its MoE, fed its own inputs, is the exact profile with Q8_0 expert activations
     (expert_act_q8_0) to float32 rounding, its f16 cache (kv_cache_ggml) explains layer 0's
     attention output, and every block fed its own inputs matches its twin."""
+    from fidelity.llamacpp import isolated as I
     from fidelity.llamacpp import replay as R
     from fidelity.prompts import haystack_ids
     from fidelity.weights.source import load_weights
@@ -243,7 +244,7 @@ def test_replay_places_the_departure_and_names_what_reproduces_it(f32, tmp_path)
     assert len(iso["mHC"]) == len(iso["router"]) == w.cfg.n_layers
     assert all(e["error"] < 10 * max(e["floor"], R.F32_ROUNDING) for e in found["errors"]["router"]), found
     assert R.headline(found)[0].startswith("Fed llama.cpp's own inputs, every block"), R.headline(found)
-    assert R.selections(attn) and not any(x["beyond"] for x in R.selections(attn)), attn   # ties at most
+    assert I.selections(attn) and not any(x["beyond"] for x in I.selections(attn)), attn   # ties at most
     assert R.headline(found)[-1].startswith("By design: llama.cpp (prefill) first departs from the golden")
 
 

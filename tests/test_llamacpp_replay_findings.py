@@ -7,6 +7,7 @@ import json
 
 import pandas as pd
 
+from fidelity.llamacpp import isolated as I
 from fidelity.llamacpp import replay as R
 
 TWIN = R.twin_of("f16")
@@ -121,15 +122,15 @@ def test_the_isolated_moe_floor_holds_a_quantizer_a_rounding_apart():
         idx = np.stack([rng.choice(cfg.n_routed_experts, cfg.n_activated_experts, replace=False) for _ in range(n)])
         wt = rng.random(idx.shape).astype(np.float32)
         nx = arms[TWIN]
-        other = moe_experts(nx, cfg, w.layer_weights(i), torch.tensor(R.nudged(x, 7)).to(nx.cd),
+        other = moe_experts(nx, cfg, w.layer_weights(i), torch.tensor(I.nudged(x, 7)).to(nx.cd),
                             torch.tensor(idx).long(), torch.tensor(wt).to(nx.cd)).double().numpy()
         engine |= {f"ffn_norm-{i}": x, f"ffn_moe_topk-{i}": idx, f"ffn_moe_weights_scaled-{i}": wt,
                    f"ffn_out-{i}": other}
-    moe = R.isolated_moe(engine, w, arms, TWIN)
+    moe = I.isolated_moe(engine, w, arms, TWIN)
     flips = moe[moe[f"vs {TWIN}"] > 1e-5]
     assert len(flips), "the nudge flips no quantizer step: the test shows nothing"
     assert R.block_unexplained(moe, "MoE") is None
     assert R.block_unexplained(moe.assign(floor=3e-7), "MoE") is not None   # reduction order alone: "departs"
     x = engine["ffn_norm-0"]
-    d = np.abs(R.nudged(x).astype(np.float64) - x)
+    d = np.abs(I.nudged(x).astype(np.float64) - x)
     assert (d > 0).all() and (d == np.abs(np.spacing(x))).mean() > 0.4    # one ulp, either way

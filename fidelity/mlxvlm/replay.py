@@ -28,6 +28,7 @@ from reference_model import build_model
 from reference_model.numerics import Numerics
 from reference_model.taps import Taps
 
+from fidelity.llamacpp import isolated as I
 from fidelity.llamacpp import replay as R
 
 from . import paths
@@ -54,7 +55,7 @@ def replay_arms(hisa: str = "") -> dict:
     from kernel_toggles import ToggleSet
     ts = ToggleSet.parse(hisa)
     return {R.GOLDEN: Numerics("reference"), R.FLOOR: Numerics("reference", torch.float32),
-            TWIN: ts.numerics("exact"), R.TWIN_FLOOR: ts.numerics("exact", compute_dtype=torch.float64)}
+            TWIN: ts.numerics("exact"), I.TWIN_FLOOR: ts.numerics("exact", compute_dtype=torch.float64)}
 
 
 
@@ -132,7 +133,7 @@ def isolated_compressors(engine: dict, weights, arms: dict, calls: list[int] | N
             if mine.shape != ref[TWIN].shape:
                 raise TapsError(f"mlx-vlm wrote {mine.shape[0]} entries of {key}-{i}, the golden {ref[TWIN].shape[0]}")
             err = {n: _rows_rel(mine, r) for n, r in ref.items() if n not in R.FLOORS}
-            floor = np.maximum(_rows_rel(ref[R.TWIN_FLOOR], ref[TWIN]), R.F32_ROUNDING)
+            floor = np.maximum(_rows_rel(ref[I.TWIN_FLOOR], ref[TWIN]), R.F32_ROUNDING)
             best = np.min(np.stack(list(err.values())), 0)
             off = best > R.FACTOR * floor
             cross = crossing(cfg.compress_ratios[i], len(mine), calls)
@@ -193,9 +194,9 @@ def run(model_dir: Path, weights_src, ids: list[int], route: str, engine_weights
     # a tensor mlx-vlm does not expose on this route (its fused 2-8 token MoE returns the stream) is left out
     pairs = [(g, e) for g, e in PAIRS if any(k.startswith(f"{e}-") for k in engine)]
     table = R.compare(engine, taps, weights_src.cfg.n_layers, TWIN, pairs, "mlx-vlm")
-    iso = {"attention": R.isolated_attention(engine, weights_src, arms, TWIN),
-           "router": R.isolated_router(engine, weights_src, arms, ids, TWIN),
-           "MoE": R.isolated_moe(engine, weights_src, arms, TWIN)}
+    iso = {"attention": I.isolated_attention(engine, weights_src, arms, TWIN),
+           "router": I.isolated_router(engine, weights_src, arms, ids, TWIN),
+           "MoE": I.isolated_moe(engine, weights_src, arms, TWIN)}
     return Run(engine, taps, table, iso, isolated_compressors(engine, weights_src, arms, calls), calls)
 
 
@@ -222,7 +223,7 @@ def findings(r: Run, route: str, weights: str) -> dict:
     blocks = [b for b in (R.block_unexplained(t, name) for name, t in r.iso.items()) if b]
     comps = [c for c in r.compressors.to_dict("records") if c["departing"]]
     attn = r.iso.get("attention", pd.DataFrame())
-    picks = R.selections(attn)
+    picks = I.selections(attn)
     return {"route": route, "weights": weights, "calls": len(r.calls) if r.calls else 1, "twin": TWIN,
             "compressors": comps, "compressors_checked": len(r.compressors),
             "block": min(blocks, key=lambda b: (b["layer"], order.index(b["block"]))) if blocks else None,
