@@ -20,6 +20,7 @@ from fidelity.residues import broken_residues
 from fidelity.weights.source import load_tokenizer_for, load_weights
 from kernel_toggles.plugins import load_plugins
 from needle.haystack import LocalCounter
+from needle_util import kld_exit
 from reference_model import Numerics
 
 BUGS = Path(__file__).parent / "mutations" / "residue_bugs.py"
@@ -150,7 +151,7 @@ def test_kld_boundary_grid_places_the_bug_at_residue_3(plugin, capsys, tmp_path)
                f"bug={LEN3}", "--lengths", "boundaries", "--depths", "50", "--decode-steps", "2",
                "--out", str(tmp_path), "--run-id", "k", "--quiet"])
     cap = capsys.readouterr()
-    assert rc == 0, cap.err
+    assert rc == kld_exit(tmp_path / "kld" / "k"), cap.err       # 1: the verdict names the bug
     assert "answer KLD by length residue" in cap.out
     t = pd.read_csv(tmp_path / "kld" / "k" / "residues.csv")
     assert sorted(t.lengths) == [255, 256, 257, 258]
