@@ -159,6 +159,13 @@ def pairs(rows) -> list[dict]:
     return out
 
 
+def recall_lost(rows) -> list[str]:
+    """The arms whose recall is below the first arm's over all their paired trials by the
+    paired test (McNemar at ALPHA): what `fidelity needle` flags (its exit code)."""
+    return [p["arm_b"] for p in pairs(rows)
+            if p["scope"] == "all" and p["significant"] and p["recall_b"] < p["recall_a"]]
+
+
 def mechanism(rows) -> list[dict]:
     """Per arm and CSA layer: how often the indexer kept an entry holding the needle in
     its top-k at the question position (trials where the needle is outside the window and

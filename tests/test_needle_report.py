@@ -87,3 +87,18 @@ def test_delta_heatmap_text_is_readable_on_dark_cells_and_zero_is_plain():
     fig = _heatmap(plt, ([383], [0, 100]), [[1.0], [0.5]], "recall", RECALL_SCALE)
     assert {t.get_text() for t in fig.axes[0].texts} == {"1.00", "0.50"}
     plt.close("all")
+
+
+def test_recall_lost_is_what_the_needle_command_flags():
+    """`fidelity needle` exits 1 for an arm that loses recall against the first arm by the
+    paired test, 0 for one that differs by chance or gains (needle.tables.recall_lost)."""
+    from needle.tables import recall_lost
+
+    def rows(arm, wrong):
+        return [{"arm": arm, "trial_id": f"t{i}", "length": 512, "depth": 50,
+                 "outcome": "wrong" if i in wrong else "correct"} for i in range(12)]
+    base = rows("golden", {0})
+    lost, chance, better = rows("lost", set(range(10))), rows("chance", {1, 2}), rows("better", set())
+    # lost: 9 discordant pairs all one way (exact p = 2 * 0.5^9 = 0.004); chance: 2 vs 1 (p = 1)
+    assert recall_lost(base + lost + chance + better) == ["lost"]
+    assert recall_lost(base + chance) == [] and recall_lost(base) == []

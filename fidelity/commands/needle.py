@@ -223,7 +223,7 @@ def _run(args, driver=None) -> int:
     from needle.report import write_report
     from needle.results import ResultsError, latest, read_rows
     from needle.sweep import SweepConfig, run_sweep
-    from needle.tables import by_arm, pairs
+    from needle.tables import by_arm, pairs, recall_lost
 
     out = Path(args.out) / "needle"
     results = Path(args.results) if args.results else out / "results.jsonl"
@@ -282,8 +282,7 @@ def _run(args, driver=None) -> int:
         print("retries: " + "; ".join(f"{a} {r['startup'] + r['trials']} (start-up {r['startup']}, "
                                       f"trials {r['trials']})" for a, r in meta["retries"].items()))
     print(f"report: {path}")
-    return exit_code(any(p["scope"] == "all" and p["p_value"] < 0.05 and p["recall_b"] < p["recall_a"]
-                         for p in pairs(rows)))
+    return exit_code(bool(recall_lost(rows)))
 
 
 def _grid(args, runners, spec, fmt, notes) -> tuple[list[int], dict, dict | None]:
