@@ -11,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 from .lengths import Boundaries, label_length, period_label, residue_label
-from .verdict.signals import SCHEDULE_FACTOR, mechanism_floors
+from .verdict.signals import mechanism_floors
 from .verdict.tail import broken, judging_floors
 
 COLUMNS = ["arm", "residue", "lengths", "prompts", "breaks", "mean", "max", "floor_max"]
@@ -22,8 +22,8 @@ def residue_table(sig: pd.DataFrame, prompt_length: dict[str, int], arms,
                   place: tuple[str, str] = ("answer_kld", "final logits")) -> pd.DataFrame:
     """Per arm and residue: the lengths there, prompts, how many break (tail.broken: at
     least 10x the floor that judges the arm on that prompt, tail.judging_floors, as the
-    verdict's tail judges it), the signal's mean and max, and those floors' max. `arms`: names, or name -> factors (a schedule
-    factor marks a scheduled arm); `sig`: tidy signals (arm, prompt, signal, where, value),
+    verdict's tail judges it), the signal's mean and max, and those floors' max. `arms`:
+    names, or name -> factors (a schedule factor marks a scheduled arm); `sig`: tidy signals (arm, prompt, signal, where, value),
     as fidelity.verdict.signals makes them; `place`: the (signal, where) the table reads."""
     signal, where = place
     s = sig[(sig.signal == signal) & (sig["where"] == where)]

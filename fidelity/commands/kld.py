@@ -13,7 +13,6 @@ from fidelity.commands.options import api_key, endpoint_pair, http_options, outp
 from fidelity.errors import CommandError, exit_code
 from fidelity.lengths import HELP as LENGTHS_HELP
 from fidelity.lengths import argtype as lengths_arg
-from fidelity.kld.twin import flagged
 from fidelity.kld.settings import HttpSettings, KldSettings, PromptGrid
 
 HELP = ("KLD of live endpoints (and in-process arms) against a baseline over HTTP: "
@@ -351,6 +350,7 @@ def _run(args, driver=None) -> int:
         print(residues(res["signals"], manifest)[0].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     _health_lines(res)
     print(f"report: {res['path']}")
+    from fidelity.kld.twin import flagged
     return exit_code(flagged(res["verdict"]))
 
 

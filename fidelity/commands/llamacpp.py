@@ -162,8 +162,7 @@ def _replay(args, ck: Path, model: Path, build=None) -> int:
             print(f"\nEach layer's {block} fed llama.cpp's own inputs ({ISOLATED[block]}; relative error):")
             print(t.to_string(index=False, float_format=fmt))
     print("\n" + "\n".join(R.headline(found)))
-    moved = any(p["beyond"] or p.get("engine_k", p.get("k")) != p.get("k") for p in found["picks"])
-    return exit_code(bool(found["block"] or found["unexplained"] or moved))
+    return exit_code(R.flagged(found))
 
 
 def _kld_base(args, ck: Path) -> int:

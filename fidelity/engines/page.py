@@ -23,13 +23,14 @@ from infra.report_page import FigureStore, Page, Section, Table, render_html, re
 from kernel_toggles import serving_settings as SS
 
 
-def engines_page(spec, state, out: dict) -> Page:
-    """The run's first page from the spec, state.json (State) and report()'s `out`."""
+def engines_page(spec, state, out: dict, findings: pd.DataFrame | None = None) -> Page:
+    """The run's first page from the spec, state.json (State) and report()'s `out`; `findings`:
+    arm_findings' table when the caller already has it."""
     root = Path(out["root"])
     v = out.get("verdict")
     compared = (f"Spec `{spec.path.name}`: " + ", ".join(f"`{a.name}` ({a.engine})" for a in spec.arms)
                 + f"; tasks {', '.join(spec.tasks)}.")
-    findings = arm_findings(spec, state, out)
+    findings = arm_findings(spec, state, out) if findings is None else findings
     lead = ["signals"] if "kld" in out else ["recall_vs_length"]     # one lead plot, at full width
     return Page(f"fidelity engines: {spec.path.name}", compared, _verdict(out) or ["No task finished."], lead,
                 Table(findings, fold=False, markup=True, caption=FINDINGS_CAPTION) if len(findings) else None,
@@ -82,16 +83,16 @@ def _headline(spec, v: dict | None, findings: pd.DataFrame) -> str:
     if v:
         holders = [a.name for a in spec.arms if v.get("culprit") and v["culprit"] in a.factors]
         return (f"`{', '.join(holders)}`: " if holders else "") + verdict_headline(v)
-    flagged = findings[findings.finding.str.startswith(FLAGGED)].arm.tolist()
+    flagged = flagged_arms(findings)
     if flagged:
         return f"Flagged: {', '.join(f'`{a}`' for a in flagged)} (each arm's line says by which task)."
     return "No task flagged any arm."
 
 
-def flagged_arms(spec, state, out: dict) -> list[str]:
-    """The arms some task flagged (the command's exit code, fidelity.errors)."""
-    f = arm_findings(spec, state, out)
-    return f[f.finding.str.startswith(FLAGGED)].arm.tolist() if len(f) else []
+def flagged_arms(findings: pd.DataFrame) -> list[str]:
+    """The arms some task flagged, from arm_findings' table (the headline's list and the
+    command's exit code, fidelity.errors)."""
+    return findings[findings.finding.str.startswith(FLAGGED)].arm.tolist() if len(findings) else []
 
 
 FLAGGED, ABOVE, INSIDE, QUIET, BASELINE = ("**flagged**", "**above floors**", "changes inside", "nothing flagged",

@@ -34,7 +34,7 @@ from needle.tables import by_arm
 
 from . import golden
 from .launch import EngineProcess, LaunchPlan, ReadinessLog, describe_exit, plan_arm
-from .page import engines_page, flagged_arms, write_index
+from .page import arm_findings, engines_page, flagged_arms, write_index
 from .context import EngineRun, State
 from .twins import with_twin
 from .spec import Spec, SpecError
@@ -395,6 +395,7 @@ def report(run: EngineRun, run_id: str) -> dict:
     if "consistency" in spec.tasks:
         out["consistency"] = {a.name: state.arm(a.name)["consistency"] for a in arms
                               if state.arm(a.name).get("consistency")}
-    out["flagged"] = flagged_arms(spec, state, out)
-    write_index(root, engines_page(spec, state, out), out)
+    findings = arm_findings(spec, state, out)
+    out["flagged"] = flagged_arms(findings)
+    write_index(root, engines_page(spec, state, out, findings), out)
     return out

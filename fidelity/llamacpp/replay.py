@@ -31,6 +31,8 @@ from reference_model.taps import Taps
 from . import flags, tensor_dump as D
 from .isolated import (TWIN_FLOOR, isolated_attention, isolated_mhc, isolated_moe, isolated_router,
                        rel, selections)
+from .selection import departs
+from .selection import sentence as selection_sentence
 
 # (golden tap under layers.{i}., llama.cpp tensor name before -{i}), in graph order
 PAIRS = [("attn.q", "q"), ("attn.kv", "kv"), ("attn.out", "attn_out"), ("ffn.out", "ffn_out")]
@@ -263,13 +265,18 @@ def findings(table: pd.DataFrame, iso: dict[str, pd.DataFrame], path: str, cache
             "search": search}
 
 
+def flagged(f: dict) -> bool:
+    """What `fidelity llamacpp replay` flags (its exit code): a block or the propagated stream
+    departing from every modelled arm, or picks departing from the twin's."""
+    return bool(f["block"] or f["unexplained"] or departs(f["picks"]))
+
+
 def headline(f: dict) -> list[str]:
     """The replay in words: the first block that departs from every modelled arm when fed
     llama.cpp's own inputs (else that every block matches the twin), the propagated stream
     and the indexer picks as context, what differs by design last."""
     b, u, twin, path = f["block"], f["unexplained"], f["twin"], f["path"]
     fed = ", ".join(k for k, v in f["isolated"].items() if v) or "no"
-    from .selection import sentence as selection_sentence
     chose = selection_sentence(f["picks"])
     lines = [chose] if chose else []              # the seeds' class first: it loses needles at length
     if b is not None:

@@ -87,12 +87,18 @@ def needle_entries(positions, ratio: int) -> list[int]:
     return sorted({int(p) // ratio for p in positions})
 
 
+def departs(rows: list[dict]) -> bool:
+    """Whether any layer's picks depart from the twin's: beyond the scores' floor, or another
+    pick count (fewer, or more: an index_topk override)."""
+    return any(r["beyond"] or r["engine_k"] != r["k"] for r in rows)
+
+
 def sentence(rows: list[dict], engine: str = "llama.cpp") -> str | None:
     """The selection finding in words ('' parts left out); None when no layer departs."""
-    bad = [r for r in rows if r["beyond"]]
-    fewer = [r for r in rows if r["engine_k"] != r["k"]]        # fewer, or more (an index_topk override)
-    if not bad and not fewer:
+    if not departs(rows):
         return None
+    bad = [r for r in rows if r["beyond"]]
+    fewer = [r for r in rows if r["engine_k"] != r["k"]]
     words = f"{engine}'s indexer selects other entries than its twin, fed the same inputs:"
     if fewer:
         words += (f" it keeps {fewer[0]['engine_k']} picks per row where the twin keeps {fewer[0]['k']} (layer"
