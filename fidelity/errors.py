@@ -13,7 +13,7 @@ from __future__ import annotations
 # Every subcommand's exit code: 0 when it finds nothing, 1 when it flags something (a named
 # toggle, an engine unexplained by its twin, a flagged condition, lost recall: a CI gate),
 # 2 on bad input or an unreachable server (CommandError). Commands that only report
-# (plan, toggles list, serve) exit 0 when they did what was asked.
+# (plan, toggles list, serve, the llamacpp / mlxvlm histories) exit 0 when they did what was asked.
 CLEAN, FLAGGED = 0, 1
 
 

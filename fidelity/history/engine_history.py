@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fidelity.errors import CLEAN, FLAGGED
 from fidelity.kld.store import ScoreStore
 
 from . import pairs
@@ -154,7 +155,7 @@ class EngineHistory:
                            "--checkpoint", str(self.ck), "--lengths", s.lengths, "--reps", str(s.reps),
                            "--decode-steps", str(s.steps), "--top-k", str(s.top_k), "--no-captures",
                            *self.extra_args(key), "--out", str(self.out), "--run-id", name, "--quiet")
-        if r.returncode not in (0, 1):
+        if r.returncode not in (CLEAN, FLAGGED):     # FLAGGED is a verdict, not a failure
             self.ledger.add("scored", key, ok=False, reason="kld: " + failure_reason(r.stderr))
             return
         self.ledger.add("scored", key, ok=True, seconds=round(time.monotonic() - start, 1),
@@ -167,7 +168,7 @@ class EngineHistory:
                            "--checkpoint", str(self.ck), "--lengths", str(s.needle_length),
                            "--depths", "10,50,90", "--reps", str(s.needle_reps), "--out", str(self.out),
                            "--run-id", "needle", "--quiet", "--no-plots")
-        if r.returncode not in (0, 1):
+        if r.returncode not in (CLEAN, FLAGGED):     # FLAGGED is a verdict, not a failure
             self.ledger.add("needle", key, ok=False, reason="needle: " + failure_reason(r.stderr))
             return
         t = json.loads((self.out / "needle" / "needle" / "summary.json").read_text())["tables"]["arms"]

@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fidelity.errors import CLEAN, FLAGGED
 from fidelity.history import engine_history
 from fidelity.history.ledger import failure_reason
 
@@ -189,7 +190,7 @@ class History(engine_history.EngineHistory):
             self.say(f"b{n}: tensor replay ({worst or f'{self.s.replay_tokens} tokens'})")
             r = self._fidelity("llamacpp", "replay", "--build", str(n), "--checkpoint", str(self.ck),
                                "--gguf", conv["gguf"], *on, "--out", str(self.out / "replay" / arm(n)))
-            if r.returncode != 0:
+            if r.returncode not in (CLEAN, FLAGGED):     # FLAGGED is the replay's verdict, not a failure
                 return self.ledger.add("localised", [a, b], ok=False, prompt=worst,
                                        reason=f"replay of b{n}: " + failure_reason(r.stderr))
             found = self.out / "replay" / arm(n) / "llamacpp-replay" / "findings-prefill-f16.json"
