@@ -70,12 +70,22 @@ def test_kld_names_the_generation_path_unexplained_by_its_twin(decode, tmp_path)
     assert tw["sentence"].startswith("Unexplained (vs its twin `exact:hisa@decode_from(1)`): mlx breaks coherence")
 
 
+FP32_ROUNDING_KLD = 1e-10    # nats: float32 arithmetic through the tiny model moves KLD by ~1e-12
+
+
 def test_kld_finds_the_one_call_prefill_matching_its_twin(prefill, tmp_path):
     """The whole prompt in one call with dense float32 weights: mlx-vlm computes what the exact
-    profile computes (the control: the judgement is not simply against mlx-vlm)."""
+    profile computes, to float32 rounding (the control: the judgement is not simply against
+    mlx-vlm). On some machines MLX's float32 kernels land ~2x above the twin's one fp32 floor
+    draw (kld_p99 4e-12 vs 2e-12 here, 2026-12): then every named effect must stay at float32
+    rounding's size, 1e6 below the generation path's departure."""
     v = _kld(prefill, tmp_path)
     (tw,) = v["twins"]
-    assert tw["twin"] == "exact:hisa" and not tw["unexplained"], tw["sentence"]
+    assert tw["twin"] == "exact:hisa", tw
+    if tw["unexplained"]:
+        kld_named = [n for n in tw["named"] if n["signal"] in ("kld_mean", "kld_p99", "answer_kld")]
+        assert kld_named and all(n["hi"] < FP32_ROUNDING_KLD for n in kld_named), tw["sentence"]
+        assert {n["signal"] for n in tw["named"]} <= {"kld_mean", "kld_p99", "answer_kld"}, tw["sentence"]
 
 
 def test_explain_puts_the_departure_at_the_compressors_call_boundary(installed, tmp_path):
