@@ -2,11 +2,14 @@
 grid lies inside the tiny model's training lengths (read from the model card, not from our
 code), it asks through the chat API the model was trained on, and golden's recall over
 HTTP through `fidelity engines run` equals `fidelity needle` in-process on the same grid,
-trial by trial (same prompt, same answer), well above zero."""
+trial by trial (same prompt, same answer), well above zero; and the whole demo names the
+bug arm, not the engine."""
 import json
 import re
 import subprocess
 import tomllib
+
+import pytest
 
 from needle_util import ROOT, fidelity_cmd, free_port
 
@@ -77,3 +80,27 @@ toggles = "golden"
         assert (r["outcome"], r["response"].strip()) == (local[k]["outcome"], local[k]["response"].strip()), k
     recall = sum(r["outcome"] == "correct" for r in http.values()) / len(http)
     assert recall >= 0.6
+
+
+@pytest.mark.slow           # the golden and its floors in process, then three served arms: ~2-3 min on 2 cores
+def test_demo_names_the_bug_arm_and_not_the_engine(tmp_path):
+    """The acceptance check of the engines page: judged against noise floors (fidelity ab's,
+    computed in process; the served golden a floor of its own), the demo flags `engine-bug`
+    for routed_scaling_double and not `engine`, and no number on its page is a multiple of
+    a zero floor."""
+    spec = tmp_path / "fidelity-demo.toml"
+    spec.write_text(DEMO.read_text().replace("port = 18777", f"port = {free_port()}"))
+    p = subprocess.run(fidelity_cmd("engines", "run", str(spec), "--out", str(tmp_path), "--quiet"), cwd=ROOT,
+                       capture_output=True, text=True, timeout=HANG)
+    assert p.returncode == 1, p.stderr[-3000:]                  # flagged: the bug arm
+    root = tmp_path / "engines" / "fidelity-demo"
+    page = (root / "summary.md").read_text()
+    lines = page.split("## Each arm in one line")[1].split("\n## ")[0].splitlines()
+    rows = {r.split("|")[1].strip(): r.split("|")[2].strip() for r in lines if r.startswith("| ")}
+    assert rows["engine-bug"].startswith("**flagged**: KLD names routed_scaling_double")
+    assert not rows["engine"].startswith("**flagged**")
+    assert rows["golden-served"].startswith("a floor")
+    assert re.search(r"^\*\*Verdict\.\*\* `engine-bug`: routed_scaling_double", page, re.M)
+    assert "∞" not in page and "infinitely" not in page
+    scored = {line.split(",")[0] for line in (root / "kld-report" / "signal_summary.csv").read_text().splitlines()}
+    assert {"floor:exact", "floor:fp32-accum", "floor:tie-order", "golden-served"} <= scored

@@ -47,3 +47,23 @@ def test_every_headline_number_is_in_a_table_of_its_page(path):
     page = path.read_text()
     assert not missing_numbers(page), (f"{path.relative_to(ROOT)}: headline numbers in no table: "
                                        f"{missing_numbers(page)}\nheadline: {headline(page)}")
+
+
+INFINITE_MULTIPLE = re.compile(r"∞|\binf(?:inity)?\s*(?:×|x\b)|\binf(?:inity|initely)?\s+(?:many\s+)?times\b", re.I)
+
+
+def test_the_infinite_multiple_pattern_reads_what_a_reader_reads():
+    assert all(INFINITE_MULTIPLE.search(s) for s in ("∞×", "inf× its floor", "infx", "Infinity x the floor",
+                                                  "infinitely many times the floor"))
+    assert not any(INFINITE_MULTIPLE.search(s) for s in ("information", "4.2x its floor", "influx"))
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "reports").rglob("*")
+                                        if p.suffix in (".md", ".html", ".csv")
+                                        and not {"demo", "latest"} & set(p.relative_to(ROOT / "reports").parts)),
+                         ids=lambda p: str(p.relative_to(ROOT / "reports")))
+def test_no_committed_page_divides_by_a_zero_floor(path):
+    """A floor of exactly 0 divides nothing: no committed page says an arm is infinitely many
+    times its floor (it says 'bit-identical on repeat' and judges against a noise floor)."""
+    hit = INFINITE_MULTIPLE.search(path.read_text(errors="replace"))
+    assert hit is None, f"{path.relative_to(ROOT)}: {hit.group(0)!r} near ...{path.read_text()[max(0, hit.start() - 80):hit.end() + 40]}..."

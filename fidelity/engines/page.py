@@ -16,7 +16,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from fidelity.kld.twin import flagged as twin_flagged
+from fidelity.kld.twin import matched as twin_matched
 from fidelity.kld.twin import verdict_headline
+from fidelity.verdict.board import headline as board_headline
 from fidelity.verdict.board import signal_ratios
 from fidelity.verdict.findings import verdict_lines
 from infra.report_page import FigureStore, Page, Section, Table, render_html, render_markdown
@@ -49,8 +52,14 @@ def _named_section(v: dict | None) -> list[Section]:
         return []
     rows = pd.DataFrame([{"toggle": n["toggle"], "method": n["method"], "signal": n["signal"], "where": n["where"],
                           "value": n["value"], "ci_low": n["lo"], "ci_high": n["hi"], "floor": n["floor_hi"],
-                          "floor arm": n.get("floor_arm") or "–"} for n in named])
+                          "floor arm": n.get("floor_arm") or "–", "× floor": _times(n.get("x_floor")),
+                          "× floor at ci_low": _times(n.get("x_floor_lo"))} for n in named])
     return [Section("Named by the KLD verdict", "", [Table(rows, fold=False)])]
+
+
+def _times(x) -> str:
+    """A multiple of a floor as the headline prints it ('–' where there is none: a zero floor)."""
+    return f"{x:.3g}" if x is not None and np.isfinite(x) else "–"
 
 
 FINDINGS_CAPTION = ("finding: **flagged** when a task flagged the arm (the KLD verdict names one of its "
@@ -82,6 +91,8 @@ def _headline(spec, v: dict | None, findings: pd.DataFrame) -> str:
     KLD verdict, how many arms a task flagged."""
     if v:
         holders = [a.name for a in spec.arms if v.get("culprit") and v["culprit"] in a.factors]
+        if holders and not twin_flagged(v):     # the golden names a culprit; every twin matches
+            return f"`{', '.join(holders)}`: " + " ".join(filter(None, [board_headline(v), twin_matched(v)]))
         return (f"`{', '.join(holders)}`: " if holders else "") + verdict_headline(v)
     flagged = flagged_arms(findings)
     if flagged:
@@ -95,8 +106,8 @@ def flagged_arms(findings: pd.DataFrame) -> list[str]:
     return findings[findings.finding.str.startswith(FLAGGED)].arm.tolist() if len(findings) else []
 
 
-FLAGGED, ABOVE, INSIDE, QUIET, BASELINE = ("**flagged**", "**above floors**", "changes inside", "nothing flagged",
-                                           "baseline")
+FLAGGED, ABOVE, INSIDE, QUIET, BASELINE, FLOOR = ("**flagged**", "**above floors**", "changes inside",
+                                                  "nothing flagged", "baseline", "a floor (its role in the spec)")
 DIFFERS = "differs (no noise floor)"      # only bit-identical repeat floors: nothing to judge it against
 
 
@@ -118,10 +129,11 @@ def arm_findings(spec, state, out: dict) -> pd.DataFrame:
             + ([f"consistency: {', '.join(c['flagged'])}"] if c and c["flagged"] else []) \
             + ([loss[a.name]] if a.name in loss else [])
         above = board.get(a.name, "")
-        what = BASELINE if a.role == "baseline" and not flags else FLAGGED if flags \
+        what = BASELINE if a.role == "baseline" and not flags else FLOOR if a.role == "floor" and not flags \
+            else FLAGGED if flags \
             else ABOVE if above.startswith("above") else DIFFERS if above \
             else INSIDE if set(a.factors) & inside else QUIET
-        words = flags or ([above] if above and a.role != "baseline" else [])
+        words = flags or ([above] if above and a.role == "arm" else [])
         rows.append({"arm": a.name, "finding": what + (": " + "; ".join(words) if words else ""),
                      "mean KLD [95% CI]": kld.get(a.name, "–"), "needle recall": needle.get(a.name, "–"),
                      "consistency": _consistency_words(c) if c else "–",

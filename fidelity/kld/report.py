@@ -130,7 +130,8 @@ def write(out_dir, run_id: str, tables: dict, judged: dict, manifest: dict, arms
         w.figure(_ladder_plot(tables["positions"]), "decode_ladder", "Decode ladder",
                  "KL per greedy decode step, up to the step where the arm's greedy token departs.")
         if len(judged["summary"]):
-            w.figure(signal_board(judged["summary"], judged["attribution"], arms), "signals",
+            floors = {a["name"] for a in manifest.get("arms", []) if a.get("role") == "floor"}
+            w.figure(signal_board(judged["summary"], judged["attribution"], arms, floors), "signals",
                      "Signals vs their floors", "Each arm's mean of each signal over the highest "
                      "floor's upper 95% bound: white within it, red by how far above (log scale); the floors' "
                      "own rows in grey, hatched no data.")

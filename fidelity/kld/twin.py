@@ -133,7 +133,8 @@ def combine(golden_judged: dict, results: list[dict], baseline: str) -> dict:
         t, j = r["twin"], r["judged"]
         twins.append({"name": t.name, "twin": t.spelling, "source": t.source, "engines": t.engines,
                       "unexplained": bool(j["verdict"].get("named")), "sentence": sentence(t, j),
-                      "matches": matches(t),
+                      "matches": (f"{', '.join(t.engines)} match{'es' if len(t.engines) == 1 else ''} "
+                                  f"its twin `{t.name}` within the twin's floors"),     # short: headlines
                       "by_design": by_design(t, golden_judged, baseline), "named": j["verdict"].get("named", []),
                       "mechanism": j["verdict"].get("mechanism", []), "report": r["path"].name})
     v["twins"] = twins
@@ -163,8 +164,14 @@ def headline(v: dict, golden_headline: str) -> str:
         return (f"Inside, against its twin `{x['name']}`: " + mechanism_headline(x["mechanism"])
                 + f" Against the golden: {golden_headline}")
     if tw:
-        return " ".join(x["matches"] + "." for x in tw) + f" Against the golden: {golden_headline}"
+        return f"{matched(v)} Against the golden: {golden_headline}"
     return golden_headline
+
+
+def matched(v: dict) -> str:
+    """The twins' matches, a short sentence each (the twin by its name; its spelling is in
+    the twin table): what a headline says when no twin judgement finds anything."""
+    return " ".join(x["matches"] + "." for x in v.get("twins") or [])
 
 
 def flagged(v: dict) -> bool:

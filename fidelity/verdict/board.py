@@ -74,7 +74,7 @@ def signal_ratios(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[s
     return piv.reindex([a for a in arms if a in piv.index])
 
 
-def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[str]):
+def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[str], floors=()):
     """Arm × (signal, place) heat map of mean / highest floor's upper bound: an arm's cell is
     white within the floor and red by how many times above it (log scale, 100x and beyond
     darkest); a floor's row is in greys (its own size against the highest floor: the bar, never
@@ -82,13 +82,15 @@ def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[st
     "nothing to say" never looks like "far below the floor"; crossed where the arm differs and
     every floor is exactly 0 (bit-identical repeats: no multiple exists). The board is a page's lead plot,
     shown at its own size: labels at 10 pt, the signals named above the rows (on the first
-    screen however many arms)."""
+    screen however many arms). `floors`: arms that are floors by their role, not their name
+    (a served golden in a spec: what serving alone moves)."""
     piv = signal_ratios(sig_summary, verdict, arms)
+    floor = lambda a: is_floor_arm(a) or a in floors          # noqa: E731
     r = piv.to_numpy(dtype=float)
-    floors = np.array([is_floor_arm(a) for a in piv.index], bool)[:, None]
+    floor_row = np.array([floor(a) for a in piv.index], bool)[:, None]
     zero = np.isinf(r)                    # a floor of exactly 0 divides nothing: crossed, not "∞× above"
-    under = np.ma.masked_invalid(np.where(floors & ~zero, np.log10(r.clip(1e-2, 1e2)), np.nan))
-    z = np.ma.masked_invalid(np.where(floors | zero, np.nan, np.log10(r.clip(1.0, 1e4))))
+    under = np.ma.masked_invalid(np.where(floor_row & ~zero, np.log10(r.clip(1e-2, 1e2)), np.nan))
+    z = np.ma.masked_invalid(np.where(floor_row | zero, np.nan, np.log10(r.clip(1.0, 1e4))))
     cmap = plt.get_cmap("Reds").with_extremes(bad=(0, 0, 0, 0))
     with plt.rc_context({"font.size": 10}):
         rows = max((len(str(a)) for a in piv.index), default=8)       # labels get their room
@@ -101,12 +103,12 @@ def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[st
             for i, j in zip(*np.nonzero(mask)):
                 ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch=hatch, edgecolor=edge, lw=0))
         im = ax.imshow(z, aspect="auto", cmap=cmap, vmin=0, vmax=2)
-        ax.set_yticks(range(len(piv)), [floor_label(a) for a in piv.index], fontsize=10)
+        ax.set_yticks(range(len(piv)), [floor_label(a, floor(a)) for a in piv.index], fontsize=10)
         for tick, arm in zip(ax.get_yticklabels(), piv.index):
-            if is_floor_arm(arm):         # a floor is the bar, not a finding: said on its row
+            if floor(arm):                # a floor is the bar, not a finding: said on its row
                 tick.set_color("#555555")
                 tick.set_fontstyle("italic")
-        floor_rows = [i for i, a in enumerate(piv.index) if is_floor_arm(a)]
+        floor_rows = [i for i, a in enumerate(piv.index) if floor(a)]
         if floor_rows and len(floor_rows) < len(piv) and floor_rows == list(range(len(floor_rows))):
             ax.axhline(len(floor_rows) - 0.5, color="black", linewidth=1.2)
         ax.xaxis.tick_top()
@@ -128,12 +130,13 @@ def is_floor_arm(arm) -> bool:
     return str(arm).startswith("floor:") or "~floor:" in str(arm) or str(arm).endswith("~repeat")
 
 
-def floor_label(arm) -> str:
+def floor_label(arm, floor: bool | None = None) -> str:
     """A board row's label: floor arms say they are floors, the QAT one which floor it is
-    (red on its row is the QAT simulation's own size against the other floors, not a bug)."""
+    (red on its row is the QAT simulation's own size against the other floors, not a bug).
+    `floor`: whether the arm is a floor, when its role says so and not its name."""
     if str(arm) == QAT_FLOOR:
         return f"{arm} (QAT floor)"
-    return f"{arm} (floor)" if is_floor_arm(arm) else str(arm)
+    return f"{arm} (floor)" if (is_floor_arm(arm) if floor is None else floor) else str(arm)
 
 
 # each signal in a few words, for the headline (SIGNALS has the full definitions)
