@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fidelity.kld.dialects import Request
 from fidelity.kld.inprocess import InProcessScorer, capture_shape
 from fidelity.kld.run import ScoredArm, check_identity, score_entry
-from fidelity.kld.run import _key as score_key          # the key score_arm stores under
+from fidelity.kld.run import score_key          # the key score_arm stores under
 from fidelity.kld.store import ScoreStore, request_key
 from fidelity.weights.target import load_target
 from kernel_toggles.arms import version_of

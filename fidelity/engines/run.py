@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fidelity.kld.endpoint import Endpoint
 from fidelity.kld.run import (REPEAT_SUFFIX, TOKENIZER_PROBE, ScoredArm, check_tokenizers, evaluate,
-                              repeat_floor, score_entry)
+                              repeat_floor, score_entry, score_key)
 from fidelity.kld.settings import KldSettings, PromptGrid
 from fidelity.kld.store import ScoreStore
 from fidelity.prompts import file_prompts, grid_prompts
@@ -314,6 +314,7 @@ def _run_arm(run: EngineRun, arm, plan, consistency) -> None:
                       tokenizer=tok, api_key=_api_key(spec, arm)).connect()
         if "kld" in spec.tasks:
             check_tokenizers([ScoredArm(arm.name, ep)], tok, TOKENIZER_PROBE)
+            _check_model(run, arm, ep)
         st["engine"] = ep.info
         st["dialect"] = ep.dialect
         st["shape"] = ep.shape
@@ -343,6 +344,25 @@ def _run_arm(run: EngineRun, arm, plan, consistency) -> None:
             st["stopped"] = {"exit_code": code, "at": time.time()}
             state.event("stopped", arm=arm.name, exit_code=code)
             progress.log(f"{arm.name}: stopped ({describe_exit(code)})")
+
+
+def _check_model(run: EngineRun, arm, ep) -> None:
+    """Does the arm serve the run's model at all? Its answer to the start of the first KLD
+    prompt against the baseline's stored scores of it (fidelity.kld.identity); ModelMismatch
+    (exit 2) before the arm is scored. Without stored baseline scores (the baseline is this
+    arm, or was not scored yet) there is nothing to ask against."""
+    from fidelity.kld.identity import Stored, check_one
+    base = run.spec.arms[0]
+    if arm.name == base.name or not run.prompts:
+        return
+    p = run.prompts[0]
+    ids = p.tokens.tolist()
+    stored = run.store.get(base.name, p.id, score_key(run.settings, ScoredArm(base.name, None, "baseline"), ids))
+    if stored is None:
+        return
+    got = check_one(Stored(stored), arm.name, ep, ids, run.target.name,
+                    fix=f"Point engine `{arm.engine}` at this checkpoint's model, or the spec at the served one")
+    run.state.arm(arm.name)["identity"] = got
 
 
 def _ready_poll(kind: str) -> float:

@@ -49,14 +49,38 @@ def check_models(entries, ids: list[int], checkpoint: str) -> dict[str, dict]:
     for e in entries:
         if e is base or getattr(e.scorer, "kind", "") != "endpoint":
             continue
-        p = out[e.name] = probe(base.scorer, e.scorer, ids[:PROBE_TOKENS])
-        if mismatch(p):
-            served = getattr(e.scorer, "model", None)
-            raise ModelMismatch(
-                f"{e.name} does not serve {checkpoint}'s model"
-                + (f" (it answers as {served!r})" if served else "")
-                + f": on a {p['positions']}-token probe it agrees with the golden's top-1 on {p['same_top1']:.0%} "
-                f"of positions and its mean KL is {p['kl_mean']:.3g} nats (a numerics change keeps at least "
-                f"{MISMATCH_TOP1:.0%} and stays under {MISMATCH_KL:g}); no numerics verdict is made. Point "
-                "--endpoint at a server of this checkpoint, or --checkpoint at the served model's")
+        out[e.name] = check_one(base.scorer, e.name, e.scorer, ids, checkpoint)
     return out
+
+
+def check_one(base, name: str, scorer, ids: list[int], checkpoint: str,
+              fix: str = "Point --endpoint at a server of this checkpoint, or --checkpoint at the served model's") -> dict:
+    """The probe of one endpoint against the baseline's scorer; ModelMismatch when it serves
+    another model (`fix`: what the user changes, in the command's own words)."""
+    p = probe(base, scorer, ids[:PROBE_TOKENS])
+    if mismatch(p):
+        served = getattr(scorer, "model", None)
+        raise ModelMismatch(
+            f"{name} does not serve {checkpoint}'s model"
+            + (f" (it answers as {served!r})" if served else "")
+            + f": on a {p['positions']}-token probe it agrees with the golden's top-1 on {p['same_top1']:.0%} "
+            f"of positions and its mean KL is {p['kl_mean']:.3g} nats (a numerics change keeps at least "
+            f"{MISMATCH_TOP1:.0%} and stays under {MISMATCH_KL:g}); no numerics verdict is made. {fix}")
+    return p
+
+
+class Stored:
+    """A baseline's stored scores of one prompt answering the probe on a prefix of it (scores
+    are causal: a position's distribution reads the ids up to it), so an engine launched after
+    the golden was scored and released is probed against it without loading it again."""
+    kind = "stored"
+
+    def __init__(self, scores):
+        self.scores = scores
+
+    def score(self, ids, req):
+        from .dialects import PromptScores
+        n, s = len(ids), self.scores
+        if list(s.ids[:n]) != list(ids):
+            raise ValueError("the identity probe's ids are not a prefix of the baseline's stored prompt")
+        return PromptScores(list(ids), s.known[:n], s.actual[:n], s.ranks[:n])

@@ -81,7 +81,9 @@ def _request(s: KldSettings, entry: ScoredArm, base: PromptScores | None) -> Req
     return r
 
 
-def _key(s: KldSettings, entry: ScoredArm, ids: list[int]) -> str:
+def score_key(s: KldSettings, entry: ScoredArm, ids: list[int]) -> str:
+    """The key an arm's scores of a prompt are stored under (score_arm writes it; engines read
+    the baseline's scores back by it)."""
     return request_key(s.k, s.steps, s.exact and entry.role not in BASE_ROLES, s.captures, ids)
 
 
@@ -90,7 +92,7 @@ def score_arm(entry: ScoredArm, prompts, s: KldSettings, store: ScoreStore, base
     """Score the prompts this arm has not scored yet, or scored without the captures it
     should have returned (resume fills the gap); returns how many were scored."""
     def pending(p):
-        got = store.get(entry.name, p.id, _key(s, entry, p.tokens.tolist()))
+        got = store.get(entry.name, p.id, score_key(s, entry, p.tokens.tolist()))
         return (got is None or got.captures_missing is not None
                 or (s.captures and got.indexer is None and entry.scorer.kind == "endpoint"
                     and getattr(entry.scorer, "shape", None) is not None)
@@ -102,7 +104,7 @@ def score_arm(entry: ScoredArm, prompts, s: KldSettings, store: ScoreStore, base
             _score_one(entry, p, s, store, baseline)
             advance(1, p.id)
     # captures learnt of mid-run (their shape arrived late): ask once more for those before
-    again = [p for p in todo if pending(p) and store.get(entry.name, p.id, _key(s, entry, p.tokens.tolist()))
+    again = [p for p in todo if pending(p) and store.get(entry.name, p.id, score_key(s, entry, p.tokens.tolist()))
              .captures_missing is None]
     for p in again:
         _score_one(entry, p, s, store, baseline)
@@ -111,7 +113,7 @@ def score_arm(entry: ScoredArm, prompts, s: KldSettings, store: ScoreStore, base
 
 def _score_one(entry: ScoredArm, p, s: KldSettings, store: ScoreStore, baseline: str | None) -> None:
     ids = p.tokens.tolist()
-    key = _key(s, entry, ids)
+    key = score_key(s, entry, ids)
     base = None
     if s.exact and entry.role not in BASE_ROLES and baseline is not None:
         base = store.get(baseline, p.id, request_key(s.k, s.steps, False, s.captures, ids))
@@ -121,7 +123,7 @@ def _score_one(entry: ScoredArm, p, s: KldSettings, store: ScoreStore, baseline:
 
 
 def load(entry: ScoredArm, p, s: KldSettings, store: ScoreStore) -> PromptScores:
-    got = store.get(entry.name, p.id, _key(s, entry, p.tokens.tolist()))
+    got = store.get(entry.name, p.id, score_key(s, entry, p.tokens.tolist()))
     if got is None:
         raise RuntimeError(f"{entry.name} has no scores for prompt {p.id}")
     return got
@@ -304,7 +306,7 @@ def capture_shape_of(entries: list[ScoredArm], prompts, s: KldSettings, store: S
             return e.scorer.shape
     for e in entries:
         fetch = getattr(e.scorer, "fetch_shape", None)
-        if fetch and any(getattr(store.get(e.name, p.id, _key(s, e, p.tokens.tolist())), "indexer", None)
+        if fetch and any(getattr(store.get(e.name, p.id, score_key(s, e, p.tokens.tolist())), "indexer", None)
                          is not None for p in prompts):
             try:
                 return fetch()
