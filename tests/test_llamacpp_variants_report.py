@@ -58,3 +58,24 @@ def test_the_doc_table_is_the_page_table():
     for ln, (_, r) in zip(rows, t.iterrows()):
         assert ln == "| " + " | ".join(str(c) for c in r) + " |"
     assert VR.headline(RESULTS) in body
+
+
+def test_the_twin_floor_is_tabled_and_drawn_beside_its_variant():
+    res = json.loads(json.dumps(RESULTS))
+    served = [n for n, r in res["variants"].items() if "failed" not in r]
+    res["variants"][served[0]]["kld"].update(twin_floor_kld_hi=1.25e-4, twin_floor_arm="twin~floor:fp32-accum")
+    for n in served[1:]:
+        res["variants"][n]["kld"].pop("twin_floor_kld_hi", None)
+    t = VR.variants_frame(res, "16384").set_index("GGUF")
+    assert " vs floor 0.000125 " in t.loc[served[0], "mean KLD vs its twin"]
+    assert all(" vs floor " not in t.loc[n, "mean KLD vs its twin"] for n in served[1:])
+    fig = VR.plot_variants(res)
+    ax = fig.axes[0]
+    labels = ax.get_legend_handles_labels()[1]
+    assert "its twin's highest floor" in labels
+    bars = next(c for c in ax.collections if c.get_label() == "its twin's highest floor")
+    xy = bars.get_offsets()
+    drawn = [(float(x), int(round(float(y)))) for x, y in xy if x == x]     # NaN rows are not drawn
+    assert drawn == [(1.25e-4, 0)]
+    import matplotlib.pyplot as plt
+    plt.close(fig)

@@ -68,9 +68,17 @@ def variants_frame(res: dict, longest: str) -> pd.DataFrame:
         rows.append([n, f"{k['kld_mean']:.3g} [{k['kld_lo']:.3g}, {k['kld_hi']:.3g}] vs {k['floor_kld_hi']:.3g} "
                         f"({k['kld_mean'] / k['floor_kld_hi']:.2g}x)", f"{k['same_top1']:.4f}",
                      "{:.2f} [{:.2f}, {:.2f}]".format(*rec) + f"; {at:.2f} at {longest}" if rec else "-",
-                     f"{k['vs_twin']:.3g} (`{k['twin']}`)" if "vs_twin" in k else "-",
+                     _vs_twin(k),
                      twin_verdict(k), golden_verdict(k["verdict"])])
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _vs_twin(k: dict) -> str:
+    """The mean KLD against the twin, beside the twin's highest floor where it was recorded."""
+    if "vs_twin" not in k:
+        return "-"
+    f = k.get("twin_floor_kld_hi")
+    return f"{k['vs_twin']:.3g}" + (f" vs floor {f:.3g}" if f else "") + f" (`{k['twin']}`)"
 
 
 def headline(res: dict) -> str:
@@ -107,12 +115,15 @@ def plot_variants(res: dict):
     a.errorbar(mean, y, xerr=[mean - [x["kld_lo"] for x in k], np.array([x["kld_hi"] for x in k]) - mean],
                fmt="o", color="C0", capsize=3, label="vs golden [95% CI]")
     a.scatter([x.get("vs_twin", np.nan) for x in k], y, marker="s", color="C3", zorder=3, label="vs its twin")
+    tf = np.array([x.get("twin_floor_kld_hi") or np.nan for x in k], dtype=float)
+    if np.isfinite(tf).any():           # the floor the twin judgement rests on, a grey bar on its own row
+        a.scatter(tf, y, marker="|", s=260, color="grey", zorder=2, label="its twin's highest floor")
     a.axvline(max(x["floor_kld_hi"] for x in k), color="grey", ls="--", lw=1, label="golden's highest floor")
     a.set_xscale("log")
     a.set_yticks(y, [n for n, _ in ok])
     a.invert_yaxis()
     a.set_xlabel("mean next-token KLD (decode path)")
-    a.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
+    a.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
     a.grid(axis="x", alpha=0.3)
     markers, ticks = "osD^v<>", []
     for i, (n, r) in enumerate(ok):
@@ -149,7 +160,8 @@ def write(res: dict, out_dir: str | Path, kld_lengths: str, needle_lengths: str)
         w.table("variants", table)
         w.figure(plot_variants(res), "variants", "KLD and needle recall per variant",
                  "Left: mean KLD against the golden (blue, 95% bootstrap CI over prompts; dashed: the golden's "
-                 "highest floor) and against the in-process twin of the variant's own flags (red). Right: needle "
+                 "highest floor) and against the in-process twin of the variant's own flags (red; grey bar: the upper bound "
+                 "of that twin's highest floor, where measured). Right: needle "
                  "recall per prompt length (single needle, depths 10/50/90), the golden's dashed; the variants "
                  "side by side within each length's slot, so equal curves stay visible.")
         compared = (f"Every GGUF variant of {res['model']} ({res['build']}) served by llama-server: `fidelity kld` "
@@ -160,7 +172,7 @@ def write(res: dict, out_dir: str | Path, kld_lengths: str, needle_lengths: str)
                     "in-process floor's upper bound (the mean over that bound in brackets). Against its twin: the "
                     "mean KLD and kld's judgement against the twin's own floors (`unexplained` = beyond them). "
                     "Needle: overall recall [95% CI] and at the longest length. " + TWIN_NOTE,
-                    [Table(table, fold=False)]),
+                    [Table(table, fold=False, markup=True)]),
         ]
         head = headline(res)
         w.page(Page("dsv4-fidelity llama.cpp variants", compared, [head], ["variants"], None,
