@@ -195,7 +195,8 @@ def _mechanism(plt, t: dict, arms: list[str]):
 
 ARM_COLUMNS = ["arm", "n", "n_scored", "recall", "ci_low", "ci_high", "correct", "partial", "wrong",
                "refused", "other", "empty", "truncated", "server_error", "exact_length_rate",
-               "residual_max_abs", "latency_median_s", "retried_rows"]
+               "residual_max_abs", "latency_median_s", "retried_rows", "bos_replies", "bos_reasoning_only",
+               "special_replies"]
 COLUMNS = {
     "arms": ARM_COLUMNS,
     "kinds": ["arm", "kind", "values_per_trial", "n_scored", "recall", "ci_low", "ci_high", "all_found_rate",
@@ -263,12 +264,21 @@ def verdict(t: dict, arms: list[str]) -> list[str]:
             line += "; differs at " + ", ".join(f"{p['length']} tokens ({p['delta']:+.3g}, p = {p['p_value']:.3g})"
                                                 for p in worse)
         out.append(line + ".")
+    out = _bos_lines(t["arms"]) + out        # a finding whatever the recall: said first
     out += _mechanism_lines(t, base)
     lost = [a for a in t["arms"] if a["truncated"] or a["server_error"]]
     if lost:
         out.append("Not scored (never counted as misses): " + "; ".join(
             f"`{a['arm']}` {a['truncated']} truncated, {a['server_error']} server errors" for a in lost) + ".")
     return out
+
+
+def _bos_lines(arms: list[dict]) -> list[str]:
+    """Each arm whose replies carry BOS: token 0, what argmax over a NaN logits row emits
+    (a finding whatever its recall: a sound server never writes it into a reply)."""
+    return [f"`{a['arm']}`: BOS (token 0, what argmax over a NaN logits row emits) in {a['bos_replies']} of "
+            f"{a['n']} replies ({a['bos_reasoning_only']} of them only in reasoning_content, which a scan of "
+            "content alone misses)." for a in arms if a.get("bos_replies")]
 
 
 def _mechanism_lines(t: dict, base: str) -> list[str]:

@@ -81,3 +81,25 @@ def score(expected: list[str], content: str | None, finish_reason: str | None,
     if _REFUSAL.search(text):
         return Score("refused", 0, n)
     return Score("other", 0, n)
+
+
+# DeepSeek-V4's special tokens as a reply's text shows them when a server detokenizes them:
+# BOS is token 0, what argmax over a NaN logits row returns (vllm#41834 traced BOS in long
+# generations to four NaN paths); the others are a template or stop handling gone wrong.
+# Both `content` and `reasoning_content` are read: the reporter's warning was that a scan of
+# content alone misses most of them.
+BOS_TEXT = "<｜begin▁of▁sentence｜>"
+SPECIAL_TEXTS = (BOS_TEXT, "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")
+REPLY_FIELDS = ("response", "reasoning_content")        # the row's names for content and reasoning
+
+
+def leaked_specials(res: dict) -> dict[str, list[str]]:
+    """{field: special tokens in it, in order of appearance} over a reply's content and
+    reasoning_content; empty when the reply has none."""
+    out = {}
+    for f in REPLY_FIELDS:
+        text = res.get(f) or ""
+        found = sorted(((m.start(), s) for s in SPECIAL_TEXTS for m in re.finditer(re.escape(s), text)))
+        if found:
+            out[f] = [s for _, s in found]
+    return out

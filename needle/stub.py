@@ -7,7 +7,8 @@ whole path -- request, parsing, scoring -- is exercised with known outcomes); a 
 hash-chosen share of prompts gets a wrong number. Faults are consumed one per generation
 request, in order: an HTTP status ("500", "502", "429", "400", ...: that status with an
 error body), "malformed" (200 with a broken JSON body), "drop" (connection closed without
-a response), "timeout" (no answer for `hang` seconds), "ok". `models_faults` and
+a response), "timeout" (no answer for `hang` seconds), "bos" / "bos:reasoning" (the answer
+with BOS in its content / its reasoning_content: a NaN logits row's argmax), "ok". `models_faults` and
 `tokenize_faults` do the same, one per GET /v1/models and per POST /tokenize (either
 path), so that start-up requests can misbehave too. Written on raw asyncio streams so that
 drops and half-answers are real. Loopback only."""
@@ -216,6 +217,8 @@ class StubServer(ThreadedServer):
             if self.delay:
                 await asyncio.sleep(self.delay)
             payload = self._generate(path, json.loads(raw))
+            if fault.startswith("bos"):
+                _plant_bos(payload, fault)
         else:
             status, payload = 404, {"error": {"message": "not found"}}
         return self._response(status, json.dumps(payload).encode())
@@ -223,4 +226,19 @@ class StubServer(ThreadedServer):
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
+
+
+def _plant_bos(payload: dict, fault: str) -> None:
+    """The reply as a server writes it when one decode step's logits row was NaN and its
+    argmax emitted token 0 (BOS), detokenized with special tokens kept: "bos" in the content,
+    "bos:reasoning" in reasoning_content only (content unchanged)."""
+    from reference_model.tokenizer import BOS
+    ch = payload["choices"][0]
+    msg = ch.get("message")
+    if fault == "bos:reasoning" and msg is not None:
+        msg["reasoning_content"] = f"Looking for the number.{BOS}{BOS} The key is named in the question."
+    elif msg is not None:
+        msg["content"] = msg["content"][:12] + BOS + msg["content"][12:]
+    else:
+        ch["text"] = ch["text"][:12] + BOS + ch["text"][12:]
 

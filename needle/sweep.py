@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from . import haystack as H
 from .http import HttpRunner
 from .results import ResultsLog, latest
-from .scoring import contains_value, score
+from .scoring import contains_value, leaked_specials, score
 
 
 def residue_lengths(base: list[int]) -> list[int]:
@@ -107,6 +107,9 @@ def make_row(trial: Trial, prompt: H.Prompt, runner, res: dict, cfg: SweepConfig
         "value_in_reasoning": bool(res.get("reasoning_content")) and any(
             contains_value(res["reasoning_content"], v) for v in prompt.expected),
     }
+    specials = leaked_specials(res)
+    if specials:                                     # BOS in a reply: a NaN logits row's argmax
+        row["specials"] = specials
     if isinstance(runner, HttpRunner):               # endpoint arms: asked for / answered by
         row["model_requested"] = runner.model
     for k in ("model", "response", "reasoning_content", "finish_reason", "completion_tokens", "latency_s",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from .scoring import OUTCOMES, SCORED
+from .scoring import BOS_TEXT, OUTCOMES, SCORED
 from .stats import mcnemar, wilson
 
 ALPHA = 0.05
@@ -124,8 +124,24 @@ def by_arm(rows) -> list[dict]:
                     "residual_max_abs": max((abs(x) for x in res), default=None),
                     "residual_mean": statistics.fmean(res) if res else None,
                     "latency_median_s": statistics.median(lat) if lat else None,
-                    "retried_rows": sum(1 for r in rs if (r.get("attempts") or 1) > 1)})
+                    "retried_rows": sum(1 for r in rs if (r.get("attempts") or 1) > 1),
+                    **_specials(rs)})
     return out
+
+
+def _specials(rs: list[dict]) -> dict:
+    """How many of an arm's replies carry BOS (token 0: a NaN logits row's argmax), how
+    many of those only in reasoning_content, and how many any special token."""
+    bos = [r for r in rs if any(BOS_TEXT in v for v in (r.get("specials") or {}).values())]
+    return {"bos_replies": len(bos),
+            "bos_reasoning_only": sum(1 for r in bos if BOS_TEXT not in r["specials"].get("response", [])),
+            "special_replies": sum(1 for r in rs if r.get("specials"))}
+
+
+def specials_leaked(rows) -> list[str]:
+    """The arms with BOS in any reply (content or reasoning): what `fidelity needle` flags
+    beside lost recall (its exit code). A reply never carries BOS on a sound server."""
+    return [a["arm"] for a in by_arm(rows) if a["bos_replies"]]
 
 
 def pairs(rows) -> list[dict]:

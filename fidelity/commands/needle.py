@@ -223,7 +223,7 @@ def _run(args, driver=None) -> int:
     from needle.report import write_report
     from needle.results import ResultsError, latest, read_rows
     from needle.sweep import SweepConfig, run_sweep
-    from needle.tables import by_arm, pairs, recall_lost
+    from needle.tables import by_arm, pairs, recall_lost, specials_leaked
 
     out = Path(args.out) / "needle"
     results = Path(args.results) if args.results else out / "results.jsonl"
@@ -282,7 +282,11 @@ def _run(args, driver=None) -> int:
         print("retries: " + "; ".join(f"{a} {r['startup'] + r['trials']} (start-up {r['startup']}, "
                                       f"trials {r['trials']})" for a, r in meta["retries"].items()))
     print(f"report: {path}")
-    return exit_code(bool(recall_lost(rows)))
+    for a in by_arm(rows):
+        if a["bos_replies"]:                 # even with --quiet: a NaN row's argmax, never noise
+            print(f"{a['arm']}: BOS in {a['bos_replies']} of {a['n']} replies "
+                  f"({a['bos_reasoning_only']} only in reasoning_content)")
+    return exit_code(bool(recall_lost(rows)) or bool(specials_leaked(rows)))
 
 
 def _grid(args, runners, spec, fmt, notes) -> tuple[list[int], dict, dict | None]:

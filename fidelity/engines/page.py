@@ -63,8 +63,8 @@ def _times(x) -> str:
 
 
 FINDINGS_CAPTION = ("finding: **flagged** when a task flagged the arm (the KLD verdict names one of its "
-                    "factors, a consistency condition is flagged, or its needle recall is below the "
-                    "baseline's by the paired test); **above floors** when the KLD signals board has it "
+                    "factors, a consistency condition is flagged, its needle recall is below the "
+                    "baseline's by the paired test, or a needle reply carries BOS); **above floors** when the KLD signals board has it "
                     "above every floor somewhere but the verdict names none of its factors (these arms "
                     "do not separate them); *differs (no noise floor)* when its only floors are "
                     "bit-identical repeats, so any difference, by design or not, is a difference and "
@@ -184,21 +184,25 @@ def _kld_means(out: dict) -> dict[str, str]:
 
 
 def _needle_words(out: dict) -> tuple[dict[str, str], dict[str, str]]:
-    """Arm -> recall with its interval; and arm -> the loss the paired test finds against
-    the baseline (the needle report's McNemar over all trials)."""
+    """Arm -> recall with its interval; and arm -> what the needle flags on it: the loss the
+    paired test finds against the baseline (McNemar over all trials), BOS in its replies."""
     words = {r["arm"]: ("no scored trial" if r["recall"] is None else
                         f"{r['recall']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] ({r['n_scored']} trials)")
              for r in out.get("recall") or []}
     loss = {}
     try:
-        pairs = json.loads((Path(out["needle"]) / "summary.json").read_text())["tables"]["pairs"] \
-            if "needle" in out else []
+        tables = json.loads((Path(out["needle"]) / "summary.json").read_text())["tables"] \
+            if "needle" in out else {}
     except (FileNotFoundError, KeyError, json.JSONDecodeError):
-        pairs = []
-    for p in pairs:
+        tables = {}
+    for p in tables.get("pairs", []):
         if p["scope"] == "all" and p["significant"] and p["delta"] > 0:
             loss[p["arm_b"]] = (f"needle recall {p['recall_b']:.3f} vs {p['arm_a']}'s {p['recall_a']:.3f} "
                                 f"(McNemar p = {p['p_value']:.2g})")
+    for a in tables.get("arms", []):
+        if a.get("bos_replies"):            # a NaN logits row's argmax in a reply: flagged whatever the recall
+            bos = f"BOS in {a['bos_replies']} of {a['n']} needle replies (token 0: a NaN logits row's argmax)"
+            loss[a["arm"]] = "; ".join(filter(None, [loss.get(a["arm"]), bos]))
     return words, loss
 
 
