@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from fidelity.kld import identity as I  # noqa: E402
 from fidelity.kld.inprocess import InProcessScorer  # noqa: E402
-from fidelity.prompts import grid_prompts  # noqa: E402
+from fidelity.design.prompts import grid_prompts  # noqa: E402
 from fidelity.weights.source import load_tokenizer_for, load_weights  # noqa: E402
 from kernel_toggles import ToggleSet, all_toggles  # noqa: E402
 from reference_model.numerics import Numerics  # noqa: E402

@@ -77,7 +77,7 @@ def continuation_logprob(model, tok, context: str, continuation: str) -> tuple[f
 
 def truth(arm: str, items: list[dict]) -> dict:
     """Per item: every choice's loglikelihood, the pick, and the greedy generation."""
-    from fidelity.arms import parse_arm
+    from fidelity.design.arms import parse_arm
     from fidelity.weights.target import load_target
     from reference_model import Model
     from reference_model.generate import Decoder, Sampling

@@ -1,5 +1,5 @@
 """In-process needle sweep, one trial at a time (before) vs trials of one length batched
-layer-major (after, fidelity.needle_batch), on the embedded model with resident weights
+layer-major (after, fidelity.needle_run.batch), on the embedded model with resident weights
 and with a streamed checkpoint written to a temporary directory.
 
 Each (weights, run) is a fresh subprocess (1 torch thread) timing `run_sweep` on a fresh
@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 CHILD = r"""
 import json, sys, time, torch
 torch.set_num_threads(1)
-from fidelity.arms import parse_arm
-from fidelity.needle_runner import InProcessOptions, InProcessRunner
+from fidelity.design.arms import parse_arm
+from fidelity.needle_run.runner import InProcessOptions, InProcessRunner
 from fidelity.weights.target import Target, load_target
 from needle.sweep import SweepConfig, run_sweep
 from reference_model.checkpoint_read import StreamingWeights

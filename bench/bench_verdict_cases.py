@@ -97,10 +97,10 @@ def _broken_counts(res: dict) -> dict:
 
 
 def _periods(acted: dict, settings: dict, cfg) -> dict:
-    """toggle -> the config's periods its acting lengths fit (fidelity.lengths.fits; {} on a
+    """toggle -> the config's periods its acting lengths fit (fidelity.design.lengths.fits; {} on a
     checkout without it)."""
     try:
-        from fidelity.lengths import Boundaries, fits
+        from fidelity.design.lengths import Boundaries, fits
     except ImportError:
         return {}
     from fidelity.ab.design import PromptPlan

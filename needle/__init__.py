@@ -1,6 +1,6 @@
 """Needle-in-a-haystack recall sweeps (RULER-style haystacks sized exactly in the target
 tokenizer), in-process over reference-model arms and over any OpenAI-compatible server.
-The in-process runner is built from an arm, so it lives in fidelity (fidelity.needle_runner);
+The in-process runner is built from an arm, so it lives in fidelity (fidelity.needle_run.runner);
 needle imports nothing of fidelity.
 
     haystack   needle kinds, values, filler, exact-length prompt building

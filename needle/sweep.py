@@ -49,7 +49,7 @@ class SweepConfig:
     fmt: H.PromptFormat = field(default_factory=H.PromptFormat)
     seed: int = 0
     # more depths at some lengths only (the boundary grid's needle just inside / outside
-    # the sliding window, fidelity.lengths.needle_window_depths): {length: (depth, ...)}
+    # the sliding window, fidelity.design.lengths.needle_window_depths): {length: (depth, ...)}
     length_depths: dict = field(default_factory=dict)
 
     def trial_settings(self, count_source: str) -> dict:
@@ -123,7 +123,7 @@ def make_row(trial: Trial, prompt: H.Prompt, runner, res: dict, cfg: SweepConfig
 async def _execute(cfg, jobs, prompts, runners, log: ResultsLog, quiet: bool,
                    interrupted: threading.Event | None = None):
     """Each runner works through its own jobs: a runner with `arun_batch` gets every pending
-    trial of one length at once (in-process: run layer-major, fidelity.needle_batch),
+    trial of one length at once (in-process: run layer-major, fidelity.needle_run.batch),
     others `concurrency` trials at a time through `arun`. Rows are appended as each trial
     finishes either way, so a resumed run skips exactly the finished trials."""
     total, done = len(jobs), 0

@@ -172,7 +172,7 @@ class Decoder:
     def advance(self, logits: torch.Tensor, state: SequenceState | None = None) -> int | None:
         """The rest of a step once its forward has run: count it, pick the next token, check
         the stop conditions. step() calls it; a runner that runs the forward itself (layer-
-        major across requests, fidelity.needle_batch) passes the logits of the last position
+        major across requests, fidelity.needle_run.batch) passes the logits of the last position
         and the state it advanced. Prompt scoring is step()'s prefill's, not done here."""
         if state is not None:
             self.state = state

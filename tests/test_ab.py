@@ -205,7 +205,7 @@ def test_lockstep_propagated_equals_standalone_and_isolated_feeds_golden(weights
 
 
 def test_builtin_prompts_with_a_tokenizer_are_exact_length_haystacks():
-    from fidelity.prompts import builtin_prompts
+    from fidelity.design.prompts import builtin_prompts
     from reference_model.tokenizer import load_tokenizer
     tok = load_tokenizer(None)
     ps = builtin_prompts(tiny(), (250, 301), 2, seed=0, tokenizer=tok)

@@ -1,11 +1,11 @@
-"""An arm spelling can pin its numerics profile (`exact:...`, fidelity.arms.parse_arm):
+"""An arm spelling can pin its numerics profile (`exact:...`, fidelity.design.arms.parse_arm):
 a pinned arm such as llama.cpp's in-process twin (fidelity.llamacpp.flags.twin) in kld, needle and
 serve. The pinned arm computes on its profile whatever profile the caller asks for, and
 equals the same toggles built on that profile directly."""
 import pytest
 import torch
 
-from fidelity.arms import ArmError, parse_arm, pinned_profile
+from fidelity.design.arms import ArmError, parse_arm, pinned_profile
 from fidelity.pipeline.model import arm_numerics
 from kernel_toggles import ToggleSet
 from reference_model import Model, Numerics, random_weights, tiny

@@ -28,7 +28,7 @@ def parsed(line: str):
     except SystemExit as e:
         pytest.fail(f"the CLI rejects {line!r} (exit {e.code})")
     if argv[1] == "serve":
-        from fidelity.arms import parse_arm
+        from fidelity.design.arms import parse_arm
         from fidelity.serve import parse_arm_options
         for _, spec in parse_arm_options(args.arm):
             parse_arm(spec)

@@ -13,7 +13,7 @@ import pytest
 
 from fidelity.cli import main
 from fidelity.pipeline.stage import StageStateError, carried, carry_in, stage_state
-from fidelity.stages import segments, stage_ranges
+from fidelity.weights.stages import segments, stage_ranges
 from fidelity.weights.plan import PassSpec, PlanDevices, PlanError, plan_memory
 from reference_model import flash
 from reference_model.v41.config import tiny_v41, v41_flash

@@ -89,7 +89,7 @@ def _index(lines, fragment) -> int:
 
 
 def _golden_scorer():
-    from fidelity.arms import parse_arm
+    from fidelity.design.arms import parse_arm
     from fidelity.weights.target import load_target
     return InProcessScorer("golden", parse_arm("golden").numerics(compute_dtype=torch.float64),
                            load_target(None).weights)
@@ -200,7 +200,7 @@ class _Arm:
 
 
 def test_stored_chunk_reference_gives_the_rows_a_held_reference_gives(tmp_path):
-    from fidelity.arms import parse_arm
+    from fidelity.design.arms import parse_arm
     from fidelity.consistency.chunk import ChunkFamily, ChunkPlan
     from fidelity.consistency.store import ProbeStore
     from fidelity.weights.target import load_target

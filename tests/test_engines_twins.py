@@ -2,7 +2,7 @@
 known from the spec before launch -- llama.cpp's from its flags or toggles, SGLang's from
 its profiled defaults -- one per distinct arm, none without an in-process baseline. The end
 to end judgement is in tests/test_engines_gpu_sharing.py (a served arm equal to its twin)."""
-from fidelity.arms import parse_arm
+from fidelity.design.arms import parse_arm
 from fidelity.engines.spec import load_spec
 from fidelity.engines.twins import engine_twins, with_twin
 from fidelity.llamacpp import flags as LF

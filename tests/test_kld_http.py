@@ -7,10 +7,10 @@ import json
 import pandas as pd
 import pytest
 
-from fidelity.arms import parse_arm
+from fidelity.design.arms import parse_arm
 from fidelity.cli import main
 from fidelity.ab.metrics import kld_per_position
-from fidelity.prompts import grid_prompts
+from fidelity.design.prompts import grid_prompts
 from fidelity.weights.target import load_target
 from reference_model import Model
 

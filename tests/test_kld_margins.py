@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from fidelity.ab.margins import entry_margin
-from fidelity.arms import parse_arm
+from fidelity.design.arms import parse_arm
 from fidelity.cli import main
 from fidelity.kld.dialects import PromptScores
 from fidelity.kld.margins import implied_perturbation, is_fragile, margin_rows, margin_summary
-from fidelity.prompts import grid_prompts
+from fidelity.design.prompts import grid_prompts
 from fidelity.weights.target import load_target
 from needle.haystack import needle_entries
 from reference_model import Model

@@ -1,4 +1,4 @@
-"""An engine judged against its twin (fidelity.twin, fidelity.kld.twin).
+"""An engine judged against its twin (fidelity.kld.floors, fidelity.kld.twin).
 
 In process, without any engine: a bug on top of llama.cpp's twin arithmetic is named
 against the twin with finite floors that are noise on both sides (no QAT floor), an arm
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fidelity.cli import main
-from fidelity.twin import floor_numerics
+from fidelity.kld.floors import floor_numerics
 from fidelity.kld import twin as T
 
 from needle_util import kld_exit, served

@@ -1,4 +1,4 @@
-"""The boundary grid (fidelity.lengths) against hand-derived lengths, on the embedded
+"""The boundary grid (fidelity.design.lengths) against hand-derived lengths, on the embedded
 model's config and on DeepSeek-V4-Flash's shipped config shape; --lengths parsing and its
 errors in ab, kld and needle; the per-residue tables of ab/kld and needle on
 hand-built signals."""
@@ -6,9 +6,9 @@ import pandas as pd
 import pytest
 
 from fidelity.cli import main
-from fidelity.lengths import (Boundaries, LengthsError, LengthSpec, boundary_grid, default_max,
+from fidelity.design.lengths import (Boundaries, LengthsError, LengthSpec, boundary_grid, default_max,
                               label_length, needle_window_depths, parse_lengths, resolve)
-from fidelity.residues import broken_residues, residue_table
+from fidelity.verdict.residues import broken_residues, residue_table
 from fidelity.weights.source import EMBEDDED, checkpoint_config
 from needle.tables import by_residue, by_window
 from reference_model.config import ModelConfig
@@ -243,8 +243,8 @@ def test_v41_grid_has_an_anchor_per_indexer_ratio():
 def test_a_length_is_labelled_by_every_period_it_is_a_multiple_of():
     """384 sits on three periods at once (two ratios and the window), 288 on the window and
     ratio 4 only: the per-length table says so, so "0 mod 4" is not read as the only cause."""
-    from fidelity.lengths import period_label
-    from fidelity.residues import grid_frame
+    from fidelity.design.lengths import period_label
+    from fidelity.verdict.residues import grid_frame
     b = Boundaries(32, (4, 128), 16, (4,))
     assert period_label(384, b) == "3x128 = 6x64 (index_topk x4) = 12x32 (window) = 96x4"
     assert period_label(288, b) == "9x32 (window) = 72x4" and period_label(255, b) == ""
@@ -257,7 +257,7 @@ def test_separating_lengths_and_the_period_they_read():
     beside it for each period (same residue mod p and every period dividing p, another mod the
     larger ones), so the lengths it acts at on the next run name its period. Hand-derived on
     window 32, ratios 4 and 128, index_topk x4 = 64."""
-    from fidelity.lengths import period_reading, periods, separating_lengths
+    from fidelity.design.lengths import period_reading, periods, separating_lengths
     b = Boundaries(32, (4, 128), 16, (4,))
     assert periods(b) == [4, 32, 64, 128]
     run = separating_lengths([384], b)

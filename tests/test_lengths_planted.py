@@ -15,8 +15,8 @@ from fidelity.ab.design import ABSettings, PromptPlan
 from fidelity.ab.report import residues
 from fidelity.ab.run import ReportTarget, RunSite, run_ab
 from fidelity.cli import main
-from fidelity.lengths import parse_lengths, resolve, shortest_haystack
-from fidelity.residues import broken_residues
+from fidelity.design.lengths import parse_lengths, resolve, shortest_haystack
+from fidelity.verdict.residues import broken_residues
 from fidelity.weights.source import load_tokenizer_for, load_weights
 from kernel_toggles.plugins import load_plugins
 from needle.haystack import LocalCounter
@@ -124,7 +124,7 @@ def test_the_suggested_lengths_name_each_bugs_period(plugin):
     the larger ratio (128), the one length 384 -- and the residue-3 bug, run at the lengths
     the verdict suggests for a toggle that acted at 384 only (384 and 384 + each period):
     each is read as its own period, the one-length bug as that length alone."""
-    from fidelity.lengths import Boundaries, separating_lengths
+    from fidelity.design.lengths import Boundaries, separating_lengths
     w, _ = load_weights(None)
     lengths = separating_lengths([384], Boundaries.of(w.cfg))
     assert lengths == [384, 385, 388, 416, 448, 512]

@@ -60,7 +60,7 @@ def test_detected_as_llamacpp_with_its_build(server, f32):
 
 
 def test_tokenize_equals_ours_on_needle_chat_and_ab_prompts(server, f32):
-    from fidelity.prompts import builtin_prompts
+    from fidelity.design.prompts import builtin_prompts
     from fidelity.weights.source import load_weights
     from needle.haystack import HaystackSpec, LocalCounter, PromptFormat, build_prompt
     from reference_model.tokenizer import render_chat
@@ -215,7 +215,7 @@ def test_replay_places_the_departure_and_names_what_reproduces_it(f32, tmp_path)
     attention output, and every block fed its own inputs matches its twin."""
     from fidelity.llamacpp import isolated as I
     from fidelity.llamacpp import replay as R
-    from fidelity.prompts import haystack_ids
+    from fidelity.design.prompts import haystack_ids
     from fidelity.weights.source import load_weights
     ck, model = f32
     w, _ = load_weights(str(ck))
@@ -253,7 +253,7 @@ def test_replay_of_a_q8_0_cache_is_explained_by_its_rotation(f32, tmp_path):
     converts the query to Q8_0 (kv_cache_ggml(type=q8_0)); layer 0's attention output is
     then several times closer to llama.cpp's than Q8_0 rows stored unrotated or f16 rows."""
     from fidelity.llamacpp import replay as R
-    from fidelity.prompts import haystack_ids
+    from fidelity.design.prompts import haystack_ids
     from fidelity.weights.source import load_weights
     ck, model = f32
     w, _ = load_weights(str(ck))

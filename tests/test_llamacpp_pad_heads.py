@@ -11,7 +11,7 @@ from fidelity.kld.dialects import Request
 from fidelity.kld.inprocess import InProcessScorer
 from fidelity.llamacpp.pad_heads import PadError, block_map, dim_map, pad_checkpoint
 from fidelity.pipeline.model import arm_numerics
-from fidelity.prompts import builtin_prompts
+from fidelity.design.prompts import builtin_prompts
 from fidelity.weights.source import load_tokenizer_for, load_weights
 
 SRC = "models/tiny-needle-v2"

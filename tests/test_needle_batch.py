@@ -1,4 +1,4 @@
-"""Needle trials batched layer-major (fidelity.needle_batch): a sweep run in batches gives
+"""Needle trials batched layer-major (fidelity.needle_run.batch): a sweep run in batches gives
 the rows of the one-at-a-time runner field by field (but latency), resident and streamed,
 greedy and sampled; a streamed checkpoint reads each layer once per pass for the whole
 batch; a failing trial drops out with the error row it gets alone; bounds and resume."""
@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from fidelity.arms import parse_arm
+from fidelity.design.arms import parse_arm
 from fidelity.cli import main
-from fidelity.needle_batch import plan_batches
-from fidelity.needle_runner import InProcessOptions, InProcessRunner
+from fidelity.needle_run.batch import plan_batches
+from fidelity.needle_run.runner import InProcessOptions, InProcessRunner
 from fidelity.weights.target import Target, load_target
 from needle.haystack import HaystackSpec, PromptFormat, build_prompt
 from needle.sweep import SweepConfig, run_sweep

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from fidelity.arms import parse_arm
-from fidelity.needle_runner import InProcessRunner
+from fidelity.design.arms import parse_arm
+from fidelity.needle_run.runner import InProcessRunner
 from fidelity.weights.target import load_target
 from needle.haystack import HaystackSpec, PromptFormat, build_prompt
 from needle.report import write_report
@@ -84,7 +84,7 @@ def test_inprocess_sweep_golden_vs_engine(target, tmp_path):
 
 
 def test_arms_parsing_and_env():
-    from fidelity.arms import ArmError, arm_from_env, as_arm, engine_arm
+    from fidelity.design.arms import ArmError, arm_from_env, as_arm, engine_arm
     import kernel_toggles as K
     assert parse_arm("").name == parse_arm("golden").name == "golden"
     assert arm_from_env({}).name == "golden"

@@ -164,8 +164,8 @@ def test_near_scoring_a_distractors_value_is_wrong(counter):
 
 @pytest.fixture(scope="module")
 def golden():
-    from fidelity.arms import parse_arm
-    from fidelity.needle_runner import InProcessRunner
+    from fidelity.design.arms import parse_arm
+    from fidelity.needle_run.runner import InProcessRunner
     from fidelity.weights.target import load_target
     return InProcessRunner("golden", load_target("models/tiny-needle"), parse_arm("golden"))
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from fidelity.cli import main
-from fidelity.prompts import PromptFileError, file_prompts, grid_prompt, grid_prompts
+from fidelity.design.prompts import PromptFileError, file_prompts, grid_prompt, grid_prompts
 from fidelity.weights.target import load_target
 
 T = load_target(None)

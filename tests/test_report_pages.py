@@ -32,7 +32,7 @@ from fidelity.ab import plots  # noqa: E402
 from fidelity.ab.design import ABSettings, arm_sets, vs_pairs  # noqa: E402
 from fidelity.ab.report import plotted_arms, rerender  # noqa: E402
 from fidelity.ab.run import ReportTarget, RunSite, run_ab  # noqa: E402
-from fidelity.arms import parse_arm  # noqa: E402
+from fidelity.design.arms import parse_arm  # noqa: E402
 from fidelity.cli import build_parser, main, name_value_pairs  # noqa: E402
 from fidelity.commands.needle import _named  # noqa: E402
 from infra.plot_style import arm_styles  # noqa: E402

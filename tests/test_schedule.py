@@ -179,7 +179,7 @@ def test_an_effect_equal_to_its_one_shot_effect_is_the_toggles_not_the_schedules
 
 
 def test_arm_strings_carry_a_schedule_and_serve_refuses_one(capsys):
-    from fidelity.arms import ArmError, parse_arm
+    from fidelity.design.arms import ArmError, parse_arm
     from fidelity.cli import main
     a = parse_arm("engine@prefix_hit(64)")
     assert a.name.endswith("@prefix_hit(64)") and a.schedule == Schedule("prefix_hit", 64)
@@ -193,7 +193,7 @@ def test_arm_strings_carry_a_schedule_and_serve_refuses_one(capsys):
 def test_inprocess_needle_and_kld_arms_take_a_schedule():
     """A serving bug reaches the in-process needle runner and kld's in-process scorer
     through the arm string: under its schedule the answer's logits move, one-shot not."""
-    from fidelity.arms import parse_arm
+    from fidelity.design.arms import parse_arm
     from fidelity.kld.inprocess import InProcessScorer
     from fidelity.weights.source import load_weights
     w, _ = load_weights(None)
@@ -203,7 +203,7 @@ def test_inprocess_needle_and_kld_arms_take_a_schedule():
         arm = parse_arm(spec)
         scorer = InProcessScorer(arm.name, arm.numerics(), w, schedule=arm.schedule)
         assert (not torch.equal(scorer.model.prefill_logits(toks), ref)) == moved, spec
-    from fidelity.needle_runner import InProcessRunner
+    from fidelity.needle_run.runner import InProcessRunner
     from fidelity.weights.target import load_target
     runner = InProcessRunner("bug", load_target(None), "chunk_stale_index_keys@chunked(64)")
     assert runner.model.schedule == runner.model_rec.schedule == Schedule("chunked", 64)

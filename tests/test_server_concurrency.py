@@ -11,7 +11,7 @@ import openai
 import pytest
 import torch
 
-from fidelity.arms import parse_arm
+from fidelity.design.arms import parse_arm
 from fidelity.weights.target import load_target
 from reference_model import Model
 from reference_model.taps import Taps

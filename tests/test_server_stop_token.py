@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from fidelity.arms import parse_arm
+from fidelity.design.arms import parse_arm
 from fidelity.weights.target import load_target
 from reference_model import Model
 from reference_model.generate import Decoder, Sampling, Scoring

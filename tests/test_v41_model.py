@@ -118,7 +118,7 @@ def test_streamed_and_dense_checkpoints_equal_in_memory(weights, toks, golden, t
 # ---- the lockstep drives it -----------------------------------------------------------------
 def test_lockstep_runs_v41(weights, toks):
     from fidelity.ab.lockstep import LockstepArm, LockstepRunner, RunnerSettings
-    from fidelity.prompts import Prompt
+    from fidelity.design.prompts import Prompt
     arms = [LockstepArm("golden", Numerics("reference"), role="golden"),
             LockstepArm("copy", Numerics("reference")),
             LockstepArm("exact", Numerics("exact"), role="floor")]

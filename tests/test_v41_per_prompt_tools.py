@@ -10,10 +10,10 @@ import pandas as pd
 import pytest
 import torch
 
-from fidelity.arms import parse_arm
+from fidelity.design.arms import parse_arm
 from fidelity.cli import main
 from fidelity.kld.inprocess import capture_shape
-from fidelity.needle_runner import InProcessOptions, InProcessRunner
+from fidelity.needle_run.runner import InProcessOptions, InProcessRunner
 from fidelity.serve.prefix_cache import PrefixCache, page_keys, paged_prefill, restore
 from fidelity.weights.target import load_target
 from kernel_toggles import ToggleSet

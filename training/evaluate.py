@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from fidelity.arms import NumericsArm
-from fidelity.needle_runner import InProcessOptions, InProcessRunner
+from fidelity.design.arms import NumericsArm
+from fidelity.needle_run.runner import InProcessOptions, InProcessRunner
 from fidelity.weights.target import Target
 from needle.haystack import HaystackSpec, PromptFormat
 from needle.sweep import SweepConfig, run_sweep

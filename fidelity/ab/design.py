@@ -17,7 +17,7 @@ from reference_model.numerics import topk_highest_index_ties
 
 from reference_model.schedule import ONESHOT, Schedule
 
-from ..arms import split_schedule
+from ..design.arms import split_schedule
 
 from ..verdict.signals import QAT_FLOOR, SCHEDULE_FACTOR
 from .lockstep import LockstepArm

@@ -26,7 +26,7 @@ from needle.haystack import needle_entries
 from reference_model import Numerics, Taps, build_model
 from reference_model.schedule import ONESHOT, Schedule
 
-from ..prompts import Prompt
+from ..design.prompts import Prompt
 from . import metrics as M
 from .head import ChunkedHead, run_head
 from .margins import margin_fields

@@ -22,10 +22,10 @@ from infra.report_writer import ReportWriter
 from ..verdict.board import (SUSPECTS_CAPTION, floor_label, headline, is_floor_arm, signal_board, signal_ratios,
                              suspects)
 from ..verdict.findings import findings_table, verdict_lines
-from ..lengths import Boundaries
-from ..residues import CAPTION as RESIDUE_CAPTION
-from ..residues import GRID_CAPTION
-from ..residues import grid_frame, residue_table
+from ..design.lengths import Boundaries
+from ..verdict.residues import CAPTION as RESIDUE_CAPTION
+from ..verdict.residues import GRID_CAPTION
+from ..verdict.residues import grid_frame, residue_table
 from ..verdict.signals import SCHEDULE_FACTOR, SIGNALS, mechanism_floors
 from ..verdict.tail import METHOD as TAIL
 from . import plots
@@ -85,7 +85,7 @@ def rerender(src, out_dir, run_id: str) -> Path:
 
 
 def residues(signals: pd.DataFrame, manifest: dict) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Answer KLD per arm and length residue (fidelity.residues), and each length's residue
+    """Answer KLD per arm and length residue (fidelity.verdict.residues), and each length's residue
     and boundary, from the run's signals and manifest (config, prompts, arms, floors)."""
     b = Boundaries.of(manifest["config"])
     lengths = {p["id"]: p["length"] for p in manifest["prompts"]}

@@ -17,9 +17,9 @@ from kernel_toggles.arms import version_of
 from reference_model.schedule import Schedule
 
 from ..devices import arithmetic
-from ..arms import check_schedules
-from ..lengths import Boundaries
-from ..prompts import Prompt, all_token_ids, builtin_prompts, describe, file_prompts
+from ..design.arms import check_schedules
+from ..design.lengths import Boundaries
+from ..design.prompts import Prompt, all_token_ids, builtin_prompts, describe, file_prompts
 from ..verdict.attribution import attribute, bootstrap_mean_ci, outcome_matrix, prompt_outcomes
 from ..verdict.judge import Bootstrap, Design, judge
 from ..verdict.findings import (DEPARTURE_X, acted_only_at, near_enough, never_acted, with_departures,
@@ -38,7 +38,7 @@ from .report import write_report
 @dataclass
 class _Stages:
     """What the lockstep stages ran and measured."""
-    prompts: list           # what they ran on (fidelity.prompts.Prompt)
+    prompts: list           # what they ran on (fidelity.design.prompts.Prompt)
     res: LockstepResult
     sets: dict              # candidate arm -> its toggles (factors)
     toggles: list           # what attribution ranges over

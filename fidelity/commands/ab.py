@@ -5,8 +5,8 @@ import sys
 
 from fidelity.commands.options import output_options, retired
 from fidelity.errors import CommandError, exit_code
-from fidelity.lengths import HELP as LENGTHS_HELP
-from fidelity.lengths import argtype as lengths_arg
+from fidelity.design.lengths import HELP as LENGTHS_HELP
+from fidelity.design.lengths import argtype as lengths_arg
 
 HELP = "A/B: golden vs engine numerics layer by layer, attribution to toggles, report."
 EXAMPLES = """\
@@ -161,7 +161,7 @@ def run(args) -> int:
 def _resolve_lengths(spec, cfg, tokenizer) -> tuple[int, ...]:
     """--lengths as run: the boundary grid from the config, above the shortest haystack
     when the built-in prompts are haystacks (random tokens have no minimum)."""
-    from fidelity.lengths import LengthsError, resolve, shortest_haystack
+    from fidelity.design.lengths import LengthsError, resolve, shortest_haystack
     try:
         from needle.haystack import LocalCounter
         lengths, _, note = resolve(spec, cfg, shortest_haystack(LocalCounter(tokenizer)) if tokenizer else 2)

@@ -1,5 +1,5 @@
 """`fidelity check`: re-threshold a saved `ab` or `kld` report without re-running (a CI
-gate); fidelity.check_summary reads either into the same per-arm table."""
+gate); fidelity.verdict.check_summary reads either into the same per-arm table."""
 from __future__ import annotations
 
 
@@ -51,7 +51,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from fidelity.check_summary import ReportError, read_report
+    from fidelity.verdict.check_summary import ReportError, read_report
     try:
         report = read_report(args.results)
     except ReportError as e:

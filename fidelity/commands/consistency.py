@@ -188,7 +188,7 @@ def _reference(spec: str | None, target):
     """The in-process reference scorer of --arm NAME=ARM (None without it)."""
     if spec is None:
         return None
-    from fidelity.arms import parse_arm
+    from fidelity.design.arms import parse_arm
     from fidelity.cli import name_value_pairs
     from fidelity.kld.inprocess import InProcessScorer
     from kernel_toggles.arms import version_of

@@ -11,8 +11,8 @@ from infra.command import command_line
 from fidelity.devices import arithmetic
 from fidelity.commands.options import api_key, endpoint_pair, http_options, output_options, retired
 from fidelity.errors import CommandError, exit_code
-from fidelity.lengths import HELP as LENGTHS_HELP
-from fidelity.lengths import argtype as lengths_arg
+from fidelity.design.lengths import HELP as LENGTHS_HELP
+from fidelity.design.lengths import argtype as lengths_arg
 from fidelity.kld.settings import HttpSettings, KldSettings, PromptGrid
 
 HELP = ("KLD of live endpoints (and in-process arms) against a baseline over HTTP: "
@@ -111,7 +111,7 @@ def build_entries(args, target, progress, place=None, driver=None):
     """ScoredArm list, the baseline first. `driver` (fidelity.pipeline.model.Driver, on
     rank 0 under --distributed): in-process arms run across the pipeline."""
     from infra.http import RetryPolicy, model_options
-    from fidelity.arms import parse_arm
+    from fidelity.design.arms import parse_arm
     from fidelity.kld.endpoint import Endpoint
     from fidelity.kld.inprocess import InProcessScorer
     from fidelity.kld.run import ScoredArm
@@ -174,7 +174,7 @@ def build_twins(args, entries, target, progress, place=None, driver=None):
         if given and not args.no_twin:
             raise ValueError("--twin needs the baseline to run in-process (--arm golden=golden)")
         return []
-    from fidelity.arms import parse_arm
+    from fidelity.design.arms import parse_arm
     version = version_of(target.cfg)
     canonical = lambda spelling: parse_arm(spelling, version).name  # noqa: E731
     twins, notes = T.twins_of(eps, given, canonical)
@@ -204,13 +204,13 @@ def build_twins(args, entries, target, progress, place=None, driver=None):
 def _inprocess_around(spelling: str, target, place=None, driver=None, own: str | None = None,
                       floors: str | None = "", qat: bool = True) -> list:
     """[(name, scorer)] of the in-process arm `spelling` (named `own`; left out when None)
-    and of the floors around it (fidelity.twin.floor_numerics, with its QAT floor when
+    and of the floors around it (fidelity.kld.floors.floor_numerics, with its QAT floor when
     `qat`), each named `floors` + its floor name (left out when `floors` is None)."""
     import torch
     from fidelity.kld.inprocess import InProcessScorer
     from fidelity.pipeline.model import arm_numerics
-    from fidelity.arms import parse_arm
-    from fidelity.twin import floor_numerics as around
+    from fidelity.design.arms import parse_arm
+    from fidelity.kld.floors import floor_numerics as around
     from kernel_toggles.arms import version_of
     version = version_of(target.cfg)
     cd = place.compute_dtype if place else torch.float64
@@ -227,7 +227,7 @@ def _inprocess_around(spelling: str, target, place=None, driver=None, own: str |
 
 
 def auto_floors(base, target, place=None, driver=None):
-    """In-process baseline: the floors of a comparison against it (fidelity.twin: `fidelity
+    """In-process baseline: the floors of a comparison against it (fidelity.kld.floors: `fidelity
     ab`'s three around the golden; around another arm, its own reduction- and tie-order
     variants, and its QAT floor only on the reference profile); endpoint baseline: itself
     again."""
@@ -249,7 +249,7 @@ def auto_floors(base, target, place=None, driver=None):
 
 def _around_numerics(spec: str, version: str, cd, k: int, qat: bool = True):
     """The k-th floor around the in-process arm `spec` (a recipe every pipeline rank can rebuild)."""
-    from fidelity.twin import floor_numerics as around
+    from fidelity.kld.floors import floor_numerics as around
     return around(spec, version, cd, qat)[k][1]
 
 
@@ -270,7 +270,7 @@ def _need(args, cfg):
     from fidelity.pipeline.model import Need
     from fidelity.weights.target import load_target
     if args.prompts:
-        from fidelity.prompts import file_prompts
+        from fidelity.design.prompts import file_prompts
         tok = load_target(args.checkpoint, args.tokenizer, "streamed").tokenizer      # reads no layer
         longest = max((p.length for p in file_prompts(args.prompts, tok, cfg.vocab_size)), default=1)
     else:
@@ -286,7 +286,7 @@ def _need(args, cfg):
 def _lengths(args, cfg, tok) -> tuple[list[int], str]:
     """The built-in prompts' lengths (the boundary grid from `cfg`, above the shortest
     haystack when a tokenizer is given) and what the grid left out ('' if nothing)."""
-    from fidelity.lengths import resolve, shortest_haystack
+    from fidelity.design.lengths import resolve, shortest_haystack
     from needle.haystack import LocalCounter
     lengths, _, note = resolve(args.lengths, cfg, shortest_haystack(LocalCounter(tok)) if tok else 2)
     return lengths, note
@@ -298,8 +298,8 @@ def _run(args, driver=None) -> int:
     from fidelity.kld.endpoint import EndpointError
     from dataclasses import asdict
 
-    from fidelity.lengths import Boundaries, LengthsError
-    from fidelity.prompts import PromptFileError, file_prompts, grid_prompts
+    from fidelity.design.lengths import Boundaries, LengthsError
+    from fidelity.design.prompts import PromptFileError, file_prompts, grid_prompts
 
     from fidelity.progress import Progress
     progress = Progress(args.quiet)
@@ -318,7 +318,7 @@ def _run(args, driver=None) -> int:
             if note:
                 progress(note)
             prompts = grid_prompts(tok, lengths, _csv(args.depths, float), args.reps, args.seed)
-        from fidelity.arms import check_schedules, split_schedule
+        from fidelity.design.arms import check_schedules, split_schedule
         from fidelity.cli import name_value_pairs
         check_schedules({n: split_schedule(s)[1] for n, s in name_value_pairs(args.inprocess, "--arm")},
                         [p.length for p in prompts])          # before any arm is scored

@@ -112,7 +112,7 @@ def _text_ids(args, tok, n: int) -> list[int]:
 def _text_and_needle(args, tok, n: int) -> tuple[list[int], tuple[int, ...]]:
     """The ids a replay runs on (a grid prompt, a text file or a haystack) and the needle
     value's token positions among them (none for a text file)."""
-    from fidelity.prompts import grid_prompt, haystack_ids
+    from fidelity.design.prompts import grid_prompt, haystack_ids
     if getattr(args, "prompt", None):
         try:
             p = grid_prompt(tok, args.prompt, args.seed)

@@ -101,7 +101,7 @@ def run(args) -> int:
 
 
 def _ids(args, src: Path) -> list[int]:
-    from fidelity.prompts import grid_prompt, haystack_ids
+    from fidelity.design.prompts import grid_prompt, haystack_ids
     from fidelity.weights.source import load_tokenizer_for
     tok = load_tokenizer_for(str(src))
     if args.prompt:

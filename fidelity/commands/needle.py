@@ -10,8 +10,8 @@ from pathlib import Path
 
 from fidelity.commands.options import api_key, endpoint_pair, http_options, output_options
 from fidelity.errors import CommandError, exit_code
-from fidelity.lengths import HELP as LENGTHS_HELP
-from fidelity.lengths import argtype as lengths_arg
+from fidelity.design.lengths import HELP as LENGTHS_HELP
+from fidelity.design.lengths import argtype as lengths_arg
 
 HELP = "Needle-in-a-haystack recall sweep (in-process arms and/or --endpoint servers) + report."
 EXAMPLES = """\
@@ -127,7 +127,7 @@ def _named(spec: str, default_name: str) -> tuple[str, str]:
 
 
 def _runners(args, driver=None):
-    from fidelity.arms import ArmError, engine_arm, parse_arm
+    from fidelity.design.arms import ArmError, engine_arm, parse_arm
     from infra.http import RetryPolicy, model_options
     from needle.http import HttpRunner, RequestOptions
 
@@ -140,7 +140,7 @@ def _runners(args, driver=None):
         else:
             notes.append("kernel_toggles is not available: golden arm only")
     if arm_specs:
-        from fidelity.needle_batch import DEFAULT_BATCH_TOKENS
+        from fidelity.needle_run.batch import DEFAULT_BATCH_TOKENS
         batch_tokens = DEFAULT_BATCH_TOKENS if args.batch_tokens is None else args.batch_tokens
         for opt, v in (("--batch", args.batch), ("--batch-tokens", batch_tokens)):
             if v is not None and v < 1:
@@ -150,7 +150,7 @@ def _runners(args, driver=None):
             place = from_args(args)
         except DeviceError as e:
             raise CommandError(str(e)) from None
-        from fidelity.needle_runner import InProcessOptions, InProcessRunner
+        from fidelity.needle_run.runner import InProcessOptions, InProcessRunner
         from reference_model.generate import Sampling
         from fidelity.pipeline.model import command_target
         target = command_target(args, place, driver)
@@ -210,7 +210,7 @@ def _need(args, cfg):
     if args.lengths is None:
         longest = max(DEFAULT_INPROCESS_LENGTHS)
     elif args.lengths.boundaries:
-        from fidelity.lengths import resolve
+        from fidelity.design.lengths import resolve
         longest = max(resolve(args.lengths, cfg)[0])
     else:
         longest = max(args.lengths.lengths)
@@ -247,7 +247,7 @@ def _run(args, driver=None) -> int:
             lengths, length_depths, bounds = _grid(args, runners, spec, fmt, notes)
         except (HaystackError, ValueError) as e:
             raise CommandError(str(e)) from None
-        from fidelity.arms import check_schedules
+        from fidelity.design.arms import check_schedules
         try:                                  # in-process arms prefill all but the last token
             check_schedules({r.name: r.arm.schedule for r in runners if hasattr(r, "arm")}, lengths, 1)
         except ValueError as e:
@@ -294,10 +294,10 @@ def _grid(args, runners, spec, fmt, notes) -> tuple[list[int], dict, dict | None
     config is known). --lengths boundaries derives the grid from the in-process model's
     config (or --checkpoint's), above the shortest haystack, and adds per length the
     depths that put the needle just inside / outside the sliding window seen from the
-    question (fidelity.lengths), when a local tokenizer can measure the prompt's parts."""
+    question (fidelity.design.lengths), when a local tokenizer can measure the prompt's parts."""
     from dataclasses import asdict
 
-    from fidelity.lengths import Boundaries, needle_window_depths, resolve, shortest_haystack
+    from fidelity.design.lengths import Boundaries, needle_window_depths, resolve, shortest_haystack
     target = next((r.target for r in runners if hasattr(r, "target")), None)
     cfg = target.cfg if target is not None else None
     if cfg is None and args.checkpoint:

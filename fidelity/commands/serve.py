@@ -130,7 +130,7 @@ def _need(args, cfg):
 
 def _run(args, driver=None) -> int:
     """Serve from one process, or from rank 0 with `driver`'s pipeline models."""
-    from fidelity.arms import ArmError, arm_from_env, parse_arm
+    from fidelity.design.arms import ArmError, arm_from_env, parse_arm
     from reference_model.schedule import ONESHOT
     from fidelity.serve import parse_arm_options
     from fidelity.devices import DeviceError, from_args

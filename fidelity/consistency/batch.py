@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fidelity.kld.dialects import PromptScores, Request
-from fidelity.prompts import prompt_seed
+from fidelity.design.prompts import prompt_seed
 
 from .client import LiveArm
 from .compare import compare_scores

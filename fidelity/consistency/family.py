@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fidelity.prompts import haystack_ids, prompt_seed
+from fidelity.design.prompts import haystack_ids, prompt_seed
 
 from .client import LiveArm
 from .store import ProbeStore

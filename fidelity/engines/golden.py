@@ -157,8 +157,8 @@ def kld_jobs(spec: Spec, e: EngineSpec, cd, version: str = "v4") -> list[Job]:
     `fidelity ab`'s floor arms (as `fidelity kld --arm` adds them) after it, then each
     launched arm's twin and the floors around it (fidelity.engines.twins)."""
     from fidelity.ab.design import floor_arms
-    from fidelity.arms import parse_arm
-    from fidelity.twin import floor_numerics
+    from fidelity.design.arms import parse_arm
+    from fidelity.kld.floors import floor_numerics
 
     def job(name, role, numerics, label, factors=frozenset(), schedule=ONESHOT):
         return Job(ScoredArm(name, _Identity(_identity(name, label, e, cd)), role, factors), numerics, schedule, label)
@@ -307,7 +307,7 @@ def _reference(run: EngineRun, e: EngineSpec, place, cs, done_arms) -> Reference
     text = spec.consistency.get("reference")
     if cs is None or text is None:
         return ReferenceWork()
-    from fidelity.arms import parse_arm
+    from fidelity.design.arms import parse_arm
     arm = parse_arm(text)
     ident = _identity(arm.name, arm.name, e, place.compute_dtype)
     rstore = ScoreStore(root / "consistency" / "reference")

@@ -21,7 +21,7 @@ from fidelity.kld.run import (REPEAT_SUFFIX, TOKENIZER_PROBE, ScoredArm, check_t
                               repeat_floor, score_entry, score_key)
 from fidelity.kld.settings import KldSettings, PromptGrid
 from fidelity.kld.store import ScoreStore
-from fidelity.prompts import file_prompts, grid_prompts
+from fidelity.design.prompts import file_prompts, grid_prompts
 from fidelity.progress import Progress
 from fidelity.weights.target import load_target
 from kernel_toggles.arms import version_of
@@ -180,7 +180,7 @@ def _plan_value(where: str, default, v):
 
 
 def _reference_arm(text):
-    from fidelity.arms import parse_arm
+    from fidelity.design.arms import parse_arm
     if not isinstance(text, str):
         raise SpecError(f"run.consistency.reference must be an arm string, e.g. \"golden\", got {text!r}")
     try:

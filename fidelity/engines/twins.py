@@ -11,7 +11,7 @@ it all) or an external server (nothing to derive one from)."""
 from __future__ import annotations
 
 from fidelity import servers
-from fidelity.arms import parse_arm
+from fidelity.design.arms import parse_arm
 from fidelity.kld.twin import Twin
 
 from .spec import Spec

@@ -212,12 +212,12 @@ def _readings(m: dict) -> str:
 
 
 def residues(signals: pd.DataFrame, m: dict) -> tuple[pd.DataFrame, pd.DataFrame] | None:
-    """Answer KLD per arm and length residue (fidelity.residues) and each length's
+    """Answer KLD per arm and length residue (fidelity.verdict.residues) and each length's
     boundary, when the manifest says the model's boundaries (runs before it did not)."""
     if not m.get("boundaries"):
         return None
-    from ..lengths import Boundaries
-    from ..residues import grid_frame, residue_table
+    from ..design.lengths import Boundaries
+    from ..verdict.residues import grid_frame, residue_table
     b = Boundaries.from_dict(m["boundaries"])
     lengths = {p["id"]: p["length"] for p in m["prompts"]}
     roles = {a["name"]: a["role"] for a in m["arms"]}
@@ -255,7 +255,7 @@ def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov,
                 [Table(judged["floors"])]),
     ]
     if by_residue is not None:
-        from ..residues import CAPTION, GRID_CAPTION
+        from ..verdict.residues import CAPTION, GRID_CAPTION
         sections.insert(4, Section("By length residue", CAPTION, [
             Table(by_residue[0]), Table(by_residue[1], caption=GRID_CAPTION)]))
     if margins is not None and len(margins):

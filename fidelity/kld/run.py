@@ -20,7 +20,7 @@ import pandas as pd
 
 from fidelity import servers
 from fidelity.progress import Progress
-from fidelity.prompts import describe
+from fidelity.design.prompts import describe
 from fidelity.verdict.judge import Bootstrap, Design, judge
 from fidelity.verdict.signals import http_signals
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PromptGrid:
-    """The built-in needle haystacks: every (length, depth) `reps` times (fidelity.prompts)."""
+    """The built-in needle haystacks: every (length, depth) `reps` times (fidelity.design.prompts)."""
     lengths: tuple[int, ...] = (250, 511, 1023)   # prompt lengths in tokens
     depths: tuple[float, ...] = (10, 50, 90)      # needle depths in percent
     reps: int = 1                                 # prompts per (length, depth), different needles

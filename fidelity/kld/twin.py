@@ -1,5 +1,5 @@
 """`fidelity kld`'s second judgement: each served engine against its twin, the in-process
-arm its settings map to (fidelity.twin). Against the golden an engine differs by design
+arm its settings map to (fidelity.kld.floors). Against the golden an engine differs by design
 (llama.cpp skips the QAT simulation and keeps f16 caches), and that known gap hides any
 smaller bug; against its twin only what no modelled arithmetic explains remains.
 

@@ -64,7 +64,7 @@ def replay_arms(extra=(), cache_type: str = "f16") -> dict:
     profile, llama_cpu_arms(cache_type) (the last is the twin), the twin accumulating in
     fp64 (its reduction-order floor) and each of `extra`, spelled PROFILE:ARM
     (reference|exact and an arm spelling). A bad spelling is a ValueError naming it."""
-    from fidelity.arms import pinned_profile
+    from fidelity.design.arms import pinned_profile
     from fidelity.pipeline.model import arm_numerics
     from reference_model.numerics import Numerics
     arms = {GOLDEN: arm_numerics("golden", "reference", {}, "v4"),

@@ -38,9 +38,9 @@ __all__ = ["Driver", "Need", "PipelineModel", "PipelineState", "StageError", "ar
 
 def arm_numerics(spec: str, profile: str = "reference", numerics_kwargs: dict | None = None,
                  model: str = "v4"):
-    """An arm's Numerics from its spelling (fidelity.arms; `engine` as for a `model`
+    """An arm's Numerics from its spelling (fidelity.design.arms; `engine` as for a `model`
     checkpoint): a recipe every rank can rebuild."""
-    from fidelity.arms import parse_arm
+    from fidelity.design.arms import parse_arm
     return parse_arm(spec, model).numerics(profile, **(numerics_kwargs or {}))
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from fidelity.errors import CommandError
-from fidelity.stages import StageCutError, segments, stage_ranges  # noqa: F401 (the stages' API)
+from fidelity.weights.stages import StageCutError, segments, stage_ranges  # noqa: F401 (the stages' API)
 
 DEFAULT_TIMEOUT_S = 600
 

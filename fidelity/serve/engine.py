@@ -31,7 +31,7 @@ CONTENT_ROLES = ("system", "developer", "user")
 @dataclass
 class ServedArm:
     id: str                     # the `model` a request names
-    arm: object                 # fidelity.arms.NumericsArm
+    arm: object                 # fidelity.design.arms.NumericsArm
     model: Model
 
 

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pandas as pd
 
-from ..lengths import fits, period_reading, separating_lengths
+from ..design.lengths import fits, period_reading, separating_lengths
 from .signals import MECHANISM, MECHANISM_WHAT, SCHEDULE_FACTOR
 
 
@@ -241,7 +241,7 @@ def acted_only_at(kld: pd.DataFrame, sets: dict[str, frozenset]) -> dict[str, li
 
 
 def acted_only_sentence(acted: dict[str, list[int]], lengths: list[int], b=None) -> str:
-    """`b` (fidelity.lengths.Boundaries, optional): per toggle, the config's period its
+    """`b` (fidelity.design.lengths.Boundaries, optional): per toggle, the config's period its
     lengths read as (lengths.period_reading) or, when this run cannot say, the lengths that
     would (`separating_to_run`)."""
     if not acted:

@@ -51,7 +51,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fidelity.devices import DeviceError, parse_devices
-from fidelity.stages import too_many_ranks
+from fidelity.weights.stages import too_many_ranks
 from reference_model.config import ModelConfig
 
 from .plan_advice import advice
@@ -87,7 +87,7 @@ def plan_memory(cfg: ModelConfig, where: PlanDevices, spec: PassSpec,
     the layer split unchanged; `spec.cached_state`: bytes of state snapshots held besides
     the pass (serve's prefix cache), each device counting its layers' share of a sequence's
     state; `spec.pipeline` (None: nodes > 1): the devices are torchrun ranks, holding the
-    layers fidelity.stages.stage_ranges gives them (V4.1: cut only where no layer reads
+    layers fidelity.weights.stages.stage_ranges gives them (V4.1: cut only where no layer reads
     another stage's state). `numerics`: PlanNumerics.of(profile) (default: reference)."""
     try:
         devices = parse_devices(where.devices, on_this_machine=False)

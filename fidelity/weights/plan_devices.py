@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from fidelity.ab.head import METRIC_ROWS, POSITION_STAT_BYTES
-from fidelity.stages import segments, stage_ranges
+from fidelity.weights.stages import segments, stage_ranges
 from reference_model.config import ModelConfig
 from reference_model.placement import place_layers
 
@@ -96,7 +96,7 @@ class PassSpec:
     logits_mode: str = "all"
     head_first: bool = False      # the head (and its logits) on the first device, not the last
     cached_state: int = 0         # state snapshots kept besides the pass (serve's prefix cache)
-    pipeline: bool | None = None  # one rank per device: the stages fidelity.stages cuts (None: nodes > 1)
+    pipeline: bool | None = None  # one rank per device: the stages fidelity.weights.stages cuts (None: nodes > 1)
     devices: tuple[str, ...] = ()
     budgets: tuple[int, ...] = ()
 
@@ -121,7 +121,7 @@ class PlanNumerics:
 
 
 def most_stages(cfg) -> int:
-    """The most pipeline ranks the layers can be cut into (fidelity.stages.segments)."""
+    """The most pipeline ranks the layers can be cut into (fidelity.weights.stages.segments)."""
     return len(segments(cfg))
 
 

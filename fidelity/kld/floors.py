@@ -37,7 +37,7 @@ def floor_numerics(spec: str, model: str = "v4", cd: torch.dtype = torch.float64
     the other tie order, and (reference profile and `qat` only) its toggles on the exact
     profile. An engine against its twin passes qat=False: both sides compute with (or both
     without) the QAT simulation, so its gap is a floor neither side has."""
-    from fidelity.arms import parse_arm, pinned_profile
+    from fidelity.design.arms import parse_arm, pinned_profile
     arm = parse_arm(spec, model)
     profile = pinned_profile(spec.partition("@")[0].strip())[0] or "reference"
     from kernel_toggles import ToggleSet

@@ -1,5 +1,5 @@
 """Outcomes per length residue (ab and kld reports): which residues mod 4 (the smallest
-compress ratio, fidelity.lengths) break, so "only lengths 3 mod 4 depart" reads off one
+compress ratio, fidelity.design.lengths) break, so "only lengths 3 mod 4 depart" reads off one
 table instead of being averaged into a mean over every prompt.
 
 A prompt *breaks* as the verdict's per-prompt tail test counts it (one definition,
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .lengths import Boundaries, label_length, period_label, residue_label
-from .verdict.signals import mechanism_floors
-from .verdict.tail import broken, judging_floors
+from ..design.lengths import Boundaries, label_length, period_label, residue_label
+from .signals import mechanism_floors
+from .tail import broken, judging_floors
 
 COLUMNS = ["arm", "residue", "lengths", "prompts", "breaks", "mean", "max", "floor_max"]
 

@@ -1,9 +1,9 @@
 """In-process needle runner: one arm of the reference model, greedy or sampled, plus the
 mechanism behind a hit or a miss. A runner for needle's sweep (needle/sweep.py takes any
 object with aopen/arun/aclose/counter/describe, like needle.http.HttpRunner); it lives in
-fidelity because it is built from an arm (fidelity.arms), and needle imports nothing of
+fidelity because it is built from an arm (fidelity.design.arms), and needle imports nothing of
 fidelity. It also runs trials in batches (`arun_batch`; the sweep hands it every pending
-trial of one length): layer-major through fidelity.needle_batch, so each layer's weights
+trial of one length): layer-major through fidelity.needle_run.batch, so each layer's weights
 are fetched once per pass for the batch, with rows identical to run()'s.
 
 Mechanism, per indexer layer (V4's CSA; V4.1's index sources, ratio 2 or 1, disjoint entries {t//r}), at the question's last position (the last prompt token): which
@@ -29,9 +29,9 @@ import time
 import torch
 
 from fidelity.ab.margins import entry_margin
-from fidelity.arms import as_arm
+from fidelity.design.arms import as_arm
 from fidelity.errors import CommandError
-from fidelity.needle_batch import InProcessOptions, InProcessTrial, plan_batches, run_layer_major
+from fidelity.needle_run.batch import InProcessOptions, InProcessTrial, plan_batches, run_layer_major
 from needle.haystack import LocalCounter, Prompt, needle_entries, value_token_positions
 from reference_model import Taps, build_model
 from reference_model.generate import Generation, Sampling, generate
@@ -134,7 +134,7 @@ class InProcessRunner:
         return self._row(InProcessTrial(0, prompt, ids, offsets, taps, scores=self._scores), gen, t0)
 
     def _row(self, trial: InProcessTrial, gen: Generation, t0: float) -> dict:
-        """A finished trial's result (also fidelity.needle_batch's, so the two agree)."""
+        """A finished trial's result (also fidelity.needle_run.batch's, so the two agree)."""
         prompt, ids, offsets, scores, taps = trial.prompt, trial.ids, trial.offsets, trial.scores, trial.taps
         tok, cfg = self.target.tokenizer, self.target.cfg
         value_tok = value_token_positions(offsets, prompt.value_spans)
@@ -155,7 +155,7 @@ class InProcessRunner:
 
     def run_batch(self, items: list[tuple[Prompt, int]], on_done) -> None:
         """Trials (prompt, seed), split by the batch bounds; each batch layer-major
-        (fidelity.needle_batch), or one at a time with `batch=1`. `on_done(index, result)`
+        (fidelity.needle_run.batch), or one at a time with `batch=1`. `on_done(index, result)`
         as each trial finishes; results equal run()'s but for latency_s."""
         if self.batch == 1:
             for k, (p, seed) in enumerate(items):

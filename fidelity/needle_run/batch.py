@@ -3,7 +3,7 @@ goes through layer i+1, so each layer's weights are fetched once per pass for th
 batch (a streamed checkpoint reads a layer from disk per fetch; run one at a time, every
 trial re-read every layer at prefill and at every decode step).
 
-Each trial keeps what the one-at-a-time runner (fidelity.needle_runner.InProcessRunner.run)
+Each trial keeps what the one-at-a-time runner (fidelity.needle_run.runner.InProcessRunner.run)
 gives it: its own SequenceState, its own Decoder (sampler, seed, stop ids, token budget),
 its own taps and index-score recordings, and the same computation in the same order on
 its own state: the prompt but its last token through `runner.model`, the last token
