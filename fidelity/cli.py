@@ -80,12 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _set_threads(n: int | None) -> None:
     """torch CPU threads: --threads, else OMP_NUM_THREADS, else the cores not already busy
-    (fidelity.devices.default_threads): all of an idle machine, one on a shared one, where
+    (fidelity.weights.devices.default_threads): all of an idle machine, one on a shared one, where
     spinning OpenMP threads were measured 20x slower (bench/results)."""
     if n is None and "OMP_NUM_THREADS" in os.environ:
         return
     import torch                          # lazy: start-up cost, not needed for --help
-    from fidelity.devices import default_threads
+    from fidelity.weights.devices import default_threads
     torch.set_num_threads(n or default_threads())
 
 

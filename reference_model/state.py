@@ -41,3 +41,18 @@ class SequenceState:
 def cat(a, b):
     """b appended to a (a may be None: nothing yet)."""
     return b if a is None else torch.cat([a, b], 0)
+
+
+def state_bytes(obj) -> int:
+    """Bytes of every tensor reachable from a state (dataclasses, lists): what a cached
+    prefix or a pipeline stage holds; a state that spans ranks says its own
+    (`all_ranks_bytes`)."""
+    if hasattr(obj, "all_ranks_bytes"):
+        return obj.all_ranks_bytes()
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v) for v in obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        return sum(state_bytes(getattr(obj, k)) for k in obj.__dataclass_fields__)
+    return 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fidelity.cli import main
-from fidelity.devices import DeviceError, accumulate_dtype, default_threads, parse_devices
+from fidelity.weights.devices import DeviceError, accumulate_dtype, default_threads, parse_devices
 from fidelity.ab.lockstep import LockstepArm, LockstepRunner, Prompt, RunnerSettings
 from kernel_toggles import ToggleSet
 from reference_model import Model, Numerics, tiny

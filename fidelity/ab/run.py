@@ -16,7 +16,7 @@ from infra.report_writer import ReportTarget
 from kernel_toggles.arms import version_of
 from reference_model.schedule import Schedule
 
-from ..devices import arithmetic
+from ..weights.devices import arithmetic
 from ..design.arms import check_schedules
 from ..design.lengths import Boundaries
 from ..design.prompts import Prompt, all_token_ids, builtin_prompts, describe, file_prompts

@@ -19,7 +19,7 @@ class RunnerSettings:
     decode_steps: int = 4
     taps: tuple[str, ...] = DEFAULT_TAPS
     keep: tuple[str, ...] = ()
-    devices: tuple[str, ...] = ("cpu",)    # layers placed across these (fidelity.devices)
+    devices: tuple[str, ...] = ("cpu",)    # layers placed across these (fidelity.weights.devices)
     accumulate: str = "float64"            # golden's accumulation dtype (torch dtype name)
     activation_budget: int | None = None   # bytes of residual streams kept in memory per pass
 

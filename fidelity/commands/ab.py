@@ -72,7 +72,7 @@ def add_arguments(p):
     p.add_argument("--activation-budget", default=None, metavar="BYTES",
                    help="residual streams kept in memory per layer pass, e.g. 8GB; beyond it "
                         "they wait on disk (default: no limit)")
-    from fidelity.devices import add_options
+    from fidelity.weights.devices import add_options
     add_options(p)
     p.add_argument("--distributed", nargs="?", const=0, type=int, default=None, metavar="RANKS",
                    help="run as one pipeline stage of a torchrun launch (torchrun ... -m fidelity ab "
@@ -91,7 +91,7 @@ def run(args) -> int:
     from fidelity.ab.run import ReportTarget, RunSite, run_ab
     from fidelity.weights.source import load_tokenizer_for, load_weights
 
-    from fidelity.devices import DeviceError, from_args
+    from fidelity.weights.devices import DeviceError, from_args
     try:
         place = from_args(args)
     except DeviceError as e:

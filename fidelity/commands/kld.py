@@ -8,7 +8,7 @@ import sys
 import time
 
 from infra.command import command_line
-from fidelity.devices import arithmetic
+from fidelity.weights.devices import arithmetic
 from fidelity.commands.options import api_key, endpoint_pair, http_options, output_options, retired
 from fidelity.errors import CommandError, exit_code
 from fidelity.design.lengths import HELP as LENGTHS_HELP
@@ -61,7 +61,7 @@ def add_arguments(p):
                         "none named like the arm is an error)")
     g.add_argument("--checkpoint", default=None, help="weights of in-process arms")
     g.add_argument("--tokenizer", default=None, help="tokenizer.json the prompts are built with")
-    from fidelity.devices import add_options
+    from fidelity.weights.devices import add_options
     add_options(p)
     from fidelity.commands.options import distributed_options
     distributed_options(p.add_argument_group("distributed (docs/distributed.md)"), "kld")
@@ -304,7 +304,7 @@ def _run(args, driver=None) -> int:
     from fidelity.progress import Progress
     progress = Progress(args.quiet)
     try:
-        from fidelity.devices import DeviceError, from_args
+        from fidelity.weights.devices import DeviceError, from_args
         place = from_args(args)
         from fidelity.pipeline.model import command_target
         target = command_target(args, place, driver)

@@ -66,7 +66,7 @@ def add_arguments(p):
                    help="in-process arms: at most T prompt tokens per batch, which bounds the memory "
                         "of the residual streams and states held at once; a longer trial runs alone "
                         "(default: 65536)")
-    from fidelity.devices import add_options
+    from fidelity.weights.devices import add_options
     add_options(p)
     from fidelity.commands.options import distributed_options
     distributed_options(p.add_argument_group("distributed (docs/distributed.md; in-process trials then run one "
@@ -145,7 +145,7 @@ def _runners(args, driver=None):
         for opt, v in (("--batch", args.batch), ("--batch-tokens", batch_tokens)):
             if v is not None and v < 1:
                 raise CommandError(f"{opt} must be at least 1, got {v}")
-        from fidelity.devices import DeviceError, from_args
+        from fidelity.weights.devices import DeviceError, from_args
         try:
             place = from_args(args)
         except DeviceError as e:

@@ -79,7 +79,7 @@ def add_arguments(p):
                    choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="server log level; warnings include request fields the server ignored "
                         "(once per field and route) (default warning)")
-    from fidelity.devices import add_options
+    from fidelity.weights.devices import add_options
     add_options(p)
     from fidelity.commands.options import distributed_options
     distributed_options(p.add_argument_group("distributed (docs/distributed.md; rank 0 serves HTTP)"), "serve")
@@ -133,7 +133,7 @@ def _run(args, driver=None) -> int:
     from fidelity.design.arms import ArmError, arm_from_env, parse_arm
     from reference_model.schedule import ONESHOT
     from fidelity.serve import parse_arm_options
-    from fidelity.devices import DeviceError, from_args
+    from fidelity.weights.devices import DeviceError, from_args
     if args.chat_version != "auto":
         chat_encoding(args.chat_version, args.generation)     # a bad combination fails before loading
     from fidelity.weights.source import checkpoint_config

@@ -184,7 +184,7 @@ def baseline_inprocess(spec: Spec) -> bool:
 
 def placement(e: EngineSpec):
     """Where the in-process engine computes and in which dtype it accumulates."""
-    from fidelity.devices import DeviceError, Placement, accumulate_dtype, parse_devices
+    from fidelity.weights.devices import DeviceError, Placement, accumulate_dtype, parse_devices
     try:
         devices = parse_devices(list(e.devices))
         return Placement(devices, accumulate_dtype(devices, e.accumulate))

@@ -99,7 +99,7 @@ class EngineSpec:
     serving: dict = field(default_factory=dict)  # serving settings every arm starts from
     devices: tuple[str, ...] | None = None       # inprocess only: where its arms are computed
     weights_mode: str = "dense"                  # inprocess only (fidelity.weights.source)
-    accumulate: str = "auto"                     # inprocess only (fidelity.devices)
+    accumulate: str = "auto"                     # inprocess only (fidelity.weights.devices)
 
 
 @dataclass
@@ -195,7 +195,7 @@ def _inprocess(name: str, d: dict) -> EngineSpec:
     """An engine computed in this process: where (devices: required, since what the golden
     shares with the launched engines is the point), the checkpoint, how its weights are held
     and the accumulation dtype. Device names are checked here; that they exist, at run."""
-    from fidelity.devices import DeviceError, parse_devices
+    from fidelity.weights.devices import DeviceError, parse_devices
     from fidelity.weights.source import WEIGHT_MODES
     where = f"engines.{name}"
     extra = sorted(set(d) - set(INPROCESS_KEYS))

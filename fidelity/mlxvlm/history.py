@@ -20,7 +20,7 @@ from pathlib import Path
 
 from fidelity.history import engine_history
 from fidelity.history.ledger import failure_reason
-from fidelity.servers.mlx_vlm import twin
+from .twin import twin
 
 from . import convert, paths
 from .server import ServerFailed, serving

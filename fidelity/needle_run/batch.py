@@ -59,7 +59,7 @@ class InProcessOptions:
     """How an in-process needle arm runs besides its sampling, one value per runner."""
     profile: str = "reference"            # the arm's numerics profile
     mechanism: bool = True                # record why a trial hit or missed (the indexer's picks)
-    placement: object = None              # fidelity.devices placement (None: one device)
+    placement: object = None              # fidelity.weights.devices placement (None: one device)
     batch: int | None = None              # trials per layer-major batch (None: no bound)
     batch_tokens: int | None = DEFAULT_BATCH_TOKENS   # prompt tokens per batch
     driver: object = None                 # fidelity.pipeline.model.Driver under --distributed

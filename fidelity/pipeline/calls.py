@@ -56,7 +56,7 @@ def rank_state_op(model, layers: range, op: str, state):
     if op == "copy":
         return copy.deepcopy(state)
     if op == "bytes":
-        from fidelity.serve.prefix_cache import state_bytes
+        from reference_model.state import state_bytes
         return sum(state_bytes(state.layers[i]) for i in layers)
     if op == "restore":
         out = copy.copy(state)

@@ -15,12 +15,12 @@ import torch
 
 from reference_model import Model, build_model
 from reference_model.generate import Decoder, Sampling, Scoring, score_prompt
+from reference_model.state import state_bytes
 from reference_model.tokenizer import BOS, EOS
 
 from .errors import ApiError, model_not_found
 from .fields import Fields
-from .prefix_cache import DEFAULT_BUDGET, DEFAULT_PAGE_SIZE, PrefixCache, page_keys, paged_prefill, \
-    restore, state_bytes
+from .prefix_cache import DEFAULT_BUDGET, DEFAULT_PAGE_SIZE, PrefixCache, page_keys, paged_prefill, restore
 from .scheduler import Job, Scheduler
 
 INDEXER_TAP = "layers.*.attn.index.topk"
@@ -59,7 +59,7 @@ class ServeOptions:
     max_logprobs: int = 20               # cap on every logprobs field (-1: the vocabulary)
     time_slice: float = 1.0              # seconds a request runs before the next one's turn
     generation: str = "0731"             # chat encoding: V4's 0731 / original tiers, or v41 (DeepSeek-V4.1)
-    placement: object = None             # fidelity.devices placement (devices, compute dtype)
+    placement: object = None             # fidelity.weights.devices placement (devices, compute dtype)
     default_arm: str | None = None       # answers requests naming no model
     page_size: int = DEFAULT_PAGE_SIZE   # prefix-cache page (tokens per snapshot step)
     prefix_cache_bytes: int | None = DEFAULT_BUDGET   # snapshot budget (None: no prefix cache)

@@ -23,23 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from reference_model.model import SequenceState
+from reference_model.state import state_bytes
 
 DEFAULT_PAGE_SIZE = 64
 DEFAULT_BUDGET = 1 << 30
-
-
-def state_bytes(obj) -> int:
-    """Bytes of every tensor reachable from a state (dataclasses, lists); a pipeline
-    state (fidelity.pipeline.model) counts its parts on every rank."""
-    if hasattr(obj, "all_ranks_bytes"):
-        return obj.all_ranks_bytes()
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(state_bytes(v) for v in obj)
-    if hasattr(obj, "__dataclass_fields__"):
-        return sum(state_bytes(getattr(obj, k)) for k in obj.__dataclass_fields__)
-    return 0
 
 
 def page_keys(arm: str, ids, page: int) -> list[bytes]:

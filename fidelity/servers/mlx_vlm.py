@@ -18,26 +18,6 @@ from fidelity.kld.dialects import PromptScores, ScoringError
 
 from .base import Found, Generation, Server, completions_body, completions_reply
 
-# mlx-vlm skips DeepSeek's QAT simulation and selects by HISA past index_keep x index_block entries:
-# its twin is the exact profile with the hisa toggle as its config sets it, read by the same route
-PROFILE = "exact"
-SCHEDULES = {"decode": "@decode_from(1)", "prefill": "", "nocache": ""}
-
-
-def twin(route: str | None, props: dict | None = None) -> str:
-    """The in-process twin of the harness on `route`: the exact profile with mlx-vlm's HISA when
-    its config has it on (index_block > 0), scored the same way (position by position for
-    decode, in the same chunks for chunked:N and generate)."""
-    from fidelity.mlxvlm.convert import hisa_toggle
-    toggles = hisa_toggle((props or {}).get("hisa") or {})
-    route = route or "decode"
-    if route.startswith("chunked:"):
-        return f"{PROFILE}:{toggles}@chunked({route[8:]})"
-    if route == "generate":
-        return f"{PROFILE}:{toggles}@chunked(2048)"
-    return f"{PROFILE}:{toggles}{SCHEDULES.get(route, '')}"
-
-
 def is_harness(props) -> bool:
     return isinstance(props, dict) and props.get("engine") == "mlx-vlm"
 
@@ -101,6 +81,7 @@ class MlxVlm(Server):
         return "/v1/completions", body, lambda d: completions_reply(d, None)
 
     def twin_of_endpoint(self, ep):
+        from fidelity.mlxvlm.twin import twin
         props = (ep.info or {}).get("props") or {}
         return twin(props.get("route"), props), (
             f"mlx-vlm's arithmetic without DeepSeek's QAT simulation (the exact profile) with its HISA setting, "
@@ -110,6 +91,7 @@ class MlxVlm(Server):
         flags = [*e.flags, *arm.flags]
         block = flag(flags, "--index-block")
         from fidelity.mlxvlm.convert import hisa_setting
+        from fidelity.mlxvlm.twin import twin
         props = {"hisa": hisa_setting(e.model, None if block is None else int(block))}
         return twin(flag(flags, "--route") or "decode", props), \
             "mlx-vlm's arithmetic without DeepSeek's QAT simulation, with its HISA setting, read by its route"

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fidelity.devices import DeviceError, parse_devices
+from fidelity.weights.devices import DeviceError, parse_devices
 from fidelity.weights.stages import too_many_ranks
 from reference_model.config import ModelConfig
 
