@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fidelity.ab.head import POSITION_STAT_BYTES
+from fidelity.weights.plan_devices import POSITION_STAT_BYTES
 from fidelity.cli import main
 from fidelity.weights import plan as PM
 from reference_model import Model, Numerics, random_weights, tiny
@@ -327,3 +327,11 @@ def test_arms_is_refused_as_a_count(capsys):
     """--arm names arms elsewhere (ab, kld, needle); here the count is --n-arms."""
     assert _cli(["--preset", "flash", "--length", "8192", "--arm", "2"]) == 2
     assert "use --n-arms 2" in capsys.readouterr().err
+
+
+def test_the_plans_head_sizes_are_the_heads_own():
+    """The plan sizes the A/B head's chunk from its own constants (weights imports nothing of
+    ab): they must be what fidelity.ab.head keeps and reduces."""
+    from fidelity.ab import head
+    assert POSITION_STAT_BYTES == head.position_stat_bytes()
+

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from . import metrics as M
+from fidelity.weights.plan_devices import METRIC_ROWS          # rows reduced at once, as the memory plan sizes it
 
-METRIC_ROWS = 64         # rows reduced at once: bounds the fp64 softmax copies of a chunk
+from . import metrics as M
 
 
 def row_stats(ref: torch.Tensor, arm: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -61,9 +61,7 @@ def run_head(models: dict, streams: dict, golden: str, pairs: dict[str, str], ch
     return out
 
 
-def _position_stat_bytes() -> int:
+def position_stat_bytes() -> int:
+    """Bytes kept per position and arm (what the memory plan's POSITION_STAT_BYTES says)."""
     s = row_stats(torch.zeros(1, 2), torch.zeros(1, 2))
     return sum(t.element_size() for t in s.values())
-
-
-POSITION_STAT_BYTES = _position_stat_bytes()   # kept per position and arm (plan-memory)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from fidelity.ab.head import METRIC_ROWS, POSITION_STAT_BYTES
 from fidelity.weights.stages import segments, stage_ranges
 from reference_model.config import ModelConfig
 from reference_model.placement import place_layers
@@ -17,6 +16,11 @@ from .plan_layers import (StateDtypes, dequant_bytes, layer_table, sequence_stat
 
 FIRST_GLOBALS = ("embed.weight",)               # the rest of the globals go with the head
 METRIC_COPIES = 6             # fp64 [rows, vocab] copies alive while a chunk is reduced (5.2 measured)
+# the A/B head's chunk as the plan sizes it (fidelity.ab.head reduces METRIC_ROWS rows at once and
+# keeps POSITION_STAT_BYTES per position and arm; tests/test_plan_memory.py holds the two together)
+METRIC_ROWS = 64
+POSITION_STAT_BYTES = 82       # 8 float64, 2 int64 and 2 bool per position, as ab.head's row_stats keeps them
+
 
 
 @dataclass
