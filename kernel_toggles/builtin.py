@@ -381,6 +381,7 @@ def _lm_head_bf16(golden, x, w):
 
 
 from . import hisa as _hisa  # noqa: E402,F401  (mlx-vlm's approximate indexer selection)
+from . import index_topk as _index_topk  # noqa: E402,F401  (an engine's own index_topk)
 from . import v41 as _v41  # noqa: E402,F401  (DeepSeek-V4.1 toggles: V4.1 kernels only)
 from . import request as _request  # noqa: E402,F401  (request-level toggles, registered last)
 from . import serving as _serving  # noqa: E402,F401  (serving-state toggles)

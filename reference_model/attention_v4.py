@@ -111,7 +111,10 @@ class V4Attention(Attention):
         step = max(1, self.m.attn_budget // max(1, h * n_keys))
         for a in range(0, n, step):
             b = min(a + step, n)
-            s, out[a:b, :k] = nx.index_select(q[a:b], keys, wts[a:b], visible[a:b], k)
+            s, picks = nx.index_select(q[a:b], keys, wts[a:b], visible[a:b], k)
+            if picks.shape[1] > out.shape[1]:     # an engine keeping more entries (index_topk_override)
+                out = torch.cat([out, out.new_full((n, picks.shape[1] - out.shape[1]), -1)], 1)
+            out[a:b, :picks.shape[1]] = picks
         if t:
             t("attn.index.topk", out)
             # the chunk's last query's scores over every key (-inf: not visible): at the

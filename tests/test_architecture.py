@@ -22,7 +22,8 @@ ALLOWED = {
 # the one circle kept on purpose: the registry imports the built-ins on first use
 REGISTRY_CIRCLE = {"kernel_toggles.registry", "kernel_toggles.builtin", "kernel_toggles.request",
                    "kernel_toggles.serving", "kernel_toggles.speculative", "kernel_toggles.v41",
-                   "kernel_toggles.rope", "kernel_toggles.hisa", "kernel_toggles.moe"}
+                   "kernel_toggles.rope", "kernel_toggles.hisa", "kernel_toggles.moe",
+                   "kernel_toggles.index_topk"}
 
 
 def modules() -> dict[str, Path]:

@@ -29,6 +29,7 @@ FIRST_TAP = {
     "index_keys_fp8(scale=pow2)": "layers.1.attn.index.keys",
     "index_keys_bf16": "layers.1.attn.index.keys",
     "hisa(block=4,keep=4)": "layers.1.attn.index.topk",      # 32 entries >= 4 x 4 >= index_topk 16
+    "index_topk_override(topk=24)": "layers.1.attn.index.topk",  # 24 of the 32 entries kept, not 16
     "splitk_decode": "layers.0.attn.out",
     "splitk_decode(splits=2,partials=fp32)": "layers.0.attn.out",
     "decode_positions_wrap(at=100)": "layers.0.attn.q",      # the decode step at 128 rotates as at 28
