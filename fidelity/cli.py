@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from fidelity.errors import CommandError
+from fidelity.errors import CRASHED, CommandError
 
 DESCRIPTION = ("DeepSeek-V4 fidelity toolkit: a golden reference forward beside engine numerics, "
                "with drift, next-token KLD, needle recall and attribution to the toggle that "
@@ -114,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception:                   # a crash must never read as a finding (exit 1)
+        import traceback
+        traceback.print_exc()
+        print(f"internal error (exit {CRASHED}): the traceback above is a bug of fidelity, not a finding",
+              file=sys.stderr)
+        return CRASHED
 
 
 def _under_torchrun(code: int) -> int:

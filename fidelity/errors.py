@@ -11,10 +11,12 @@ same way from any depth."""
 from __future__ import annotations
 
 # Every subcommand's exit code: 0 when it finds nothing, 1 when it flags something (a named
-# toggle, an engine unexplained by its twin, a flagged condition, lost recall: a CI gate),
-# 2 on bad input or an unreachable server (CommandError). Commands that only report
-# (plan, toggles list, serve, the llamacpp / mlxvlm histories) exit 0 when they did what was asked.
+# toggle, an engine unexplained by its twin, a flagged condition, lost recall, BOS in a reply:
+# a CI gate), 2 on bad input or an unreachable server (CommandError), 3 when fidelity itself
+# crashed (CRASHED). Commands that only report (plan, toggles list, serve, the llamacpp /
+# mlxvlm histories) exit 0 when they did what was asked.
 CLEAN, FLAGGED = 0, 1
+CRASHED = 3         # an uncaught exception: Python would exit 1, which scripts read as FLAGGED
 
 
 def exit_code(flagged: bool) -> int:

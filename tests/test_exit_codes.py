@@ -25,3 +25,19 @@ def test_a_finding_under_torchrun_exits_0_and_says_so(monkeypatch, capsys):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     assert _under_torchrun(1) == 0 and _under_torchrun(2) == 2 and _under_torchrun(0) == 0
     assert "flagged (exit code 0 under torchrun" in capsys.readouterr().err
+
+
+def test_a_crash_exits_3_never_1(monkeypatch, capsys):
+    """An uncaught exception would exit 1 -- what a history, a bench or a CI gate reads as a
+    finding (a kld run that crashed in its report once read as "flagged" to the llama.cpp
+    bench). It exits CRASHED with the traceback instead."""
+    from fidelity import cli
+    from fidelity.commands import toggles
+    from fidelity.errors import CRASHED
+
+    def boom(args):
+        raise KeyError("a bug of ours")
+    monkeypatch.setattr(toggles, "run", boom)
+    assert cli.main(["toggles"]) == CRASHED == 3
+    err = capsys.readouterr().err
+    assert "KeyError: 'a bug of ours'" in err and "internal error (exit 3)" in err
