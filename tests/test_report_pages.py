@@ -322,7 +322,10 @@ def test_suspects_say_which_kind_of_finding(pages):
     with its outcome row (the one the verdict quotes)."""
     s = _suspects(pages["ab-example"])
     assert len(s) and not s.finding.str.startswith("outcome").any()
-    assert set(s.finding) <= {"mechanism only", "below floors"} and "named" not in s.columns
+    from fidelity.verdict.board import BELOW_TAIL, MECHANISM_ONLY, NEITHER
+    assert set(s.finding) <= {MECHANISM_ONLY, NEITHER, BELOW_TAIL} and "named" not in s.columns
+    tail = s[s.method == "tail"]                     # one prompt's multiple: never "below floors" above 1x
+    assert not ((tail.finding == NEITHER) & (pd.to_numeric(tail.x_floor, errors="coerce") > 1)).any()
     s = _suspects(pages["ab-added"])
     assert s.finding.iloc[0].startswith("outcome (named)") and s.signal.iloc[0] not in (
         "topk_loss", "needle_lost", "expert_disagree")

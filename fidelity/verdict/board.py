@@ -12,6 +12,7 @@ import pandas as pd
 
 from .findings import _how_much, _layers
 from .signals import MECHANISM_WHAT, QAT_FLOOR, SCHEDULE_FACTOR, with_multiples
+from .tail import BROKEN
 from .tail import METHOD as TAIL
 
 
@@ -19,12 +20,15 @@ from .tail import METHOD as TAIL
 # names the toggle; a mechanism finding says what it changes inside, outcome within floors
 OUTCOME, BOTH, MECHANISM_ONLY, NEITHER = ("outcome (named)", "outcome (named) + mechanism",
                                           "mechanism only", "below floors")
+BELOW_TAIL = f"one prompt above its floor, below the {BROKEN:g}x bar"   # a tail row: x_floor is one prompt's
 SUSPECTS_CAPTION = (f"Each toggle's strongest signal: value (95% CI) against the highest floor for that "
                     f"signal and place; x_floor = value / floor (the multiple the headline quotes), "
                     f"x_floor_ci_low = ci_low / floor (above 1: the interval clears the floor). Finding: \"{OUTCOME}\" = the verdict names it (an outcome signal's "
                     f"interval clears its floor; that outcome row is shown); \"{MECHANISM_ONLY}\" = it changes "
                     f"what the model selects inside (indexer picks, experts) beyond the floors that are noise "
-                    f"for that, while the outcome stays within its floors; \"{NEITHER}\" = neither.")
+                    f"for that, while the outcome stays within its floors; \"{NEITHER}\" = neither; "
+                    f"\"{BELOW_TAIL}\" = a tail row (method tail: one prompt's value against that prompt's floor) "
+                    f"whose multiple is above 1 but under the bar at which a prompt is broken.")
 
 
 def suspects(verdict_table: pd.DataFrame, limit: int = 8) -> pd.DataFrame:
@@ -45,7 +49,9 @@ def suspects(verdict_table: pd.DataFrame, limit: int = 8) -> pd.DataFrame:
     v["rank"] = tier * 1e9 + v["x_floor_lo"].replace(np.inf, 1e8).fillna(0).clip(upper=1e8)
     best = v.sort_values("rank", ascending=False).drop_duplicates("toggle").head(limit)
     finding = [BOTH if t in outcome and t in mechanism else OUTCOME if t in outcome
-               else MECHANISM_ONLY if t in mechanism else NEITHER for t in best.toggle]
+               else MECHANISM_ONLY if t in mechanism
+               else BELOW_TAIL if m == TAIL and x > 1 else NEITHER        # a tail row above 1x: not "below floors"
+               for t, m, x in zip(best.toggle, best.method, best.x_floor.fillna(0))]
     return pd.DataFrame({"toggle": best.toggle, "finding": finding, "signal": best.signal,
                          "where": best["where"], "method": best.method, "value": best.value,
                          "ci_low": best.lo, "ci_high": best.hi, "floor": best.floor_hi,
