@@ -64,8 +64,9 @@ def _times(x) -> str:
 
 FINDINGS_CAPTION = ("finding: **flagged** when a task flagged the arm (the KLD verdict names one of its "
                     "factors, a consistency condition is flagged, its needle recall is below the "
-                    "baseline's by the paired test, or a needle reply carries BOS); **above floors** when the KLD signals board has it "
-                    "above every floor somewhere but the verdict names none of its factors (these arms "
+                    "baseline's by the paired test, or a needle reply carries BOS); **above floors** when "
+                    "the KLD signals board has it above every floor somewhere but the verdict names none "
+                    "of its factors (these arms "
                     "do not separate them); *differs (no noise floor)* when its only floors are "
                     "bit-identical repeats, so any difference, by design or not, is a difference and "
                     "nothing says how large is noise; **changes inside** when only a mechanism signal (indexer "
