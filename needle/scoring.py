@@ -87,7 +87,8 @@ def score(expected: list[str], content: str | None, finish_reason: str | None,
 # BOS is token 0, what argmax over a NaN logits row returns (vllm#41834 traced BOS in long
 # generations to four NaN paths); the others are a template or stop handling gone wrong.
 # Both `content` and `reasoning_content` are read: the reporter's warning was that a scan of
-# content alone misses most of them.
+# content alone misses most of them. Spelled here, not imported from reference_model.tokenizer
+# (whose package loads torch, which the HTTP path never needs); a test holds them equal.
 BOS_TEXT = "<｜begin▁of▁sentence｜>"
 SPECIAL_TEXTS = (BOS_TEXT, "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")
 REPLY_FIELDS = ("response", "reasoning_content")        # the row's names for content and reasoning

@@ -241,4 +241,3 @@ def _plant_bos(payload: dict, fault: str) -> None:
         msg["content"] = msg["content"][:12] + BOS + msg["content"][12:]
     else:
         ch["text"] = ch["text"][:12] + BOS + ch["text"][12:]
-

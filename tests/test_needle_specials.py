@@ -14,6 +14,12 @@ ARGS = ["--lengths", "300,400", "--depths", "0,100", "--reps", "2", "--api", "ch
         "--concurrency", "1", "--quiet", "--no-plots"]
 
 
+def test_the_special_tokens_are_the_tokenizers_own():
+    from needle.scoring import SPECIAL_TEXTS
+    from reference_model import tokenizer as T
+    assert SPECIAL_TEXTS == (T.BOS, T.EOS, T.USER, T.ASSISTANT) and BOS_TEXT == T.BOS
+
+
 def test_specials_are_found_in_content_and_reasoning_in_order():
     res = {"response": f"The answer{BOS_TEXT} is 12.<｜User｜>", "reasoning_content": f"{BOS_TEXT}x{BOS_TEXT}"}
     assert leaked_specials(res) == {"response": [BOS_TEXT, "<｜User｜>"], "reasoning_content": [BOS_TEXT, BOS_TEXT]}
