@@ -31,7 +31,7 @@ def kld_row(out: Path, run_id: str, arm: str) -> dict:
     tw = m["manifest"]["twins"][0]
     vs = pd.read_csv(Path(out) / "kld" / f"{run_id}-vs-{tw['name']}" / "kld_by_position.csv")
     vs = vs[vs.bucket == "all"].set_index("arm")
-    twin_floors = [a for a in vs.index if a.startswith(f"{tw['name']}~")]   # the twin judgement's floors
+    twin_floors = vs.loc[[a for a in vs.index if a.startswith(f"{tw['name']}~")]].kld_hi   # the twin judgement's floors
     r = allk.loc[arm]
     return {"kld_mean": r.kld_mean, "kld_lo": r.kld_lo, "kld_hi": r.kld_hi, "kld_p99": r.kld_p99,
             "kld_max": r.kld_max, "same_top1": r.same_top1, "positions": int(r.positions),
@@ -40,6 +40,6 @@ def kld_row(out: Path, run_id: str, arm: str) -> dict:
             "twin": tw["twin"], "vs_twin": float(vs.loc[arm].kld_mean), "vs_twin_lo": float(vs.loc[arm].kld_lo),
             "vs_twin_hi": float(vs.loc[arm].kld_hi), "twin_unexplained": bool(tw["unexplained"]),
             "twin_verdict": tw["sentence"],
-            "twin_floor_kld_hi": float(vs.loc[twin_floors].kld_hi.max()) if twin_floors else None,
-            "twin_floor_arm": str(vs.loc[twin_floors].kld_hi.idxmax()) if twin_floors else None,
+            "twin_floor_kld_hi": float(twin_floors.max()) if len(twin_floors) else None,
+            "twin_floor_arm": str(twin_floors.idxmax()) if len(twin_floors) else None,
             "golden_vs_twin": float(allk.loc[tw["name"]].kld_mean) if tw["name"] in allk.index else None}

@@ -138,10 +138,10 @@ def _specials(rs: list[dict]) -> dict:
             "special_replies": sum(1 for r in rs if r.get("specials"))}
 
 
-def specials_leaked(rows) -> list[str]:
-    """The arms with BOS in any reply (content or reasoning): what `fidelity needle` flags
-    beside lost recall (its exit code). A reply never carries BOS on a sound server."""
-    return [a["arm"] for a in by_arm(rows) if a["bos_replies"]]
+def specials_leaked(arms: list[dict]) -> list[str]:
+    """The arms of a by_arm table with BOS in any reply (content or reasoning): what `fidelity
+    needle` flags beside lost recall (its exit code). A reply never carries BOS on a sound server."""
+    return [a["arm"] for a in arms if a["bos_replies"]]
 
 
 def pairs(rows) -> list[dict]:

@@ -270,7 +270,8 @@ def _run(args, driver=None) -> int:
                                 "seed": cfg.seed},
                      "arms": [r.describe() for r in runners]})
     path = write_report(rows, out, meta, run_id=args.run_id, with_plots=not args.no_plots)
-    for a in by_arm(rows):
+    arms = by_arm(rows)
+    for a in arms:
         rec = "-" if a["recall"] is None else f"{a['recall']:.3f} [{a['ci_low']:.3f}, {a['ci_high']:.3f}]"
         print(f"{a['arm']:>16}: recall {rec} over {a['n_scored']} scored trials; "
               f"truncated {a['truncated']}, server errors {a['server_error']}")
@@ -282,11 +283,11 @@ def _run(args, driver=None) -> int:
         print("retries: " + "; ".join(f"{a} {r['startup'] + r['trials']} (start-up {r['startup']}, "
                                       f"trials {r['trials']})" for a, r in meta["retries"].items()))
     print(f"report: {path}")
-    for a in by_arm(rows):
+    for a in arms:
         if a["bos_replies"]:                 # even with --quiet: a NaN row's argmax, never noise
             print(f"{a['arm']}: BOS in {a['bos_replies']} of {a['n']} replies "
                   f"({a['bos_reasoning_only']} only in reasoning_content)")
-    return exit_code(bool(recall_lost(rows)) or bool(specials_leaked(rows)))
+    return exit_code(bool(recall_lost(rows)) or bool(specials_leaked(arms)))
 
 
 def _grid(args, runners, spec, fmt, notes) -> tuple[list[int], dict, dict | None]:

@@ -91,9 +91,9 @@ def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[st
     screen however many arms). `floors`: arms that are floors by their role, not their name
     (a served golden in a spec: what serving alone moves)."""
     piv = signal_ratios(sig_summary, verdict, arms)
-    floor = lambda a: is_floor_arm(a) or a in floors          # noqa: E731
+    is_floor = [is_floor_arm(a) or a in floors for a in piv.index]      # a row per arm, in order
     r = piv.to_numpy(dtype=float)
-    floor_row = np.array([floor(a) for a in piv.index], bool)[:, None]
+    floor_row = np.array(is_floor, bool)[:, None]
     zero = np.isinf(r)                    # a floor of exactly 0 divides nothing: crossed, not "∞× above"
     under = np.ma.masked_invalid(np.where(floor_row & ~zero, np.log10(r.clip(1e-2, 1e2)), np.nan))
     z = np.ma.masked_invalid(np.where(floor_row | zero, np.nan, np.log10(r.clip(1.0, 1e4))))
@@ -109,12 +109,12 @@ def signal_board(sig_summary: pd.DataFrame, verdict: pd.DataFrame, arms: list[st
             for i, j in zip(*np.nonzero(mask)):
                 ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch=hatch, edgecolor=edge, lw=0))
         im = ax.imshow(z, aspect="auto", cmap=cmap, vmin=0, vmax=2)
-        ax.set_yticks(range(len(piv)), [floor_label(a, floor(a)) for a in piv.index], fontsize=10)
-        for tick, arm in zip(ax.get_yticklabels(), piv.index):
-            if floor(arm):                # a floor is the bar, not a finding: said on its row
+        ax.set_yticks(range(len(piv)), [floor_label(a, f) for a, f in zip(piv.index, is_floor)], fontsize=10)
+        for tick, f in zip(ax.get_yticklabels(), is_floor):
+            if f:                         # a floor is the bar, not a finding: said on its row
                 tick.set_color("#555555")
                 tick.set_fontstyle("italic")
-        floor_rows = [i for i, a in enumerate(piv.index) if floor(a)]
+        floor_rows = [i for i, f in enumerate(is_floor) if f]
         if floor_rows and len(floor_rows) < len(piv) and floor_rows == list(range(len(floor_rows))):
             ax.axhline(len(floor_rows) - 0.5, color="black", linewidth=1.2)
         ax.xaxis.tick_top()
