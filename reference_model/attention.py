@@ -65,9 +65,14 @@ class Attention(ModelPart):
         idx = self.indices(pos, pos0, n_prev, n_prev + n, ratio, topk, n_comp)
         step = max(1, m.attn_budget // max(1, idx.shape[1] * cfg.head_dim))
         scale = cfg.head_dim ** -0.5
-        parts = [nx.sparse_attention(q[a:a + step], rows, w["attn.attn_sink"], idx[a:a + step],
-                                     scale, phase) for a in range(0, n, step)]
-        o = parts[0].to(q.dtype) if len(parts) == 1 else torch.cat([p.to(q.dtype) for p in parts])
+        o = torch.empty_like(q) if step < n else None       # steps written in place: no cat
+        for a in range(0, n, step):
+            part = nx.sparse_attention(q[a:a + step], rows, w["attn.attn_sink"], idx[a:a + step],
+                                       scale, phase)
+            if o is None:
+                o = part.to(q.dtype)
+            else:
+                o[a:a + step].copy_(part)
         o = rope(o, "output", inverse=True)
         keep = cfg.window_size - 1                     # kept for the next chunk / decode step
         st.window_kv = allw[-keep:].clone() if keep > 0 else allw[:0].clone()

@@ -18,6 +18,7 @@ import copy
 import torch
 
 from .errors import InputError
+from .heap import keep_freed_memory
 from .moe import moe, moe_experts
 from .numerics import Numerics
 from .schedule import ONESHOT, Schedule, Segment, in_step
@@ -35,6 +36,8 @@ class Model:
         """`token_map` (token id -> compressed id) or `tokenizer` give V4.1 Engram's
         compressed vocabulary (default: v41.engram_step.token_map_for)."""
         self.cfg = weights.cfg
+        if not devices or all(torch.device(d).type == "cpu" for d in devices):
+            keep_freed_memory()                    # no page faults on each large temporary
         self.schedule = schedule                   # how a prompt is fed (reference_model.schedule)
         self.weights = weights
         self.nx = numerics or Numerics("reference")

@@ -409,6 +409,11 @@ class Numerics(MixMoeKernels, V41Kernels, SpecKernels):
         output's rounding."""
         valid = idx >= 0
         c, k = idx.shape
+        if self.quant and self.cd == torch.float64 and q.device.type == "cpu":
+            shared, where = torch.unique(idx.clamp(min=0), return_inverse=True)
+            rows = kv.index_select(0, shared)
+            if shared.numel() <= 4 * k and bool(torch.isfinite(rows).all()):
+                return self._attend_shared(q, rows, sink, where, valid, scale)
         rows = kv.index_select(0, idx.clamp(min=0).reshape(-1)).view(c, k, kv.shape[-1])
         s = torch.einsum("chd,ckd->chk", q, rows) * scale
         s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
@@ -416,6 +421,26 @@ class Numerics(MixMoeKernels, V41Kernels, SpecKernels):
         p = torch.exp(s - m)
         denom = p.sum(-1, keepdim=True) + torch.exp(sink.to(self.cd).view(1, -1, 1) - m)
         return torch.einsum("chk,ckd->chd", self.rs(p), rows) / denom
+
+    def _attend_shared(self, q, rows, sink, where, valid, scale):
+        """_attend when the block's queries share most of their rows (V4's HCA layers: every
+        query reads the same compressed entries): one GEMM of the queries against the
+        distinct `rows` (where [c,k]: each pick's row among them), not c small ones against
+        gathered copies. The same values in the fp64 golden: its products of bf16/FP8 grid
+        values are exact and so are their fp64 sums, in any order (the premise that makes
+        decode equal prefill), and the softmax runs over the same [c,H,k] scores as before.
+        Only for finite rows: a query's zero weight on a row it does not read would turn
+        another query's inf or NaN row into its own NaN."""
+        c, k = where.shape
+        h = q.shape[1]
+        at = where.unsqueeze(1).expand(c, h, k)
+        s = (q.reshape(c * h, -1) @ rows.T).view(c, h, -1).gather(2, at) * scale
+        s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        p = torch.exp(s - m)
+        denom = p.sum(-1, keepdim=True) + torch.exp(sink.to(self.cd).view(1, -1, 1) - m)
+        weights = q.new_zeros(c, h, rows.shape[0]).scatter_add_(2, at, self.rs(p))
+        return (weights.view(c * h, -1) @ rows).view(c, h, -1) / denom
 
     def wo_a(self, o, w):
         """Grouped low-rank output projection, a bf16 einsum: o [c,g,in], w [g,r,in] -> [c,g,r]."""

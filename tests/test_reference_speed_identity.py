@@ -341,6 +341,31 @@ def test_sparse_attention(nx, n):
                 plain_sparse_attention(nx, qw, kvw, sink, idx, 128 ** -0.5))
 
 
+def hca_indices(n, window=32, entries=24, ratio=16):
+    """V4's HCA layout: each query's window band of rows, then every compressed entry it
+    may see (rows past the window rows), -1 where there is none: rows most queries share."""
+    pos = torch.arange(n)
+    band = pos.unsqueeze(1) + torch.arange(-(window - 1), 1)
+    j = torch.arange(entries).unsqueeze(0)
+    comp = torch.where(j < ((pos + 1) // ratio).clamp(max=entries).unsqueeze(1), j + n, -1)
+    return torch.cat([torch.where(band >= 0, band, -1), comp], 1)
+
+
+@pytest.mark.parametrize("nx", PROFILES)
+@pytest.mark.parametrize("n", ROWS)
+def test_sparse_attention_on_shared_rows(nx, n):
+    """The one-GEMM path over rows the queries share (taken in the fp64 reference) against
+    the plain gather, on grid values; a non-finite row stays its readers' own."""
+    idx = hca_indices(n)
+    q, kv = nx.rs(bfv(n, 4, 128, seed=40)), nx.rs(bfv(n + 24, 128, seed=41, scale=3.0))
+    sink = torch.randn(4, generator=gen(42))
+    assert same(nx.sparse_attention(q, kv, sink, idx, 128 ** -0.5),
+                plain_sparse_attention(nx, q, kv, sink, idx, 128 ** -0.5))
+    kv[n + 23] = float("inf")                              # read only by the last queries, if any
+    assert same(nx.sparse_attention(q, kv, sink, idx, 128 ** -0.5),
+                plain_sparse_attention(nx, q, kv, sink, idx, 128 ** -0.5))
+
+
 @pytest.mark.parametrize("dtype", [F64, F32])
 @pytest.mark.parametrize("hc", [2, 3, 4, 5])
 def test_sinkhorn_tokens_last(dtype, hc):
