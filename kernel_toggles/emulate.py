@@ -7,6 +7,7 @@ buffers, `f32(x)` for fp32 buffers/registers. An engine's fp32 accumulation is t
 emulated as a wide sum rounded once to fp32 (summation order is not modelled)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from reference_model import quant as Q
@@ -205,12 +206,6 @@ def rotate(x: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
     return (xf.reshape(*xf.shape[:-1], xf.shape[-1] // n, n) @ h).reshape(xf.shape)
 
 
-def _fma_f16(acc: torch.Tensor, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """fp16(fma(x, v, acc)) in fp32 as ggml's F16C vec_mad_f16 does: the product and sum
-    formed exactly (fp64), rounded once to fp32, then to fp16."""
-    return (acc.double() + x.double() * v.double()).float().half()
-
-
 def ggml_one_query_attention(q, kv, sink, idx, scale) -> torch.Tensor:
     """ggml's CPU flash attention for a batch of fewer queries than its tile (the decode
     path; ops.cpp flash_attn_ext_f16_one_chunk) over an f16 cache, one pass in key order:
@@ -220,7 +215,13 @@ def ggml_one_query_attention(q, kv, sink, idx, scale) -> torch.Tensor:
     fp32; the sink enters after the last key (fp32), and the output is VKQ * (1/S). Keys are
     visited in ascending row order (llama.cpp's cells: the window in position order, then the
     compressed entries). q [c,H,D], kv [N,D] (K = V, f16 values), sink [H], idx [c,k]
-    (-1 = empty) -> [c,H,D] fp32."""
+    (-1 = empty) -> [c,H,D] fp32.
+
+    Per query the running maximum comes first (a short loop over [H] values), then every
+    key's exp factors at once (torch's exp gives each element the same value whatever the
+    tensor's size: tests/test_toggles_llamacpp.py), then the f16 buffer and fp32 sum in key
+    order in numpy (IEEE operations, each rounded as the torch ones were): a decode step's
+    cost was its thousands of small torch calls."""
     c, H, D = q.shape
     dev = q.device
     out = torch.empty(c, H, D, dtype=torch.float32, device=dev)
@@ -231,19 +232,13 @@ def ggml_one_query_attention(q, kv, sink, idx, scale) -> torch.Tensor:
         keys = torch.sort(idx[r][idx[r] >= 0]).values
         q16 = q[r].half().double()                                        # [H,D]
         s_all = (q16 @ k16[keys].double().T).float() * torch.tensor(scale, dtype=torch.float32)  # [H,k]
-        M = torch.full((H,), float("-inf"), device=dev)
-        S = zero.clone()
-        acc = torch.zeros(H, D, dtype=torch.float16, device=dev)
-        for j, key in enumerate(keys.tolist()):
-            s = s_all[:, j]
-            new = s > M
-            ms = torch.where(new, torch.exp(M - s), one)                  # 0 on the first key
-            vs = torch.where(new, one, torch.exp(s - M))
-            acc = torch.where(new.unsqueeze(1), (acc.float() * ms.unsqueeze(1)).half(), acc)
-            acc = _fma_f16(acc, k16[key].expand(H, D), vs.unsqueeze(1))
-            M = torch.where(new, s, M)
-            S = S * ms + vs
-        vkq = acc.float()
+        m_before, new = _running_max(s_all.cpu().numpy())
+        mb, nw = torch.from_numpy(m_before).to(dev), torch.from_numpy(new).to(dev)
+        ms = torch.where(nw, torch.exp(mb - s_all), 1.0)                  # 0 on the first key
+        vs = torch.where(nw, 1.0, torch.exp(s_all - mb))
+        acc, S, M = _online_pv(k16[keys].cpu().numpy(), ms.cpu().numpy(), vs.cpu().numpy(), new,
+                               s_all.cpu().numpy(), H, D)
+        vkq, S, M = torch.from_numpy(acc).to(dev).float(), torch.from_numpy(S).to(dev), torch.from_numpy(M).to(dev)
         new = sk > M                                                      # the sink, after every key
         ms = torch.where(new, torch.exp(M - sk), one)
         vkq = vkq * ms.unsqueeze(1)
@@ -251,3 +246,36 @@ def ggml_one_query_attention(q, kv, sink, idx, scale) -> torch.Tensor:
         inv = torch.where(S == 0, zero, 1.0 / S)
         out[r] = vkq * inv.unsqueeze(1)
     return out
+
+
+def _running_max(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For scores s [H,k] in key order: the running maximum before each key (-inf before the
+    first) and whether each key raises it (a NaN score never does)."""
+    before = np.empty_like(s)
+    new = np.empty(s.shape, dtype=bool)
+    m = np.full(s.shape[0], -np.inf, dtype=s.dtype)
+    for j in range(s.shape[1]):
+        before[:, j] = m
+        new[:, j] = s[:, j] > m
+        m = np.where(new[:, j], s[:, j], m)
+    return before, new
+
+
+def _online_pv(v16: np.ndarray, ms: np.ndarray, vs: np.ndarray, new: np.ndarray, s: np.ndarray,
+               H: int, D: int):
+    """The f16 P.V buffer [H,D], fp32 running sum [H] and final maximum [H] over the keys'
+    f16 rows v16 [k,D] in order: on a new maximum the buffer rescaled (fp32 product, to f16),
+    then fp16(fp32(fma(v, vs, buffer))) with the product and sum exact (fp64), as ggml's F16C
+    vec_mad_f16; S = S * ms + vs in fp32."""
+    acc = np.zeros((H, D), np.float16)
+    S = np.zeros(H, np.float32)
+    M = np.full(H, -np.inf, np.float32)
+    for j in range(v16.shape[0]):
+        nj = new[:, j]
+        if nj.any():
+            acc = np.where(nj[:, None], (acc.astype(np.float32) * ms[:, j, None]).astype(np.float16), acc)
+            M = np.where(nj, s[:, j], M)
+        acc = (acc.astype(np.float64) + v16[j].astype(np.float64) * vs[:, j, None].astype(np.float64)
+               ).astype(np.float32).astype(np.float16)
+        S = S * ms[:, j] + vs[:, j]
+    return acc, S, M

@@ -93,6 +93,11 @@ def rope_rotate(tail: torch.Tensor, table: torch.Tensor, inverse: bool = False) 
     return torch.view_as_real(z).flatten(-2).to(tail.dtype)
 
 
+# below this many tokens (a decode step) the plain normalisations take half the torch calls
+# of the streams-last ones, and per-call overhead is all there is
+STREAMS_LAST_MIN_TOKENS = 16
+
+
 def sinkhorn_split(mixes, scale, base, hc: int, iters: int, eps: float):
     """`hc_split_sinkhorn` (docs/research/dsv4-architecture.md §4.8): pre = sigmoid + eps, post = 2·sigmoid,
     comb = softmax(rows) + eps, one column normalisation, then iters-1 row/column pairs.
@@ -102,7 +107,8 @@ def sinkhorn_split(mixes, scale, base, hc: int, iters: int, eps: float):
     c = mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]
     c = c.unflatten(-1, (hc, hc))
     c = torch.softmax(c, dim=-1) + eps
-    if 2 <= hc <= 4 and c.device.type == "cpu" and not tracks_grad(c):
+    if (2 <= hc <= 4 and c.device.type == "cpu" and not tracks_grad(c)
+            and c.numel() >= STREAMS_LAST_MIN_TOKENS * hc * hc):
         return pre, post, _sinkhorn_streams_last(c, iters, eps)
     c = c / (c.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):

@@ -256,3 +256,13 @@ def test_router_softplus_logf_is_ggmls_float32_softplus():
         want = np.sqrt(np.where(logits > 20, logits, np.log(np.float32(1) + np.exp(logits))))
     np.testing.assert_allclose(nx.moe_gate(xs, w, "sqrtsoftplus").numpy(), want, rtol=1e-5, atol=1e-6)
     assert torch.equal(nx.moe_gate(xs, w, "sigmoid"), base.moe_gate(xs, w, "sigmoid"))
+
+
+def test_exp_gives_each_element_the_same_value_whatever_the_tensors_size():
+    """ggml_one_query_attention takes every key's exp factors in one call where it took one
+    [H] call per key: the same values only if torch's exp does not depend on the size (its
+    vector body and scalar tail agree), checked here on this machine's build."""
+    x = torch.randn(4099, generator=torch.Generator().manual_seed(9)) * 30
+    whole = torch.exp(x)
+    assert torch.equal(whole, torch.cat([torch.exp(x[i:i + 4]) for i in range(0, 4099, 4)]))
+    assert torch.equal(whole[:300], torch.cat([torch.exp(x[i:i + 1]) for i in range(300)]))
