@@ -54,6 +54,23 @@ def _kv_bf16(golden, nope):
     return golden.rs(nope)
 
 
+@toggle("kv_nvfp4", kernel="kv_store", group="kv_cache", **_B,
+        params=(Param("global_scale", float, 1.0, "the layer's fp32 global scale (calibrated in "
+                      "the engine; values of order 1 make 1.0 exact)"),),
+        provenance=Provenance(("freetoken",), ("FreeToken v0.2.3 kv-cache dtype nvfp4_ds_mla",),
+                              ("FlashML-org/FreeToken release v0.2.3 (#920)",
+                               "eugr/spark-vllm-docker#331 (a 4-bit KV recipe)",
+                               "UNCONFIRMED: the release notes name the dtype, not its kernel; "
+                               "modelled on NVFP4's own layout")),
+        description="A 4-bit KV cache (FreeToken's nvfp4_ds_mla, to reach 1M tokens on small GPUs): "
+                    "the 448 nope dims of the window/compressed KV stored as NVFP4 -- e2m1 values "
+                    "in 1x16 blocks with an e4m3 block scale and one fp32 global scale -- where "
+                    "the reference keeps e4m3 in 1x64 blocks (fp8_ds_mla); the bf16 value is "
+                    "quantised, as fp8_ds_mla does, and the 64 RoPE dims stay bf16.")
+def _kv_nvfp4(golden, nope, global_scale=1.0):
+    return Q.nvfp4_qdq(golden.rs(nope), 16, global_scale).to(golden.cd)
+
+
 @toggle("kv_cache_ggml", kernels=("kv_store", "rope_apply", "index_key_store", "sparse_attention"),
         group="kv_cache", wraps=True, versions=("v4",), engine_arm=False, **_B,
         params=(Param("type", str, "f16", "llama.cpp's -ctk/-ctv cache type", choices=("f16", "q8_0")),

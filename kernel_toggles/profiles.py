@@ -153,16 +153,33 @@ def launch_settings(arm, engine: str, version: str | None = None) -> LaunchSetti
                 out.unrealisable.append((name, f"no known {engine} setting turns it "
                                                f"{'on' if want else 'off'}"))
                 continue
-        if name in arm and dict(R.get(name).resolve(e["params"])) != arm[name].kwargs():
+        asked = arm[name].kwargs() if name in arm else {}
+        filled = _placeholders(need, asked)            # parameters the flags carry themselves
+        fixed = {k: v for k, v in dict(R.get(name).resolve(e["params"])).items() if k not in filled}
+        if name in arm and fixed != {k: v for k, v in asked.items() if k not in filled}:
             out.unrealisable.append((name, f"{engine} behaves as "
                                            f"{name}{_fmt(e['params'])}, arm asks {arm[name]}"))
         if need:
             out.env.update(need.get("env", {}))
-            out.flags += need.get("flags", [])
+            out.flags += [_fill(f, asked) for f in need.get("flags", [])]
             out.applied.append(name)
         if e["unconfirmed"] and (want or default is not False):
             out.unconfirmed.append(name)
     return out
+
+
+def _placeholders(need: dict | None, params: dict) -> set:
+    """The parameters whose `{name}` placeholder a setting's flags hold."""
+    flags = " ".join((need or {}).get("flags", []))
+    return {k for k in params if "{" + k + "}" in flags}
+
+
+def _fill(flag: str, params: dict) -> str:
+    """A flag with each `{name}` placeholder replaced by the arm's value (flags may hold JSON
+    braces of their own, so no str.format)."""
+    for k, v in params.items():
+        flag = flag.replace("{" + k + "}", str(v))
+    return flag
 
 
 def _fmt(params: dict) -> str:

@@ -157,6 +157,19 @@ def fp4_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return round_to_e2m1((xb / s).clamp_(-FP4_MAX, FP4_MAX)).mul_(s).flatten(-2)
 
 
+
+def nvfp4_qdq(x: torch.Tensor, block: int = 16, global_scale: float = 1.0) -> torch.Tensor:
+    """NVFP4 quantise-dequantise in 1x`block` blocks (fp32 out): e2m1 values times an e4m3
+    block scale times one fp32 `global_scale`. The block scale is amax / 6 / global_scale
+    rounded to e4m3 (to nearest, so a block's amax may land just above 6 times it: those
+    values saturate at +-6, as NVFP4 quantisers clamp); an all-zero block keeps scale 1."""
+    xf = x.float()
+    xb = _blocks(xf, block)
+    amax = xb.abs().amax(-1, keepdim=True)
+    s = (amax * _INV_FP4_MAX.to(amax.device) / global_scale).to(torch.float8_e4m3fn).float() * global_scale
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return (round_to_e2m1((xb / s).clamp(-FP4_MAX, FP4_MAX)) * s).flatten(-2)
+
 # ---- weight formats (checkpoint side) ---------------------------------------------------
 def dequant_fp8_weight(w: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
     """W[o,i] = e4m3(W)[o,i] · scale[o//128, i//128]; handles shapes that are not multiples

@@ -33,10 +33,20 @@ class Parts:
     gemm: type
     engram: type | None
     placement: Callable
+    reference: str                 # the revision of DeepSeek's reference code the golden follows
 
 
-V4 = Parts("v4", PlainHC, V4Attention, Gemm128, None, model_placement)
-V41 = Parts("v4.1", LaggedHC, SourcedAttention, Gemm32, EngramStep, v41_placement)
+# What each golden follows, said in every report: DeepSeek's reference code changed after
+# release (V4: docs/research/dsv4-architecture.md §1; V4.1: a proposed fix of the index keys)
+V4_REFERENCE = ("DeepSeek-V4-Flash inference/ @ 60d8d707 (the current revision: shared-expert "
+                "SwiGLU clamped, KV cache FP8 round trip in effect)")
+V41_REFERENCE = ("DeepSeek-V4.1-Flash inference/ @ dba1be0a with the index-key fix proposed in its "
+                 "PR #12 (each KV source's own keys on every step, docs/v41-architecture.md §9 D1; "
+                 "the code as written is the toggle v41_stale_index_keys)")
+
+
+V4 = Parts("v4", PlainHC, V4Attention, Gemm128, None, model_placement, V4_REFERENCE)
+V41 = Parts("v4.1", LaggedHC, SourcedAttention, Gemm32, EngramStep, v41_placement, V41_REFERENCE)
 
 
 def parts_for(cfg) -> Parts:

@@ -91,6 +91,8 @@ def test_report_files_and_manifest(small_report):
     assert m["schema_version"] == 1 and m["manifest"]["config_hash"] == tiny().config_hash()
     ar = m["manifest"]["arithmetic"]                  # what float32 floors depend on, machine to machine
     assert ar["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability() and ar["threads"] >= 1
+    assert "@ 60d8d707" in m["manifest"]["reference"]        # the reference revision the golden follows
+    assert f"The golden follows {m['manifest']['reference']}." in (d / "summary.md").read_text()
     assert (out / "latest").resolve() == d.resolve()
     assert "data:image/png;base64," in (d / "index.html").read_text()
     assert not [p for p in out.iterdir() if p.name.startswith(".")]       # no temp leftovers

@@ -35,3 +35,16 @@ def test_the_engine_keeps_its_own_number_of_entries():
 def test_rows_that_see_fewer_entries_pad_as_the_reference_does():
     longer = ToggleSet.parse("index_topk_override(topk=4)").numerics("exact")
     assert _picks(longer, 2, visible=(2, 5)) == [[-1, -1, 0, 1], [1, 2, 3, 4]]
+
+
+def test_an_engine_launch_carries_the_arms_own_topk():
+    """The launcher's settings for the arm put its topk in the engines' config overrides
+    (engine_profiles.json placeholders), not the checkpoint's: no "behaves as" refusal."""
+    from kernel_toggles.profiles import launch_settings
+    arm = ToggleSet.parse("index_topk_override(topk=2048)")
+    vllm, sglang = launch_settings(arm, "vllm"), launch_settings(arm, "sglang")
+    assert vllm.flags[vllm.flags.index("--hf-overrides") + 1] == '{"index_topk": 2048}'
+    assert sglang.flags[sglang.flags.index("--json-model-override-args") + 1] == '{"index_topk": 2048}'
+    for s in (vllm, sglang):
+        assert "index_topk_override" in s.applied and "index_topk_override" in s.unconfirmed
+        assert not [t for t, _ in s.unrealisable if t == "index_topk_override"]

@@ -22,6 +22,7 @@ from infra.report_writer import ReportWriter
 from ..verdict.board import (SUSPECTS_CAPTION, floor_label, headline, is_floor_arm, signal_board, signal_ratios,
                              suspects)
 from ..verdict.findings import findings_table, verdict_lines
+from ..verdict.judge import golden_follows
 from ..design.lengths import Boundaries
 from ..verdict.residues import CAPTION as RESIDUE_CAPTION
 from ..verdict.residues import GRID_CAPTION
@@ -343,7 +344,7 @@ def build_page(tables, result, sets) -> Page:
     compared = (f"Model `{m['config_hash']}` ({m['checkpoint']}): golden vs {len(sets)} arms and "
                 f"{len(floor_names)} noise floors on {len(m['prompts'])} prompts of {lengths} tokens, "
                 f"{runner['decode_steps']} teacher-forced decode steps, mode {runner['mode']}, "
-                f"seed {st['prompts']['seed']}.")
+                f"seed {st['prompts']['seed']}.{golden_follows(m)}")
     sus = suspects(tables["signal_attribution"])
     fd = pd.DataFrame(result["first_divergence"])
     v = result["verdict"]

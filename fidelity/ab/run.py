@@ -15,6 +15,7 @@ import torch
 from infra.report_writer import ReportTarget
 from kernel_toggles.arms import version_of
 from reference_model.schedule import Schedule
+from reference_model.version import parts_for
 
 from ..weights.devices import arithmetic
 from ..design.arms import check_schedules
@@ -165,7 +166,7 @@ def _noise_floor(outcomes: pd.DataFrame, settings) -> dict:
 def _manifest(cfg, settings, st: _Stages, run_id, t_start, stage=None) -> dict:
     return {
         "run_id": run_id, "config": cfg.to_dict(), "config_hash": cfg.config_hash(),
-        "checkpoint": settings.checkpoint, "settings": asdict(settings),
+        "reference": parts_for(cfg).reference, "checkpoint": settings.checkpoint, "settings": asdict(settings),
         "arms": {k: sorted(v) for k, v in st.sets.items()}, "golden": GOLDEN, "floor": FLOOR,
         "floors": st.floors, "vs": settings.design.vs,
         "prompts": [{"id": p.id, "length": p.length, "group": p.group} for p in st.prompts],

@@ -332,7 +332,9 @@ def _run(args, driver=None) -> int:
             shutil.rmtree(Path(args.out) / "kld" / "scores", ignore_errors=True)
         s = KldSettings(k=args.top_k, steps=args.steps, exact=args.exact, exact_k=args.exact_k,
                         captures=not args.no_captures, n_boot=args.n_boot, seed=args.seed)
+        from reference_model.version import parts_for
         manifest = {"command": command_line(), "baseline": entries[0].name,
+                    "reference": parts_for(target.cfg).reference,
                     "settings": s.__dict__, "tokenizer": tok.name,
                     "arms": [arm_record(e) for e in entries],
                     "servers": {e.name: getattr(e.scorer, "info", None) for e in entries},

@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt
 from fidelity.verdict.attribution import bootstrap_mean_ci
 from fidelity.verdict.board import SUSPECTS_CAPTION, named_suspects, signal_board, suspects
 from fidelity.verdict.findings import findings_table, verdict_lines
+from fidelity.verdict.judge import golden_follows
 from infra.report_page import Page, Section, Table
 from infra.report_writer import ReportWriter
 
@@ -236,7 +237,7 @@ def build_page(m: dict, judged: dict, kt: pd.DataFrame, lt: pd.DataFrame, cov,
                 f"{len(m['prompts'])} prompts: top-{s['k']} logprobs per position"
                 f"{' + the baseline’s own top ids (exact mode)' if s['exact'] else ''}, "
                 f"{s['steps']}-step greedy decode ladder. KL values are lower bounds; `uncovered` is the "
-                "baseline mass outside the ids both sides reported (0 = exact).")
+                "baseline mass outside the ids both sides reported (0 = exact)." + golden_follows(m))
     sus = suspects(judged["attribution"])
     named = pd.DataFrame(judged["verdict"].get("named", []))
     allk = kt[kt.bucket == "all"].reset_index(drop=True)

@@ -190,3 +190,10 @@ def floor_words(value: float, arm, lead: str = "above the highest floor's") -> s
     if arm is None or (isinstance(arm, float) and np.isnan(arm)):
         return "with no floor measured (no floor arm in this comparison)"
     return f"{lead} {value:.3g} ({arm})"
+
+
+def golden_follows(manifest: dict) -> str:
+    """The sentence that names the reference revision the run's golden follows (runs made
+    before manifests recorded it: nothing)."""
+    ref = manifest.get("reference")
+    return f" The golden follows {ref}." if ref else ""
