@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fidelity.kld import identity as I  # noqa: E402
-from fidelity.kld.inprocess import InProcessScorer  # noqa: E402
+from fidelity.scores.inprocess import InProcessScorer  # noqa: E402
 from fidelity.design.prompts import grid_prompts  # noqa: E402
 from fidelity.weights.source import load_tokenizer_for, load_weights  # noqa: E402
 from kernel_toggles import ToggleSet, all_toggles  # noqa: E402

@@ -26,11 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fidelity.kld.bounds import Known, compare  # noqa: E402
-from fidelity.kld.dialects import Request  # noqa: E402
+from fidelity.scores.bounds import Known, compare  # noqa: E402
+from fidelity.scores.dialects import Request  # noqa: E402
 from fidelity.servers.sglang import parse as sglang_parse  # noqa: E402
 from fidelity.servers.vllm import parse as vllm_parse  # noqa: E402
-from fidelity.kld.store import ScoreStore  # noqa: E402
+from fidelity.scores.store import ScoreStore  # noqa: E402
 
 N, K, V = 4096, 20, 129280
 
@@ -87,7 +87,7 @@ def parse_rows(repeat):
 
 def launcher_rows(repeat):
     from needle_util import free_port
-    from fidelity.engines.launch import EngineProcess, LaunchPlan
+    from infra.server_process import EngineProcess, LaunchPlan
     from fidelity.kld.endpoint import Endpoint
     rows = []
     with tempfile.TemporaryDirectory() as d:

@@ -93,9 +93,9 @@ def two_paths(name: str, url: str, ck: Path) -> dict:
     (teacher-forced) and llama-perplexity's prefill (its logits file, written by prefill()
     first) -- each scored against the golden and the exact profile, and against each other."""
     import numpy as np
-    from fidelity.kld.dialects import Request
+    from fidelity.scores.dialects import Request
     from fidelity.kld.endpoint import Endpoint
-    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.scores.inprocess import InProcessScorer
     from fidelity.llamacpp import golden_logits as G
     from fidelity.llamacpp import logits_file as F
     from fidelity.pipeline.model import arm_numerics

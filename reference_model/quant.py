@@ -160,9 +160,8 @@ def fp4_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 def nvfp4_qdq(x: torch.Tensor, block: int = 16, global_scale: float = 1.0) -> torch.Tensor:
     """NVFP4 quantise-dequantise in 1x`block` blocks (fp32 out): e2m1 values times an e4m3
-    block scale times one fp32 `global_scale`. The block scale is amax / 6 / global_scale
-    rounded to e4m3 (to nearest, so a block's amax may land just above 6 times it: those
-    values saturate at +-6, as NVFP4 quantisers clamp); an all-zero block keeps scale 1."""
+    block scale (amax / 6 / global_scale, rounded to nearest: values above 6 times it
+    saturate, as NVFP4 quantisers clamp; an all-zero block keeps 1) times `global_scale`."""
     xf = x.float()
     xb = _blocks(xf, block)
     amax = xb.abs().amax(-1, keepdim=True)

@@ -115,3 +115,33 @@ def test_the_checker_finds_what_it_looks_for():
     assert upward({"needle.x": {"fidelity.y", "infra.z"}, "infra.z": {"reference_model.q"}}) == [
         "infra.z -> reference_model.q", "needle.x -> fidelity.y"]
     assert any(m.startswith("reference_model") for m in import_graph()["kernel_toggles.registry"])
+
+
+def fidelity_package_graph(edges) -> dict[str, set[str]]:
+    """fidelity's packages and loose modules (the first name under fidelity/) -> the others
+    they import: the floors of docs/architecture.md's picture."""
+    out = defaultdict(set)
+    for a, bs in edges.items():
+        if a.startswith("fidelity."):
+            for b in bs:
+                pa, pb = a.split(".")[1], b.split(".")[1] if b.startswith("fidelity.") else None
+                if pb and pb != pa:
+                    out[pa].add(pb)
+    return out
+
+
+def test_inside_fidelity_every_arrow_runs_down():
+    """Issue 63: no import inside fidelity/ runs back up a floor. Floors exist, with every
+    arrow pointing down, exactly when fidelity's packages import each other in no circle."""
+    found = circles(fidelity_package_graph(import_graph()))
+    assert not found, "fidelity packages importing each other:\n" + "\n".join(" <-> ".join(sorted(c)) for c in found)
+
+
+def test_no_source_file_over_450_lines_and_few_loose_modules():
+    """Issue 63's other two limits: no source file over 450 lines; at most five modules lie
+    loose in fidelity/ (each with its reason in docs/architecture.md)."""
+    long = [f"{p.relative_to(ROOT)}: {n}" for p in modules().values()
+            if (n := len(p.read_text().splitlines())) > 450]
+    assert not long, "files over 450 lines:\n" + "\n".join(long)
+    loose = sorted(p.name for p in (ROOT / "fidelity").glob("*.py") if p.name != "__init__.py")
+    assert len(loose) <= 5, loose

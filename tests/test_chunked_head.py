@@ -95,8 +95,8 @@ def test_inprocess_kld_scorer_reads_the_head_a_chunk_at_a_time(weights, monkeypa
     the whole-prompt logits, and no head call sees more than the model's chunk."""
     import numpy as np
 
-    from fidelity.kld.dialects import Request
-    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.scores.dialects import Request
+    from fidelity.scores.inprocess import InProcessScorer
     ids = _prompts()[0].tokens.tolist()
     want = torch.log_softmax(Model(weights, Numerics("reference")).prefill_logits(torch.tensor(ids)).double(), -1)
     sc = InProcessScorer("golden", Numerics("reference"), weights)

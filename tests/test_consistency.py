@@ -210,7 +210,7 @@ def test_chunk_boundary_bug_flagged_kernel_numerics_not(tmp_path):
     index_keys_fp8 differs from the golden along the whole prompt but does not jump there;
     the golden arm is identical to it everywhere."""
     from fidelity.consistency.chunk import ChunkPlan
-    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.scores.inprocess import InProcessScorer
     from reference_model import Numerics
     arms = ("--arm", "golden=golden", "--arm", "stale=chunk_stale_index_keys", "--arm", "fp8=index_keys_fp8")
     ref = InProcessScorer("golden", Numerics("reference"), TARGET.weights)
@@ -251,7 +251,7 @@ def test_long_generation_early_onset_seen_golden_not(url, tmp_path):
     used to be the floor (the first 128 steps) -- is flagged and dated at 20 against the
     engine's re-read of its own output; the golden arm is not flagged."""
     from fidelity.consistency.longgen import LongGenPlan
-    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.scores.inprocess import InProcessScorer
     from reference_model import Numerics
     ref = InProcessScorer("golden", Numerics("reference"), TARGET.weights)
     plan = LongGenPlan(probes=1, max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -274,7 +274,7 @@ def test_long_generation_drift_found_where_it_starts(tmp_path):
     (off the reference as much re-read as generated) are not flagged; the verdict and the
     behaviour table agree on every run."""
     from fidelity.consistency.longgen import LongGenPlan
-    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.scores.inprocess import InProcessScorer
     from reference_model import Numerics
     ref = InProcessScorer("golden", Numerics("reference"), TARGET.weights)
     plan = LongGenPlan(probes=1, max_tokens=200, ignore_eos=True)

@@ -17,7 +17,7 @@ from needle_util import ROOT, fidelity_cmd, served
 from test_report_pages import REPR, _cells, check_command, suggested
 from fidelity.consistency.spec import first_diff, injected, off_top1, served_speculation
 from fidelity.consistency.spec_judge import _looks_like, agreement, permutation_p, reference_acceptance
-from fidelity.kld.bounds import Known
+from fidelity.scores.bounds import Known
 
 BUGS = ("verify_not_batch_exact", "rollback_keeps_rejected_compressor_rows", "verify_ignores_temperature",
         "verify_accepts_near_top")

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from fidelity.engines.launch import EngineProcess, LaunchError, LaunchPlan, ReadinessLog
+from infra.server_process import EngineProcess, LaunchError, LaunchPlan, ReadinessLog
 
 from needle_util import ROOT, fidelity_cmd, free_port, served
 

@@ -21,10 +21,10 @@ from fidelity.cli import main
 from fidelity.engines import golden, memory
 from fidelity.engines.run import consistency_settings, plans, run_engines
 from fidelity.engines.spec import SpecError, load_spec
-from fidelity.kld.bounds import compare
-from fidelity.kld.dialects import Request
-from fidelity.kld.inprocess import InProcessScorer
-from fidelity.kld.store import ScoreStore, request_key
+from fidelity.scores.bounds import compare
+from fidelity.scores.dialects import Request
+from fidelity.scores.inprocess import InProcessScorer
+from fidelity.scores.store import ScoreStore, request_key
 from fidelity.progress import Progress
 
 from needle_util import ROOT, fidelity_cmd, free_port

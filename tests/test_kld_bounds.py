@@ -1,4 +1,4 @@
-"""KL from partial distributions (fidelity/kld/bounds.py) against fp64 math on the whole
+"""KL from partial distributions (fidelity/scores/bounds.py) against fp64 math on the whole
 vocabulary: the coarse-grained bound never exceeds the true KL (either direction), equals
 it when both sides report everything, the TV interval brackets the true TV, and top-1 /
 Δp are exact."""
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from fidelity.kld.bounds import Known, compare
+from fidelity.scores.bounds import Known, compare
 
 
 def _dist(rng, v, temp):

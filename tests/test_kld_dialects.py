@@ -5,7 +5,7 @@ prompt logprobs."""
 import numpy as np
 import pytest
 
-from fidelity.kld.dialects import Request, ScoringError
+from fidelity.scores.dialects import Request, ScoringError
 from fidelity.servers.openai import parse as openai_parse
 from fidelity.servers.sglang import parse as sglang_parse
 from fidelity.servers.vllm import parse as vllm_parse

@@ -115,7 +115,7 @@ def test_sglang_exact_ids_are_chunked_and_merged(url):
     """token_ids_logprob is scored at every position: a large id set goes in several
     requests whose per-position results are merged; same numbers as one request."""
     import numpy as np
-    from fidelity.kld.dialects import Request
+    from fidelity.scores.dialects import Request
     from fidelity.kld.endpoint import Endpoint
     ids = T.tokenizer.encode("Rain falls on the old stone bridge at night, and the river keeps talking.")
     req = Request(k=5, steps=3, score_ids=tuple(range(T.cfg.vocab_size)), captures=True)

@@ -11,8 +11,8 @@ import torch
 
 from fidelity.cli import main
 from fidelity.kld import identity as I
-from fidelity.kld.bounds import Known
-from fidelity.kld.dialects import PromptScores
+from fidelity.scores.bounds import Known
+from fidelity.scores.dialects import PromptScores
 from fidelity.weights.source import EMBEDDED
 
 from checkpoint_util import rewrite_shards

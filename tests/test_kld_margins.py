@@ -14,7 +14,7 @@ import torch
 from fidelity.ab.margins import entry_margin
 from fidelity.design.arms import parse_arm
 from fidelity.cli import main
-from fidelity.kld.dialects import PromptScores
+from fidelity.scores.dialects import PromptScores
 from fidelity.kld.margins import implied_perturbation, is_fragile, margin_rows, margin_summary
 from fidelity.design.prompts import grid_prompts
 from fidelity.weights.target import load_target
@@ -91,7 +91,7 @@ def test_margin_rows_and_summary_by_hand():
 
 
 def test_capture_taps_keep_one_score_row_per_layer():
-    from fidelity.kld.inprocess import CAPTURE_TAPS, LATEST_TAPS, last_score_rows
+    from fidelity.scores.inprocess import CAPTURE_TAPS, LATEST_TAPS, last_score_rows
     from reference_model.taps import Taps
     taps = Taps(CAPTURE_TAPS, latest=LATEST_TAPS)
     taps.put("layers.1.attn.index.last_scores", torch.tensor([[1.0, 2.0]]))       # chunk 1

@@ -5,7 +5,7 @@ a planted YaRN bug whose llama-server returned nulls everywhere: KLD 0 against e
 import numpy as np
 import pandas as pd
 
-from fidelity.kld.bounds import Known, compare
+from fidelity.scores.bounds import Known, compare
 from fidelity.servers.llamacpp import entry_known
 from fidelity.verdict.judge import Bootstrap, Design, judge
 from fidelity.verdict.signals import http_signals

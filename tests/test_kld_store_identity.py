@@ -5,7 +5,7 @@ import pytest
 
 from fidelity.kld.endpoint import Endpoint
 from fidelity.kld.run import ScoredArm, check_identity
-from fidelity.kld.store import ScoreStore
+from fidelity.scores.store import ScoreStore
 from needle_util import served
 
 

@@ -82,7 +82,7 @@ def test_tokenize_equals_ours_on_needle_chat_and_ab_prompts(server, f32):
 def test_teacher_forced_reading_is_the_decode_path(server, f32):
     """Every prompt position after the first is computed one token at a time on the cached
     prefix (the server's own prompt_n), and the distributions are the whole vocabulary."""
-    from fidelity.kld.dialects import Request
+    from fidelity.scores.dialects import Request
     tok = _tokenizer(f32[0])
     ep = Endpoint("llama", server, tokenizer=tok).connect()
     ids = tok.encode("<｜begin▁of▁sentence｜>" + "The river runs past the old mill. " * 12)
@@ -121,7 +121,7 @@ def test_kld_report_says_how_llamacpp_was_read(server, f32, tmp_path):
 
 
 def test_wrong_model_and_missing_route_are_named(server, tmp_path):
-    from fidelity.kld.dialects import Request
+    from fidelity.scores.dialects import Request
     from reference_model.tokenizer import load_tokenizer
     from needle_util import served
     ep = Endpoint("llama", server, dialect="llamacpp").connect()
@@ -157,7 +157,7 @@ def test_llama_perplexity_reads_our_golden_file_and_we_read_its_file(f32, tmp_pa
     """Both directions agree: llama-perplexity's KLD of the engine against our golden logits
     file equals our KLD of the golden against the logits file llama-perplexity wrote (its
     prefill path), up to the 16-bit file rounding."""
-    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.scores.inprocess import InProcessScorer
     from fidelity.llamacpp import golden_logits as G
     from fidelity.llamacpp import logits_file as F
     from fidelity.pipeline.model import arm_numerics

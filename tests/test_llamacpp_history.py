@@ -12,9 +12,9 @@ from fidelity.commands.llamacpp_history import parse_bisect, parse_builds
 from fidelity.errors import CommandError
 from fidelity.history import pairs as P
 from fidelity.history.ledger import Ledger, failure_reason
-from fidelity.kld.bounds import Known
-from fidelity.kld.dialects import PromptScores
-from fidelity.kld.store import ScoreStore
+from fidelity.scores.bounds import Known
+from fidelity.scores.dialects import PromptScores
+from fidelity.scores.store import ScoreStore
 from fidelity.llamacpp import build_diff as D
 from fidelity.llamacpp import builds as B
 from fidelity.llamacpp import history as H

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from fidelity.kld.dialects import Request
-from fidelity.kld.inprocess import InProcessScorer
+from fidelity.scores.dialects import Request
+from fidelity.scores.inprocess import InProcessScorer
 from fidelity.llamacpp.pad_heads import PadError, block_map, dim_map, pad_checkpoint
 from fidelity.pipeline.model import arm_numerics
 from fidelity.design.prompts import builtin_prompts

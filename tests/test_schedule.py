@@ -194,7 +194,7 @@ def test_inprocess_needle_and_kld_arms_take_a_schedule():
     """A serving bug reaches the in-process needle runner and kld's in-process scorer
     through the arm string: under its schedule the answer's logits move, one-shot not."""
     from fidelity.design.arms import parse_arm
-    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.scores.inprocess import InProcessScorer
     from fidelity.weights.source import load_weights
     w, _ = load_weights(None)
     toks = torch.randint(6, 500, (200,), generator=torch.Generator().manual_seed(5))

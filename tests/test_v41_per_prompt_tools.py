@@ -12,7 +12,7 @@ import torch
 
 from fidelity.design.arms import parse_arm
 from fidelity.cli import main
-from fidelity.kld.inprocess import capture_shape
+from fidelity.scores.inprocess import capture_shape
 from fidelity.needle_run.runner import InProcessOptions, InProcessRunner
 from fidelity.serve.prefix_cache import PrefixCache, page_keys, paged_prefill, restore
 from fidelity.weights.target import load_target

@@ -190,7 +190,7 @@ def _reference(spec: str | None, target):
         return None
     from fidelity.design.arms import parse_arm
     from fidelity.cli import name_value_pairs
-    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.scores.inprocess import InProcessScorer
     from kernel_toggles.arms import version_of
     (name, text), = name_value_pairs([spec], "--arm", "ARM")
     arm = parse_arm(text, version_of(target.cfg))

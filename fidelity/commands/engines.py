@@ -31,7 +31,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from fidelity.engines.launch import LaunchError
+    from infra.server_process import LaunchError
     from fidelity.engines.run import plans, run_engines, write_script
     from fidelity.engines.spec import SpecError, load_spec
     from fidelity.kld.endpoint import EndpointError

@@ -113,7 +113,7 @@ def build_entries(args, target, progress, place=None, driver=None):
     from infra.http import RetryPolicy, model_options
     from fidelity.design.arms import parse_arm
     from fidelity.kld.endpoint import Endpoint
-    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.scores.inprocess import InProcessScorer
     from fidelity.kld.run import ScoredArm
 
     from fidelity.cli import name_value_pairs as _pairs
@@ -207,7 +207,7 @@ def _inprocess_around(spelling: str, target, place=None, driver=None, own: str |
     and of the floors around it (fidelity.kld.floors.floor_numerics, with its QAT floor when
     `qat`), each named `floors` + its floor name (left out when `floors` is None)."""
     import torch
-    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.scores.inprocess import InProcessScorer
     from fidelity.pipeline.model import arm_numerics
     from fidelity.design.arms import parse_arm
     from fidelity.kld.floors import floor_numerics as around
@@ -232,7 +232,7 @@ def auto_floors(base, target, place=None, driver=None):
     variants, and its QAT floor only on the reference profile); endpoint baseline: itself
     again."""
     import torch
-    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.scores.inprocess import InProcessScorer
     from fidelity.kld.run import ScoredArm, repeat_floor
     if base.scorer.kind != "inprocess":
         return [repeat_floor(base)]

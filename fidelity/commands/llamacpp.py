@@ -98,7 +98,7 @@ def run(args) -> int:
 
 
 def _golden(ck: Path):
-    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.scores.inprocess import InProcessScorer
     from fidelity.pipeline.model import arm_numerics
     from fidelity.weights.source import load_tokenizer_for, load_weights
     w, _ = load_weights(str(ck))

@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from fidelity.kld.dialects import PromptScores, Request
+from fidelity.scores.dialects import PromptScores, Request
 from fidelity.design.prompts import prompt_seed
 
 from .client import LiveArm

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fidelity.kld.bounds import compare
-from fidelity.kld.dialects import Request
+from fidelity.scores.bounds import compare
+from fidelity.scores.dialects import Request
 
 from .client import LiveArm
 from .family import Cost, Family, FamilyError

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fidelity.kld.bounds import Known, compare
-from fidelity.kld.dialects import PromptScores
+from fidelity.scores.bounds import Known, compare
+from fidelity.scores.dialects import PromptScores
 
 from .client import Reply
 

@@ -24,8 +24,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from fidelity.kld.bounds import Known, compare
-from fidelity.kld.dialects import Request
+from fidelity.scores.bounds import Known, compare
+from fidelity.scores.dialects import Request
 
 from .client import Generation, Reply
 from .family import Cost, Family, FamilyError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fidelity.kld.bounds import Known
+from fidelity.scores.bounds import Known
 
 
 def known_rows(ks: list[Known]) -> list[list]:

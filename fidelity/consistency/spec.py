@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fidelity.kld.bounds import Known, compare
+from fidelity.scores.bounds import Known, compare
 
 from .client import Generation, Reply
 from .family import Cost, Family, FamilyError

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fidelity.kld.settings import KldSettings
-from fidelity.kld.store import ScoreStore
+from fidelity.scores.store import ScoreStore
 from fidelity.progress import Progress
 
 from .spec import Spec

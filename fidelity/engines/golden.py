@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fidelity.kld.dialects import Request
-from fidelity.kld.inprocess import InProcessScorer, capture_shape
+from fidelity.scores.dialects import Request
+from fidelity.scores.inprocess import InProcessScorer, capture_shape
 from fidelity.kld.run import ScoredArm, check_identity, score_entry
 from fidelity.kld.run import score_key          # the key score_arm stores under
-from fidelity.kld.store import ScoreStore, request_key
+from fidelity.scores.store import ScoreStore, request_key
 from fidelity.weights.target import load_target
 from kernel_toggles.arms import version_of
 from reference_model.schedule import ONESHOT

@@ -20,10 +20,11 @@ from fidelity.kld.endpoint import Endpoint
 from fidelity.kld.run import (REPEAT_SUFFIX, TOKENIZER_PROBE, ScoredArm, check_tokenizers, evaluate,
                               repeat_floor, score_entry, score_key)
 from fidelity.kld.settings import KldSettings, PromptGrid
-from fidelity.kld.store import ScoreStore
+from fidelity.scores.store import ScoreStore
 from fidelity.design.prompts import file_prompts, grid_prompts
 from fidelity.progress import Progress
 from fidelity.weights.target import load_target
+from infra.server_process import EngineProcess, LaunchPlan, ReadinessLog, describe_exit
 from kernel_toggles.arms import version_of
 from needle.haystack import HaystackSpec, PromptFormat
 from needle.http import HttpRunner, RequestOptions
@@ -33,7 +34,7 @@ from needle.sweep import SweepConfig, run_sweep
 from needle.tables import by_arm
 
 from . import golden
-from .launch import EngineProcess, LaunchPlan, ReadinessLog, describe_exit, plan_arm
+from .launch import plan_arm
 from .page import arm_findings, engines_page, flagged_arms, write_index
 from .context import EngineRun, State
 from .twins import with_twin
@@ -194,7 +195,7 @@ def consistency_reference(spec: Spec, target):
     text = spec.consistency.get("reference")
     if text is None:
         return None
-    from fidelity.kld.inprocess import InProcessScorer
+    from fidelity.scores.inprocess import InProcessScorer
     arm = _reference_arm(text)
     return InProcessScorer(text, arm.numerics(), target.weights, arm.name, schedule=arm.schedule)
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fidelity.errors import CLEAN, FLAGGED
-from fidelity.kld.store import ScoreStore
+from fidelity.scores.store import ScoreStore
 
 from . import pairs
 from .kld_record import read_kld

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fidelity.kld.bounds import compare
-from fidelity.kld.store import ScoreStore
+from fidelity.scores.bounds import compare
+from fidelity.scores.store import ScoreStore
 from fidelity.verdict import tail
 from fidelity.verdict.attribution import bootstrap_mean_ci
 from fidelity.verdict.signals import FLOOR_EPS

@@ -10,8 +10,8 @@ import numpy as np
 
 from needle.haystack import needle_entries
 
-from .bounds import compare
-from .dialects import PromptScores
+from fidelity.scores.bounds import compare
+from fidelity.scores.dialects import PromptScores
 
 
 def position_rows(base: PromptScores, arm: PromptScores) -> tuple[list[dict], int | None]:

@@ -25,8 +25,8 @@ from fidelity.servers import llamacpp as L
 from fidelity.servers.sglang import CAPTURE_SHAPE_KEYS, capture_shape, has_captures
 from fidelity.servers.sglang import captures as sglang_captures
 
-from .bounds import Known
-from .dialects import PromptScores, Request, ScoringError
+from fidelity.scores.bounds import Known
+from fidelity.scores.dialects import PromptScores, Request, ScoringError
 
 log = logging.getLogger(__name__)
 

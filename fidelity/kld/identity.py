@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .bounds import compare
-from .dialects import Request
+from fidelity.scores.bounds import compare
+from fidelity.scores.dialects import Request
 
 PROBE_TOKENS = 64
 MISMATCH_TOP1 = 0.5          # same top-1 as the golden on fewer than half the positions ...
@@ -79,7 +79,7 @@ class Stored:
         self.scores = scores
 
     def score(self, ids, req):
-        from .dialects import PromptScores
+        from fidelity.scores.dialects import PromptScores
         n, s = len(ids), self.scores
         if list(s.ids[:n]) != list(ids):
             raise ValueError("the identity probe's ids are not a prefix of the baseline's stored prompt")

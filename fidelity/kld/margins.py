@@ -25,7 +25,7 @@ import torch
 from fidelity.ab.margins import entry_margin, is_fragile
 from needle.haystack import needle_entries
 
-from .dialects import PromptScores
+from fidelity.scores.dialects import PromptScores
 
 
 def implied_perturbation(scores, base_picks, arm_picks) -> float:

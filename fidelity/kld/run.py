@@ -27,10 +27,10 @@ from fidelity.verdict.signals import http_signals
 from . import health as H
 from . import report
 from .compare import capture_rows, position_rows
-from .dialects import PromptScores, Request
+from fidelity.scores.dialects import PromptScores, Request
 from .margins import margin_rows
 from .settings import KldSettings
-from .store import ScoreStore, request_key
+from fidelity.scores.store import ScoreStore, request_key
 
 REPEAT_SUFFIX = "~repeat"
 

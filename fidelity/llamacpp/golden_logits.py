@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fidelity.kld.dialects import Request
-from fidelity.kld.inprocess import InProcessScorer
+from fidelity.scores.dialects import Request
+from fidelity.scores.inprocess import InProcessScorer
 
 from . import logits_file as F
 

@@ -1,5 +1,5 @@
 """llama-server as a subprocess on a GGUF, through the same process handling as `fidelity
-engines` (fidelity.engines.launch.EngineProcess: its own session, a log file, ready when
+engines` (infra/server_process.py: its own session, a log file, ready when
 /health answers 200, SIGTERM then SIGKILL to the group). Its launch flags are the settings
 the toolkit varies (-c, -np, -b/-ub for chunked prefill, -ctk/-ctv for the KV cache type,
 -fa, --swa-full, --cache-reuse); a failed start names why from its log."""
@@ -9,7 +9,7 @@ import contextlib
 import socket
 from pathlib import Path
 
-from fidelity.engines.launch import LaunchError, LaunchPlan, running
+from infra.server_process import LaunchError, LaunchPlan, running
 
 from . import paths
 

@@ -1,13 +1,13 @@
 """The mlx-vlm harness (harness.py) as a subprocess through the engines' process handling
-(fidelity.engines.launch.running: its own session, a log, ready when /health answers, stopped
+(infra.server_process.running: its own session, a log, ready when /health answers, stopped
 however the run ends); a failed start names the last lines of its log."""
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
 
-from fidelity.engines.launch import LaunchPlan, running
 from fidelity.llamacpp.server import free_port
+from infra.server_process import LaunchPlan, running
 
 from . import convert, paths
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fidelity.kld.bounds import Known
-from fidelity.kld.dialects import ScoringError, known_from_pairs
+from fidelity.scores.bounds import Known
+from fidelity.scores.dialects import ScoringError, known_from_pairs
 
 
 @dataclass

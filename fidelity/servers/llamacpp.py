@@ -20,8 +20,8 @@ import numpy as np
 
 from needle.http import llama_tokenize_body
 
-from fidelity.kld.bounds import Known
-from fidelity.kld.dialects import PromptScores, ScoringError, known_from_pairs
+from fidelity.scores.bounds import Known
+from fidelity.scores.dialects import PromptScores, ScoringError, known_from_pairs
 
 from .base import Found, Generation, Reply, Server
 

@@ -13,8 +13,8 @@ import base64
 
 import numpy as np
 
-from fidelity.kld.bounds import Known
-from fidelity.kld.dialects import PromptScores, ScoringError
+from fidelity.scores.bounds import Known
+from fidelity.scores.dialects import PromptScores, ScoringError
 
 from .base import Found, Generation, Server, completions_body, completions_reply
 

@@ -4,7 +4,7 @@ dropped: looser KL bounds); the dialect every server is read in when it answers 
 the engines' own discovery routes. Not launched (an already running server is `external`)."""
 from __future__ import annotations
 
-from fidelity.kld.dialects import PromptScores, Request, ScoringError, known_from_pairs
+from fidelity.scores.dialects import PromptScores, Request, ScoringError, known_from_pairs
 
 from .base import Found, Server, legacy_tops, token_key
 

@@ -8,7 +8,7 @@ import base64
 
 import numpy as np
 
-from fidelity.kld.dialects import PromptScores, Request, ScoringError, known_from_pairs
+from fidelity.scores.dialects import PromptScores, Request, ScoringError, known_from_pairs
 
 from .base import Found, Generation, Reply
 from .profiled import Profiled

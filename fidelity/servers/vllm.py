@@ -3,7 +3,7 @@ and token-id keyed top-k; detected by /version; launched with `vllm serve`, its 
 through the engine profiles of its version."""
 from __future__ import annotations
 
-from fidelity.kld.dialects import PromptScores, Request, ScoringError, known_from_pairs
+from fidelity.scores.dialects import PromptScores, Request, ScoringError, known_from_pairs
 
 from .base import Found, Generation, completions_body, completions_reply, legacy_tops, token_key
 from .profiled import Profiled
