@@ -60,3 +60,17 @@ def test_the_bars_need_both_a_lost_top1_and_a_large_kl():
     assert np.isclose(flipped["kl_mean"], kl, rtol=1e-9) and flipped["same_top1"] == 0.0 and not I.mismatch(flipped)
     other = I.probe(base, _Fixed([0.001, 0.997, 0.001, 0.001]), list(range(8)))
     assert other["kl_mean"] > I.MISMATCH_KL and I.mismatch(other)
+
+
+def test_consistency_run_alone_refuses_a_server_of_another_model(tmp_path, capsys):
+    """`fidelity consistency` has no kld baseline: the golden is built for the probe alone
+    (or its --arm reference is used), and another model is exit 2 before any probe is sent."""
+    ck = _another_model(tmp_path)
+    args = ["--families", "prefix", "--probes", "1", "--quiet"]
+    with served("golden", extra=("--checkpoint", str(ck))) as (other,), served("golden") as (same,):
+        rc = main(["consistency", "--endpoint", f"e={other}", *args, "--out", str(tmp_path / "a")])
+        err = capsys.readouterr().err
+        assert rc == 2 and "e does not serve" in err and "answers as 'another'" in err, err
+        assert not (tmp_path / "a" / "consistency" / "probes.jsonl").exists()    # nothing probed
+        rc = main(["consistency", "--endpoint", f"e={same}", *args, "--out", str(tmp_path / "b")])
+        assert rc in (0, 1) and "does not serve" not in capsys.readouterr().err

@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from fidelity import servers
+from fidelity.kld.identity import check_live
 
 from .batch import BatchFamily, BatchPlan
 from .chunk import ChunkFamily, ChunkPlan
@@ -59,6 +60,7 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
     store = ProbeStore(store_path(out_dir))
     for arm in arms:
         arm.connect()
+    check_live([a.ep for a in arms], target, reference)      # another model: exit 2, nothing probed
     runs = [[FAMILIES[name](arm, store, target.tokenizer, target.cfg, settings.plan(name), reference)
              for name in settings.families] for arm in arms]
     names = {a.name for a in arms}

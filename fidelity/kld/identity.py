@@ -84,3 +84,20 @@ class Stored:
         if list(s.ids[:n]) != list(ids):
             raise ValueError("the identity probe's ids are not a prefix of the baseline's stored prompt")
         return PromptScores(list(ids), s.known[:n], s.actual[:n], s.ranks[:n])
+
+
+def check_live(endpoints, target, reference=None, fix: str = "Point --endpoint at a server of "
+               "this checkpoint, or --checkpoint at the served model's") -> dict[str, dict]:
+    """The probe for a command that reads live endpoints without a kld baseline (consistency):
+    each (connected) endpoint against `reference` (an in-process scorer of this checkpoint)
+    or, without one, the golden built here for the probe alone, on the ab prompts' first
+    PROBE_TOKENS ids (of a haystack long enough for its template); ModelMismatch naming the
+    first that serves another model."""
+    from fidelity.design.prompts import builtin_prompts
+    if reference is None:
+        from reference_model import Numerics
+        from fidelity.scores.inprocess import InProcessScorer
+        reference = InProcessScorer("golden", Numerics("reference"), target.weights)
+    ids = builtin_prompts(target.cfg, [4 * PROBE_TOKENS], 1, 0, target.tokenizer)[0].tokens.tolist()
+    return {ep.name: check_one(reference, ep.name, ep, ids, target.name, fix) for ep in endpoints}
+
