@@ -60,13 +60,13 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
     store = ProbeStore(store_path(out_dir))
     for arm in arms:
         arm.connect()
-    check_live([a.ep for a in arms], target, reference)      # another model: exit 2, nothing probed
     runs = [[FAMILIES[name](arm, store, target.tokenizer, target.cfg, settings.plan(name), reference)
              for name in settings.families] for arm in arms]
     names = {a.name for a in arms}
     for fam in (f for fams in runs for f in fams if isinstance(f, SpecFamily)):
         fam.baseline_live = settings.spec.baseline in names        # else recorded by an earlier run
     planned = _preflight(runs, progress)
+    check_live([a.ep for a in arms], target, reference)      # another model: exit 2, nothing probed
     say = with_totals(progress, arms, planned, time.monotonic())
     described = []
     for arm, fams in zip(arms, runs):

@@ -90,14 +90,15 @@ def check_live(endpoints, target, reference=None, fix: str = "Point --endpoint a
                "this checkpoint, or --checkpoint at the served model's") -> dict[str, dict]:
     """The probe for a command that reads live endpoints without a kld baseline (consistency):
     each (connected) endpoint against `reference` (an in-process scorer of this checkpoint)
-    or, without one, the golden built here for the probe alone, on the ab prompts' first
-    PROBE_TOKENS ids (of a haystack long enough for its template); ModelMismatch naming the
-    first that serves another model."""
-    from fidelity.design.prompts import builtin_prompts
+    or, without one, the golden built here for the probe alone. The probe is PROBE_TOKENS
+    seeded random ids: a foreign model shows on any text, and random ids share no prefix
+    with the command's own prompts, so the probe warms no cache they will read.
+    ModelMismatch naming the first endpoint that serves another model."""
+    import torch
     if reference is None:
         from reference_model import Numerics
         from fidelity.scores.inprocess import InProcessScorer
         reference = InProcessScorer("golden", Numerics("reference"), target.weights)
-    ids = builtin_prompts(target.cfg, [4 * PROBE_TOKENS], 1, 0, target.tokenizer)[0].tokens.tolist()
+    g = torch.Generator().manual_seed(PROBE_TOKENS)
+    ids = torch.randint(2, target.cfg.vocab_size, (PROBE_TOKENS,), generator=g).tolist()
     return {ep.name: check_one(reference, ep.name, ep, ids, target.name, fix) for ep in endpoints}
-
