@@ -49,10 +49,12 @@ def store_path(out_dir) -> Path:
 
 
 def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, out_dir,
-                    run_id: str | None = None, progress=print, reference=None) -> dict:
+                    run_id: str | None = None, progress=print, reference=None,
+                    identity: bool = True) -> dict:
     """Probe every arm with every family (connect() done here), then judge and report.
     `reference`: a scorer computed here (kld's InProcessScorer) for the families that
-    compare with one."""
+    compare with one. `identity`: first ask whether each arm serves this checkpoint's model
+    (`fidelity engines` asked already, against the golden's stored scores)."""
     unknown = sorted(set(settings.families) - set(FAMILIES))
     if unknown:
         raise ValueError(f"unknown probe family {', '.join(unknown)} (known: {', '.join(FAMILIES)})")
@@ -66,7 +68,8 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
     for fam in (f for fams in runs for f in fams if isinstance(f, SpecFamily)):
         fam.baseline_live = settings.spec.baseline in names        # else recorded by an earlier run
     planned = _preflight(runs, progress)
-    check_live([a.ep for a in arms], target, reference)      # another model: exit 2, nothing probed
+    if identity:                                             # another model: exit 2, nothing probed
+        check_live([a.ep for a in arms], target, reference)
     say = with_totals(progress, arms, planned, time.monotonic())
     described = []
     for arm, fams in zip(arms, runs):

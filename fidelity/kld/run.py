@@ -277,7 +277,7 @@ def evaluate(entries: list[ScoredArm], prompts, s: KldSettings, store: ScoreStor
     (written first), and the verdict leads with what the twins leave unexplained."""
     from . import twin as T
     tables = compare_all(entries, prompts, s, store, shape)
-    tables["signals"] = http_signals(tables)
+    tables["signals"] = http_signals(tables, [e.name for e in entries if e.role == "floor"])
     judged = judge_arms(entries, tables["signals"], s, prompts)
     if coverage:
         manifest["capture_coverage"] = tables["coverage"].to_dict("records")

@@ -13,6 +13,7 @@ from .findings import mechanism_findings, mechanism_sentence, schedule_of
 from .attribution import Bootstrap
 from .signals import (FLOOR_EPS, SCHEDULE_FACTOR, SIGNALS, Design, attribute_signals,  # noqa: F401
                       floor_levels, kind, signal_summary, with_multiples)
+from .spikes import SIGNAL as SPIKE_SIGNAL, SPIKE
 from .tail import METHOD as TAIL
 from .tail import clears as tail_clears
 from .tail import tail_tests, tail_words
@@ -153,6 +154,11 @@ def _words(n: dict) -> str:
     """How the named toggle clears: its mean effect with the interval, or its tail."""
     if n["method"] == TAIL:
         return f"it {n['tail']['words']}; broken prompts: {n['tail']['prompts']}"
+    if n["signal"] == SPIKE_SIGNAL:
+        return (f"{n['value']:.2%} of its positions have a KLD at least {SPIKE:g}x the floors' at that "
+                f"position (95% CI [{n['lo']:.2%}, {n['hi']:.2%}]" + (f" over {n['n']} prompts" if n.get("n") else "")
+                + f"), where the floors' own share reaches {n['floor_hi']:.2%} ({n.get('floor_arm')}): "
+                "rare wrong tokens, which a mean over positions averages away")
     words = (f"its {n['method'].replace('_', '-')} effect on {n['signal']} ({SIGNALS[n['signal']]}) at "
              f"{n['where']} is {n['value']:.3g} (95% CI [{n['lo']:.3g}, {n['hi']:.3g}]"
              + (f" over {n['n']} prompts" if n.get("n") else "") + "), "

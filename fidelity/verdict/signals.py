@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from .attribution import Bootstrap, attribute, bootstrap_mean_ci, outcome_matrix
+from .spikes import SIGNAL as SPIKES, spike_shares
 
 # signal -> what it measures (larger = worse for every signal)
 SIGNALS = {
@@ -35,6 +36,8 @@ SIGNALS = {
                      "baseline's (HTTP arms)",
     "nonfinite": "fraction of prompt positions where a side reported NaN or infinite "
                  "log-probabilities (HTTP arms; no KL is defined there)",
+    "kl_spikes": "fraction of prompt positions whose KLD is at least 1000x the floors' at that "
+                 "position (the per-token tail: a wrong token every few thousand; HTTP arms)",
 }
 # Mechanism signals say what an arm changes inside the model (which entries the indexer
 # picks, which experts run); outcome signals say what reaches the output. A mechanism
@@ -63,7 +66,7 @@ def mechanism_floors(floors: list[str]) -> list[str]:
 # smallest floor a ratio is taken against (a floor of exactly 0 would make any change infinite)
 FLOOR_EPS = {"kld_mean": 1e-6, "kld_p99": 1e-6, "answer_kld": 1e-6, "late_kld_excess": 1e-6,
               "topk_loss": 1e-3, "needle_lost": 1e-3, "expert_disagree": 1e-3, "top1_disagree": 1e-3,
-              "nonfinite": 1e-3}
+              "nonfinite": 1e-3, "kl_spikes": 1e-4}
 COLUMNS = ["arm", "prompt", "signal", "where", "value"]
 
 
@@ -117,10 +120,11 @@ def _frame(series: pd.Series, signal: str, per_layer: bool = False) -> pd.DataFr
     return df
 
 
-def http_signals(t: dict[str, pd.DataFrame]) -> pd.DataFrame:
+def http_signals(t: dict[str, pd.DataFrame], floors: list[str] | None = None) -> pd.DataFrame:
     """The verdict's per-(arm, prompt) signals from HTTP comparisons (fidelity.kld.compare's
     tables): KL lower bound mean and p99 over the prompt, KL where the answer is produced
-    (last prompt position and the ladder), top-1 disagreement, and the capture signals per
+    (last prompt position and the ladder), top-1 disagreement, the share of positions far
+    beyond the `floors` there (spikes.py: the per-token tail), and the capture signals per
     layer."""
     pos = t["positions"]
     pre = pos[pos.phase == "prefill"]
@@ -137,6 +141,9 @@ def http_signals(t: dict[str, pd.DataFrame]) -> pd.DataFrame:
         for (arm, prompt), v in ser.items():
             rows.append({"arm": arm, "prompt": prompt, "signal": ser.name, "where": "final logits",
                          "value": float(v)})
+    if floors:
+        rows += [{"arm": r.arm, "prompt": r.prompt, "signal": SPIKES, "where": "final logits",
+                  "value": r.value} for r in spike_shares(pos, floors).itertuples()]
     caps = t["captures"]
     for _, r in caps.iterrows():
         rows.append({"arm": r.arm, "prompt": r.prompt, "signal": r.signal, "where": f"layer {int(r.layer)}",
