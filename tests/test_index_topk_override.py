@@ -48,3 +48,17 @@ def test_an_engine_launch_carries_the_arms_own_topk():
     for s in (vllm, sglang):
         assert "index_topk_override" in s.applied and "index_topk_override" in s.unconfirmed
         assert not [t for t, _ in s.unrealisable if t == "index_topk_override"]
+
+
+def test_a_tie_at_the_boundary_is_kept_from_the_larger_index_under_tie_break_large():
+    """Scores 5, 3, 3, 3, 1 with k = 2: 5 is kept by both; of the three tied 3s the reference
+    keeps entry 1 (smaller index), FlashInfer's LARGE keeps entry 3; small is the reference."""
+    s = torch.tensor([[5.0, 3.0, 3.0, 3.0, 1.0]])
+    ref = Numerics("exact")
+    large = ToggleSet.parse("index_topk_tie_break").numerics("exact")
+    small = ToggleSet.parse("index_topk_tie_break(mode=small)").numerics("exact")
+    assert sorted(ref.index_topk(s, 2)[0].tolist()) == [0, 1]
+    assert sorted(large.index_topk(s, 2)[0].tolist()) == [0, 3]
+    assert torch.equal(small.index_topk(s, 2), ref.index_topk(s, 2))
+    untied = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]])              # no tie: the same set
+    assert sorted(large.index_topk(untied, 2)[0].tolist()) == [0, 1]

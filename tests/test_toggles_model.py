@@ -18,6 +18,7 @@ FIRST_TAP = {
     "rope_table_bf16": "layers.0.attn.q",
     "kv_fp8_from_fp32": "layers.0.attn.kv",
     "kv_bf16": "layers.0.attn.kv",
+    "kv_nvfp4": "layers.0.attn.kv",
     # (its f16 type holds the reference's bf16 and FP8 values exactly: tests/test_toggles_llamacpp.py)
     "kv_cache_ggml(type=q8_0)": "layers.0.attn.out",         # stored rotated, inside attention
     "kv_cache_ggml(type=q8_0,rotate=false)": "layers.0.attn.kv",
@@ -92,6 +93,9 @@ SPEC_SEAM = {"spec_verify", "spec_accept", "spec_rollback"}   # speculative deco
 # the reference feeds these GEMMs bf16 values already: a no-op on the reference profile
 # (checked there and on the exact profile in tests/test_toggles_llamacpp.py)
 NOOP_ON_REFERENCE = {"bf16_gemm_input"}
+# acts only where the k-th indexer score is tied, which random weights never give: hand-built
+# ties in tests/test_index_topk_override.py
+ACTS_ONLY_ON_TIES = {"index_topk_tie_break"}
 
 
 def test_every_builtin_toggle_has_an_isolation_case():
@@ -99,7 +103,7 @@ def test_every_builtin_toggle_has_an_isolation_case():
     speculative decoding's only when a drafter drafts: tests/test_toggles_speculative.py;
     DeepSeek-V4.1 toggles (documented for V4.1 only) are covered by tests/test_v41_toggles.py."""
     covered = {K.ToggleSet.parse(s).names[0] for s in FIRST_TAP}
-    assert covered | NOOP_ON_REFERENCE == {t.name for t in K.all_toggles()
+    assert covered | NOOP_ON_REFERENCE | ACTS_ONLY_ON_TIES == {t.name for t in K.all_toggles()
                        if t.builtin and t.category not in ("request", "serving")
                        and not any(set(t.kernels) <= seam for seam in (SERVING_SEAM, REQUEST_SEAM, SPEC_SEAM))
                        and "v4" in t.versions}

@@ -3,7 +3,9 @@ the class of vllm#41985, where an FP4 rounding-boundary bug hit 0.03% of tokens 
 requests. On about one position in `period` -- picked by the hidden state's own bits, so the
 same position of the same prompt is hit on every run -- the head's two highest logits trade
 places (that token is wrong), or with `shift` the second's rises by that many nats (a milder
-wrong turn, as a rounding bug's); every other position is the golden's. What `fidelity kld`'s per-token
+wrong turn, as a rounding bug's), or with `bos` token 0 (BOS) takes the row, as an argmax over
+a NaN row emitted it in vllm#41834 (a NaN itself would not survive a JSON answer); every other
+position is the golden's. What `fidelity kld`'s per-token
 tail (fidelity/verdict/spikes.py) names when means over positions and per-prompt tails stay
 inside the floors."""
 import torch
@@ -20,14 +22,17 @@ def hit_rows(x: torch.Tensor, period: int) -> torch.Tensor:
 
 @toggle("rare_token_swap", kernel="lm_head", category="known-bug",
         params=(Param("period", int, 2000, "about one position in this many is hit"),
-                Param("shift", float, 0.0, "0: swap the two highest logits; else raise the second by this")),
+                Param("shift", float, 0.0, "0: swap the two highest logits; else raise the second by this"),
+                Param("bos", bool, False, "token 0 (BOS) takes the hit rows instead")),
         provenance=Provenance(("planted",), ("examples/plugins/rare_token.py",), ("vllm#41985",)),
         description="On about one position in `period` the two highest logits trade places "
                     "(or the second rises by `shift` nats).")
-def rare_token_swap(golden, x, w, period=2000, shift=0.0):
+def rare_token_swap(golden, x, w, period=2000, shift=0.0, bos=False):
     logits = golden.lm_head(x, w)
     hit = hit_rows(x, period)
-    if hit.any():
+    if bos:
+        logits[hit, 0] = logits[hit].amax(-1) + 20.0
+    elif hit.any():
         rows = logits[hit]
         top = rows.topk(2, dim=-1).indices
         a, b = rows.gather(-1, top[:, :1]), rows.gather(-1, top[:, 1:])

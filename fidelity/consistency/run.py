@@ -22,6 +22,7 @@ from .longgen import LongGenFamily, LongGenPlan
 from .prefix import PrefixFamily, PrefixPlan
 from .spec import SpecFamily, SpecPlan, compared, specials
 from .spec_judge import spec_lines, spec_table
+from .specials import leaked, special_counts, special_lines
 from .store import ProbeStore
 
 # family -> its runner: (arm, store, tokenizer, cfg, plan, reference), run(progress),
@@ -93,19 +94,21 @@ def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, 
     table = condition_table(rows)
     behaviour = longgen_table(rows, table)          # the one judgement of long generations
     spec = spec_table(spec_rows)                    # the one judgement of speculation on vs off
+    tok = target.tokenizer
+    leaks = special_counts(rows, getattr(tok, "bos_id", None), getattr(tok, "eos_id", None))
     result = {"manifest": {"arms": described, "settings": asdict(settings), "checkpoint": target.name,
                            "reference": reference.describe() if reference is not None else None,
                            "seconds": round(time.time() - t0, 1),
                            "requests": _requests(pd.DataFrame([r for r in current if r["arm"] in names]))},
-              "verdict": verdict_lines(table) + rerun_lines(rows) + longgen_lines(behaviour)
+              "verdict": special_lines(leaks) + verdict_lines(table) + rerun_lines(rows) + longgen_lines(behaviour)
               + spec_lines(spec) + [f"`{a}` does not decode speculatively ({how}): left out of the spec "
                                     "family, which compares speculating arms with the baseline"
                                     for a, how in plain.items()] + _dialect_caveats(described),
               "conditions": table,
-              "behaviour": behaviour, "spec": spec,
+              "behaviour": behaviour, "spec": spec, "specials": leaks,
               "probes": pd.concat([rows, spec_rows]) if len(spec_rows) else rows,
               "flagged": bool(table.flagged.any() or (len(behaviour) and behaviour.flagged.any())
-                              or (len(spec) and spec.flagged.any()))}
+                              or (len(spec) and spec.flagged.any()) or leaked(leaks))}
     if out_dir is not None:
         from .report import write_report
         result["path"] = str(write_report(Path(out_dir) / "consistency",
