@@ -81,7 +81,7 @@ def test_a_cold_reference_warmed_by_a_late_500_is_flushed_and_rerun(url, clean, 
     """The first /generate (the cold reference) is processed, then answered 500: its retry
     is a cache hit through the restore bug. The run sees the cached tokens, flushes, asks
     again, and its tables equal the clean run's; the verdict and manifest say so."""
-    with LateFaultProxy(url, {"/generate": ["ok", "after:500"]}) as px:     # the identity probe's first
+    with LateFaultProxy(url, {"/generate": ["after:500"]}) as px:
         res = _prefix(px.url, tmp_path)
     ref = _reference_row(tmp_path)
     assert ref["reference"]["cached"] == 0 and ref["reruns"] == 1, ref.get("warm_cached")
@@ -92,10 +92,10 @@ def test_a_cold_reference_warmed_by_a_late_500_is_flushed_and_rerun(url, clean, 
 
 
 def test_a_hit_turned_full_by_a_late_500_is_rerun(url, clean, tmp_path):
-    """hit@31's measured request (the sixth /generate after the identity probe's: cold,
-    cold-again, full hit x2, its warm-up) is processed, then answered 500: its retry restores the whole prompt (192
+    """hit@31's measured request (the sixth /generate: cold, cold-again, full hit x2, its
+    warm-up) is processed, then answered 500: its retry restores the whole prompt (192
     tokens), more than the 31 it shares. The run re-runs the condition; tables as clean."""
-    with LateFaultProxy(url, {"/generate": ["ok"] * 6 + ["after:500"]}) as px:    # + the identity probe
+    with LateFaultProxy(url, {"/generate": ["ok"] * 5 + ["after:500"]}) as px:
         res = _prefix(px.url, tmp_path)
     t = res["conditions"].set_index("condition")
     assert t.loc["hit@31", "cached_median"] == 0 and not t.loc["hit@31", "flagged"]

@@ -63,10 +63,11 @@ def test_the_bars_need_both_a_lost_top1_and_a_large_kl():
 
 
 def test_consistency_run_alone_refuses_a_server_of_another_model(tmp_path, capsys):
-    """`fidelity consistency` has no kld baseline: the golden is built for the probe alone
-    (or its --arm reference is used), and another model is exit 2 before any probe is sent."""
+    """`fidelity consistency` has no kld baseline: given the checkpoint, the golden is built for
+    the probe alone (or its --arm reference is used), and another model is exit 2 before any
+    probe is sent. Without --checkpoint nothing is asked (it needs the tokenizer alone)."""
     ck = _another_model(tmp_path)
-    args = ["--families", "prefix", "--probes", "1", "--quiet"]
+    args = ["--families", "prefix", "--probes", "1", "--quiet", "--checkpoint", str(EMBEDDED)]
     with served("golden", extra=("--checkpoint", str(ck))) as (other,), served("golden") as (same,):
         rc = main(["consistency", "--endpoint", f"e={other}", *args, "--out", str(tmp_path / "a")])
         err = capsys.readouterr().err
@@ -74,3 +75,5 @@ def test_consistency_run_alone_refuses_a_server_of_another_model(tmp_path, capsy
         assert not (tmp_path / "a" / "consistency" / "probes.jsonl").exists()    # nothing probed
         rc = main(["consistency", "--endpoint", f"e={same}", *args, "--out", str(tmp_path / "b")])
         assert rc in (0, 1) and "does not serve" not in capsys.readouterr().err
+        rc = main(["consistency", "--endpoint", f"e={other}", *args[:-2], "--out", str(tmp_path / "c")])
+        assert rc in (0, 1) and "does not serve" not in capsys.readouterr().err     # not asked

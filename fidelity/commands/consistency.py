@@ -210,7 +210,8 @@ def run(args) -> int:
         if args.fresh:
             store_path(args.out).unlink(missing_ok=True)
         res = run_consistency(arms, target, settings, args.out, args.run_id, progress,
-                              _reference(args.inprocess, target))
+                              _reference(args.inprocess, target),
+                              identity=args.checkpoint is not None or args.inprocess is not None)
     except (ValueError, RuntimeError, EndpointError) as e:
         raise CommandError(str(e)) from None
     for line in res["verdict"]:

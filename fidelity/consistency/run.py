@@ -51,11 +51,12 @@ def store_path(out_dir) -> Path:
 
 def run_consistency(arms: list[LiveArm], target, settings: ConsistencySettings, out_dir,
                     run_id: str | None = None, progress=print, reference=None,
-                    identity: bool = True) -> dict:
+                    identity: bool = False) -> dict:
     """Probe every arm with every family (connect() done here), then judge and report.
     `reference`: a scorer computed here (kld's InProcessScorer) for the families that
-    compare with one. `identity`: first ask whether each arm serves this checkpoint's model
-    (`fidelity engines` asked already, against the golden's stored scores)."""
+    compare with one. `identity`: first ask whether each arm serves `target`'s model -- only
+    when the user named the model (--checkpoint or a reference arm): consistency compares an
+    engine with itself and otherwise needs the checkpoint's tokenizer alone."""
     unknown = sorted(set(settings.families) - set(FAMILIES))
     if unknown:
         raise ValueError(f"unknown probe family {', '.join(unknown)} (known: {', '.join(FAMILIES)})")

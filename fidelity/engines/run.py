@@ -227,8 +227,7 @@ def _consistency(run: EngineRun, name: str, url: str, cs, reference, key: str | 
     spec, root, progress = run.spec, run.root, run.progress
     ep = Endpoint(name, url, spec.consistency.get("dialect"), None, _policy(spec), run.target.tokenizer,
                   on_retry=progress.log, api_key=key)
-    res = run_consistency([LiveArm(ep)], run.target, cs, root, name, progress, reference,
-                          identity=False)     # asked at launch (_check_model) when the run scores KLD
+    res = run_consistency([LiveArm(ep)], run.target, cs, root, name, progress, reference)
     # long generations are counted by their one judgement per run (res["behaviour"]), not by stretch
     rows = [r for r in res["conditions"].to_dict("records")
             if not is_floor(r["family"], r["condition"]) and r["family"] != "longgen"]
