@@ -5,6 +5,7 @@ a NaN row does (examples/plugins/rare_token.py with bos): named and flagged."""
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from fidelity.cli import main
 from fidelity.consistency.specials import special_counts, special_lines
@@ -33,6 +34,7 @@ def test_replies_are_counted_by_their_token_ids_before_eos():
         "logprobs in 1 of 3 replies (never produced by a healthy engine)"]
 
 
+@pytest.mark.slow          # ~30 s on 2 cores: make test-slow (CI runs it)
 def test_a_server_that_emits_bos_is_flagged(tmp_path, capsys):
     args = ["--families", "prefix", "--probes", "1", "--quiet"]
     with served("rare_token_swap(period=7,bos=true)", extra=("--plugin", PLUGIN)) as (url,):

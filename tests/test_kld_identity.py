@@ -7,6 +7,7 @@ on hand-built distributions; their calibration on every toggle is bench/bench_id
 import shutil
 
 import numpy as np
+import pytest
 import torch
 
 from fidelity.cli import main
@@ -62,6 +63,7 @@ def test_the_bars_need_both_a_lost_top1_and_a_large_kl():
     assert other["kl_mean"] > I.MISMATCH_KL and I.mismatch(other)
 
 
+@pytest.mark.slow          # ~30 s on 2 cores: make test-slow (CI runs it)
 def test_consistency_run_alone_refuses_a_server_of_another_model(tmp_path, capsys):
     """`fidelity consistency` has no kld baseline: given the checkpoint, the golden is built for
     the probe alone (or its --arm reference is used), and another model is exit 2 before any

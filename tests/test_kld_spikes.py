@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from fidelity.cli import main
 from fidelity.verdict.spikes import SPIKE, spike_shares
@@ -38,6 +39,7 @@ def test_a_spike_is_judged_against_the_floors_at_its_own_position():
     assert SPIKE == 1000
 
 
+@pytest.mark.slow          # ~30 s on 2 cores: make test-slow (CI runs it)
 def test_kld_names_a_rare_wrong_token_that_the_mean_averages_away(tmp_path, capsys):
     rc = main(["kld", "--arm", "golden=golden", "--arm", "rare=rare_token_swap(period=200,shift=3)",
                "--arm", "never=rare_token_swap(period=1000000000)", "--plugin", PLUGIN,
