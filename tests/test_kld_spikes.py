@@ -36,6 +36,8 @@ def test_a_spike_is_judged_against_the_floors_at_its_own_position():
     # each floor against the other floor: f1's 1e-2 is 10x f2's 1e-3 there, no spike
     assert t.loc[("f1", "b"), "spikes"] == 0 and t.loc[("f2", "a"), "spikes"] == 0
     assert spike_shares(_positions({"x": arm}), ["f1"]).empty            # no floor, no signal
+    lone = spike_shares(_positions({"f": [1e-6, 1e-6, 1e-6, 5e-2]}, ("a",)), ["f"]).set_index("arm")
+    assert lone.loc["f", "spikes"] == 1                 # a lone floor against its own run median
     assert SPIKE == 1000
 
 

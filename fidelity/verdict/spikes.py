@@ -27,8 +27,10 @@ def spike_shares(pos: pd.DataFrame, floors: list[str]) -> pd.DataFrame:
         return pd.DataFrame(columns=["arm", "prompt", "value", "spikes", "positions"])
     rows = []
     for arm in wide.columns:
-        others = [f for f in present if f != arm] or [arm]
-        ref = np.maximum(wide[others].max(axis=1), _level(wide[others]))
+        others = [f for f in present if f != arm]
+        # a lone floor is judged against its own run median, never its own value there
+        ref = (np.maximum(wide[others].max(axis=1), _level(wide[others])) if others
+               else pd.Series(_level(wide[[arm]]), index=wide.index))
         kl = wide[arm]
         spikes = (kl >= SPIKE * ref) & np.isfinite(kl)
         for prompt, hit in spikes.groupby(level="prompt"):
